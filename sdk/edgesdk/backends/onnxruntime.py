@@ -1,0 +1,38 @@
+"""onnxruntime: the reference executor (and the CPU backend for ops TVM's importer lacks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+
+def session(model: onnx.ModelProto, *, threads: int = 0):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Run `model` on `feeds`; `outputs` may name any intermediate tensor with a known type."""
+    m = model
+    if outputs is not None:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        known = {o.name for o in m.graph.output}
+        vinfo = {vi.name: vi for vi in list(m.graph.value_info) + list(m.graph.input)}
+        del m.graph.output[:]
+        for name in outputs:
+            if name in vinfo:
+                m.graph.output.append(vinfo[name])
+            elif name in known:
+                m.graph.output.append(next(o for o in model.graph.output if o.name == name))
+            else:
+                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    sess = session(m)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))

@@ -1,0 +1,309 @@
+"""The `edgesdk` command line. Logs go to stderr, data to stdout; heavy imports stay inside commands.
+
+Exit codes: 0 ok, 1 the model/bundle/data is at fault, 2 a wrong invocation or target file,
+3 an internal error (a bug: run again with --debug and report the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import EXIT_INTERNAL, EXIT_USAGE, EdgeSDKError, UsageError
+
+app = typer.Typer(
+    name="edgesdk",
+    help="Compile a trained model for an industrial edge device and package it as a self-verifying bundle.\n\n"
+    "Stages, in order: import, legalize, schedule, tune, compress, package.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+targets_app = typer.Typer(help="List, show, validate target files; write their JSON Schema.", no_args_is_help=True)
+app.add_typer(targets_app, name="targets")
+
+_state = {"debug": False}
+
+
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
+          version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
+    _state["debug"] = debug
+    if version:
+        from . import __version__
+
+        print(f"edgesdk {__version__}")
+        raise typer.Exit(0)
+
+
+def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for v in values:
+        name, sep, dims = v.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x"))
+            if not sep or not name or any(d <= 0 for d in shape):
+                raise ValueError
+        except ValueError:
+            raise UsageError("cli.bad-shape", f"--input-shape {v}: expected NAME=DIMS like x=1x3x224x224",
+                             "dimensions are positive integers joined by 'x'") from None
+        shapes[name] = shape
+    return shapes
+
+
+@app.command()
+def build(
+    model: Path = typer.Argument(..., help="The model file (.onnx)."),
+    target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory: DIR/bundle, DIR/bundle.tar.gz, DIR/.build (stage cache)."),
+    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
+    trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials per TVM segment; 0 uses only the tuning database."),
+    tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy (or .npz) calibration samples for int8."),
+    calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
+    mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
+    seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
+    until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
+    start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout."),
+) -> None:
+    """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
+    if mode not in ("latency", "throughput"):
+        raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
+    from .pipeline import PHASE_NAMES, BuildOptions, build as run_build
+
+    options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape), batch=batch,
+                           trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples, mode=mode,
+                           seed=seed, until=until, start=start)
+    log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
+    total = len(PHASE_NAMES)
+
+    def on_stage(name: str, state: str, secs: float) -> None:
+        if quiet:
+            return
+        i = PHASE_NAMES.index(name) + 1
+        if state == "start":
+            _err(f"[{i}/{total}] {name} ...")
+        elif state == "done":
+            _err(f"[{i}/{total}] {name} done in {secs:.2f} s")
+        else:
+            _err(f"[{i}/{total}] {name} cached")
+
+    t0 = time.perf_counter()
+    result = run_build(options, log=log, on_stage=on_stage)
+    summary = result.summary()
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+        return
+    if not quiet:
+        from .report.text import placement_summary
+
+        plan_path = out / ".build" / "3-schedule" / "plan.json"
+        if plan_path.exists():
+            _err(placement_summary(json.loads(plan_path.read_text())))
+        for s in result.stages:
+            for w in s.record.get("warnings", []) if s.cached else []:
+                _err(f"warning: {w}")
+        _err(f"built in {summary['seconds']:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
+
+
+@app.command("run")
+def run_bundle(
+    bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
+    inputs: List[str] = typer.Option(..., "--input", "-i", help="FILE.npy for a single-input model, or NAME=FILE.npy per input."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write outputs: .npy for one output, .npz otherwise."),
+) -> None:
+    """Run a bundle on the given inputs (on this host)."""
+    import platform
+
+    import numpy as np
+
+    from .runtime import BundleModel, Manifest
+    from .verify import open_bundle
+
+    root = open_bundle(bundle)
+    manifest = Manifest.load(root)
+    if manifest.arch != platform.machine():
+        raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}",
+                         "run it on the device (python -m runtime), or `edgesdk verify` to self-test it under emulation")
+    feeds = {}
+    names = [t.name for t in manifest.inputs]
+    for spec in inputs:
+        name, sep, file = spec.rpartition("=")
+        if not sep:
+            if len(names) != 1:
+                raise UsageError("run.input-name", f"--input {spec}: the model has {len(names)} inputs",
+                                 f"give NAME=FILE.npy for each of: {', '.join(names)}")
+            name = names[0]
+        if name not in names:
+            raise UsageError("run.unknown-input", f"--input {spec}: the model has no input '{name}'",
+                             f"its inputs: {', '.join(names)}")
+        try:
+            feeds[name] = np.load(file)
+        except Exception as e:
+            raise UsageError("run.bad-input-file", f"--input {spec}: cannot read {file} ({e})", "give a .npy file") from None
+    try:
+        outputs = BundleModel(root).run(feeds)
+    except ValueError as e:
+        raise UsageError("run.bad-input", str(e), "preprocess inputs to the shapes in `edgesdk inspect`") from None
+    if output is None:
+        for name, value in outputs.items():
+            print(f"{name}: shape {list(value.shape)} {value.dtype}")
+            print(np.array2string(value.ravel()[:16], precision=5) + (" ..." if value.size > 16 else ""))
+    elif len(outputs) == 1 and output.suffix == ".npy":
+        np.save(output, next(iter(outputs.values())))
+    else:
+        np.savez(output, **outputs)
+
+
+@app.command()
+def verify(
+    bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
+    no_selftest: bool = typer.Option(False, "--no-selftest", help="Only check the hashes."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Check every file's hash, then run the golden self-test on the bundle's own architecture."""
+    from .verify import verify as run_verify
+
+    report = run_verify(bundle, run_selftest=not no_selftest)
+    if as_json:
+        print(json.dumps({"bundle": str(report.bundle), "hashes_ok": report.hashes_ok, "files": report.files,
+                          "selftest": report.selftest, "detail": report.detail, "outputs": report.outputs,
+                          "notes": report.notes}, indent=2))
+    else:
+        print(f"hashes: ok ({report.files} files match the manifest)")
+        for n in report.notes:
+            print(f"note: {n}")
+        for o in report.outputs:
+            print(f"  {'ok' if o['passed'] else 'FAIL'} {o['output']}: max abs error {o['max_abs_error']:.3g} "
+                  f"(tolerance {o['tolerance']:.3g}, {o['rule']})")
+        if report.selftest == "not-run":
+            print(f"self-test: {report.detail}")
+        else:
+            print(f"self-test: {report.selftest} {report.detail}")
+    if report.selftest == "failed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def inspect(
+    bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """What is inside a bundle: segments, devices, predicted latency, accuracy, warnings."""
+    from .report.text import inspect_bundle
+    from .runtime import Manifest
+    from .verify import open_bundle
+
+    root = open_bundle(bundle)
+    manifest = Manifest.load(root)
+    print(manifest.to_json() if as_json else inspect_bundle(manifest, root))
+
+
+@targets_app.command("list")
+def targets_list() -> None:
+    """The shipped targets."""
+    from .config import builtin_targets, load_target
+
+    for name, path in builtin_targets().items():
+        t, _ = load_target(path)
+        print(f"{name:<10} {t.description}")
+
+
+@targets_app.command("show")
+def targets_show(target: str = typer.Argument(..., help="A target file or a shipped target's name.")) -> None:
+    """A target's devices, their physical ids and cost figures with sources."""
+    from .config import load_target
+
+    t, path = load_target(target)
+    print(f"{t.name}: {t.description}  ({path})")
+    for d in t.devices:
+        print(f"  {d.kind:<8} {d.name}  logical {', '.join(d.logical_ids())}"
+              + (f"  physical {', '.join(d.physical)}" if hasattr(d, "physical") else ""))
+        for field_name, value in d:
+            figures = value.items() if isinstance(value, dict) else [(field_name, value)]
+            for label, fig in figures:
+                if hasattr(fig, "source"):
+                    label = field_name if label == field_name else f"{field_name}.{label}"
+                    print(f"      {label:<26} {fig.value:g} {fig.unit}  [{fig.source}]")
+            if hasattr(value, "bandwidth"):
+                for part in ("bandwidth", "latency"):
+                    fig = getattr(value, part)
+                    print(f"      link.{part:<21} {fig.value:g} {fig.unit}  [{fig.source}]")
+    print(f"  legalize.max_abs_error {t.legalize.max_abs_error}")
+
+
+@targets_app.command("validate")
+def targets_validate(files: List[Path] = typer.Argument(..., help="Target files to check.")) -> None:
+    """Check target files; every problem is reported with its file and line (exit 2)."""
+    from .config import load_target
+
+    for f in files:
+        t, _ = load_target(f)
+        print(f"{f}: ok ({t.name}, {len(t.devices)} device kinds)")
+
+
+@targets_app.command("schema")
+def targets_schema(output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout.")) -> None:
+    """The JSON Schema of target files, for editor completion."""
+    from .config import target_schema
+
+    text = json.dumps(target_schema(), indent=2) + "\n"
+    if output:
+        output.write_text(text)
+    else:
+        print(text, end="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import click
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        app(args=argv, prog_name="edgesdk", standalone_mode=False)
+        return 0
+    except EdgeSDKError as e:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _err(f"error: {e.message}")
+        for note in e.notes:
+            _err(f"  {note}")
+        if e.hint:
+            _err(f"hint: {e.hint}")
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        _err("error: interrupted")
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _err("error: interrupted")
+        return 130
+    except Exception as e:  # a bug in edgesdk: say so, keep the traceback for --debug
+        if debug:
+            raise
+        _err(f"error: internal error: {type(e).__name__}: {str(e)[:500]}")
+        _err("hint: this is a bug in edgesdk; run again with --debug and report the traceback")
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

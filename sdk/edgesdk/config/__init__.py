@@ -1,0 +1,25 @@
+"""Target files and build options: schemas, YAML loading with file/line errors."""
+
+from .target import (
+    CpuDevice,
+    EdgeTpuDevice,
+    Figure,
+    GpuDevice,
+    Link,
+    Target,
+    builtin_targets,
+    load_target,
+    target_schema,
+)
+
+__all__ = [
+    "CpuDevice",
+    "EdgeTpuDevice",
+    "Figure",
+    "GpuDevice",
+    "Link",
+    "Target",
+    "builtin_targets",
+    "load_target",
+    "target_schema",
+]

@@ -1,0 +1,1 @@
+"""Device models: op-support tables and cost formulas, as data."""

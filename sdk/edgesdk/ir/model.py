@@ -1,0 +1,113 @@
+"""Loading, checking and saving ONNX models; segment extraction; device annotations."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import UserError
+
+# onnxruntime 1.31 reads IR version <= 13 (DESIGN §7); we write 10, which every backend takes.
+IR_VERSION = 10
+DEVICE_KEY = "edgesdk.device"
+CAPABLE_KEY = "edgesdk.capable"
+
+
+def load(path: Path) -> onnx.ModelProto:
+    """Read an ONNX file (with its external data), or fail with a user error that says why."""
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=True)
+    except Exception as e:  # protobuf's DecodeError and friends: the file is not a model
+        raise UserError(
+            "import.bad-file",
+            f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:120] or 'parse failed'})",
+            "the file may be truncated or in another format; re-export it with torch.onnx.export or tf2onnx",
+        ) from None
+    if not model.graph.node:
+        raise UserError("import.empty-graph", f"{path}: the model has no nodes",
+                        "the file parsed but holds no graph; check that it is the exported model")
+    return model
+
+
+def save(model: onnx.ModelProto, path: Path) -> None:
+    """Write atomically (temporary file, then rename)."""
+    model.ir_version = min(model.ir_version or IR_VERSION, IR_VERSION)
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_bytes(model.SerializeToString())
+    tmp.replace(path)
+
+
+def get_meta(node: onnx.NodeProto, key: str) -> str | None:
+    for p in node.metadata_props:
+        if p.key == key:
+            return p.value
+    return None
+
+
+def set_meta(node: onnx.NodeProto, key: str, value: str) -> None:
+    for p in node.metadata_props:
+        if p.key == key:
+            p.value = value
+            return
+    node.metadata_props.add(key=key, value=value)
+
+
+def node_name(node: onnx.NodeProto, index: int) -> str:
+    return node.name or f"{node.op_type}_{index}"
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Every tensor's static shape that shape inference knows (graph inputs, values, outputs, initializers)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    g = model.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
+    for init in g.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    g = model.graph
+    out = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    out.update({i.name: i.data_type for i in g.initializer})
+    return out
+
+
+def dtype_name(elem_type: int) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def constant_names(model: onnx.ModelProto) -> set[str]:
+    return {i.name for i in model.graph.initializer}
+
+
+def param_bytes(model: onnx.ModelProto) -> int:
+    return sum(numpy_helper.to_array(i).nbytes for i in model.graph.initializer)
+
+
+def extract_segment(model: onnx.ModelProto, node_indices: list[int], inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """A standalone ONNX model of the given nodes: their initializers, the value infos they use."""
+    g = model.graph
+    nodes = [g.node[i] for i in node_indices]
+    used = {t for n in nodes for t in n.input if t} | set(outputs)
+    inits = [i for i in g.initializer if i.name in used and i.name not in inputs]
+    vinfo = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    graph = helper.make_graph(
+        nodes,
+        "segment",
+        [vinfo[n] for n in inputs],
+        [vinfo[n] for n in outputs],
+        initializer=inits,
+        value_info=[vinfo[n] for n in sorted(used) if n in vinfo and n not in inputs and n not in outputs],
+    )
+    seg = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="edgesdk")
+    seg.ir_version = IR_VERSION
+    return seg

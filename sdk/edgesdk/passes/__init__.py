@@ -1,0 +1,1 @@
+"""Graph rewrite rules shared by import and legalize (the graph-optimization issue fills this)."""

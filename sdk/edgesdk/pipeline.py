@@ -1,0 +1,225 @@
+"""The build pipeline: the six stages in order, a content-addressed stage cache, --from/--until.
+
+Each stage is a module under `edgesdk.stages` with
+
+    OPTIONS: tuple[str, ...]          # the BuildOptions fields its result depends on
+    def cache_inputs(options, target) -> dict   # optional: outside state it reads (a database)
+    def run(artifact: Path, ctx: StageContext) -> dict   # writes into ctx.out, returns its record
+
+A stage reads the previous stage's directory (and, through `ctx.artifact(name)`, any earlier
+one) and writes its own, `DIR/.build/<n>-<stage>/`, which is immutable once written: the
+stage writes into a temporary directory that is renamed into place when it succeeds.
+
+Cache key of stage n = sha256(key of stage n-1, digest of its output, the target, the values of
+the options stage n names, the sdk version). A stage whose key matches the one stored beside its
+output is a cache hit and does not run. `--from S` forces S and everything after it to run;
+`--until S` stops after S.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import __version__
+from .config import Target, load_target
+from .errors import UsageError
+from .ir.digest import file_sha256, tree_sha256, value_sha256
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    module: str
+    summary: str
+
+
+# The one place the order of the pipeline lives.
+PHASES: tuple[Phase, ...] = (
+    Phase("import", "edgesdk.stages.import_", "read the model into canonical ONNX: static shapes, batch fixed"),
+    Phase("legalize", "edgesdk.stages.legalize", "check every node against the target's devices"),
+    Phase("schedule", "edgesdk.stages.schedule", "place nodes on devices and cut the graph into segments"),
+    Phase("tune", "edgesdk.stages.tune", "search tensor programs for CPU/GPU segments (MetaSchedule)"),
+    Phase("compress", "edgesdk.stages.compress", "quantize Edge TPU segments to full int8 TFLite"),
+    Phase("package", "edgesdk.stages.package", "compile every segment and write the verified bundle"),
+)
+PHASE_NAMES = tuple(p.name for p in PHASES)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    model: Path
+    target: str
+    out: Path
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    batch: int = 1
+    trials: int = 0
+    tuning_db: Path | None = None
+    calib: Path | None = None
+    calib_samples: int = 32
+    mode: str = "latency"
+    seed: int = 0
+    until: str | None = None
+    start: str | None = None  # --from
+
+    def value(self, name: str) -> Any:
+        v = getattr(self, name)
+        if isinstance(v, Path):
+            return str(v)
+        return v
+
+
+@dataclass
+class StageContext:
+    target: Target
+    target_path: Path
+    options: BuildOptions
+    build_dir: Path
+    out: Path  # where this stage writes (a temporary directory, renamed on success)
+    log: Callable[[str], None]
+    warnings: list[str] = field(default_factory=list)
+
+    def artifact(self, stage: str) -> Path:
+        """The output directory of an earlier stage."""
+        i = PHASE_NAMES.index(stage)
+        return self.build_dir / f"{i + 1}-{stage}"
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        self.log(f"warning: {message}")
+
+    def read_json(self, stage: str, name: str) -> Any:
+        return json.loads((self.artifact(stage) / name).read_text())
+
+
+@dataclass
+class StageResult:
+    name: str
+    cached: bool
+    seconds: float
+    record: dict[str, Any]
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    stages: list[StageResult]
+    bundle: Path | None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "bundle": str(self.bundle) if self.bundle else None,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+
+def _check_stage_name(name: str | None, flag: str) -> None:
+    if name is not None and name not in PHASE_NAMES:
+        raise UsageError("build.bad-stage", f"{flag} {name}: no such stage",
+                         f"stages, in order: {', '.join(PHASE_NAMES)}")
+
+
+def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
+          on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None) -> BuildResult:
+    """Run the pipeline for `options`; returns what each stage did (cached or not) and its record."""
+    _check_stage_name(options.until, "--until")
+    _check_stage_name(options.start, "--from")
+    target, target_path = load_target(options.target)
+    model = Path(options.model)
+    if not model.exists():
+        raise UsageError("build.model-not-found", f"model file {model} does not exist",
+                         "give the path of an .onnx file")
+    if model.is_dir():
+        raise UsageError("build.model-is-dir", f"{model} is a directory, not a model file",
+                         "SavedModel directories come with a later release; export to ONNX with tf2onnx")
+
+    out = Path(options.out)
+    build_dir = out / ".build"
+    created_out = not out.exists()
+    stop = PHASE_NAMES.index(options.until) if options.until else len(PHASES) - 1
+    force_from = PHASE_NAMES.index(options.start) if options.start else len(PHASES)
+
+    key = value_sha256({"model": file_sha256(model), "sdk": __version__})
+    artifact = model
+    results: list[StageResult] = []
+    try:
+        for i, phase in enumerate(PHASES[: stop + 1]):
+            stage = importlib.import_module(phase.module)
+            opts = {name: options.value(name) for name in getattr(stage, "OPTIONS", ())}
+            if hasattr(stage, "cache_inputs"):  # state outside the build dir the stage reads
+                opts["external"] = stage.cache_inputs(options, target)
+            key = value_sha256({"prev": key, "stage": phase.name, "target": target.digest(),
+                                "options": opts, "sdk": __version__})
+            dest = build_dir / f"{i + 1}-{phase.name}"
+            if i < force_from and _cache_hit(dest, key):
+                record = json.loads((dest / "record.json").read_text())
+                results.append(StageResult(phase.name, True, 0.0, record))
+                on_stage(phase.name, "cached", 0.0)
+            else:
+                on_stage(phase.name, "start", 0.0)
+                t0 = time.perf_counter()
+                record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log)
+                secs = time.perf_counter() - t0
+                results.append(StageResult(phase.name, False, secs, record))
+                on_stage(phase.name, "done", secs)
+            # the next stage's key covers this stage's output, whatever produced it
+            key = value_sha256({"prev": key, "digest": (dest / "digest").read_text()})
+            artifact = dest
+        bundle = _publish(artifact, out) if stop == len(PHASES) - 1 else None
+    except BaseException:
+        if created_out and not results:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            # a bundle left from an earlier build must not pass for the result of this failed one
+            shutil.rmtree(out / "bundle", ignore_errors=True)
+            (out / "bundle.tar.gz").unlink(missing_ok=True)
+        raise
+    return BuildResult(out, results, bundle)
+
+
+def _publish(package_dir: Path, out: Path) -> Path:
+    """Copy the package stage's bundle to DIR/bundle and DIR/bundle.tar.gz, each replaced atomically."""
+    tmp = out / ".bundle.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(package_dir / "bundle", tmp)
+    shutil.rmtree(out / "bundle", ignore_errors=True)
+    tmp.rename(out / "bundle")
+    shutil.copyfile(package_dir / "bundle.tar.gz", out / ".bundle.tar.gz.tmp")
+    (out / ".bundle.tar.gz.tmp").replace(out / "bundle.tar.gz")
+    return out / "bundle"
+
+
+def _cache_hit(dest: Path, key: str) -> bool:
+    return (dest / "key").is_file() and (dest / "key").read_text() == key and (dest / "digest").is_file()
+
+
+def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target: Target, target_path: Path,
+               options: BuildOptions, build_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    build_dir.mkdir(parents=True, exist_ok=True)
+    tmp = build_dir / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ctx = StageContext(target, target_path, options, build_dir, tmp, log)
+    try:
+        t0 = time.perf_counter()
+        record = stage.run(artifact, ctx)
+        record = {"stage": phase.name, "seconds": round(time.perf_counter() - t0, 3),
+                  "warnings": ctx.warnings, **record}
+        (tmp / "record.json").write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        digest = tree_sha256(tmp)
+        (tmp / "digest").write_text(digest)
+        (tmp / "key").write_text(key)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # later stages' outputs depend on this one: drop them so nothing stale survives
+    for later in PHASE_NAMES[PHASE_NAMES.index(phase.name):]:
+        shutil.rmtree(build_dir / f"{PHASE_NAMES.index(later) + 1}-{later}", ignore_errors=True)
+    tmp.rename(dest)
+    return record

@@ -1,0 +1,1 @@
+"""Reports built from stage records and manifests (never recomputed)."""

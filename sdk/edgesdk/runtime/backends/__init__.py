@@ -1,0 +1,31 @@
+"""Segment runners: one per backend, loaded lazily so a bundle needs only what it uses.
+
+A runner is built from the bundle directory, the segment and the physical device it
+should open, and maps ONNX-named input arrays to ONNX-named output arrays in the
+ONNX graph's own layout and dtype; layout permutation and int8 (de)quantization are
+the runner's business (see `TensorSpec.perm` and `TensorSpec.quant`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..manifest import Segment
+
+
+class Runner(Protocol):
+    note: str  # a line for the user when the runner fell back (empty otherwise)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+_MODULES = {"tvm": "tvm_runner", "tflite": "tflite_runner", "onnxruntime": "ort_runner"}
+
+
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> Runner:
+    module = importlib.import_module(f".{_MODULES[segment.backend]}", __package__)
+    return module.open_runner(Path(bundle), segment, physical_device)

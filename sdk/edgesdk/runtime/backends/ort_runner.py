@@ -1,0 +1,30 @@
+"""onnxruntime runner, for CPU segments whose ops TVM's importer lacks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import Segment
+
+
+class OrtRunner:
+    def __init__(self, bundle: Path, segment: Segment):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
+        self.outputs = [o.name for o in segment.outputs]
+        self.note = ""
+        self._lock = threading.Lock()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self._lock:
+            return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
+
+
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> OrtRunner:
+    return OrtRunner(bundle, segment)

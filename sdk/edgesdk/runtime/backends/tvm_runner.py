@@ -1,0 +1,101 @@
+"""Runs a TVM segment: a shared library exported by the build's TVM backend.
+
+The library holds a Relax VM executable whose function `main` takes the segment inputs
+in `TensorSpec.key` order and returns one tensor, or a tuple when the segment has several
+outputs. This module needs only TVM's runtime (it works with `TVM_USE_RUNTIME_LIB=1`,
+which imports in about a second and never loads the compiler) and numpy.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import Segment, TensorSpec
+
+
+class TvmRunner:
+    """One loaded library on one device; `run` may be called from several threads."""
+
+    def __init__(self, library: Path, segment: Segment, device_index: int):
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        self.note = ""
+        self._segment = segment
+        self._inputs = sorted(segment.inputs, key=lambda s: int(s.key))
+        self._outputs = sorted(segment.outputs, key=lambda s: int(s.key))
+        if segment.device.startswith("gpu"):
+            self._device = _cuda_device(tvm, device_index, segment)
+        else:
+            self._device = tvm.cpu(0)
+        self._tensor = tvm.runtime.tensor
+        self._vm = VirtualMachine(tvm.runtime.load_module(str(library)), self._device)
+        self._main = self._vm["main"]
+        # The VM keeps per-call state (registers, its memory pool): one call at a time.
+        self._lock = threading.Lock()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs by ONNX name for `feeds` (ONNX names, shapes and dtypes of the segment)."""
+        args = [self._tensor(_checked(feeds, spec, self._segment.id), device=self._device) for spec in self._inputs]
+        with self._lock:
+            result = self._main(*args)
+            values = list(result) if len(self._outputs) > 1 else [result]
+            return {spec.name: value.numpy() for spec, value in zip(self._outputs, values)}
+
+
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TvmRunner:
+    """A runner for `segment`'s library; CUDA when the segment's device is a GPU.
+
+    `physical_device` (e.g. `cuda:1`) selects the GPU; it is ignored on the CPU.
+    """
+    return TvmRunner(Path(bundle) / segment.artifact, segment, _device_index(physical_device or segment.device))
+
+
+def _device_index(name: str) -> int:
+    tail = name.rpartition(":")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _cuda_device(tvm, index: int, segment: Segment):
+    device = tvm.cuda(index)
+    if not device.exist:
+        # TVM's runtime-only mode does not load its CUDA plugin at import; load it here.
+        _load_cuda_plugin()
+        device = tvm.cuda(index)
+    if not device.exist:
+        raise RuntimeError(
+            f"no CUDA device: segment {segment.id} runs on {segment.device}, but TVM sees no GPU "
+            f"cuda:{index} (check the NVIDIA driver, or rebuild the bundle for the CPU)"
+        )
+    return device
+
+
+def _load_cuda_plugin() -> None:
+    """Load libtvm_runtime_cuda beside libtvm_runtime (it registers the CUDA device API)."""
+    import ctypes
+
+    import tvm
+
+    runtime = getattr(tvm.base, "_LOADED_LIBS", {}).get("tvm_runtime")
+    if runtime is None:
+        return
+    plugin = Path(runtime._name).resolve().parent / "libtvm_runtime_cuda.so"
+    if plugin.exists():
+        try:
+            ctypes.CDLL(str(plugin), mode=ctypes.RTLD_LOCAL)
+        except OSError:
+            pass  # no CUDA driver (libcuda.so.1): reported as "no CUDA device" by the caller
+
+
+def _checked(feeds: dict[str, np.ndarray], spec: TensorSpec, segment_id: str) -> np.ndarray:
+    if spec.name not in feeds:
+        raise KeyError(f"segment {segment_id} needs input {spec.name!r}, got {sorted(feeds)}")
+    value = np.ascontiguousarray(feeds[spec.name], dtype=spec.dtype)
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(
+            f"segment {segment_id} input {spec.name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}"
+        )
+    return value

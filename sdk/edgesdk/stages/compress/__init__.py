@@ -1,0 +1,86 @@
+"""compress: quantize every Edge TPU segment to a full-int8 TFLite model.
+
+Needs: the plan and its segment models; calibration data (`--calib DIR`), or none.
+Guarantees: `segments/<id>.tflite` for each Edge TPU segment, converted by TensorFlow's converter
+from our own NHWC lowering with per-channel int8 weights, and `compress.json` with each segment's
+tensor specs (layout permutation, quantization) and its accuracy against the float segment.
+
+Calibration: `--calib DIR` holds `.npy` files (one sample shaped like the model's input, or a stack
+of samples along a new first axis) for a single-input model, or `.npz` files with one array per
+input name. The float model runs on them with onnxruntime to get each segment's own inputs. With
+no `--calib`, synthetic samples (uniform in [-1, 1], seeded) are used, and the build says so in
+its output and in the manifest: int8 ranges then do not reflect real data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ...backends import onnxruntime as ort_backend
+from ...backends import tflite as tflite_backend
+from ...ir.calibration import load_calibration
+from ...ir.digest import tree_sha256
+from ...ir.numeric import compare
+
+OPTIONS = ("calib", "calib_samples", "seed")
+
+
+def cache_inputs(options, target) -> dict:
+    return {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None}
+
+
+def run(artifact: Path, ctx) -> dict:
+    plan = json.loads((artifact / "plan.json").read_text())
+    tpu_segments = [s for s in plan["segments"] if s["backend"] == "tflite"]
+    io = json.loads((ctx.artifact("import") / "import.json").read_text())
+    (ctx.out / "segments").mkdir()
+    record: dict = {"segments": {}, "calibration": {}}
+    if not tpu_segments:
+        (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
+        return {"int8_segments": 0}
+
+    samples, calib_info = load_calibration(ctx.options, io["inputs"])
+    record["calibration"] = calib_info
+    if calib_info["synthetic"]:
+        ctx.warn(f"no --calib data: int8 ranges come from {len(samples)} synthetic samples (uniform in [-1, 1]); "
+                 "accuracy on real inputs may be worse")
+
+    full = onnx.load(str(artifact / "model.onnx"))
+    wanted = sorted({t for s in tpu_segments for t in s["inputs"] + s["outputs"]})
+    ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
+    acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
+
+    from ...runtime.backends import tflite_runner
+    from ...runtime.manifest import Segment
+
+    for seg in tpu_segments:
+        model = onnx.load(str(artifact / seg["artifact"]))
+        out_path = ctx.out / "segments" / f"{seg['id']}.tflite"
+        ctx.log(f"compress: {seg['id']}: {len(seg['nodes'])} nodes -> full-int8 TFLite")
+        feeds = [{k: a[k] for k in seg["inputs"]} for a in acts]
+        result = tflite_backend.convert_int8(model, feeds, out_path)
+        # accuracy of this segment alone: int8 TFLite vs the float segment, on the calibration inputs
+        runner = tflite_runner.open_runner(ctx.out, Segment(
+            id=seg["id"], device="cpu", backend="tflite", artifact=f"segments/{seg['id']}.tflite",
+            fallback_artifact=f"segments/{seg['id']}.tflite", inputs=result.inputs, outputs=result.outputs), None)
+        got = [runner.run(f) for f in feeds[:8]]
+        acc = {o: compare(np.stack([g[o] for g in got]), np.stack([a[o] for a in acts[:8]])) for o in seg["outputs"]}
+        record["segments"][seg["id"]] = {
+            "artifact": f"segments/{seg['id']}.tflite",
+            "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
+            "tflite_ops": result.op_counts, "accuracy_vs_float": acc,
+        }
+        worst = min(a["cosine"] for a in acc.values())
+        ctx.log(f"compress: {seg['id']}: cosine similarity to float {worst:.5f}")
+    (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
+    return {"int8_segments": len(tpu_segments), "calibration": calib_info,
+            "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
+
+
+def _spec(t) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(t)))

@@ -1,0 +1,256 @@
+"""package: compile every segment with its backend and write the bundle.
+
+Needs: the plan (schedule), the tuning database copy (tune), the int8 segments (compress).
+Guarantees: `bundle/` as DESIGN §5 lays it out — manifest.json with the sha256 and size of every
+other file, plan.json, segments/, runtime/, golden/, requirements.txt — and a reproducible
+`bundle.tar.gz` (sorted members, fixed mtime/uid/gid). It decides nothing new.
+
+The golden output is produced by running the bundle's own plan on the build host: the very same
+TFLite files, and for CPU/GPU segments built for another machine (aarch64, CUDA) an x86-64 twin
+compiled from the same segment and tuning records. The twin never ships.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ... import __version__
+from ...backends import edgetpu_compiler
+from ...backends import onnxruntime as ort_backend
+from ...backends import tvm as tvm_backend
+from ...ir import model as irm
+from ...ir.calibration import load_calibration
+from ...ir.digest import file_sha256
+from ...ir.numeric import compare
+from ...runtime import manifest as mf
+from ...runtime.executor import BundleModel
+
+OPTIONS = ("calib", "seed")
+RUNTIME_DIR = Path(mf.__file__).parent
+# The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
+HOST_CODEGEN = {"kind": "llvm"}
+
+
+def run(artifact: Path, ctx) -> dict:
+    sched, tune_dir, comp_dir = ctx.artifact("schedule"), ctx.artifact("tune"), ctx.artifact("compress")
+    plan = json.loads((sched / "plan.json").read_text())
+    compress = json.loads((comp_dir / "compress.json").read_text())
+    imported = json.loads((ctx.artifact("import") / "import.json").read_text())
+    target = ctx.target
+    bundle = ctx.out / "bundle"
+    (bundle / "segments").mkdir(parents=True)
+    twin_dir = ctx.out / "twin"
+    db = tune_dir / "tuning_db"
+
+    segments: list[mf.Segment] = []
+    twins: dict[str, Path] = {}
+    tuned: dict[str, dict] = {}
+    unfinished: list[str] = []
+    compiler_logs: dict[str, dict] = {}
+    for seg in plan["segments"]:
+        sid, dev = seg["id"], seg["device"]
+        model = onnx.load(str(sched / seg["artifact"]))
+        fallback = None
+        if seg["backend"] == "tvm":
+            codegen = next(d for d in target.devices if d.kind == dev.split(":")[0]).codegen
+            ctx.log(f"package: {sid}: compiling {len(seg['nodes'])} nodes with TVM for {_describe(codegen)}")
+            res = tvm_backend.compile_onnx(model, codegen, bundle / "segments" / f"{sid}.so", tuning_db=db)
+            tuned[sid] = {"tasks": res.tasks, "tuned": res.tuned}
+            ins, outs, art = res.inputs, res.outputs, f"segments/{sid}.so"
+            if _needs_twin(codegen):
+                twin_dir.mkdir(exist_ok=True)
+                tvm_backend.compile_onnx(model, HOST_CODEGEN, twin_dir / f"{sid}.so", tuning_db=db)
+                twins[sid] = twin_dir / f"{sid}.so"
+        elif seg["backend"] == "onnxruntime":
+            art = f"segments/{sid}.onnx"
+            irm.save(model, bundle / art)
+            ins = tuple(_plain_spec(model, n) for n in seg["inputs"])
+            outs = tuple(_plain_spec(model, n) for n in seg["outputs"])
+        else:  # tflite for an Edge TPU
+            info = compress["segments"][sid]
+            fallback = art = f"segments/{sid}.tflite"
+            shutil.copyfile(comp_dir / info["artifact"], bundle / art)
+            ins = tuple(mf.tensor_from_dict(t) for t in info["inputs"])
+            outs = tuple(mf.tensor_from_dict(t) for t in info["outputs"])
+            if edgetpu_compiler.find():
+                compiled, log = edgetpu_compiler.compile_segment(bundle / art, bundle / "segments")
+                art = f"segments/{compiled.name}"
+                compiler_logs[sid] = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
+                if log.ops_on_cpu:
+                    ctx.warn(f"{sid}: edgetpu_compiler mapped {log.ops_on_tpu} ops to the Edge TPU and left "
+                             f"{log.ops_on_cpu} on its CPU")
+            else:
+                unfinished.append(art)
+        segments.append(mf.Segment(id=sid, device=dev, backend=seg["backend"], artifact=art, inputs=ins,
+                                   outputs=outs, fallback_artifact=fallback, nodes=len(seg["nodes"]),
+                                   predicted_ms=seg["predicted_ms"]))
+
+    edgetpu_info: dict = {}
+    if any(s.backend == "tflite" for s in segments):
+        edgetpu_info = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs}
+        if unfinished:
+            cmd = edgetpu_compiler.finish_command(unfinished)
+            edgetpu_info["finish_command"] = f"cd bundle && {cmd}"
+            ctx.warn(f"edgetpu_compiler is not installed: {len(unfinished)} Edge TPU segment(s) ship uncompiled "
+                     f"and run their int8 model on the CPU until compiled; to finish: cd bundle && {cmd}")
+
+    # model-level tensors: the producing segment's spec carries the int8 quantization, if any
+    produced = {t.name: t for s in segments for t in s.outputs}
+    outputs = tuple(mf.TensorSpec(name=o["name"], shape=tuple(o["shape"]), dtype=o["dtype"],
+                                  quant=produced[o["name"]].quant) for o in imported["outputs"])
+    inputs = tuple(mf.TensorSpec(name=i["name"], shape=tuple(i["shape"]), dtype=i["dtype"]) for i in imported["inputs"])
+
+    calibration = compress.get("calibration") or {}
+    manifest = mf.Manifest(
+        schema_version=mf.SCHEMA_VERSION, sdk_version=__version__, min_runtime_version=mf.RUNTIME_VERSION,
+        model={"name": imported["source"]["name"], "sha256": imported["source"]["sha256"],
+               "format": imported["source"]["format"], "opset": imported["source"]["opset"]},
+        target={"name": target.name, "sha256": target.digest(), "description": target.description},
+        arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
+        segments=tuple(segments), pipeline_stages=tuple(tuple(s) for s in plan["pipeline_stages"]),
+        predicted=plan["predicted"], toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
+        tuning={"database_sha256": json.loads((tune_dir / "tune.json").read_text())["database_sha256"],
+                "segments": tuned},
+        warnings=tuple(_all_warnings(ctx)),
+    )
+    (bundle / "manifest.json").write_text(manifest.to_json())
+    shutil.copytree(RUNTIME_DIR, bundle / "runtime", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (bundle / "requirements.txt").write_text(_requirements(segments, target.host.arch))
+    (bundle / "plan.json").write_text(json.dumps({**plan, "segments": [
+        {**p, "artifact": s.artifact} for p, s in zip(plan["segments"], segments)]}, indent=2) + "\n")
+
+    # golden input/output: this plan, on this host (twins for foreign CPU/GPU code)
+    ctx.log("package: running the bundle's plan on the build host for the golden output")
+    samples, _ = load_calibration(ctx.options, imported["inputs"])
+    host_model = BundleModel(bundle, artifacts=twins, log=ctx.log)
+    golden_in = samples[0]
+    golden_out = host_model.run(golden_in)
+    (bundle / "golden").mkdir()
+    _savez(bundle / "golden" / "inputs.npz", golden_in)
+    _savez(bundle / "golden" / "outputs.npz", golden_out)
+
+    accuracy = _accuracy(host_model, onnx.load(str(ctx.artifact("import") / "model.onnx")), plan, samples[:8])
+    for name, a in accuracy["tensors"].items():
+        ctx.log(f"package: accuracy of {name} vs the fp32 model: cosine {a['cosine']:.5f}, "
+                f"max abs error {a['max_abs_error']:.4g}")
+    manifest = dataclasses.replace(manifest, accuracy=accuracy)
+    manifest = dataclasses.replace(manifest, files=_file_table(bundle))
+    (bundle / "manifest.json").write_text(manifest.to_json())
+    write_tarball(bundle, ctx.out / "bundle.tar.gz")
+    size = sum(f["size"] for f in manifest.files.values())
+    return {"bundle_bytes": size, "files": len(manifest.files), "twins": sorted(twins),
+            "edgetpu": edgetpu_info, "accuracy": accuracy, "tuned": tuned}
+
+
+def _describe(codegen: dict) -> str:
+    return " ".join(str(codegen.get(k)) for k in ("kind", "mtriple", "mcpu", "arch") if codegen.get(k))
+
+
+def _needs_twin(codegen: dict) -> bool:
+    """Code the build host cannot run: another architecture, or a GPU."""
+    if codegen.get("kind") != "llvm":
+        return True
+    return tvm_backend.target_arch(codegen) != platform.machine()
+
+
+def _plain_spec(model: onnx.ModelProto, name: str) -> mf.TensorSpec:
+    shapes, types = irm.static_shapes(model), irm.elem_types(model)
+    return mf.TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
+
+
+def _accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: dict, samples: list[dict]) -> dict:
+    """The bundle against the fp32 model, on logits where a trailing softmax would hide errors."""
+    probes = {o: p for o, p in plan["probes"].items()
+              if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
+    names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
+    got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]
+    ref = [ort_backend.run(reference, f, names) for f in samples]
+    tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
+    out = {"reference": "onnxruntime on the imported fp32 model", "samples": len(samples), "tensors": tensors}
+    if probes:
+        p = next(iter(probes.values()))
+        agree = [int(np.argmax(g[p]) == np.argmax(r[p])) for g, r in zip(got, ref)]
+        out["top1_agreement"] = sum(agree) / len(agree)
+    return out
+
+
+def _toolchain() -> dict[str, str]:
+    out = {"edgesdk": __version__}
+    for dist in ("apache-tvm", "apache-tvm-ffi", "tensorflow-cpu", "onnx", "onnxruntime", "ai-edge-litert", "numpy"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _requirements(segments: list[mf.Segment], arch: str) -> str:
+    backends = {s.backend for s in segments}
+    dists = ["numpy"]
+    if "tvm" in backends:
+        dists += ["apache-tvm", "apache-tvm-ffi"]
+    if "tflite" in backends:
+        dists += ["ai-edge-litert"]
+    if "onnxruntime" in backends:
+        dists += ["onnxruntime"]
+    lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
+    for d in dists:
+        lines.append(f"{d}=={importlib.metadata.version(d)}")
+    return "\n".join(lines) + "\n"
+
+
+def _all_warnings(ctx) -> list[str]:
+    warnings = []
+    for stage in ("import", "legalize", "schedule", "tune", "compress"):
+        rec = ctx.artifact(stage) / "record.json"
+        if rec.exists():
+            warnings += json.loads(rec.read_text()).get("warnings", [])
+    return warnings + ctx.warnings
+
+
+def _savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    # np.savez writes zip entries with the current time; write them with a fixed one instead
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name in sorted(arrays):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+            z.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
+
+
+def _file_table(bundle: Path) -> dict[str, dict]:
+    return {p.relative_to(bundle).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size}
+            for p in sorted(bundle.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def write_tarball(bundle: Path, dest: Path) -> None:
+    """Same files, same bytes: sorted members, mtime SOURCE_DATE_EPOCH (or 0), root ownership."""
+    mtime = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=mtime) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for p in [bundle, *sorted(bundle.rglob("*"))]:
+                rel = "bundle" if p == bundle else f"bundle/{p.relative_to(bundle).as_posix()}"
+                info = tarfile.TarInfo(rel)
+                info.mtime, info.uid, info.gid, info.uname, info.gname = mtime, 0, 0, "", ""
+                if p.is_dir():
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+                else:
+                    info.size, info.mode = p.stat().st_size, 0o644
+                    with open(p, "rb") as f:
+                        tar.addfile(info, f)
+    tmp.replace(dest)

@@ -1,0 +1,96 @@
+"""Target files: the shipped ones validate; bad ones fail with file, line and field (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from edgesdk.config import builtin_targets, load_target, target_schema
+from edgesdk.errors import EXIT_USAGE, UsageError
+
+
+def test_shipped_targets_validate():
+    shipped = builtin_targets()
+    assert set(shipped) == {"arm_2tpu", "x86", "rtx3090"}
+    arm, _ = load_target("arm_2tpu")
+    assert arm.host.arch == "aarch64"
+    assert arm.device_map() == {"cpu": "cpu", "edgetpu:0": "usb:0", "edgetpu:1": "usb:1"}
+    assert arm.host.codegen["mattr"] == ["+neon"]
+    gpu, _ = load_target("rtx3090")
+    assert gpu.logical_ids("gpu") == ["gpu:0"]
+    x86, _ = load_target("x86")
+    assert [d.kind for d in x86.devices] == ["cpu"]
+
+
+def test_every_cost_figure_names_a_source():
+    for path in builtin_targets().values():
+        t, _ = load_target(path)
+        figures = []
+        for d in t.devices:
+            for _, value in d:
+                items = value.values() if isinstance(value, dict) else [value]
+                for v in items:
+                    if hasattr(v, "source"):
+                        figures.append(v)
+                    if hasattr(v, "bandwidth"):
+                        figures += [v.bandwidth, v.latency]
+        assert len(figures) >= 4
+        assert all(len(f.source) > 10 for f in figures), path
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "t.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def _problems(path):
+    with pytest.raises(UsageError) as e:
+        load_target(path)
+    assert e.value.exit_code == EXIT_USAGE
+    return e.value.notes
+
+
+def test_unknown_key_names_file_line_and_field(tmp_path):
+    text = (builtin_targets()["x86"]).read_text().replace("    cores: 4\n", "    cores: 4\n    turbo: yes\n")
+    p = _write(tmp_path, text)
+    line = text.splitlines().index("    turbo: yes") + 1
+    assert _problems(p) == [f"{p}:{line}: unknown key 'devices.0.turbo'"]
+
+
+def test_wrong_type_and_missing_field(tmp_path):
+    text = builtin_targets()["arm_2tpu"].read_text()
+    text = text.replace("    count: 2\n", "    count: two\n").replace("description: quad-core", "descr: quad-core")
+    p = _write(tmp_path, text)
+    notes = _problems(p)
+    count_line = text.splitlines().index("    count: two") + 1
+    assert any(n.startswith(f"{p}:{count_line}: field 'devices.1.count'") for n in notes), notes
+    top = text.splitlines().index("name: arm_2tpu") + 1  # a missing key points at its mapping
+    assert f"{p}:{top}: missing field 'description'" in notes
+    assert any("unknown key 'descr'" in n for n in notes)
+
+
+def test_physical_devices_must_match_count(tmp_path):
+    text = builtin_targets()["arm_2tpu"].read_text().replace('physical: ["usb:0", "usb:1"]', 'physical: ["usb:0"]')
+    notes = _problems(_write(tmp_path, text))
+    assert any("physical lists 1 devices but count is 2" in n for n in notes)
+
+
+def test_not_yaml_and_unknown_target(tmp_path):
+    p = _write(tmp_path, "name: [unclosed\n")
+    with pytest.raises(UsageError, match=r"t.yaml:\d+: not valid YAML"):
+        load_target(p)
+    with pytest.raises(UsageError, match="unknown target 'nope'") as e:
+        load_target("nope")
+    assert "arm_2tpu" in e.value.hint
+
+
+def test_schema_is_json_schema_with_device_union():
+    schema = target_schema()
+    text = json.dumps(schema)
+    assert schema["title"] == "edgesdk target"
+    for kind in ("CpuDevice", "EdgeTpuDevice", "GpuDevice"):
+        assert kind in schema["$defs"]
+    assert '"additionalProperties": false' in text
