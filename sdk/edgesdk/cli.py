@@ -34,14 +34,17 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
+@app.callback(invoke_without_command=True)
+def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
           version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     _state["debug"] = debug
     if version:
         from . import __version__
 
         print(f"edgesdk {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
         raise typer.Exit(0)
 
 
@@ -268,7 +271,10 @@ def targets_schema(output: Optional[Path] = typer.Option(None, "--output", "-o",
 
 
 def main(argv: list[str] | None = None) -> int:
-    import click
+    try:  # typer >= 0.20 carries its own copy of click
+        from typer._click import exceptions as click_exc
+    except ImportError:
+        from click import exceptions as click_exc
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -286,13 +292,16 @@ def main(argv: list[str] | None = None) -> int:
         if e.hint:
             _err(f"hint: {e.hint}")
         return e.exit_code
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         _err("error: interrupted")
         return 130
-    except click.ClickException as e:
-        e.show()
+    except click_exc.ClickException as e:
+        msg = e.format_message().rstrip(".")
+        _err(f"error: {msg[:1].lower() + msg[1:]}")
+        ctx = getattr(e, "ctx", None)
+        _err(f"hint: see '{ctx.command_path if ctx else 'edgesdk'} --help'")
         return EXIT_USAGE
     except KeyboardInterrupt:
         _err("error: interrupted")

@@ -68,6 +68,18 @@ def target_arch(target: dict) -> str:
     return _ARCHES[machine]
 
 
+def importer_ops() -> frozenset[str]:
+    """The ONNX op types (default domain) that TVM's Relax ONNX importer converts.
+
+    An op in this set may still be refused for an attribute the converter lacks; one
+    outside it is refused for certain (the importer names all of them in one error).
+    """
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    # `If` and `Constant` are converted by the graph walker itself, not through the map.
+    return frozenset(onnx_frontend._get_convert_map()) | {"If", "Constant"}
+
+
 def compile_onnx(
     model: onnx.ModelProto, target: dict, out_path: Path, *, tuning_db: Path | None = None
 ) -> TvmResult:
@@ -77,14 +89,14 @@ def compile_onnx(
     Guarantees: `out_path` is written atomically (a complete library or no file); the
     library's VM function `main` takes the inputs in `TvmResult.inputs` order and returns
     one tensor (one output) or a tuple (several), in `TvmResult.outputs` order. Functions
-    with a record in `tuning_db` use the tuned schedule; on CUDA the others get dlight's
-    default GPU schedules (so compiling needs no GPU; nvcc compiles the kernels); on CPU
-    they keep TVM's default loop nests. aarch64 targets are linked by
-    `aarch64-linux-gnu-gcc`.
+    with a record in `tuning_db` (a database tuned for this same target) use the tuned
+    schedule; on CPU the others keep TVM's default loop nests, on CUDA they get dlight's
+    rule-based GPU schedules. aarch64 targets are linked by `aarch64-linux-gnu-gcc`.
+    CUDA needs no GPU here: the library carries the kernels as CUDA source, which the GPU
+    host compiles when it loads the library (nvcc checks them here when installed).
     """
     import tvm
     from tvm import relax
-    from tvm.s_tir import dlight as dl
 
     target, tvm_target = _resolve_target(target)
     mod = _lower(_import(model), tvm_target)
@@ -92,29 +104,19 @@ def compile_onnx(
     tasks = _count_unscheduled(mod)
     with tvm_target, tvm.transform.PassContext(opt_level=3):
         if tuning_db is not None:
-            # allow_missing=False: a tuning database that is named but absent is a mistake
-            # (a wrong path), not an empty database.
-            database = _open_database(tuning_db, must_exist=True)
+            database = _open_database(Path(tuning_db), target, must_exist=True)
             with database:
                 mod = relax.transform.MetaScheduleApplyDatabase()(mod)
         tuned = tasks - _count_unscheduled(mod)
         if "gpu" in tvm_target.keys:
-            # A GPU kernel without thread bindings does not compile: every function the
-            # database left unscheduled gets dlight's rule-based schedule.
-            mod = dl.ApplyDefaultSchedule(
-                dl.gpu.Matmul(),
-                dl.gpu.GEMV(),
-                dl.gpu.Reduction(),
-                dl.gpu.GeneralReduction(),
-                dl.gpu.Fallback(),
-            )(mod)
+            mod = _gpu_default_schedules(mod)
         backend = _backend_pipeline(tvm_target)
         finish = tvm.transform.Sequential(
             backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
         )
-        if tvm_target.kind.name == "cuda":
-            _compile_kernels_with_nvcc(str(tvm_target.attrs["arch"]))
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=finish)
+    if tvm_target.kind.name == "cuda":
+        _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
     _export(executable, target, Path(out_path))
     return TvmResult(inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target)
 
@@ -132,57 +134,65 @@ def tune_onnx(
     """Search schedules for the segment's TIR functions with MetaSchedule.
 
     The search is evolutionary, guided by an XGBoost cost model, and measures candidates
-    on this machine (so it needs the target's CPU, or its GPU for CUDA). Records are
-    appended to the JSON database in the directory `tuning_db` (created when absent), which
-    persists between builds: a task that already holds `max_trials_per_task` records
-    (default `trials`) is not searched again, so re-tuning a tuned workload costs no trials.
-    `trials == 0` does nothing.
+    on this machine (so it needs the target's CPU; CUDA tuning needs a GPU here). Records
+    are appended to the JSON database in the directory `tuning_db` (created when absent),
+    which persists between builds. A task that already holds `max_trials_per_task` records
+    (default: `trials`) is not searched again, so re-tuning a tuned workload costs no
+    trials. `trials == 0` does nothing. `trials` is the budget over all tasks.
 
     Returns a summary: `tasks` (tunable functions), `searched` and `reused` (tasks searched
     now / skipped as already tuned), `trials` (records added now), `best_ms` (task name ->
-    best measured latency in the database, ms), `seed`.
+    best latency in the database, ms), `seed`.
     """
-    summary: dict[str, Any] = {"tasks": 0, "searched": 0, "reused": 0, "trials": 0, "best_ms": {}}
-    summary["seed"] = seed
+    summary: dict[str, Any] = {"tasks": 0, "searched": 0, "reused": 0, "trials": 0, "best_ms": {}, "seed": seed}
     if trials <= 0:
         return summary
     from tvm.s_tir import meta_schedule as ms
 
     target, tvm_target = _resolve_target(target)
+    _check_measurable(target, tvm_target)
     mod = _lower(_import(model), tvm_target)
-    extracted = ms.relax_integration.extract_tasks(mod, tvm_target)
+    extracted = list(ms.relax_integration.extract_tasks(mod, tvm_target))
     summary["tasks"] = len(extracted)
-    if not extracted:
-        return summary
     per_task = max_trials_per_task or trials
-    database = _open_database(Path(tuning_db), must_exist=False)
-    todo = [t for t in extracted if _record_count(database, t) < per_task]
+    database = _open_database(Path(tuning_db), target, must_exist=False)
+    counts = _record_counts(database)
+    todo = [t for t in extracted if counts.get(_workload_key(t), 0) < per_task]
     summary["reused"] = len(extracted) - len(todo)
     summary["searched"] = len(todo)
     records_before = len(database)
     if todo:
-        work_dir = str(tuning_db)
+        batch = min(64, per_task)  # one measured batch must not overshoot a small budget
+        # The population the cost model ranks to pick each batch: 16 candidates per slot
+        # keeps the batch diverse; TVM's fixed 512 costs seconds per round on small budgets.
+        strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(64, 16 * batch)))
+        # A build worker costs ~20 s to start (see _pooled_builder) and a build ~0.5 s: a
+        # second worker pays off only for batches of a few dozen candidates.
+        builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), batch // 16)))
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            todo, work_dir=work_dir, seed=seed
+            todo, work_dir=str(tuning_db), strategy=strategy, seed=seed
         )
         callbacks = list(ms.MeasureCallback.create("default"))
         if progress is not None:
             callbacks.append(_progress_callback(progress, [t.task_name for t in todo]))
-        ms.tune_tasks(
-            tasks=contexts,
-            task_weights=weights,
-            work_dir=work_dir,
-            max_trials_global=trials,
-            max_trials_per_task=per_task,
-            # One search round must not overshoot a small per-task budget.
-            num_trials_per_iter=min(64, per_task),
-            database=database,
-            cost_model="xgb",
-            measure_callbacks=callbacks,
-        )
+        try:
+            ms.tune_tasks(
+                tasks=contexts,
+                task_weights=weights,
+                work_dir=str(tuning_db),
+                max_trials_global=trials,
+                max_trials_per_task=per_task,
+                num_trials_per_iter=batch,
+                builder=builder,
+                database=database,
+                cost_model="xgb",
+                measure_callbacks=callbacks,
+            )
+        finally:
+            builder.shutdown()
     summary["trials"] = len(database) - records_before
     for task in extracted:
-        best = _best_record(database, task)
+        best = _best_ms(database, task)
         if best is not None:
             summary["best_ms"][task.task_name] = best
     return summary
@@ -270,6 +280,34 @@ def _backend_pipeline(tvm_target: Any) -> Any:
     return pipeline
 
 
+def _gpu_default_schedules(mod: Any) -> Any:
+    """Give every unscheduled function of `mod` dlight's rule-based GPU schedule.
+
+    A GPU kernel without thread bindings does not compile, so nothing may stay
+    unscheduled. Rules are tried per function, most specific first: a rule whose pattern
+    matches may still fail to schedule a fused function (dlight's Matmul asserts on a
+    conv2d fused with a clip, as in MobileNetV2), and then the next rule gets it;
+    `Fallback` schedules any function.
+    """
+    import tvm
+    from tvm import tirx
+    from tvm.s_tir import dlight as dl
+
+    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", False):
+            continue
+        for rule in rules:
+            try:
+                scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({gvar: func}))[gvar]
+            except Exception:  # noqa: BLE001 -- dlight asserts where a rule does not fit
+                continue
+            if scheduled.attrs.get("tirx.is_scheduled", False):
+                mod[gvar] = scheduled
+                break
+    return mod
+
+
 def _count_unscheduled(mod: Any) -> int:
     from tvm import tirx
 
@@ -332,29 +370,36 @@ def _resolve_target(target: dict) -> tuple[dict, Any]:
                         hint="see the tvm target dicts in targets/*.yaml") from exc
 
 
-def _compile_kernels_with_nvcc(arch: str) -> None:
-    """Make TVM compile CUDA kernels with nvcc into a fatbin at build time.
+def _check_cuda_kernels(executable: Any, arch: str) -> None:
+    """Compile the library's CUDA kernels with nvcc for `arch`, to fail at build time.
 
-    Without a registered `tvm_callback_cuda_compile` the library would keep CUDA source,
-    and the device would need a CUDA compiler to load it; TVM's own callback defaults to
-    NVRTC, which needs the cuda-bindings package. The fatbin carries SASS for `arch` and
-    its PTX, which the driver JIT-compiles on newer GPUs.
+    Without a CUDA driver, TVM 0.27 keeps the kernels as CUDA source in the library
+    (its "fallback" CUDA module); the GPU host compiles them when it loads the library
+    (TVM's `tvm_callback_cuda_compile`: NVRTC via cuda-bindings, or nvcc). Compiling
+    them here once catches codegen errors before the bundle ships; the result is not
+    kept. Skipped when nvcc is not installed.
     """
-    import tvm_ffi
-    from tvm.support import nvcc
+    import subprocess
 
-    if shutil.which("nvcc") is None:
-        raise UserError(
-            "tvm.no-nvcc",
-            "compiling a cuda segment needs nvcc, which is not on PATH",
-            hint="install the CUDA toolkit (no GPU is needed to compile)",
-        )
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    sources = [m.inspect_source("cuda") for m in _module_tree(executable.mod) if m.kind == "cuda"]
     sm = arch.removeprefix("sm_")
-    gencode = ["-gencode", f"arch=compute_{sm},code=sm_{sm}", "-gencode", f"arch=compute_{sm},code=compute_{sm}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, source in enumerate(sources):
+            cu = Path(tmp) / f"kernels{i}.cu"
+            cu.write_text(source)
+            command = [nvcc, "--cubin", "-O3", f"-arch=sm_{sm}", "-o", str(cu.with_suffix(".cubin")), str(cu)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"nvcc rejects TVM's CUDA kernels for sm_{sm}:\n{done.stderr[-2000:]}")
 
-    @tvm_ffi.register_global_func("tvm_callback_cuda_compile", override=True)
-    def _compile(code: str, *_: Any) -> bytes:
-        return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
+
+def _module_tree(module: Any):
+    yield module
+    for imported in module.imports:
+        yield from _module_tree(imported)
 
 
 def _export(executable: Any, target: dict, out_path: Path) -> None:
@@ -387,31 +432,76 @@ def _export(executable: Any, target: dict, out_path: Path) -> None:
 # --- tuning database -----------------------------------------------------------------
 
 
-def _open_database(path: Path, *, must_exist: bool) -> Any:
+def _open_database(path: Path, target: dict, *, must_exist: bool) -> Any:
+    """The JSON tuning database in directory `path`, which belongs to one target.
+
+    MetaSchedule looks records up by workload alone, not by target, so a database shared
+    by two targets would hand one CPU's schedules to another. `target.json` in the
+    directory names the target the records were measured for; another target is refused.
+    A database that is named but absent is refused too when it must exist (a wrong path
+    would otherwise build an untuned library without a word).
+    """
+    import json
+
     from tvm.s_tir import meta_schedule as ms
 
+    owner = path / "target.json"
     if must_exist and not (path / "database_workload.json").exists():
         raise UserError(
             "tvm.no-tuning-db",
             f"tuning database {path} does not exist",
             hint="run the tune stage first, or build without a tuning database",
         )
+    canonical = json.loads(json.dumps(target))
+    if owner.exists() and json.loads(owner.read_text()) != canonical:
+        raise UserError(
+            "tvm.tuning-db-target",
+            f"tuning database {path} holds records for target {owner.read_text().strip()}, not {json.dumps(target, sort_keys=True)}",
+            hint="use one tuning database directory per target",
+        )
     path.mkdir(parents=True, exist_ok=True)
+    if not owner.exists() and not must_exist:  # the tuning run that creates the records
+        owner.write_text(json.dumps(target, sort_keys=True) + "\n")
     return ms.database.JSONDatabase(work_dir=str(path), allow_missing=True)
 
 
-def _record_count(database: Any, task: Any) -> int:
-    """Measured records (valid or not) that `database` holds for `task`."""
+def _check_measurable(target: dict, tvm_target: Any) -> None:
+    """Tuning measures candidates on this machine: it must be able to run them."""
     import tvm
 
-    mod = task.dispatched[0]
-    if not database.has_workload(mod):
-        return 0
-    key = tvm.ir.structural_hash(database.commit_workload(mod).mod)
-    return sum(1 for r in database.get_all_tuning_records() if tvm.ir.structural_hash(r.workload.mod) == key)
+    if tvm_target.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise UserError(
+            "tvm.tune-needs-gpu",
+            "tuning a cuda segment measures kernels on a GPU, and this machine has none",
+            hint="tune on the GPU host, or build with tuning off (dlight's default schedules)",
+        )
+    host = _ARCHES.get(platform.machine().lower())
+    if tvm_target.kind.name == "llvm" and target_arch(target) != host:
+        raise UserError(
+            "tvm.tune-foreign-cpu",
+            f"tuning for {target_arch(target)} measures kernels on that cpu, and this host is {host}",
+            hint="tune on the device itself, or build with tuning off",
+        )
 
 
-def _best_record(database: Any, task: Any) -> float | None:
+def _workload_key(task: Any) -> str:
+    from tvm.s_tir.meta_schedule.utils import shash2hex
+
+    return shash2hex(task.dispatched[0])
+
+
+def _record_counts(database: Any) -> dict[str, int]:
+    """Records (valid or not) per workload structural hash."""
+    from tvm.s_tir.meta_schedule.utils import shash2hex
+
+    counts: dict[str, int] = {}
+    for record in database.get_all_tuning_records():
+        key = shash2hex(record.workload.mod)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _best_ms(database: Any, task: Any) -> float | None:
     mod = task.dispatched[0]
     if not database.has_workload(mod):
         return None
@@ -420,6 +510,55 @@ def _best_record(database: Any, task: Any) -> float | None:
         return None
     secs = [float(s) for s in top[0].run_secs]
     return round(1e3 * sum(secs) / len(secs), 6)
+
+
+def _pooled_builder(max_workers: int) -> Any:
+    """A MetaSchedule builder whose worker processes live as long as the tuning run.
+
+    TVM's LocalBuilder starts fresh workers for every measured batch, and each worker's
+    first build imports `tvm.s_tir.tensor_intrin`, which parses ~250 TVMScript functions
+    (about 20 s on our machines, mostly in `inspect.stack`). These workers pay that once
+    per tuning run, and start before the tuning process's own import of the same module.
+    """
+    import functools
+    import importlib
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
+    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    timeout_sec = 60.0
+
+    @derived_object
+    class _PooledBuilder(PyBuilder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = PopenPoolExecutor(
+                max_workers=max_workers,
+                timeout=timeout_sec,
+                initializer=functools.partial(importlib.import_module, "tvm.s_tir.tensor_intrin"),
+            )
+            # Start the workers now: their import overlaps the tuning process's own.
+            for _ in range(max_workers):
+                self.pool.submit(int)
+
+        def build(self, build_inputs):
+            jobs = [(None, None, b.mod, b.target, _serialize_params(b.params)) for b in build_inputs]
+            results = []
+            for result in self.pool.map_with_error_catching(lambda job: _worker_func(*job), jobs):
+                if result.status == StatusKind.COMPLETE:
+                    results.append(BuilderResult(result.value, None))
+                elif result.status == StatusKind.TIMEOUT:
+                    results.append(BuilderResult(None, f"build timed out after {timeout_sec} s"))
+                else:
+                    results.append(BuilderResult(None, f"build failed: {result.value}"))
+            return results
+
+        def shutdown(self) -> None:
+            self.pool.shutdown()
+
+    return _PooledBuilder()
 
 
 def _progress_callback(progress: Callable[[str], None], names: list[str]) -> Any:

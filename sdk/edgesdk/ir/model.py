@@ -30,7 +30,13 @@ def load(path: Path) -> onnx.ModelProto:
         ) from None
     if not model.graph.node:
         raise UserError("import.empty-graph", f"{path}: the model has no nodes",
-                        "the file parsed but holds no graph; check that it is the exported model")
+                        "the file parsed but holds no graph; it may be truncated or not an ONNX model")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError("import.invalid-model", f"{path}: not a valid ONNX model: {first[:300]}",
+                        "the file may be truncated or damaged; re-export it") from None
     return model
 
 

@@ -35,7 +35,9 @@ def cache_inputs(options, target) -> dict:
 
 
 def run(artifact: Path, ctx) -> dict:
-    plan = json.loads((artifact / "plan.json").read_text())
+    # the tune stage's output is upstream of us, but what we quantize is the schedule's
+    sched = ctx.artifact("schedule")
+    plan = json.loads((sched / "plan.json").read_text())
     tpu_segments = [s for s in plan["segments"] if s["backend"] == "tflite"]
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
@@ -50,7 +52,7 @@ def run(artifact: Path, ctx) -> dict:
         ctx.warn(f"no --calib data: int8 ranges come from {len(samples)} synthetic samples (uniform in [-1, 1]); "
                  "accuracy on real inputs may be worse")
 
-    full = onnx.load(str(artifact / "model.onnx"))
+    full = onnx.load(str(sched / "model.onnx"))
     wanted = sorted({t for s in tpu_segments for t in s["inputs"] + s["outputs"]})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
@@ -59,7 +61,7 @@ def run(artifact: Path, ctx) -> dict:
     from ...runtime.manifest import Segment
 
     for seg in tpu_segments:
-        model = onnx.load(str(artifact / seg["artifact"]))
+        model = onnx.load(str(sched / seg["artifact"]))
         out_path = ctx.out / "segments" / f"{seg['id']}.tflite"
         ctx.log(f"compress: {seg['id']}: {len(seg['nodes'])} nodes -> full-int8 TFLite")
         feeds = [{k: a[k] for k in seg["inputs"]} for a in acts]

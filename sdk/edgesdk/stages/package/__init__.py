@@ -66,12 +66,14 @@ def run(artifact: Path, ctx) -> dict:
         if seg["backend"] == "tvm":
             codegen = next(d for d in target.devices if d.kind == dev.split(":")[0]).codegen
             ctx.log(f"package: {sid}: compiling {len(seg['nodes'])} nodes with TVM for {_describe(codegen)}")
-            res = tvm_backend.compile_onnx(model, codegen, bundle / "segments" / f"{sid}.so", tuning_db=db)
+            kind_db = db / dev.split(":")[0]
+            kind_db = kind_db if (kind_db / "database_workload.json").exists() else None
+            res = tvm_backend.compile_onnx(model, codegen, bundle / "segments" / f"{sid}.so", tuning_db=kind_db)
             tuned[sid] = {"tasks": res.tasks, "tuned": res.tuned}
             ins, outs, art = res.inputs, res.outputs, f"segments/{sid}.so"
             if _needs_twin(codegen):
                 twin_dir.mkdir(exist_ok=True)
-                tvm_backend.compile_onnx(model, HOST_CODEGEN, twin_dir / f"{sid}.so", tuning_db=db)
+                tvm_backend.compile_onnx(model, HOST_CODEGEN, twin_dir / f"{sid}.so")
                 twins[sid] = twin_dir / f"{sid}.so"
         elif seg["backend"] == "onnxruntime":
             art = f"segments/{sid}.onnx"

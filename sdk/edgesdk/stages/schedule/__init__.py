@@ -113,8 +113,8 @@ def _runs(model: onnx.ModelProto) -> list[Run]:
     runs: list[Run] = []
     for i, node in enumerate(model.graph.node):
         first = (irm.get_meta(node, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",")[0]
-        device, backend = {"edgetpu": ("edgetpu", "tflite"), "gpu": ("gpu", "tvm")}.get(
-            first, ("cpu", first.split("/")[1]))
+        accelerators = {"edgetpu": ("edgetpu", "tflite"), "gpu": ("gpu", "tvm")}
+        device, backend = accelerators[first] if first in accelerators else ("cpu", first.split("/")[1])
         if runs and runs[-1].device == device and runs[-1].backend == backend:
             runs[-1].nodes.append(i)
         else:

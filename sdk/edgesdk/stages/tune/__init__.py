@@ -54,8 +54,10 @@ def run(artifact: Path, ctx) -> dict:
         if ctx.options.trials > 0:
             model = onnx.load(str(artifact / seg["artifact"]))
             ctx.log(f"tune: {seg['id']} on {seg['device']}: up to {ctx.options.trials} trials")
+            # one database per device kind: MetaSchedule keys records by workload, not by target
             summaries[seg["id"]] = tvm_backend.tune_onnx(
-                model, codegen_for(ctx.target, seg["device"]), db, trials=ctx.options.trials,
+                model, codegen_for(ctx.target, seg["device"]), db / seg["device"].split(":")[0],
+                trials=ctx.options.trials,
                 seed=ctx.options.seed, progress=lambda line, s=seg["id"]: ctx.log(f"tune: {s}: {line}"))
         else:
             summaries[seg["id"]] = {"trials": 0, "note": "no search (--trials 0): records in the database are applied"}

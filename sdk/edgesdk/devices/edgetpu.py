@@ -1,0 +1,186 @@
+"""The Coral Edge TPU's operator support, as data.
+
+`OPS` maps each ONNX op that an Edge TPU segment may hold to the TFLite builtin ops our
+lowering (`backends.tflite`) turns it into, and a check encoding Coral's published limits
+("Supported operations", coral.ai/docs/edgetpu/models-intro) that matter for it. Limits every
+op shares: static shapes; int8 only (the segment is quantized as a whole, so float tensors are
+fine here); and only the 3 innermost dimensions of a tensor may exceed 1, which — our layout
+changes only permute axes — means at most 3 dimensions larger than 1 in the ONNX tensor too.
+
+This says what the Edge TPU accepts; whether our lowering can produce it is asked separately
+(`backends.tflite.lowering_reason`); legalize combines both.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import onnx
+from onnx import helper
+
+Shapes = dict[str, tuple[int, ...]]
+Check = Callable[[onnx.NodeProto, Shapes, set[str]], "str | None"]
+
+
+def _ok(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class OpRule:
+    tflite_ops: tuple[str, ...]  # what the lowering emits for it (empty: folded, or a layout change)
+    check: Check = _ok  # Coral's limits beyond the shared ones: a reason, or None
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _axes(node: onnx.NodeProto, shapes: Shapes) -> list[int] | None:
+    rank = len(shapes.get(node.input[0], ()))
+    axes = _attr(node, "axes")
+    return None if axes is None or not rank else [a % rank for a in axes]
+
+
+def _conv(node, shapes, constants):
+    dilations = _attr(node, "dilations", [1, 1])
+    if len(set(dilations)) > 1:
+        return "the edge tpu needs the same dilation in x and y"
+    return None
+
+
+def _no_batch_axis(what: str) -> Check:
+    def check(node, shapes, constants):
+        axes = _axes(node, shapes)
+        if axes is None and len(node.input) > 1 and node.input[1]:
+            return None  # axes given as a tensor: the lowering's check sees that it is constant
+        if axes is None or 0 in axes:
+            return f"{what} cannot work on the batch dimension on the edge tpu"
+        return None
+
+    return check
+
+
+def _mean(node, shapes, constants):
+    if reason := _no_batch_axis("mean")(node, shapes, constants):
+        return reason
+    shape = shapes.get(node.input[0], ())
+    axes = _axes(node, shapes) or []
+    # Coral: "if a z-reduction, the z-dimension must be a multiple of 4" (z = channels, axis 1 in NCHW).
+    if len(shape) == 4 and 1 in axes and shape[1] % 4:
+        return "a mean over channels needs a multiple of 4 channels on the edge tpu"
+    return None
+
+
+def _concat(node, shapes, constants):
+    # Coral: a compile-time constant input is allowed only as the second of exactly 2 inputs, all zeros.
+    if any(n in constants for n in node.input) and len(node.input) != 2:
+        return "an edge tpu concatenation with a constant input must have exactly 2 inputs"
+    return None
+
+
+def _pad(node, shapes, constants):
+    pads = _attr(node, "pads")
+    rank = len(shapes.get(node.input[0], ()))
+    if pads is not None and rank and (pads[0] or pads[rank]):
+        return "the edge tpu does not pad the batch dimension"
+    return None
+
+
+def _softmax(node, shapes, constants):
+    shape = shapes.get(node.input[0], ())
+    size = 1
+    for d in shape:
+        size *= d
+    if sum(d > 1 for d in shape) > 1 or size > 16000:
+        return "the edge tpu's softmax takes a 1-d input of at most 16,000 elements"
+    return None
+
+
+def _fully_connected(node, shapes, constants):
+    out = shapes.get(node.output[0], ())
+    if sum(d > 1 for d in out) > 1:
+        return "an edge tpu fully-connected output must be one-dimensional"
+    return None
+
+
+def _div(node, shapes, constants):
+    if node.input[1] not in constants:
+        return "the edge tpu has no division by a tensor"
+    return None
+
+
+ELEMENTWISE = ("ADD", "SUB", "MUL", "MAXIMUM", "MINIMUM")
+
+OPS: dict[str, OpRule] = {
+    "Conv": OpRule(("CONV_2D", "DEPTHWISE_CONV_2D", "PAD", "SPLIT", "CONCATENATION"), _conv),
+    "ConvTranspose": OpRule(("TRANSPOSE_CONV", "PAD", "STRIDED_SLICE", "ADD")),
+    "BatchNormalization": OpRule(("MUL", "ADD")),
+    "Relu": OpRule(("RELU",)),
+    "Clip": OpRule(("RELU6", "RELU", "RELU_N1_TO_1", "MAXIMUM", "MINIMUM")),
+    "PRelu": OpRule(("RELU", "MINIMUM", "MUL", "ADD")),
+    "HardSigmoid": OpRule(("MUL", "ADD", "RELU", "MINIMUM")),
+    "HardSwish": OpRule(("MUL", "ADD", "RELU", "MINIMUM")),
+    "Sigmoid": OpRule(("LOGISTIC",)),
+    "Tanh": OpRule(("TANH",)),
+    "Add": OpRule(ELEMENTWISE),
+    "Sub": OpRule(ELEMENTWISE),
+    "Mul": OpRule(ELEMENTWISE),
+    "Div": OpRule(("MUL",), _div),
+    "Max": OpRule(("MAXIMUM",)),
+    "Min": OpRule(("MINIMUM",)),
+    "MaxPool": OpRule(("MAX_POOL_2D", "PAD", "PADV2")),
+    "AveragePool": OpRule(("AVERAGE_POOL_2D", "PAD", "MUL")),
+    "GlobalAveragePool": OpRule(("MEAN",)),
+    "GlobalMaxPool": OpRule(("REDUCE_MAX",)),
+    "ReduceMean": OpRule(("MEAN",), _mean),
+    "ReduceSum": OpRule(("SUM",), _no_batch_axis("sum")),
+    "ReduceMax": OpRule(("REDUCE_MAX",), _no_batch_axis("reducemax")),
+    "ReduceMin": OpRule(("REDUCE_MIN",), _no_batch_axis("reducemin")),
+    "Gemm": OpRule(("FULLY_CONNECTED", "ADD"), _fully_connected),
+    "MatMul": OpRule(("FULLY_CONNECTED", "RESHAPE"), _fully_connected),
+    "Reshape": OpRule(("RESHAPE",)),
+    "Flatten": OpRule(("RESHAPE",)),
+    "Squeeze": OpRule(("RESHAPE",)),
+    "Unsqueeze": OpRule(("RESHAPE",)),
+    "Concat": OpRule(("CONCATENATION",), _concat),
+    "Pad": OpRule(("PAD", "PADV2"), _pad),
+    "Softmax": OpRule(("SOFTMAX", "RESHAPE"), _softmax),
+    "Resize": OpRule(("RESIZE_NEAREST_NEIGHBOR", "RESIZE_BILINEAR")),
+    "Slice": OpRule(("STRIDED_SLICE",)),
+    "Split": OpRule(("SPLIT", "SPLIT_V")),
+    # Layout and bookkeeping: no op of their own (a layout change may add a RESHAPE or TRANSPOSE).
+    "Transpose": OpRule(("TRANSPOSE", "RESHAPE")),
+    "Identity": OpRule(()),
+    "Dropout": OpRule(()),
+    "Constant": OpRule(()),
+    "Shape": OpRule(()),
+}
+
+
+def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
+    """None when the Edge TPU takes `node` (by Coral's published limits), else a lowercase reason.
+
+    `shapes` holds static shapes of the node's tensors; `constants` the names that are
+    initializers or folded constants. A node whose inputs are all constants folds away.
+    """
+    names = [n for n in node.input if n]
+    if node.op_type == "Constant" or (names and all(n in constants for n in names)):
+        return None
+    rule = OPS.get(node.op_type)
+    if rule is None or node.domain not in ("", "ai.onnx"):
+        return f"{node.op_type} is not an edge tpu operation"
+    for name in [*names, *(o for o in node.output if o)]:
+        if name in constants:
+            continue
+        shape = shapes.get(name)
+        if shape is None or any(not isinstance(d, numbers.Integral) or d <= 0 for d in shape):
+            return f"tensor {name} has no static shape (the edge tpu needs static shapes)"
+        if sum(d > 1 for d in shape) > 3:
+            return f"tensor {name} {list(shape)} has more than 3 dimensions larger than 1"
+    return rule.check(node, shapes, constants)

@@ -1,0 +1,100 @@
+"""TFLite runner for Edge TPU segments: the Edge TPU delegate when it is there, else the CPU.
+
+A segment compiled for the Edge TPU (`artifact` is the `_edgetpu.tflite`) runs through
+`libedgetpu.so.1`, opened with `{"device": "usb:0"}` exactly as Coral's own library does, one
+interpreter per TPU. When the delegate cannot be loaded (no libedgetpu, TPU unplugged) or the
+segment was never compiled, the uncompiled int8 model (`fallback_artifact`) runs on the CPU
+interpreter with the same int8 numerics, and `note` says so.
+
+The interpreter is LiteRT (`ai_edge_litert`); `tflite_runtime` is the fallback for hosts
+that only have it (it needs numpy < 2).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..manifest import Segment, TensorSpec
+
+
+def _interpreter_module() -> Any:
+    try:
+        from ai_edge_litert import interpreter
+    except ImportError:
+        from tflite_runtime import interpreter  # type: ignore[no-redef]
+    return interpreter
+
+
+def _num_threads() -> int | None:
+    value = os.environ.get("EDGESDK_NUM_THREADS")
+    return int(value) if value else None
+
+
+class TfliteRunner:
+    """One interpreter, run through its signature runner; `run` is safe to call from threads."""
+
+    def __init__(self, model: Path, segment: Segment, delegates: list[Any], note: str):
+        mod = _interpreter_module()
+        self.note = note
+        self.segment = segment
+        self._interpreter = mod.Interpreter(model_path=str(model), experimental_delegates=delegates or None,
+                                            num_threads=_num_threads())
+        self._runner = self._interpreter.get_signature_runner()
+        self._inputs = self._runner.get_input_details()
+        self._outputs = self._runner.get_output_details()
+        self._lock = threading.Lock()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """ONNX-named, ONNX-layout float inputs → ONNX-named, ONNX-layout float32 outputs."""
+        args = {spec.key: self._encode(spec, feeds[spec.name]) for spec in self.segment.inputs}
+        with self._lock:
+            raw = self._runner(**args)
+        return {spec.name: self._decode(spec, raw[spec.key]) for spec in self.segment.outputs}
+
+    def _encode(self, spec: TensorSpec, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        if spec.perm:  # onnx = transpose(t, perm)  =>  t = transpose(onnx, perm^-1)
+            x = np.transpose(x, np.argsort(spec.perm))
+        d = self._inputs[spec.key]
+        dtype = np.dtype(d["dtype"])
+        if dtype.kind in "iu" and x.dtype.kind == "f":
+            scale, zero = d["quantization"]
+            info = np.iinfo(dtype)
+            x = np.clip(np.round(x / scale + zero), info.min, info.max)
+        return np.ascontiguousarray(x, dtype)
+
+    def _decode(self, spec: TensorSpec, y: np.ndarray) -> np.ndarray:
+        d = self._outputs[spec.key]
+        if np.dtype(d["dtype"]).kind in "iu" and spec.dtype.startswith("float"):
+            scale, zero = d["quantization"]
+            y = (y.astype(np.float32) - zero) * np.float32(scale)
+        if spec.perm:
+            y = np.transpose(y, spec.perm)
+        return np.ascontiguousarray(y)
+
+
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TfliteRunner:
+    """A runner on the Edge TPU when the segment is compiled and the TPU opens, else on the CPU."""
+    bundle = Path(bundle)
+    fallback = segment.fallback_artifact or segment.artifact
+    compiled = segment.artifact != fallback
+    if not compiled:
+        note = (f"segment {segment.id} is not compiled for the Edge TPU: its int8 model runs on the CPU interpreter"
+                if segment.device.startswith("edgetpu") else "")
+        return TfliteRunner(bundle / fallback, segment, [], note)
+    where = f"{segment.device} ({physical_device})" if physical_device else segment.device
+    if physical_device:
+        try:
+            delegate = _interpreter_module().load_delegate("libedgetpu.so.1", {"device": physical_device})
+            return TfliteRunner(bundle / segment.artifact, segment, [delegate], "")
+        except (ValueError, OSError, RuntimeError):
+            pass
+        note = f"{where} not found: segment {segment.id} runs its int8 model on the CPU"
+    else:
+        note = f"{where} has no physical device in this bundle: segment {segment.id} runs its int8 model on the CPU"
+    return TfliteRunner(bundle / fallback, segment, [], note)

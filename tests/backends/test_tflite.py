@@ -1,0 +1,379 @@
+"""The ONNX → TF (NHWC) lowering and its TFLite conversion, checked against onnxruntime.
+
+Each lowering runs on a small inline graph, converted to an fp32 .tflite and run through the
+bundle runtime's TFLite runner (which undoes the layout permutation), and must match
+onnxruntime within rtol 1e-4 / atol 1e-5. Real models (MobileNetV2 from tf2onnx, the PP-OCR
+classifier) are lowered whole the same way; the int8 path is checked on the PP-OCR classifier.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.backends import tflite
+from edgesdk.devices import edgetpu
+from edgesdk.errors import UserError
+from edgesdk.runtime.backends.tflite_runner import open_runner
+from edgesdk.runtime.manifest import Segment
+from tests import model_zoo
+
+RTOL, ATOL = 1e-4, 1e-5
+_rng = np.random.default_rng(0)
+
+
+def _w(*shape: int, scale: float = 0.5) -> np.ndarray:
+    return (_rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def make_model(nodes, inputs: dict[str, tuple[int, ...]], outputs: list[str], inits: dict[str, np.ndarray] | None = None,
+               opset: int = 13) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes, "case",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        initializer=[numpy_helper.from_array(np.asarray(v), n) for n, v in (inits or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def run_tflite(path: Path, result: tflite.TfliteResult, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    segment = Segment("s0", "edgetpu:0", "tflite", path.name, result.inputs, result.outputs,
+                      fallback_artifact=path.name)
+    return open_runner(path.parent, segment, None).run(feeds)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def random_feeds(model: onnx.ModelProto, scale: float = 1.0, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    inits = {i.name for i in model.graph.initializer}
+    return {vi.name: (rng.standard_normal([d.dim_value for d in vi.type.tensor_type.shape.dim]) * scale)
+            .astype(np.float32) for vi in model.graph.input if vi.name not in inits}
+
+
+def check_fp32(model: onnx.ModelProto, tmp_path: Path, rtol: float = RTOL, atol: float = ATOL) -> tflite.TfliteResult:
+    path = tmp_path / "m.tflite"
+    result = tflite.convert_float(model, path)
+    feeds = random_feeds(model)
+    got, want = run_tflite(path, result, feeds), run_ort(model, feeds)
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape, name
+        np.testing.assert_allclose(got[name], ref, rtol=rtol, atol=atol, err_msg=name)
+    return result
+
+
+N = helper.make_node
+X4 = {"x": (1, 4, 9, 10)}  # NCHW, odd/even spatial sizes on purpose
+
+# (id, nodes, inputs, outputs, initializers, opset)
+CASES = [
+    ("conv-pad1", [N("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1])], X4, ["y"],
+     {"w": _w(6, 4, 3, 3), "b": _w(6)}, 13),
+    ("conv-stride2-same-upper", [N("Conv", ["x", "w"], ["y"], strides=[2, 2], pads=[0, 0, 1, 1])], X4, ["y"],
+     {"w": _w(6, 4, 3, 3)}, 13),
+    ("conv-explicit-asymmetric-pads", [N("Conv", ["x", "w"], ["y"], pads=[2, 1, 0, 3], strides=[1, 2])], X4, ["y"],
+     {"w": _w(5, 4, 3, 2)}, 13),
+    ("conv-auto-pad-same-lower", [N("Conv", ["x", "w"], ["y"], auto_pad="SAME_LOWER", strides=[2, 2])], X4, ["y"],
+     {"w": _w(5, 4, 4, 4)}, 13),
+    ("conv-dilation2", [N("Conv", ["x", "w"], ["y"], dilations=[2, 2], pads=[2, 2, 2, 2])], X4, ["y"],
+     {"w": _w(3, 4, 3, 3)}, 13),
+    ("conv-depthwise-stride-2x1", [N("Conv", ["x", "w", "b"], ["y"], group=4, strides=[2, 1], pads=[1, 1, 1, 1])],
+     X4, ["y"], {"w": _w(4, 1, 3, 3), "b": _w(4)}, 11),
+    ("conv-depthwise-multiplier2", [N("Conv", ["x", "w"], ["y"], group=4, pads=[1, 1, 1, 1])], X4, ["y"],
+     {"w": _w(8, 1, 3, 3)}, 13),
+    ("conv-grouped", [N("Conv", ["x", "w"], ["y"], group=2)], X4, ["y"], {"w": _w(6, 2, 1, 1)}, 13),
+    ("convtranspose-k2s2", [N("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], kernel_shape=[2, 2])], X4,
+     ["y"], {"w": _w(4, 3, 2, 2), "b": _w(3)}, 12),
+    ("convtranspose-pads-output-padding",
+     [N("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])], X4, ["y"],
+     {"w": _w(4, 3, 3, 3)}, 13),
+    ("batchnorm", [N("BatchNormalization", ["x", "s", "o", "m", "v"], ["y"], epsilon=1e-3)], X4, ["y"],
+     {"s": _w(4), "o": _w(4), "m": _w(4), "v": np.abs(_w(4)) + 0.5}, 13),
+    ("relu", [N("Relu", ["x"], ["y"])], X4, ["y"], {}, 13),
+    ("sigmoid", [N("Sigmoid", ["x"], ["y"])], X4, ["y"], {}, 13),
+    ("tanh", [N("Tanh", ["x"], ["y"])], X4, ["y"], {}, 13),
+    ("hardsigmoid", [N("HardSigmoid", ["x"], ["y"], alpha=0.2, beta=0.5)], X4, ["y"], {}, 13),
+    ("hardswish", [N("HardSwish", ["x"], ["y"])], X4, ["y"], {}, 14),
+    ("clip-relu6", [N("Clip", ["x", "lo", "hi"], ["y"])], X4, ["y"],
+     {"lo": np.float32(0), "hi": np.float32(6)}, 13),
+    ("clip-general", [N("Clip", ["x", "lo", "hi"], ["y"])], X4, ["y"],
+     {"lo": np.float32(-0.5), "hi": np.float32(0.7)}, 13),
+    ("clip-min-only", [N("Clip", ["x", "lo"], ["y"])], X4, ["y"], {"lo": np.float32(-0.25)}, 13),
+    ("clip-opset6-attrs", [N("Clip", ["x"], ["y"], min=-1.0, max=1.0)], X4, ["y"], {}, 6),
+    ("prelu", [N("PRelu", ["x", "a"], ["y"])], X4, ["y"], {"a": _w(4, 1, 1)}, 13),
+    ("add-per-channel-after-conv", [N("Conv", ["x", "w"], ["c"]), N("Add", ["c", "k"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "k": _w(5, 1, 1)}, 13),
+    ("sub-scalar-first", [N("Conv", ["x", "w"], ["c"]), N("Sub", ["k", "c"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "k": np.float32(3)}, 13),
+    ("mul-two-activations-broadcast",
+     [N("Conv", ["x", "w"], ["c"]), N("GlobalAveragePool", ["c"], ["g"]), N("Mul", ["c", "g"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1)}, 13),
+    ("div-by-constant", [N("Div", ["x", "k"], ["y"])], X4, ["y"], {"k": np.float32(6)}, 13),
+    ("max-min-variadic", [N("Max", ["x", "k", "x"], ["a"]), N("Min", ["a", "k2"], ["y"])], X4, ["y"],
+     {"k": np.float32(-0.1), "k2": _w(10)}, 13),
+    ("decomposed-hardswish", [N("Conv", ["x", "w"], ["c"]), N("Add", ["c", "three"], ["a"]),
+                              N("Clip", ["a", "lo", "hi"], ["r"]), N("Mul", ["c", "r"], ["m"]),
+                              N("Div", ["m", "hi"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1, scale=2.0), "three": np.float32(3), "lo": np.float32(0), "hi": np.float32(6)}, 11),
+    ("maxpool-k3s2p1-after-relu", [N("Relu", ["x"], ["r"]),
+                                   N("MaxPool", ["r"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+     X4, ["y"], {}, 13),
+    ("maxpool-k3s2p1-signed", [N("MaxPool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+     X4, ["y"], {}, 13),
+    ("maxpool-k2s2", [N("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])], X4, ["y"], {}, 11),
+    ("maxpool-ceil-mode", [N("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)], X4, ["y"],
+     {}, 13),
+    ("averagepool-exclude-pad", [N("AveragePool", ["x"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])], X4, ["y"],
+     {}, 13),
+    ("averagepool-include-pad", [N("AveragePool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2],
+                                   pads=[1, 1, 1, 1], count_include_pad=1)], X4, ["y"], {}, 13),
+    ("averagepool-ceil-mode", [N("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)],
+     X4, ["y"], {}, 13),
+    ("globalaveragepool", [N("GlobalAveragePool", ["x"], ["y"])], X4, ["y"], {}, 13),
+    ("globalmaxpool", [N("GlobalMaxPool", ["x"], ["y"])], X4, ["y"], {}, 13),
+    ("reducemean-hw-no-keepdims", [N("Conv", ["x", "w"], ["c"]), N("ReduceMean", ["c"], ["y"], axes=[2, 3],
+                                                                    keepdims=0)], X4, ["y"], {"w": _w(5, 4, 1, 1)}, 13),
+    ("reducesum-channels-axes-input", [N("Conv", ["x", "w"], ["c"]), N("ReduceSum", ["c", "ax"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "ax": np.array([1], np.int64)}, 13),
+    ("reducemax-reducemin", [N("ReduceMax", ["x"], ["a"], axes=[3], keepdims=0),
+                             N("ReduceMin", ["x"], ["b"], axes=[1])], X4, ["a", "b"], {}, 13),
+    ("gemm-transb-bias", [N("Gemm", ["x", "w", "b"], ["y"], transB=1, alpha=0.5, beta=2.0)], {"x": (1, 12)}, ["y"],
+     {"w": _w(7, 12), "b": _w(7)}, 13),
+    ("matmul-2d", [N("MatMul", ["x", "w"], ["y"])], {"x": (1, 12)}, ["y"], {"w": _w(12, 5)}, 13),
+    ("matmul-3d", [N("MatMul", ["x", "w"], ["y"])], {"x": (1, 3, 12)}, ["y"], {"w": _w(12, 5)}, 13),
+    ("reshape-after-conv", [N("Conv", ["x", "w"], ["c"]), N("Reshape", ["c", "s"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "s": np.array([1, 0, -1], np.int64)}, 13),
+    ("flatten-after-conv", [N("Conv", ["x", "w"], ["c"]), N("Flatten", ["c"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1)}, 13),
+    ("squeeze-unsqueeze-nhwc", [N("Conv", ["x", "w"], ["c"]), N("GlobalAveragePool", ["c"], ["g"]),
+                                N("Squeeze", ["g", "sq"], ["s"]), N("Unsqueeze", ["s", "uq"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "sq": np.array([2, 3], np.int64), "uq": np.array([0, 3], np.int64)}, 13),
+    ("unsqueeze-after-conv", [N("Conv", ["x", "w"], ["c"]), N("Unsqueeze", ["c"], ["y"], axes=[2])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1)}, 11),
+    ("concat-channels-with-constant", [N("Conv", ["x", "w"], ["c"]), N("Relu", ["x"], ["r"]),
+                                       N("Concat", ["c", "r", "k"], ["y"], axis=1)], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "k": _w(1, 2, 9, 10)}, 13),
+    ("pad-constant-on-nhwc", [N("Conv", ["x", "w"], ["c"]), N("Pad", ["c", "p", "v"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "p": np.array([0, 1, 2, 0, 0, 0, 1, 3], np.int64), "v": np.float32(0.5)}, 13),
+    ("pad-opset2-attrs", [N("Pad", ["x"], ["y"], pads=[0, 0, 1, 1, 0, 0, 1, 1])], X4, ["y"], {}, 2),
+    ("softmax-opset11-2d", [N("Softmax", ["x"], ["y"], axis=1)], {"x": (1, 12)}, ["y"], {}, 11),
+    ("softmax-opset11-coerced", [N("Conv", ["x", "w"], ["c"]), N("Softmax", ["c"], ["y"], axis=2)], X4, ["y"],
+     {"w": _w(5, 4, 1, 1)}, 11),
+    ("softmax-channels-of-nhwc", [N("Conv", ["x", "w"], ["c"]), N("Softmax", ["c"], ["y"], axis=1)], X4, ["y"],
+     {"w": _w(5, 4, 1, 1)}, 13),
+    ("transpose-identity", [N("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]), N("Identity", ["t"], ["y"])], X4, ["y"],
+     {}, 13),
+    ("nhwc-input-transpose-conv", [N("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2]),
+                                   N("Conv", ["t", "w"], ["c"], strides=[2, 2], pads=[0, 0, 1, 1]),
+                                   N("Clip", ["c", "lo", "hi"], ["y"])], {"x": (1, 16, 16, 3)}, ["y"],
+     {"w": _w(4, 3, 3, 3), "lo": np.float32(0), "hi": np.float32(6)}, 13),
+    ("resize-nearest-asymmetric-x2", [N("Resize", ["x", "", "sc"], ["y"], mode="nearest",
+                                        coordinate_transformation_mode="asymmetric", nearest_mode="floor")], X4, ["y"],
+     {"sc": np.array([1, 1, 2, 2], np.float32)}, 13),
+    ("resize-bilinear-half-pixel-sizes", [N("Resize", ["x", "", "", "sz"], ["y"], mode="linear")], X4, ["y"],
+     {"sz": np.array([1, 4, 14, 17], np.int64)}, 13),
+    ("resize-bilinear-align-corners", [N("Resize", ["x", "", "sc"], ["y"], mode="linear",
+                                         coordinate_transformation_mode="align_corners")], X4, ["y"],
+     {"sc": np.array([1, 1, 2, 2], np.float32)}, 13),
+    ("slice-channels-and-rows", [N("Conv", ["x", "w"], ["c"]), N("Slice", ["c", "st", "en", "ax", "sp"], ["y"])],
+     X4, ["y"], {"w": _w(6, 4, 1, 1), "st": np.array([1, 1], np.int64), "en": np.array([5, 100], np.int64),
+                 "ax": np.array([1, 2], np.int64), "sp": np.array([2, 2], np.int64)}, 13),
+    ("split-channels", [N("Conv", ["x", "w"], ["c"]), N("Split", ["c", "sz"], ["a", "b"], axis=1)], X4, ["a", "b"],
+     {"w": _w(6, 4, 1, 1), "sz": np.array([2, 4], np.int64)}, 13),
+    ("folded-shape-chain", [N("Conv", ["x", "w"], ["c"]), N("Shape", ["c"], ["s"]),
+                            N("Gather", ["s", "i"], ["n"], axis=0), N("Concat", ["n", "m1"], ["t"], axis=0),
+                            N("Reshape", ["c", "t"], ["y"])], X4, ["y"],
+     {"w": _w(5, 4, 1, 1), "i": np.array([0], np.int64), "m1": np.array([-1], np.int64)}, 13),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_lowering_matches_onnxruntime(case, tmp_path):
+    _, nodes, inputs, outputs, inits, opset = case
+    check_fp32(make_model(nodes, inputs, outputs, inits, opset), tmp_path)
+
+
+def test_transpose_costs_no_op_and_nhwc_input_stays_put(tmp_path):
+    # NHWC input → Transpose → Conv: the Transpose only changes p, so the model has no TRANSPOSE.
+    case = next(c for c in CASES if c[0] == "nhwc-input-transpose-conv")
+    result = check_fp32(make_model(*case[1:]), tmp_path)
+    assert "TRANSPOSE" not in result.op_counts
+    assert result.inputs[0].perm is None  # the input is NHWC already
+    assert result.outputs[0].perm == (0, 3, 1, 2)  # the NCHW output stays NHWC inside TFLite
+
+
+def test_nchw_input_is_taken_in_nhwc(tmp_path):
+    model = make_model([N("Mul", ["x", "k"], ["m"]), N("Conv", ["m", "w"], ["y"])], X4, ["y"],
+                       {"k": _w(4, 1, 1), "w": _w(5, 4, 1, 1)})
+    result = check_fp32(model, tmp_path)
+    assert result.inputs[0].perm == (0, 3, 1, 2)  # reached Conv through the elementwise Mul
+    assert "TRANSPOSE" not in result.op_counts
+
+
+def test_hardswish_never_becomes_hard_swish(tmp_path):
+    # TFLite fuses x * relu6(x + 3) / 6 into HARD_SWISH, which the Edge TPU lacks.
+    for name in ("hardswish", "decomposed-hardswish"):
+        case = next(c for c in CASES if c[0] == name)
+        result = check_fp32(make_model(*case[1:]), tmp_path)
+        assert "HARD_SWISH" not in result.op_counts, name
+
+
+def test_signature_keys_are_identifiers_and_unique(tmp_path):
+    model = make_model([N("Relu", ["in:0"], ["out/0"]), N("Sigmoid", ["in:0"], ["out_0"])], {"in:0": (1, 8)},
+                       ["out/0", "out_0"])
+    result = check_fp32(model, tmp_path)
+    keys = [s.key for s in result.outputs]
+    assert result.inputs[0].key == "in_0" and len(set(keys)) == 2 and all(k.isidentifier() for k in keys)
+
+
+def test_lowering_reason_says_why():
+    shapes = {"x": (1, 4, 9, 10), "w": (6, 4, 3, 3), "d": (1, 4, 9, 10)}
+    assert tflite.lowering_reason(N("Conv", ["x", "w"], ["y"]), shapes, {"w"}) is None
+    assert "constant weight" in tflite.lowering_reason(N("Conv", ["x", "w"], ["y"]), shapes, set())
+    assert "no static shape" in tflite.lowering_reason(N("Relu", ["z"], ["y"]), shapes, set())
+    assert "no tflite lowering" in tflite.lowering_reason(N("LSTM", ["x", "w"], ["y"]), shapes, {"w"})
+    assert "divisor" in tflite.lowering_reason(N("Div", ["x", "d"], ["y"]), shapes, set())
+    assert "pad mode reflect" in tflite.lowering_reason(N("Pad", ["x", "p"], ["y"], mode="reflect"), shapes, {"p"})
+    # A node whose inputs are all constants folds away, whatever its op.
+    assert tflite.lowering_reason(N("Gather", ["w", "w"], ["y"]), shapes, {"w"}) is None
+
+
+def test_unsupported_nodes_are_reported_together(tmp_path):
+    model = make_model([N("Div", ["x", "x"], ["a"]), N("Erf", ["a"], ["b"]), N("Relu", ["b"], ["y"])], X4, ["y"])
+    with pytest.raises(UserError) as err:
+        tflite.convert_float(model, tmp_path / "m.tflite")
+    assert err.value.code == "tflite.unsupported-op" and len(err.value.notes) == 2
+    assert not (tmp_path / "m.tflite").exists()
+
+
+def test_every_edgetpu_op_has_a_lowering_and_back():
+    assert set(edgetpu.OPS) == set(tflite.LOWERINGS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models
+
+
+def _ppocr_cls_static() -> onnx.ModelProto:
+    import onnxscript
+
+    model = onnx.load(model_zoo.ppocr_cls())
+    for dim, v in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 48, 192)):
+        dim.Clear()
+        dim.dim_value = v
+    model = onnxscript.optimizer.optimize(model)
+    model.ir_version = min(model.ir_version, 10)
+    return model
+
+
+def _logits(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without a trailing Softmax: compare logits, not saturated probabilities."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    last = model.graph.node[-1]
+    if last.op_type == "Softmax":
+        del model.graph.node[-1]
+        del model.graph.output[:]
+        model.graph.output.append(helper.make_tensor_value_info(last.input[0], TensorProto.FLOAT, None))
+    return model
+
+
+REAL = {
+    "mobilenet_v2_96_0.35": lambda: onnx.load(model_zoo.mobilenet_v2(96, 0.35)),
+    "ppocr_cls": _ppocr_cls_static,
+}
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_model_fp32_lowering_matches_onnxruntime(name, tmp_path):
+    model = REAL[name]()
+    feeds = random_feeds(model)
+    path = tmp_path / "m.tflite"
+    result = tflite.convert_float(model, path)
+    got, want = run_tflite(path, result, feeds), run_ort(model, feeds)
+    for key, ref in want.items():
+        # Relative to the output's range: random-weight MobileNetV2's logits are ~1e-10.
+        # Measured: 1.4e-6 (MobileNetV2 96/0.35), 4e-7 (PP-OCR classifier).
+        assert np.abs(got[key] - ref).max() <= 1e-4 * np.abs(ref).max(), key
+    # Everything the lowering emitted is an Edge TPU op, and no layout transposes are left.
+    tpu_ops = {op for rule in edgetpu.OPS.values() for op in rule.tflite_ops}
+    assert set(result.op_counts) <= tpu_ops, result.op_counts
+    assert "TRANSPOSE" not in result.op_counts
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def text_line(rng: np.random.Generator) -> np.ndarray:
+    """A synthetic 48x192 text line, PP-OCR-normalized to [-1, 1]: dark strokes with ascender
+    bars on a light background, upside down half of the time (the classifier's two classes).
+    Uniform noise would leave the classifier's logits near zero and measure nothing."""
+    from scipy.ndimage import gaussian_filter
+
+    img = np.ones((48, 192))
+    x = 4
+    while x < 180:
+        w, top, bottom = rng.integers(2, 5), rng.integers(8, 20), rng.integers(30, 40)
+        img[top:bottom, x:x + w] = 0.1
+        if rng.random() < 0.5:
+            img[top:top + 3, x:x + rng.integers(6, 10)] = 0.1
+        x += w + rng.integers(3, 9)
+    if rng.random() < 0.5:
+        img = img[::-1, ::-1]
+    img = gaussian_filter(img, 0.7) + rng.normal(0, 0.03, img.shape)
+    return np.repeat(((np.clip(img, 0, 1) - 0.5) / 0.5)[None, None], 3, axis=1).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def ppocr_int8(tmp_path_factory):
+    """The PP-OCR classifier up to its logits as a full-int8 .tflite, calibrated on 16 text lines."""
+    model = _logits(_ppocr_cls_static())
+    rng = np.random.default_rng(7)
+    calibration = [{"x": text_line(rng)} for _ in range(16)]
+    path = tmp_path_factory.mktemp("int8") / "cls.tflite"
+    start = time.perf_counter()
+    result = tflite.convert_int8(model, calibration, path)
+    return model, path, result, time.perf_counter() - start
+
+
+def test_int8_ppocr_cls_runs_through_the_runtime_close_to_fp32(ppocr_int8):
+    model, path, result, seconds = ppocr_int8
+    assert result.inputs[0].quant is not None and result.outputs[0].quant is not None
+    assert result.inputs[0].perm == (0, 3, 1, 2)
+    assert all(k not in result.op_counts for k in ("DEQUANTIZE", "QUANTIZE", "HARD_SWISH", "TRANSPOSE"))
+    rng = np.random.default_rng(8)
+    got, want = [], []
+    for _ in range(16):
+        feeds = {"x": text_line(rng)}
+        got.append(run_tflite(path, result, feeds)[result.outputs[0].name])
+        want.append(run_ort(model, feeds)[result.outputs[0].name])
+    got, want = np.concatenate(got), np.concatenate(want)
+    # Measured over runs of 16-64 lines: logit cosine 0.974-0.988, argmax agreement 0.94-1.0,
+    # max |error| 20-35% of the largest logit (int8 post-training quantization of a
+    # hard-swish + squeeze-excite network; the hard swish is 3 int8 ops, not HARD_SWISH).
+    assert _cosine(got, want) > 0.95
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.85
+    assert np.abs(got - want).max() < 0.5 * np.abs(want).max()
+
+
+def test_int8_bad_calibration_is_a_user_error(tmp_path):
+    model = make_model([N("Relu", ["x"], ["y"])], X4, ["y"])
+    with pytest.raises(UserError) as err:
+        tflite.convert_int8(model, [{"x": np.zeros((1, 9, 10, 4), np.float32)}], tmp_path / "m.tflite")
+    assert err.value.code == "compress.calibration-shape"
+    with pytest.raises(UserError) as err:
+        tflite.convert_int8(model, [], tmp_path / "m.tflite")
+    assert err.value.code == "compress.no-calibration"

@@ -1,0 +1,65 @@
+"""Shared, session-scoped builds: each real model is built once per target and reused by the tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests import model_zoo
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None):
+    from edgesdk.pipeline import BuildOptions, build
+
+    shapes = {}
+    for e in extra:
+        name, _, dims = e.partition("=")
+        shapes[name] = tuple(int(d) for d in dims.split("x"))
+    options = BuildOptions(model=model, target=target, out=out, input_shapes=shapes, tuning_db=tuning_db,
+                           calib_samples=16)
+    return build(options)
+
+
+@pytest.fixture(scope="session")
+def tuning_db(tmp_path_factory) -> Path:
+    """An empty tuning database for the session (never the user's own)."""
+    return tmp_path_factory.mktemp("tuning-db")
+
+
+@pytest.fixture(scope="session")
+def mobilenet_v2() -> Path:
+    return model_zoo.mobilenet_v2()
+
+
+@pytest.fixture(scope="session")
+def x86_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
+    out = tmp_path_factory.mktemp("x86-mnv2")
+    return _build(out, mobilenet_v2, "x86", tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def arm_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
+    out = tmp_path_factory.mktemp("arm-mnv2")
+    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def x86_ppocr(tmp_path_factory, tuning_db):
+    out = tmp_path_factory.mktemp("x86-ppocr")
+    return _build(out, model_zoo.ppocr_cls(), "x86", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def arm_ppocr(tmp_path_factory, tuning_db):
+    out = tmp_path_factory.mktemp("arm-ppocr")
+    return _build(out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def gpu_ppocr(tmp_path_factory, tuning_db):
+    out = tmp_path_factory.mktemp("gpu-ppocr")
+    return _build(out, model_zoo.ppocr_cls(), "rtx3090", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)

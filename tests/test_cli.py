@@ -1,0 +1,134 @@
+"""The command line: bad input gets an `error:` line, a `hint:` line, the right exit code, no
+traceback, and leaves nothing half-written behind. Runs `edgesdk` as a user does, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.model_zoo import PPOCR_CLS, ROOT
+
+
+def edgesdk(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+    return subprocess.run([sys.executable, "-m", "edgesdk.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+def assert_user_facing(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr  # progress lines may come before it, nothing after but notes
+    assert any(line.startswith("hint: ") for line in lines[errors[0]:]), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+
+
+def test_help_is_fast_and_lists_commands():
+    proc = edgesdk("--help")
+    assert proc.returncode == 0
+    for cmd in ("build", "run", "verify", "inspect", "targets"):
+        assert cmd in proc.stdout
+
+
+def test_missing_model_file(tmp_path):
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(tmp_path / "nope.onnx"), "--target", "x86", "-o", str(out))
+    assert_user_facing(proc, 2, "nope.onnx does not exist")
+    assert not out.exists()
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    bad = tmp_path / "notes.onnx"
+    bad.write_text("these are not the weights you are looking for\n" * 20)
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(bad), "--target", "x86", "-o", str(out))
+    assert_user_facing(proc, 1, "notes.onnx")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_truncated_onnx(tmp_path, keep):
+    data = PPOCR_CLS.read_bytes()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(cut), "--target", "x86", "-o", str(out), "--input-shape", "x=1x3x48x192")
+    assert_user_facing(proc, 1, "cut.onnx")
+    assert not out.exists()
+
+
+def test_unknown_target(tmp_path):
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "arm_4tpu", "-o", str(out))
+    assert_user_facing(proc, 2, "unknown target 'arm_4tpu'", "arm_2tpu")
+    assert not out.exists()
+
+
+def test_bad_target_key_names_file_and_line(tmp_path):
+    t = tmp_path / "mine.yaml"
+    t.write_text((ROOT / "targets" / "x86.yaml").read_text().replace("cores: 4", "cores: 4\n    cache_mb: 8"))
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", str(t), "-o", str(out))
+    assert_user_facing(proc, 2, f"{t}:", "unknown key 'devices.0.cache_mb'")
+    assert not out.exists()
+    assert edgesdk("targets", "validate", str(t)).returncode == 2
+
+
+def test_dynamic_dimension_names_the_input(tmp_path):
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(out))
+    assert_user_facing(proc, 2, "input 'x': dimension 2", "--input-shape")
+    assert not out.exists()
+
+
+def test_bad_invocations_exit_2(tmp_path):
+    assert edgesdk("build").returncode == 2
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--until", "deploy")
+    assert_user_facing(proc, 2, "--until deploy: no such stage")
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--input-shape", "x=1x3xbig")
+    assert_user_facing(proc, 2, "--input-shape x=1x3xbig")
+
+
+def test_custom_ops_are_listed_together(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("FancyNorm", ["a"], ["b"], domain="com.acme", name="norm1"),
+             helper.make_node("FancyNorm", ["b"], ["y"], domain="com.acme", name="norm2")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.acme", 1)])
+    m.ir_version = 10
+    path = tmp_path / "custom.onnx"
+    onnx.save(m, path)
+    proc = edgesdk("build", str(path), "--target", "x86", "-o", str(tmp_path / "o"))
+    assert_user_facing(proc, 1, "node 'norm1'", "node 'norm2'", "com.acme::FancyNorm")
+
+
+def test_targets_commands():
+    proc = edgesdk("targets", "list")
+    assert proc.returncode == 0 and "arm_2tpu" in proc.stdout and "rtx3090" in proc.stdout
+    proc = edgesdk("targets", "show", "arm_2tpu")
+    assert proc.returncode == 0 and "usb:1" in proc.stdout and "Coral Edge TPU datasheet" in proc.stdout
+    proc = edgesdk("targets", "schema")
+    assert proc.returncode == 0 and '"EdgeTpuDevice"' in proc.stdout
+    assert edgesdk("targets", "validate", str(ROOT / "targets" / "x86.yaml")).returncode == 0
+
+
+def test_bundle_commands_on_non_bundles(tmp_path):
+    proc = edgesdk("verify", str(tmp_path / "missing"))
+    assert_user_facing(proc, 1, "does not exist")
+    (tmp_path / "empty").mkdir()
+    proc = edgesdk("inspect", str(tmp_path / "empty"))
+    assert_user_facing(proc, 1, "no manifest.json")
+    junk = tmp_path / "b.tar.gz"
+    junk.write_bytes(b"\x1f\x8b not really")
+    assert_user_facing(edgesdk("verify", str(junk)), 1, "not a bundle archive")
