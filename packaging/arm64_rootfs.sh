@@ -4,7 +4,9 @@
 # A minimal Debian bookworm arm64 root file system, built without chroot or binfmt (DESIGN §7):
 #   1. debootstrap's first stage (--foreign) downloads and unpacks the minbase system plus Python 3.11;
 #      the second stage would need to execute arm64 code, so the packages it would configure are
-#      unpacked with dpkg-deb instead (nothing is configured: no maintainer script runs).
+#      unpacked with dpkg-deb instead (nothing is configured: no maintainer script runs). The rootfs
+#      also gets a Cortex-A72's /proc/cpuinfo and /sys/devices/system/cpu, without which LiteRT
+#      crashes under qemu-user (see below).
 #   2. pip downloads the cp311 aarch64 wheels pinned in packaging/requirements-aarch64.txt and installs
 #      them with --target into DEST/opt/edgesdk-site, resolving offline from exactly those files.
 #   3. The host's Python 3.11 precompiles the stdlib and the site: Debian compiles .pyc files in a
@@ -48,10 +50,14 @@ exec 9>"$dest.lock"
 flock 9
 if up_to_date; then echo "rootfs: $dest is up to date"; exit 0; fi
 
-# The Debian mirror is the one apt on this machine uses for the suite: no host name is hard-coded.
+# The Debian mirror is the one apt on this machine uses: no host name is hard-coded. Prefer the entry
+# for the suite itself; a host on another Debian release has a mirror that carries it too (any main,
+# non-security entry). EDGESDK_DEBIAN_MIRROR overrides both, e.g. on an Ubuntu host.
 mirror=${EDGESDK_DEBIAN_MIRROR:-$(apt-get indextargets --no-release-info \
   --format '$(RELEASE) $(COMPONENT) $(REPO_URI)' 'Identifier: Packages' 2>/dev/null |
-  awk -v s="$suite" '$1 == s && $2 == "main" { print $3; exit }')}
+  awk -v s="$suite" '$2 == "main" && $1 == s { exact = $3 }
+                     $2 == "main" && $0 !~ /security/ && other == "" { other = $3 }
+                     END { print (exact != "" ? exact : other) }')}
 [ -n "$mirror" ] ||
   die "no Debian $suite mirror in apt's sources" "add one to /etc/apt/sources.list.d/ or set EDGESDK_DEBIAN_MIRROR"
 
@@ -81,8 +87,46 @@ for pkg in $base; do
 done
 ln -sfn python3.11 "$root/usr/bin/python3"
 rm -rf "$root/debootstrap" "$root"/var/cache/apt/archives/*.deb \
-  "$root"/usr/share/{doc,man,info,locale}
+  "$root"/usr/share/{doc,man,info,locale} "$root"/var/lib/apt/lists/*_dists_*
 [ -x "$root/usr/bin/python3.11" ] || die "python3.11 missing from the root file system" "see $cache/debootstrap.log"
+
+# An arm64 view of the CPUs. qemu-user passes /proc and /sys through from the x86-64 host unless the
+# same path exists under QEMU_LD_PREFIX, and LiteRT's CPU detection (pytorch/cpuinfo, for XNNPACK and
+# ruy) dereferences NULL on the host's x86 /proc/cpuinfo and cache topology: allocate_tensors() dies
+# with SIGSEGV. So the rootfs carries /proc/cpuinfo and /sys/devices/system/cpu of a Cortex-A72 (the
+# CPU model qemu emulates, QEMU_CPU=cortex-a72) with as many cores as the build host has, up to 8, so
+# that thread pools do not oversubscribe it. Every file cpuinfo reads is here: a missing one would
+# silently fall back to the host's. All other /proc paths (/proc/self/...) still reach the host.
+say "writing a Cortex-A72 /proc/cpuinfo and /sys/devices/system/cpu"
+cores=$(nproc); cores=$((cores > 8 ? 8 : cores)); last=$((cores - 1))
+rm -rf "$root/proc"
+mkdir -p "$root/proc"
+cpus="$root/sys/devices/system/cpu"
+mkdir -p "$cpus"
+for f in possible present online; do echo "0-$last" >"$cpus/$f"; done
+echo "$last" >"$cpus/kernel_max"
+echo >"$cpus/offline"
+cache_level() {  # cache_level CPU INDEX LEVEL TYPE SIZE SHARED_LIST WAYS SETS (64-byte lines)
+  local d="$cpus/cpu$1/cache/index$2"
+  mkdir -p "$d"
+  echo "$3" >"$d/level"; echo "$4" >"$d/type"; echo "$5" >"$d/size"; echo "$6" >"$d/shared_cpu_list"
+  echo "$7" >"$d/ways_of_associativity"; echo "$8" >"$d/number_of_sets"; echo 64 >"$d/coherency_line_size"
+}
+for ((i = 0; i < cores; i++)); do
+  printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\n' "$i"
+  printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n'
+  c="$cpus/cpu$i"
+  mkdir -p "$c/topology" "$c/cpufreq"
+  echo 1 >"$c/online"
+  echo 0 >"$c/topology/physical_package_id"; echo 0 >"$c/topology/cluster_id"; echo "$i" >"$c/topology/core_id"
+  for f in core_siblings_list cluster_cpus_list package_cpus_list; do echo "0-$last" >"$c/topology/$f"; done
+  for f in thread_siblings_list core_cpus_list; do echo "$i" >"$c/topology/$f"; done
+  echo 1500000 >"$c/cpufreq/cpuinfo_max_freq"; echo 600000 >"$c/cpufreq/cpuinfo_min_freq"
+  # Cortex-A72: 32 KiB 2-way L1d and 48 KiB 3-way L1i per core, a shared 16-way L2 (1 MiB here)
+  cache_level "$i" 0 1 Data 32K "$i" 2 256
+  cache_level "$i" 1 1 Instruction 48K "$i" 3 256
+  cache_level "$i" 2 2 Unified 1024K "0-$last" 16 1024
+done >"$root/proc/cpuinfo"
 
 # pip warns about this machine's unused local indexes on every call: show its output only on failure.
 pip_quiet() {

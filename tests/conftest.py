@@ -12,7 +12,8 @@ from tests import model_zoo
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None):
+def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None,
+           calib: Path | None = None):
     from edgesdk.pipeline import BuildOptions, build
 
     shapes = {}
@@ -20,7 +21,7 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
         name, _, dims = e.partition("=")
         shapes[name] = tuple(int(d) for d in dims.split("x"))
     options = BuildOptions(model=model, target=target, out=out, input_shapes=shapes, tuning_db=tuning_db,
-                           calib_samples=16)
+                           calib=calib, calib_samples=16)
     return build(options)
 
 
@@ -54,9 +55,21 @@ def x86_ppocr(tmp_path_factory, tuning_db):
 
 
 @pytest.fixture(scope="session")
-def arm_ppocr(tmp_path_factory, tuning_db):
+def text_calib(tmp_path_factory) -> Path:
+    """Calibration samples like the classifier's real inputs: text lines, upright and flipped."""
+    import numpy as np
+
+    d = tmp_path_factory.mktemp("calib-text")
+    np.save(d / "upright.npy", model_zoo.text_lines(8, seed=10)[:, 0])
+    np.save(d / "flipped.npy", model_zoo.text_lines(8, seed=11, flipped=True)[:, 0])
+    return d
+
+
+@pytest.fixture(scope="session")
+def arm_ppocr(tmp_path_factory, tuning_db, text_calib):
     out = tmp_path_factory.mktemp("arm-ppocr")
-    return _build(out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+    return _build(out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db,
+                  calib=text_calib)
 
 
 @pytest.fixture(scope="session")

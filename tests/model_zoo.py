@@ -25,8 +25,8 @@ def ppocr_cls() -> Path:
 
 
 def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
-    """MobileNetV2 (weights=None, seed 0) as ONNX, NHWC input of 1x{size}x{size}x3."""
-    path = CACHE / f"mobilenet_v2_{size}_{alpha}.onnx"
+    """MobileNetV2 (weights=None, seed 0, BatchNorm statistics set) as ONNX, NHWC input 1x{size}x{size}x3."""
+    path = CACHE / f"mobilenet_v2_{size}_{alpha}_bnstats.onnx"
     if path.exists():
         return path
     import tensorflow as tf
@@ -36,6 +36,14 @@ def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
     model = tf.keras.applications.MobileNetV2(
         input_shape=(size, size, 3), alpha=alpha, weights=None, classifier_activation=None
     )
+    # weights=None leaves every BatchNorm at mean 0 / variance 1, so activations shrink layer by
+    # layer to ~1e-10, which int8 cannot represent. One training-mode pass with momentum 0 sets
+    # the statistics a trained network would have on such inputs; the weights stay random.
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.layers.BatchNormalization):
+            layer.momentum = 0.0
+    images = tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1)
+    model(images, training=True)
     spec = (tf.TensorSpec((1, size, size, 3), tf.float32, name="input"),)
     proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=13)
     proto.ir_version = min(proto.ir_version, 10)
@@ -49,3 +57,44 @@ def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
 if __name__ == "__main__":
     print(mobilenet_v2())
     print(mobilenet_v2(96, 0.35))
+
+
+# A 5x7 bitmap font for digits: enough to draw text lines the PP-OCR classifier has seen the like of.
+_GLYPHS = {
+    "0": ["01110", "10001", "10011", "10101", "11001", "10001", "01110"],
+    "1": ["00100", "01100", "00100", "00100", "00100", "00100", "01110"],
+    "2": ["01110", "10001", "00001", "00010", "00100", "01000", "11111"],
+    "3": ["11110", "00001", "00001", "01110", "00001", "00001", "11110"],
+    "4": ["00010", "00110", "01010", "10010", "11111", "00010", "00010"],
+    "5": ["11111", "10000", "11110", "00001", "00001", "10001", "01110"],
+    "6": ["00110", "01000", "10000", "11110", "10001", "10001", "01110"],
+    "7": ["11111", "00001", "00010", "00100", "01000", "01000", "01000"],
+    "8": ["01110", "10001", "10001", "01110", "10001", "10001", "01110"],
+    "9": ["01110", "10001", "10001", "01111", "00001", "00010", "01100"],
+}
+
+
+def text_lines(n: int, seed: int = 0, *, flipped: bool = False) -> "np.ndarray":
+    """n images of a line of dark digits on a light background, preprocessed as PP-OCR's classifier
+    expects: NCHW 1x3x48x192, (pixel / 255 - 0.5) / 0.5. `flipped` rotates them by 180 degrees."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, 1, 3, 48, 192), np.float32)
+    for k in range(n):
+        img = np.full((48, 192), rng.uniform(200, 250), np.float32)
+        scale = int(rng.integers(4, 6))
+        x = int(rng.integers(2, 12))
+        y = int(rng.integers(2, 48 - 7 * scale - 1))
+        ink = rng.uniform(10, 80)
+        while x + 5 * scale < 190:
+            glyph = np.array([[c == "1" for c in row] for row in _GLYPHS[str(rng.integers(0, 10))]])
+            block = np.kron(glyph, np.ones((scale, scale), bool))
+            img[y:y + block.shape[0], x:x + block.shape[1]][block] = ink
+            x += 6 * scale
+        img += rng.normal(0, 6, img.shape)
+        if flipped:
+            img = img[::-1, ::-1]
+        img = np.clip(img, 0, 255)
+        out[k, 0] = ((img / 255.0 - 0.5) / 0.5)[None]
+    return out

@@ -326,6 +326,8 @@ def _scaled_product(cx: _Ctx, node: onnx.NodeProto, reciprocal: bool = False) ->
     inner = next((cx.producer.get(n) for n in names if n in cx.values), None)
     if c is None or c.size != 1 or len(names) != 2 or inner is None or inner.op_type != "Mul":
         return None
+    if c.ndim > len(cx.values[inner.output[0]].perm):  # the constant would add axes
+        return None
     if cx.uses.get(inner.output[0], 0) != 1 or any(n not in cx.values for n in inner.input):
         return None
     a, b = inner.input
@@ -378,7 +380,8 @@ _lowers("HardSigmoid")(_unary(lambda tf, x, n: _hard_sigmoid(tf, x, _attr(n, "al
 _lowers("HardSwish")(_unary(lambda tf, x, n: x * _hard_sigmoid(tf, x, 1.0 / 6.0, 0.5)))
 
 
-def _clip_bounds(node: onnx.NodeProto, consts: dict[str, np.ndarray] | set[str]) -> tuple[str | float | None, ...]:
+def _clip_bounds(node: onnx.NodeProto) -> tuple[str | float | None, ...]:
+    """(min, max) as attribute values (opset < 11) or input names (None: unbounded)."""
     if any(a.name in ("min", "max") for a in node.attribute):  # opset < 11
         return _attr(node, "min", None), _attr(node, "max", None)
     return _input(node, 1) or None, _input(node, 2) or None
@@ -392,7 +395,7 @@ def _check_clip(node, shapes, constants):
 def _clip(cx: _Ctx, node: onnx.NodeProto) -> None:
     tf = cx.tf
     x = cx.value(node.input[0])
-    lo, hi = (float(cx.const(b)) if isinstance(b, str) else b for b in _clip_bounds(node, cx.consts))
+    lo, hi = (float(cx.const(b).reshape(-1)[0]) if isinstance(b, str) else b for b in _clip_bounds(node))
     lo = None if lo is None or lo == -np.inf else lo
     hi = None if hi is None or hi == np.inf else hi
     if lo == 0.0 and hi == 6.0:
@@ -759,7 +762,8 @@ def _reshape(cx: _Ctx, node: onnx.NodeProto) -> None:
 def _flatten(cx: _Ctx, node: onnx.NodeProto) -> None:
     x = cx.value(node.input[0])
     shape = cx.shape(x)
-    axis = _attr(node, "axis", 1) % (len(shape) + 1) if _attr(node, "axis", 1) < 0 else _attr(node, "axis", 1)
+    axis = _attr(node, "axis", 1)
+    axis = axis + len(shape) if axis < 0 else axis
     target = [int(np.prod(shape[:axis])), int(np.prod(shape[axis:]))]
     y = cx.tf.reshape(cx.layout(x, _identity(len(shape))), target)
     cx.set(node.output[0], _Value(y, (0, 1), x.nonneg))
@@ -1129,7 +1133,9 @@ def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes
         [lowered.function.get_concrete_function()], lowered.module)
     if samples is not None:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        converter.representative_dataset = lambda: iter(samples)
+        # keyed by signature name: the converter's input order need not be ours
+        keys = [spec.key for spec in lowered.inputs]
+        converter.representative_dataset = lambda: (dict(zip(keys, sample)) for sample in samples)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         converter.inference_input_type = tf.int8
         converter.inference_output_type = tf.int8

@@ -9,9 +9,11 @@ One lowering (`_lower`) serves both tuning and compilation. MetaSchedule finds t
 records by the structural hash of each fused TIR function, so the functions that
 `tune_onnx` measures must be exactly those that `compile_onnx` later looks up.
 
-    ONNX --from_onnx--> Relax (weights as constants) --_lower--> fused TIR functions
-         --MetaScheduleApplyDatabase--> tuned functions --dlight (GPU only)--> every
-         function scheduled --VM codegen + LLVM/CUDA--> .so (cross-linked for aarch64)
+    compile: ONNX --from_onnx--> Relax (weights as constants) --_lower--> fused TIR
+             functions --MetaScheduleApplyDatabase--> tuned ones --dlight (GPU only)-->
+             all scheduled --VM codegen, LLVM / CUDA C--> .so (cross-linked for aarch64)
+    tune:    the same fused TIR functions --MetaSchedule (evolutionary search, XGBoost
+             cost model, measured here)--> records in a JSON database, one per target
 """
 
 from __future__ import annotations
@@ -147,10 +149,16 @@ def tune_onnx(
     summary: dict[str, Any] = {"tasks": 0, "searched": 0, "reused": 0, "trials": 0, "best_ms": {}, "seed": seed}
     if trials <= 0:
         return summary
+    import tvm
     from tvm.s_tir import meta_schedule as ms
 
     target, tvm_target = _resolve_target(target)
     _check_measurable(target, tvm_target)
+    if tvm_target.kind.name == "llvm" and "num-cores" not in target:
+        # MetaSchedule sizes parallel loops by the target's core count; the candidates run
+        # on this machine, so its physical cores it is. The database keeps the target as
+        # given, so that compiling for it finds these records.
+        tvm_target = tvm.target.Target({**target, "num-cores": ms.utils.cpu_count(logical=False)})
     mod = _lower(_import(model), tvm_target)
     extracted = list(ms.relax_integration.extract_tasks(mod, tvm_target))
     summary["tasks"] = len(extracted)
@@ -166,9 +174,10 @@ def tune_onnx(
         # The population the cost model ranks to pick each batch: 16 candidates per slot
         # keeps the batch diverse; TVM's fixed 512 costs seconds per round on small budgets.
         strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(64, 16 * batch)))
-        # A build worker costs ~20 s to start (see _pooled_builder) and a build ~0.5 s: a
-        # second worker pays off only for batches of a few dozen candidates.
-        builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), batch // 16)))
+        # A build worker costs ~4 s to start and a build ~0.3 s: a second worker pays off
+        # from batches of about a dozen candidates.
+        builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), batch // 8)))
+        _tensor_intrin_importer()()  # before TuneContext does it the slow way
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             todo, work_dir=str(tuning_db), strategy=strategy, seed=seed
         )
@@ -203,6 +212,7 @@ def tune_onnx(
 
 def _import(model: onnx.ModelProto) -> Any:
     """The Relax module of `model`, weights embedded as constants, inputs static."""
+    from tvm.error import OpNotImplemented
     from tvm.relax.frontend.onnx import from_onnx
 
     initializers = {t.name for t in model.graph.initializer}
@@ -226,16 +236,14 @@ def _import(model: onnx.ModelProto) -> Any:
         )
     try:
         return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
-    except Exception as exc:
-        # The importer checks every node before converting and lists all unsupported ops
-        # in one error (tvm.error.OpNotImplemented).
-        if type(exc).__name__ == "OpNotImplemented":
-            raise UserError(
-                "tvm.unsupported-op",
-                f"tvm's onnx importer cannot convert this segment: {exc}",
-                hint="place these ops on the onnxruntime backend",
-            ) from exc
-        raise
+    except OpNotImplemented as exc:
+        # The importer checks every node before converting and names all unsupported ops
+        # in this one error.
+        raise UserError(
+            "tvm.unsupported-op",
+            f"tvm's onnx importer cannot convert this segment: {exc}",
+            hint="place these ops on the onnxruntime backend",
+        ) from exc
 
 
 def _dims_text(tensor_type: onnx.TypeProto.Tensor) -> str:
@@ -326,7 +334,7 @@ def _interface(model: onnx.ModelProto, mod: Any) -> tuple[tuple[TensorSpec, ...]
     initializers = {t.name for t in model.graph.initializer}
     input_names = [v.name for v in model.graph.input if v.name not in initializers]
     inputs = tuple(
-        _spec(name, param.ty, str(i)) for i, (name, param) in enumerate(zip(input_names, main.params))
+        _spec(name, param.ty, str(i)) for i, (name, param) in enumerate(zip(input_names, main.params, strict=True))
     )
     ret = main.ret_ty  # TVM 0.27 calls struct_info `ty`
     fields = list(ret.fields) if isinstance(ret, tvm.ir.TupleType) else [ret]
@@ -456,7 +464,8 @@ def _open_database(path: Path, target: dict, *, must_exist: bool) -> Any:
     if owner.exists() and json.loads(owner.read_text()) != canonical:
         raise UserError(
             "tvm.tuning-db-target",
-            f"tuning database {path} holds records for target {owner.read_text().strip()}, not {json.dumps(target, sort_keys=True)}",
+            f"tuning database {path} holds records for target {owner.read_text().strip()}, "
+            f"not {json.dumps(target, sort_keys=True)}",
             hint="use one tuning database directory per target",
         )
     path.mkdir(parents=True, exist_ok=True)
@@ -512,17 +521,39 @@ def _best_ms(database: Any, task: Any) -> float | None:
     return round(1e3 * sum(secs) / len(secs), 6)
 
 
+def _tensor_intrin_importer() -> Callable[[], None]:
+    """A function that imports `tvm.s_tir.tensor_intrin` in ~4 s instead of 20-50 s.
+
+    MetaSchedule needs the module (TuneContext and every build worker import it). It
+    parses ~250 TVMScript functions, and each parse calls `inspect.stack()`, which looks
+    up the module of every frame on the stack. The import machinery's frames
+    (`<frozen importlib._bootstrap>`) have no file, so `inspect` never caches their module
+    and scans all of `sys.modules` for each one: frames x modules per function, worse the
+    more a process has imported. Recording in inspect's own cache which module those
+    frames come from removes the scans. The function is built here, nested, so that
+    cloudpickle ships it to MetaSchedule's worker processes by value.
+    """
+
+    def import_tensor_intrin() -> None:
+        import importlib
+        import inspect
+        import os
+
+        for name in ("importlib._bootstrap", "importlib._bootstrap_external"):
+            # the key inspect.getmodule computes for such a frame (relative to the cwd)
+            inspect.modulesbyfile.setdefault(os.path.normcase(os.path.abspath(f"<frozen {name}>")), name)
+        importlib.import_module("tvm.s_tir.tensor_intrin")
+
+    return import_tensor_intrin
+
+
 def _pooled_builder(max_workers: int) -> Any:
     """A MetaSchedule builder whose worker processes live as long as the tuning run.
 
     TVM's LocalBuilder starts fresh workers for every measured batch, and each worker's
-    first build imports `tvm.s_tir.tensor_intrin`, which parses ~250 TVMScript functions
-    (about 20 s on our machines, mostly in `inspect.stack`). These workers pay that once
-    per tuning run, and start before the tuning process's own import of the same module.
+    first build imports `tvm.s_tir.tensor_intrin` (see `_tensor_intrin_importer`). These
+    workers import it once per tuning run, while the tuning process prepares the search.
     """
-    import functools
-    import importlib
-
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
     from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
@@ -537,7 +568,7 @@ def _pooled_builder(max_workers: int) -> Any:
             self.pool = PopenPoolExecutor(
                 max_workers=max_workers,
                 timeout=timeout_sec,
-                initializer=functools.partial(importlib.import_module, "tvm.s_tir.tensor_intrin"),
+                initializer=_tensor_intrin_importer(),
             )
             # Start the workers now: their import overlaps the tuning process's own.
             for _ in range(max_workers):

@@ -44,9 +44,11 @@ def load_calibration(options, inputs: list[dict]) -> tuple[list[dict[str, np.nda
             shape = tuple(i["shape"])
             if a.shape == shape:
                 a = a[None]
+            elif shape and shape[0] == 1 and a.ndim == len(shape) and a.shape[1:] == shape[1:]:
+                a = a[:, None]  # N samples stacked along the batch axis of a batch-1 model
             elif a.shape[1:] != shape:
                 raise UserError("compress.calib-shape", f"{f}: array for '{i['name']}' has shape {a.shape}, "
-                                f"expected {shape} or (N, {', '.join(map(str, shape))})",
+                                f"expected {shape} or a stack of N samples",
                                 "preprocess calibration samples exactly as the model's input")
             stacks[i["name"]] = a.astype(i["dtype"])
         count = min(len(a) for a in stacks.values())

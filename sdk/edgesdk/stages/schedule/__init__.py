@@ -6,7 +6,9 @@ are maximal runs of consecutive nodes (in the graph's topological order) with th
 and backend, so executing them in order is always valid.
 
 Placement rule (the simple one; the cost-optimal DP comes with the scheduling issue): a node
-goes to the first accelerator that can run it, otherwise to the CPU. Accelerator runs are dealt
+goes to the first accelerator that can run it, otherwise to the CPU; then an accelerator run whose
+predicted time, link transfers included, is no better than the CPU's goes back to the CPU (so a
+lone Add between two CPU ops does not cross USB twice). Accelerator runs are dealt
 round-robin over the target's accelerators of that kind; in `--mode throughput`, when there are
 fewer runs than accelerators, the largest run is split by parameter bytes (Coral's
 `--num_segments` rule) so that every accelerator holds one pipeline stage.
@@ -40,7 +42,7 @@ def run(artifact: Path, ctx) -> dict:
     shapes = irm.static_shapes(model)
     consts = irm.constant_names(model)
 
-    runs = _runs(model)
+    runs, decisions = _runs(model, ctx, shapes, consts)
     runs = _deal_accelerators(runs, model, ctx)
 
     # tensors each node consumes / the graph's outputs; a run's outputs are what later runs
@@ -101,25 +103,64 @@ def run(artifact: Path, ctx) -> dict:
         "predicted": {"latency_ms": round(latency, 4), "throughput_fps": round(1000.0 / bottleneck, 2)},
         "cost_model": "roofline over the target's published figures (devices/cost.py); not yet fitted",
         "placement": {dev: sum(len(s["nodes"]) for s in segments if s["device"] == dev) for dev in per_device},
+        "decisions": decisions,
     }
     (ctx.out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     for s in segments:
         ctx.log(f"schedule: {s['id']} {s['device']:<10} {s['backend']:<11} {len(s['nodes']):4d} nodes "
                 f"{s['predicted_ms']:8.3f} ms predicted")
-    return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"]}
+    for d in decisions:
+        ctx.log(f"schedule: {d}")
+    return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
+            "decisions": decisions}
 
 
-def _runs(model: onnx.ModelProto) -> list[Run]:
+def _runs(model: onnx.ModelProto, ctx, shapes, consts) -> tuple[list[Run], list[str]]:
+    """Maximal runs of one device kind and backend, with accelerator islands that cost more than
+    they save (link transfers included) given back to the CPU."""
+    accelerators = {"edgetpu": ("edgetpu", "tflite"), "gpu": ("gpu", "tvm")}
+    labels: list[tuple[str, str]] = []
+    cpu_labels: list[tuple[str, str]] = []
+    for node in model.graph.node:
+        caps = (irm.get_meta(node, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",")
+        cpu = next((c for c in caps if c.startswith("cpu/")), "cpu/onnxruntime")
+        cpu_labels.append(("cpu", cpu.split("/")[1]))
+        labels.append(accelerators[caps[0]] if caps[0] in accelerators else cpu_labels[-1])
+    decisions = []
+    for r in _group(labels):
+        if r.device == "cpu":
+            continue
+        acc_ms = _run_ms(r.nodes, r.device, model, ctx, shapes, consts)
+        cpu_ms = _run_ms(r.nodes, "cpu", model, ctx, shapes, consts)
+        if cpu_ms <= acc_ms:
+            for n in r.nodes:
+                labels[n] = cpu_labels[n]
+            ops = sorted({model.graph.node[n].op_type for n in r.nodes})
+            decisions.append(f"{len(r.nodes)} node(s) ({', '.join(ops)}) stay on the cpu: {cpu_ms:.3f} ms there, "
+                             f"{acc_ms:.3f} ms on {r.device} with its link transfers")
+    return _group(labels), decisions
+
+
+def _group(labels: list[tuple[str, str]]) -> list[Run]:
     runs: list[Run] = []
-    for i, node in enumerate(model.graph.node):
-        first = (irm.get_meta(node, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",")[0]
-        accelerators = {"edgetpu": ("edgetpu", "tflite"), "gpu": ("gpu", "tvm")}
-        device, backend = accelerators[first] if first in accelerators else ("cpu", first.split("/")[1])
+    for i, (device, backend) in enumerate(labels):
         if runs and runs[-1].device == device and runs[-1].backend == backend:
             runs[-1].nodes.append(i)
         else:
             runs.append(Run(device, backend, [i]))
     return runs
+
+
+def _run_ms(nodes: list[int], device: str, model, ctx, shapes, consts) -> float:
+    g = model.graph
+    produced = {t for n in nodes for t in g.node[n].output}
+    ins = {t for n in nodes for t in g.node[n].input if t and t not in consts and t not in produced}
+    used_later = {t for i, n in enumerate(g.node) if i not in nodes for t in n.input} | {o.name for o in g.output}
+    outs = produced & used_later
+    params = sum(tensor_bytes(shapes.get(t)) for n in nodes for t in g.node[n].input if t in consts)
+    return segment_ms(ctx.target, device, flops=sum(node_flops(g.node[n], shapes) for n in nodes),
+                      param_bytes=params, io_bytes=sum(tensor_bytes(shapes.get(t)) for t in ins | outs),
+                      act_bytes=sum(tensor_bytes(shapes.get(t)) for t in produced), nodes=len(nodes))
 
 
 def _deal_accelerators(runs: list[Run], model: onnx.ModelProto, ctx) -> list[Run]:

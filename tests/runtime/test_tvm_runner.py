@@ -1,0 +1,160 @@
+"""The bundle runtime's TVM runner, on a library the TVM backend builds for this host.
+
+Outputs must match onnxruntime within rtol 1e-4 / atol 1e-5: from one thread, from several
+at once, and in TVM's runtime-only mode (`TVM_USE_RUNTIME_LIB=1`) with the runtime package
+copied out as the top-level `runtime` package a bundle ships.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.backends import tvm as tvm_backend
+from edgesdk.runtime import manifest as mf
+from edgesdk.runtime.backends import open_runner
+
+RTOL, ATOL = 1e-4, 1e-5
+RUNTIME_PACKAGE = Path(mf.__file__).parent
+
+
+def two_in_two_out():
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             "m": rng.standard_normal((4, 5)).astype(np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["act"]),
+         helper.make_node("GlobalAveragePool", ["act"], ["g"]),
+         helper.make_node("Flatten", ["g"], ["f"]),
+         helper.make_node("MatMul", ["f", "m"], ["mm"]),
+         helper.make_node("Add", ["mm", "bias"], ["logits"])],
+        "runner",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 3, 8, 8)),
+         helper.make_tensor_value_info("bias", TensorProto.FLOAT, (1, 5))],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, (1, 5)),
+         helper.make_tensor_value_info("act", TensorProto.FLOAT, (1, 4, 8, 8))],
+        initializer=[numpy_helper.from_array(v, n) for n, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def feeds_for(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32),
+            "bias": rng.standard_normal((1, 5)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """A bundle directory holding one CPU segment; returns (dir, segment, onnx model)."""
+    root = tmp_path_factory.mktemp("tvm-bundle")
+    model = two_in_two_out()
+    result = tvm_backend.compile_onnx(model, {"kind": "llvm"}, root / "segments" / "s0.so")
+    segment = mf.Segment("s0", "cpu", "tvm", "segments/s0.so", result.inputs, result.outputs)
+    return root, segment, model
+
+
+def reference(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip(["logits", "act"], session.run(["logits", "act"], feeds)))
+
+
+def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == np.float32
+        np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_runs_by_onnx_name(bundle):
+    root, segment, model = bundle
+    runner = open_runner(root, segment, None)
+    assert runner.note == ""
+    feeds = feeds_for(1)
+    assert_close(runner.run(feeds), reference(model, feeds))
+    # keys are positions: a reversed feed dict changes nothing
+    assert_close(runner.run(dict(reversed(list(feeds.items())))), reference(model, feeds))
+
+
+def test_concurrent_runs_stay_correct(bundle):
+    root, segment, model = bundle
+    runner = open_runner(root, segment, None)
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(10):
+                feeds = feeds_for(100 * seed + i)
+                assert_close(runner.run(feeds), reference(model, feeds))
+        except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]
+
+
+def test_wrong_feeds_are_named(bundle):
+    root, segment, _ = bundle
+    runner = open_runner(root, segment, None)
+    with pytest.raises(KeyError, match="bias"):
+        runner.run({"x": feeds_for(1)["x"]})
+    with pytest.raises(ValueError, match=r"'x' has shape \(1, 3, 9, 9\), expected \(1, 3, 8, 8\)"):
+        runner.run({**feeds_for(1), "x": np.zeros((1, 3, 9, 9), np.float32)})
+
+
+def test_gpu_segment_without_gpu_says_so(bundle):
+    import tvm
+
+    if tvm.cuda(0).exist:
+        pytest.skip("a GPU is present")
+    root, segment, _ = bundle
+    gpu_segment = mf.Segment("s0", "gpu:0", "tvm", segment.artifact, segment.inputs, segment.outputs)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        open_runner(root, gpu_segment, "cuda:0")
+
+
+def test_runtime_only_tvm_as_a_bundle_runs_it(bundle, tmp_path):
+    """The bundle's `runtime` package with TVM_USE_RUNTIME_LIB=1: no compiler is loaded."""
+    root, segment, model = bundle
+    shutil.copytree(RUNTIME_PACKAGE, tmp_path / "runtime", ignore=shutil.ignore_patterns("__pycache__"))
+    feeds = feeds_for(7)
+    np.savez(tmp_path / "feeds.npz", **feeds)
+    (tmp_path / "segment.json").write_text(json.dumps(dataclasses.asdict(segment)))
+    script = f"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+from runtime.backends import open_runner
+from runtime.manifest import segment_from_dict
+segment = segment_from_dict(json.loads(open("segment.json").read()))
+out = open_runner({str(root)!r}, segment, None).run(dict(np.load("feeds.npz")))
+import tvm
+np.savez("out.npz", **out)
+print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "relax": "tvm.relax" in sys.modules,
+                   "edgesdk": any(m.startswith("edgesdk") for m in sys.modules),
+                   "seconds": time.perf_counter() - t0}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TVM_USE_RUNTIME_LIB": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["runtime_only"] is True and facts["relax"] is False and facts["edgesdk"] is False
+    assert_close(dict(np.load(tmp_path / "out.npz")), reference(model, feeds))
