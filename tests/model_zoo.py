@@ -16,12 +16,21 @@ CACHE = Path(os.environ.get("EDGESDK_MODEL_CACHE", ROOT / ".cache" / "models"))
 
 PPOCR_CLS = CACHE / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 PPOCR_CLS_SHAPE = "x=1x3x48x192"
+PPOCR_REC = CACHE / "ch_PP-OCRv4_rec_infer.onnx"
+PPOCR_REC_SHAPE = "x=1x3x48x320"
 
 
 def ppocr_cls() -> Path:
     if not PPOCR_CLS.exists():
         raise FileNotFoundError(f"{PPOCR_CLS} is missing: run `make models` first")
     return PPOCR_CLS
+
+
+def ppocr_rec() -> Path:
+    """PP-OCRv4's text recognizer (SVTR: convolutions, attention, layer norms)."""
+    if not PPOCR_REC.exists():
+        raise FileNotFoundError(f"{PPOCR_REC} is missing: run `make models` first")
+    return PPOCR_REC
 
 
 def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:

@@ -228,11 +228,26 @@ def test_arm_pretrained_int8_accuracy_bound(arm_ppocr):
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 10 / 12
 
 
+def test_arm_mixed_bundle_has_aarch64_library_and_both_tpus(arm_rec):
+    m = Manifest.load(arm_rec.bundle)
+    devices = [s.device for s in m.segments]
+    assert "cpu" in devices and "edgetpu:0" in devices and "edgetpu:1" in devices, devices
+    for s in m.segments:
+        if s.backend == "tvm":
+            elf = (arm_rec.bundle / s.artifact).read_bytes()[:20]
+            assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
+    # the x86-64 twin used for the golden output never ships
+    assert not any(p.name.startswith("twin") for p in arm_rec.bundle.rglob("*"))
+    assert arm_rec.stages[-1].record["twins"]
+
+
 @pytest.mark.qemu
-def test_arm_bundle_selftest_under_qemu(arm_mobilenet):
+@pytest.mark.parametrize("which", ["arm_rec", "arm_mobilenet"])
+def test_arm_bundle_selftest_under_qemu(which, request):
     if qemu.find_rootfs() is None:
         pytest.fail("the arm64 root file system is missing: `make rootfs` prepares it (make test does)")
-    report = verify(arm_mobilenet.bundle)
+    result = request.getfixturevalue(which)
+    report = verify(result.bundle)
     assert report.selftest == "passed", (report.detail, report.notes)
     assert report.detail.startswith("under qemu-user") and "aarch64" in report.detail
 

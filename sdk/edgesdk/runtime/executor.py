@@ -18,8 +18,8 @@ from .manifest import Manifest, Segment
 class BundleModel:
     """A loaded bundle. `run(feeds)` is thread-safe; `stream(frames)` yields results in input order.
 
-    `artifacts` replaces segment artifacts by path (the build uses it to run an x86-64 twin of an
-    aarch64 bundle's CPU segments when it produces the golden output).
+    `artifacts` replaces segment artifacts by path with twins built for this host's CPU (the build
+    uses it to run the aarch64 or CUDA segments of a bundle on the build host for the golden output).
     """
 
     def __init__(self, bundle: Path, *, artifacts: dict[str, Path] | None = None,
@@ -31,8 +31,8 @@ class BundleModel:
         self.runners = []
         t0 = time.perf_counter()
         for seg in self.manifest.segments:
-            if artifacts and seg.id in artifacts:
-                seg = dataclasses.replace(seg, artifact=str(Path(artifacts[seg.id]).resolve()))
+            if artifacts and seg.id in artifacts:  # a twin built for this host's CPU
+                seg = dataclasses.replace(seg, artifact=str(Path(artifacts[seg.id]).resolve()), device="cpu")
             physical = self.manifest.device_map.get(seg.device)
             runner = open_runner(self.bundle, seg, physical)
             if runner.note:
