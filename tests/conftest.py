@@ -20,6 +20,8 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
     for e in extra:
         name, _, dims = e.partition("=")
         shapes[name] = tuple(int(d) for d in dims.split("x"))
+    # one database per target: MetaSchedule keys records by workload alone
+    tuning_db = tuning_db / target if tuning_db else None
     options = BuildOptions(model=model, target=target, out=out, input_shapes=shapes, tuning_db=tuning_db,
                            calib=calib, calib_samples=16)
     return build(options)

@@ -164,8 +164,12 @@ def tune_onnx(
     summary["tasks"] = len(extracted)
     per_task = max_trials_per_task or trials
     database = _open_database(Path(tuning_db), target, must_exist=False)
-    counts = _record_counts(database)
-    todo = [t for t in extracted if counts.get(_workload_key(t), 0) < per_task]
+    # A task is done when it holds `per_task` records, or when a search with at least this
+    # budget already ran (a small task's space can run out of new candidates before that).
+    counts, searched = _record_counts(database), _searched_budgets(Path(tuning_db))
+    keys = [_workload_key(t) for t in extracted]
+    todo_keys = [k for k in keys if counts.get(k, 0) < per_task and searched.get(k, 0) < per_task]
+    todo = [t for t, k in zip(extracted, keys) if k in todo_keys]
     summary["reused"] = len(extracted) - len(todo)
     summary["searched"] = len(todo)
     records_before = len(database)
@@ -200,6 +204,8 @@ def tune_onnx(
         finally:
             builder.shutdown()
     summary["trials"] = len(database) - records_before
+    if todo:
+        _record_searched_budgets(Path(tuning_db), dict.fromkeys(todo_keys, per_task))
     for task in extracted:
         best = _best_ms(database, task)
         if best is not None:
@@ -369,8 +375,11 @@ def _resolve_target(target: dict) -> tuple[dict, Any]:
 
     target_arch(target)  # validates kind and architecture
     target = resolve(target)
-    if target.get("kind") == "cuda" and "host" not in target:
-        target["host"] = {"kind": "llvm"}
+    if target.get("kind") == "cuda":
+        target.setdefault("host", {"kind": "llvm"})
+        # The static shared memory a block may use: 48 KiB on every CUDA architecture.
+        # dlight reads it from the target and warns once per function when it is absent.
+        target.setdefault("max_shared_memory_per_block", 49152)
     try:
         return target, tvm.target.Target(target)
     except Exception as exc:
@@ -508,6 +517,25 @@ def _record_counts(database: Any) -> dict[str, int]:
         key = shash2hex(record.workload.mod)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def _searched_budgets(path: Path) -> dict[str, int]:
+    """Workload hash -> the largest per-task budget a finished search had (`searched.json`)."""
+    import json
+
+    file = path / "searched.json"
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def _record_searched_budgets(path: Path, budgets: dict[str, int]) -> None:
+    import json
+
+    merged = _searched_budgets(path)
+    for key, budget in budgets.items():
+        merged[key] = max(merged.get(key, 0), budget)
+    tmp = path / "searched.json.tmp"
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / "searched.json")
 
 
 def _best_ms(database: Any, task: Any) -> float | None:

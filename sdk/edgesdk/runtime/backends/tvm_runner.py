@@ -49,7 +49,10 @@ class TvmRunner:
 def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TvmRunner:
     """A runner for `segment`'s library; CUDA when the segment's device is a GPU.
 
-    `physical_device` (e.g. `cuda:1`) selects the GPU; it is ignored on the CPU.
+    `physical_device` (e.g. `cuda:1`) selects the GPU; it is ignored on the CPU. A CUDA
+    library built on a machine without a GPU carries its kernels as CUDA source, which
+    TVM compiles when the library loads (`tvm_callback_cuda_compile`: NVRTC from the
+    cuda-bindings package, or nvcc with `TVM_CUDA_COMPILE_MODE=nvcc`).
     """
     return TvmRunner(Path(bundle) / segment.artifact, segment, _device_index(physical_device or segment.device))
 
