@@ -30,7 +30,6 @@ system: .cache/.stamp-system
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $@
 

@@ -67,7 +67,7 @@ def host_target(tmp: Path) -> Path:
     import yaml
     from tvm.target import codegen
 
-    cpu = codegen.llvm_get_system_cpu()
+    cpu = str(codegen.llvm_get_system_cpu())
     data = yaml.safe_load((ROOT / "targets/x86.yaml").read_text())
     data["name"] = "x86_host"
     data["devices"][0]["codegen"]["mcpu"] = cpu

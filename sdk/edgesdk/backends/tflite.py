@@ -1127,7 +1127,13 @@ def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.nda
 
 
 def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
+    import warnings
+
     import tensorflow as tf
+
+    # the converter's calibrator builds a tf.lite.Interpreter internally and TF warns about its
+    # own deprecation on every conversion: noise for our users, who never see that interpreter
+    warnings.filterwarnings("ignore", message=r"\s*Warning: tf.lite.Interpreter is deprecated")
 
     converter = tf.lite.TFLiteConverter.from_concrete_functions(
         [lowered.function.get_concrete_function()], lowered.module)

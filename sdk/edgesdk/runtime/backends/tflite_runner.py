@@ -78,6 +78,18 @@ class TfliteRunner:
         return np.ascontiguousarray(y)
 
 
+def _libedgetpu_present() -> bool:
+    """Whether Coral's runtime library loads at all. Asking first spares the user LiteRT's noisy
+    `Delegate.__del__` error that a failed load_delegate leaves behind."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libedgetpu.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TfliteRunner:
     """A runner on the Edge TPU when the segment is compiled and the TPU opens, else on the CPU."""
     bundle = Path(bundle)
@@ -88,7 +100,9 @@ def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> 
                 if segment.device.startswith("edgetpu") else "")
         return TfliteRunner(bundle / fallback, segment, [], note)
     where = f"{segment.device} ({physical_device})" if physical_device else segment.device
-    if physical_device:
+    if physical_device and not _libedgetpu_present():
+        note = f"{where} not found (libedgetpu.so.1 is not installed): segment {segment.id} runs its int8 model on the CPU"
+    elif physical_device:
         try:
             delegate = _interpreter_module().load_delegate("libedgetpu.so.1", {"device": physical_device})
             return TfliteRunner(bundle / segment.artifact, segment, [delegate], "")

@@ -183,8 +183,9 @@ def _accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: dict, s
     out = {"reference": "onnxruntime on the imported fp32 model", "samples": len(samples), "tensors": tensors}
     if probes:
         p = next(iter(probes.values()))
-        agree = [int(np.argmax(g[p]) == np.argmax(r[p])) for g, r in zip(got, ref)]
-        out["top1_agreement"] = sum(agree) / len(agree)
+        # per position along the last (class) axis: a sequence model has one decision per step
+        agree = [np.mean(np.argmax(g[p], -1) == np.argmax(r[p], -1)) for g, r in zip(got, ref)]
+        out["top1_agreement"] = round(float(np.mean(agree)), 4)
     return out
 
 
@@ -210,6 +211,9 @@ def _requirements(segments: list[mf.Segment], arch: str) -> str:
     lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
     for d in dists:
         lines.append(f"{d}=={importlib.metadata.version(d)}")
+    if any(s.device.startswith("gpu") for s in segments):
+        lines.append("# CUDA segments carry CUDA source that TVM compiles when the library is loaded: the device")
+        lines.append("# needs the CUDA toolkit's nvcc (TVM_CUDA_COMPILE_MODE=nvcc) or NVRTC, and an NVIDIA driver")
     return "\n".join(lines) + "\n"
 
 

@@ -109,8 +109,9 @@ def run(artifact: Path, ctx) -> dict:
     for s in segments:
         ctx.log(f"schedule: {s['id']} {s['device']:<10} {s['backend']:<11} {len(s['nodes']):4d} nodes "
                 f"{s['predicted_ms']:8.3f} ms predicted")
-    for d in decisions:
-        ctx.log(f"schedule: {d}")
+    if decisions:
+        ctx.log(f"schedule: {len(decisions)} accelerator-capable run(s) stay on the cpu, cheaper than crossing "
+                "the link (plan.json lists each)")
     return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
             "decisions": decisions}
 
