@@ -310,3 +310,13 @@ def test_gpu_bundle_selftest_on_a_gpu(gpu_ppocr):
         pytest.skip("no NVIDIA GPU on this host (never counted as passed)")
     report = verify(gpu_ppocr.bundle)
     assert report.selftest == "passed", report
+
+
+def test_same_inputs_same_bytes(arm_rec, tmp_path, tuning_db):
+    """Two builds of the same model and target in different directories: byte-identical tarballs
+    (aarch64 TVM libraries, int8 TFLite models, golden data and manifest included)."""
+    from tests.conftest import _build
+    from tests.model_zoo import PPOCR_REC_SHAPE, ppocr_rec
+
+    again = _build(tmp_path / "again", ppocr_rec(), "arm_2tpu", PPOCR_REC_SHAPE, tuning_db=tuning_db)
+    assert (again.out / "bundle.tar.gz").read_bytes() == (arm_rec.out / "bundle.tar.gz").read_bytes()

@@ -6,9 +6,12 @@ Exit codes: 0 ok, 1 the model/bundle/data is at fault, 2 a wrong invocation or t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -46,6 +49,28 @@ def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help=
     if ctx.invoked_subcommand is None:
         print(ctx.get_help())
         raise typer.Exit(0)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced(active: bool):
+    """With --quiet, what TensorFlow, LiteRT and TVM print from native code (absl and XNNPACK
+    banners) goes nowhere; our own errors are printed after this block, on the restored stderr."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
@@ -104,7 +129,8 @@ def build(
             _err(f"[{i}/{total}] {name} cached")
 
     t0 = time.perf_counter()
-    result = run_build(options, log=log, on_stage=on_stage)
+    with _native_stderr_silenced(quiet):
+        result = run_build(options, log=log, on_stage=on_stage)
     summary = result.summary()
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     if as_json:

@@ -24,9 +24,11 @@ Heavy imports (TensorFlow, LiteRT) happen inside the functions that convert, so 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1145,7 +1147,28 @@ def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         converter.inference_input_type = tf.int8
         converter.inference_output_type = tf.int8
-    return converter.convert()
+    with _native_stderr_captured() as captured:
+        try:
+            return converter.convert()
+        except Exception:
+            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
+            raise
+
+
+@contextlib.contextmanager
+def _native_stderr_captured():
+    """Capture what native code writes to fd 2 (the converter prints `fully_quantize: ...` on every
+    conversion, which a `--quiet` build must not show). Yields a function returning the text."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace"))[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def op_counts(model: bytes) -> dict[str, int]:
