@@ -1,0 +1,56 @@
+"""The simple placement of the end-to-end issue: accelerator runs, round-robin over the TPUs, and
+islands that would cost more on the accelerator (link transfers included) kept on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.pipeline import BuildOptions, build
+
+
+def _save(tmp_path, nodes, inits, shape_in, shape_out):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape_in)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape_out)], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+def _plan(tmp_path, path):
+    build(BuildOptions(model=path, target="arm_2tpu", out=tmp_path / "o", until="schedule"))
+    return json.loads((tmp_path / "o/.build/3-schedule/plan.json").read_text())
+
+
+def test_accelerator_runs_alternate_over_both_tpus(tmp_path):
+    rng = np.random.default_rng(0)
+    w0 = numpy_helper.from_array(rng.normal(size=(32, 16, 3, 3)).astype(np.float32), "w0")
+    w1 = numpy_helper.from_array(rng.normal(size=(32, 32, 3, 3)).astype(np.float32), "w1")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Pow", ["a", "two"], ["b"]),  # no Edge TPU op: the CPU runs it
+             helper.make_node("Conv", ["b", "w1"], ["y"], pads=[1, 1, 1, 1])]
+    plan = _plan(tmp_path, _save(tmp_path, nodes, [w0, w1, two], [1, 16, 64, 64], [1, 32, 64, 64]))
+    assert [(s["device"], s["backend"]) for s in plan["segments"]] == [
+        ("edgetpu:0", "tflite"), ("cpu", "tvm"), ("edgetpu:1", "tflite")]
+    # segment boundaries are exactly the tensors that change device
+    assert [s["outputs"] for s in plan["segments"]] == [["a"], ["b"], ["y"]]
+    assert plan["predicted"]["latency_ms"] > 0
+
+
+def test_cheap_island_stays_on_the_cpu(tmp_path):
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [helper.make_node("Pow", ["x", "two"], ["a"]),
+             helper.make_node("Add", ["a", "one"], ["b"]),  # the TPU could, but not worth two USB trips
+             helper.make_node("Pow", ["b", "two"], ["y"])]
+    plan = _plan(tmp_path, _save(tmp_path, nodes, [one, two], [1, 8, 8], [1, 8, 8]))
+    assert [s["device"] for s in plan["segments"]] == ["cpu"]
+    assert len(plan["decisions"]) == 1 and "stay on the cpu" in plan["decisions"][0]
+    legal = json.loads((tmp_path / "o/.build/2-legalize/legalize.json").read_text())
+    assert any(r["op"] == "Pow" and r["device"] == "edgetpu" for r in legal["refusals"])
