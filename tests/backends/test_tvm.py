@@ -239,3 +239,14 @@ def test_tuning_records_are_applied_and_reused(tmp_path):
     with pytest.raises(UserError) as err:
         tvm_backend.compile_onnx(model, other_target, tmp_path / "x.so", tuning_db=db)
     assert err.value.code == "tvm.tuning-db-target"
+
+
+def test_untuned_functions_get_the_default_schedule_deterministically(conv_x86, tmp_path):
+    """Without tuning records every function gets MetaSchedule's design space replayed with fixed
+    choices (parallel, vectorized, unrolled): none stays a naive loop nest, and the library is the
+    same bytes on every compile."""
+    model, out, result = conv_x86
+    assert result.tuned == 0 and result.default_scheduled == result.tasks
+    again = tvm_backend.compile_onnx(model, HOST, tmp_path / "again.so")
+    assert (tmp_path / "again.so").read_bytes() == out.read_bytes()
+    assert again.default_scheduled == result.default_scheduled

@@ -10,8 +10,9 @@ records by the structural hash of each fused TIR function, so the functions that
 `tune_onnx` measures must be exactly those that `compile_onnx` later looks up.
 
     compile: ONNX --from_onnx--> Relax (weights as constants) --_lower--> fused TIR
-             functions --MetaScheduleApplyDatabase--> tuned ones --dlight (GPU only)-->
-             all scheduled --VM codegen, LLVM / CUDA C--> .so (cross-linked for aarch64)
+             functions --MetaScheduleApplyDatabase--> tuned ones --dlight (GPU) or fixed
+             MetaSchedule decisions (CPU)--> all scheduled --VM codegen, LLVM / CUDA C-->
+             .so (cross-linked for aarch64)
     tune:    the same fused TIR functions --MetaSchedule (evolutionary search, XGBoost
              cost model, measured here)--> records in a JSON database, one per target
 """
@@ -23,6 +24,7 @@ import os
 import platform
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,8 @@ class TvmResult:
     tasks: int  # tunable TIR functions in the module
     tuned: int  # how many of them got a schedule from the tuning database
     target: dict  # the target as compiled (`mcpu: native` resolved to the build host's CPU)
+    # untuned functions that got the fixed default schedule (CPU: `_cpu_default_schedules`)
+    default_scheduled: int = 0
 
 
 def target_arch(target: dict) -> str:
@@ -92,8 +96,9 @@ def compile_onnx(
     library's VM function `main` takes the inputs in `TvmResult.inputs` order and returns
     one tensor (one output) or a tuple (several), in `TvmResult.outputs` order. Functions
     with a record in `tuning_db` (a database tuned for this same target) use the tuned
-    schedule; on CPU the others keep TVM's default loop nests, on CUDA they get dlight's
-    rule-based GPU schedules. aarch64 targets are linked by `aarch64-linux-gnu-gcc`.
+    schedule; on CPU the others get a fixed heuristic schedule (parallel, vectorized,
+    register-blocked; see `_cpu_default_schedules`), on CUDA dlight's rule-based GPU
+    schedules. aarch64 targets are linked by `aarch64-linux-gnu-gcc`.
     CUDA needs no GPU here: the library carries the kernels as CUDA source, which the GPU
     host compiles when it loads the library (nvcc checks them here when installed).
     """
@@ -112,6 +117,9 @@ def compile_onnx(
         tuned = tasks - _count_unscheduled(mod)
         if "gpu" in tvm_target.keys:
             mod = _gpu_default_schedules(mod)
+            default_scheduled = tasks - tuned - _count_unscheduled(mod)
+        else:
+            mod, default_scheduled = _cpu_default_schedules(mod, target)
         backend = _backend_pipeline(tvm_target)
         finish = tvm.transform.Sequential(
             backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
@@ -120,7 +128,9 @@ def compile_onnx(
     if tvm_target.kind.name == "cuda":
         _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
     _export(executable, target, Path(out_path))
-    return TvmResult(inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target)
+    return TvmResult(
+        inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled
+    )
 
 
 def tune_onnx(
@@ -241,7 +251,10 @@ def _import(model: onnx.ModelProto) -> Any:
             hint="fix the input shapes at import, e.g. --input-shape x=1x3x224x224",
         )
     try:
-        return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+        with warnings.catch_warnings():
+            # the importer warns once per tensor name with a dot in it ("Renaming name ..."): noise
+            warnings.filterwarnings("ignore", message="Renaming name")
+            return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
     except OpNotImplemented as exc:
         # The importer checks every node before converting and names all unsupported ops
         # in this one error.
@@ -320,6 +333,177 @@ def _gpu_default_schedules(mod: Any) -> Any:
                 mod[gvar] = scheduled
                 break
     return mod
+
+
+# MetaSchedule sizes parallel loops by the target's core count (16 jobs per core at most).
+# A target without `num-cores` gets this fixed count, not the build host's, so that the
+# same target builds the same library on any host.
+_DEFAULT_NUM_CORES = 4
+# The vector block of the innermost spatial loop and the register block of the output
+# channels (floats): 4 x 8 accumulators fill 4 AVX2 or 8 NEON registers.
+_VECTOR_BLOCK = 8
+_REGISTER_BLOCK = 4
+_UNROLL = 64
+
+
+def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
+    """Give every unscheduled function of `mod` a fixed, untuned CPU schedule.
+
+    The schedule is MetaSchedule's own design space for the function (its default LLVM
+    rules: inlining, multi-level tiling of reductions, parallel/vectorize/unroll) with
+    each sampled decision replaced by a fixed heuristic instead of a search: the outer
+    spatial tiles run in parallel, the reduction loops sit outside a register block of
+    `_REGISTER_BLOCK` x `_VECTOR_BLOCK` outputs (output channels x the last spatial axis
+    for a convolution, rows x columns for a matrix product), and the innermost spatial
+    tile is vectorized. Nothing is measured, so the same function and
+    target always give the same schedule. A function the rules fail on stays unscheduled
+    (TVM's default loop nest). Returns the module and how many functions got a schedule.
+    """
+    import tvm
+    from tvm import tirx
+    from tvm.s_tir import meta_schedule as ms
+
+    tvm_target = tvm.target.Target({**target, "num-cores": target.get("num-cores", _DEFAULT_NUM_CORES)})
+
+    def postprocs() -> list:  # fresh ones per function: the tuning context initializes them
+        return [
+            ms.postproc.DisallowDynamicLoop(),
+            ms.postproc.RewriteParallelVectorizeUnroll(),
+            ms.postproc.RewriteReductionBlock(),
+        ]
+
+    todo = [
+        (gvar, func)
+        for gvar, func in mod.functions_items()
+        if isinstance(func, tirx.PrimFunc) and not func.attrs.get("tirx.is_scheduled", False)
+    ]
+    if todo:
+        _tensor_intrin_importer()()  # the default rules import it; this way costs ~4 s, not 20
+    scheduled = 0
+    for gvar, func in todo:
+        try:
+            new = _cpu_default_schedule(func, tvm_target, postprocs)
+        except Exception:  # noqa: BLE001 -- a rule that does not fit leaves the loop nest
+            new = None
+        if new is not None:
+            mod[gvar] = new
+            scheduled += 1
+    return mod, scheduled
+
+
+def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], list]) -> Any:
+    """`func` scheduled by `_cpu_default_schedules`' heuristic, or None."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    context = ms.TuneContext(
+        mod=tvm.IRModule({"main": func}),
+        target=tvm_target,
+        space_generator=ms.space_generator.PostOrderApply(postprocs=postprocs(), mutator_probs={}),
+        rand_state=1,
+    )
+    spaces = context.generate_design_space()
+    if not spaces:
+        return None
+    # MultiLevelTiling's variants: the epilogue a loop nest of its own (the first), or
+    # computed per output tile while it is in cache (the others; innermost first, ~25%
+    # faster on MobileNetV2). TVM 0.27 leaves the border of a padding epilogue (a conv2d
+    # fused with the next layer's pad) unwritten in the latter, so a schedule that does
+    # not run every block instance is refused for the next variant.
+    fused = [s for s in spaces if any(i.kind.name == "ReverseComputeAt" for i in s.trace.insts)]
+    for space in fused[:1] + spaces[:1]:
+        sch = _replay(func, space.trace)
+        if _runs_every_instance(sch) and all(p.apply(sch) for p in context.space_generator.postprocs):
+            return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return None
+
+
+def _replay(func: Any, trace: Any) -> Any:
+    """`func` scheduled by `trace` with `_cpu_default_schedules`' fixed decisions."""
+    import tvm
+    from tvm import s_tir
+
+    roles = iter(_tile_roles(trace))
+
+    def decide(inst: Any, inputs: list, attrs: list, decision: Any) -> Any:
+        kind = inst.kind.name
+        if kind == "SamplePerfectTile":
+            return _tile(int(sch.get(inputs[0]).extent), int(attrs[0]), next(roles))
+        if kind == "SampleCategorical":  # the unroll limit
+            values = [int(v) for v in attrs[0]]
+            return values.index(_UNROLL) if _UNROLL in values else decision
+        if kind == "SampleComputeLocation":
+            return -1  # at the root: computed once, never recomputed per tile
+        return decision
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+    trace.apply_to_schedule(sch, remove_postproc=True, decision_provider=decide)
+    return sch
+
+
+def _runs_every_instance(sch: Any) -> bool:
+    """Whether the loops around each block of `sch` run at least its whole iteration domain."""
+    root = sch.get_sblock("root", func_name="main")
+    for block in sch.get_child_blocks(root):
+        runs = math.prod(int(sch.get(loop).extent) for loop in sch.get_loops(block))
+        domain = math.prod(int(v.dom.extent) for v in sch.get(block).iter_vars)
+        if runs < domain:
+            return False
+    return True
+
+
+def _tile_roles(trace: Any) -> list[str]:
+    """The role of each SamplePerfectTile of `trace`, in order: "vector" (a tiled block's
+    last spatial loop), "register" (the spatial loop blocked in registers), "spatial"
+    (other spatial loops), "reduction" (a tiled block's reduction loops) or "other".
+
+    MultiLevelTiling samples the tiles of one block back to back (each followed by its
+    split), spatial loops (4 tiles on CPU) before reduction loops (2 tiles).
+    """
+    groups: list[list[int]] = []  # the tile counts of each block's loops
+    previous = None
+    for inst in trace.insts:
+        kind = inst.kind.name
+        if kind == "SamplePerfectTile":
+            if previous != "Split" or not groups:
+                groups.append([])
+            groups[-1].append(int(inst.attrs[0]))
+        previous = kind
+    roles: list[str] = []
+    for group in groups:
+        spatial = [i for i, n in enumerate(group) if n == 4]
+        # The register block's axis: the output channel of a 2-D convolution (NCHW: the
+        # third from last of four or more), the row of a matrix product (the one before
+        # the last). Blocking channels reuses each input vector for `_REGISTER_BLOCK`
+        # outputs; blocking image rows reuses nothing (MobileNetV2 224: 2x slower).
+        register = spatial[-3] if len(spatial) >= 4 else spatial[-2] if len(spatial) >= 2 else None
+        for i, n in enumerate(group):
+            if n != 4:
+                roles.append("reduction" if spatial else "other")
+            elif i == spatial[-1]:
+                roles.append("vector")
+            elif i == register:
+                roles.append("register")
+            else:
+                roles.append("spatial")
+    return roles
+
+
+def _tile(extent: int, n: int, role: str) -> list[int]:
+    """Tile sizes (outermost first, product `extent`) of a loop split in `n` by `role`."""
+
+    def divisor(limit: int) -> int:
+        return max(d for d in range(1, min(limit, extent) + 1) if extent % d == 0)
+
+    if n == 4 and role == "vector":
+        inner = divisor(_VECTOR_BLOCK)
+        return [extent // inner, 1, 1, inner]
+    if n == 4 and role == "register":
+        inner = divisor(_REGISTER_BLOCK)
+        return [extent // inner, 1, inner, 1]
+    if n == 4:
+        return [extent, 1, 1, 1]
+    return [extent] + [1] * (n - 1)
 
 
 def _count_unscheduled(mod: Any) -> int:

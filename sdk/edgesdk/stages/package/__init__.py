@@ -69,7 +69,7 @@ def run(artifact: Path, ctx) -> dict:
             kind_db = db / dev.split(":")[0]
             kind_db = kind_db if (kind_db / "database_workload.json").exists() else None
             res = tvm_backend.compile_onnx(model, codegen, bundle / "segments" / f"{sid}.so", tuning_db=kind_db)
-            tuned[sid] = {"tasks": res.tasks, "tuned": res.tuned}
+            tuned[sid] = {"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled}
             ins, outs, art = res.inputs, res.outputs, f"segments/{sid}.so"
             if _needs_twin(codegen):
                 twin_dir.mkdir(exist_ok=True)
