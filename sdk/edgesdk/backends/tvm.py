@@ -192,6 +192,7 @@ def tune_onnx(
         # from batches of about a dozen candidates.
         builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), batch // 8)))
         _tensor_intrin_importer()()  # before TuneContext does it the slow way
+        _drop_unnamed_handlers("tvm.s_tir.meta_schedule")
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             todo, work_dir=str(tuning_db), strategy=strategy, seed=seed
         )
@@ -224,6 +225,18 @@ def tune_onnx(
 
 
 # --- import and lowering -------------------------------------------------------------
+
+
+def _drop_unnamed_handlers(logger_name: str) -> None:
+    """MetaSchedule rebuilds its loggers with logging.config.dictConfig, naming each handler the
+    logger already has; a handler someone else attached without a name (a test harness's, an
+    application's) makes that crash with `'NoneType' object has no attribute 'format'`."""
+    import logging
+
+    logger = logging.getLogger(logger_name)
+    for handler in list(logger.handlers):
+        if handler.get_name() is None:
+            logger.removeHandler(handler)
 
 
 def _import(model: onnx.ModelProto) -> Any:
