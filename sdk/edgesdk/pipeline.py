@@ -93,9 +93,6 @@ class StageContext:
         self.warnings.append(message)
         self.log(f"warning: {message}")
 
-    def read_json(self, stage: str, name: str) -> Any:
-        return json.loads((self.artifact(stage) / name).read_text())
-
 
 @dataclass
 class StageResult:

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .backends import open_runner
-from .manifest import Manifest, Segment
+from .manifest import Manifest
 
 
 class BundleModel:
@@ -75,6 +75,3 @@ class BundleModel:
             if shape != tuple(spec.shape):
                 raise ValueError(f"input '{name}' has shape {shape}, the model takes {tuple(spec.shape)}")
 
-
-def segment_by_id(manifest: Manifest, seg_id: str) -> Segment:
-    return next(s for s in manifest.segments if s.id == seg_id)

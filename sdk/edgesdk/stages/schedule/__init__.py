@@ -85,8 +85,9 @@ def run(artifact: Path, ctx) -> dict:
             "nodes": [irm.node_name(g.node[n], n) for n in r.nodes], "inputs": inputs, "outputs": outputs,
             "flops": flops, "param_bytes": params, "predicted_ms": round(ms, 4),
         })
+    device_of = {n: r.device for r in runs for n in r.nodes}
     for node_i, node in enumerate(g.node):
-        irm.set_meta(node, irm.DEVICE_KEY, next(r.device for r in runs if node_i in r.nodes))
+        irm.set_meta(node, irm.DEVICE_KEY, device_of[node_i])
     irm.save(model, ctx.out / "model.onnx")
 
     # One pipeline stage per segment: a device works on frame k+1 while the next device works on k.
@@ -154,9 +155,10 @@ def _group(labels: list[tuple[str, str]]) -> list[Run]:
 
 def _run_ms(nodes: list[int], device: str, model, ctx, shapes, consts) -> float:
     g = model.graph
+    inside = set(nodes)
     produced = {t for n in nodes for t in g.node[n].output}
     ins = {t for n in nodes for t in g.node[n].input if t and t not in consts and t not in produced}
-    used_later = {t for i, n in enumerate(g.node) if i not in nodes for t in n.input} | {o.name for o in g.output}
+    used_later = {t for i, n in enumerate(g.node) if i not in inside for t in n.input} | {o.name for o in g.output}
     outs = produced & used_later
     params = sum(tensor_bytes(shapes.get(t)) for n in nodes for t in g.node[n].input if t in consts)
     return segment_ms(ctx.target, device, flops=sum(node_flops(g.node[n], shapes) for n in nodes),
