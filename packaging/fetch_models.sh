@@ -1,24 +1,44 @@
 #!/usr/bin/env bash
-# Fetch the real pretrained models the demo and tests use, from PyPI wheels that carry them
-# (`pip download --no-deps`; the packages are never installed). Offline afterwards.
+# Fetch the real pretrained models the demo, tests and benchmarks use, from PyPI wheels that carry
+# them (`pip download --no-deps`; the packages are never installed: DESIGN §7). Offline afterwards.
+#   rapidocr-onnxruntime 1.4.4  PP-OCRv4 detector/recognizer, PP-OCR direction classifier (ONNX)
+#   silero-vad 6.2.3            voice activity detector (ONNX: If, LSTM)
+#   mediapipe 0.10.18           face detector and selfie segmenter (TFLite, float16 weights)
 set -euo pipefail
 dest=${1:-.cache/models}
 pip=${PIP:-.venv/bin/pip}
 mkdir -p "$dest"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "models: fetching rapidocr-onnxruntime 1.4.4 (PP-OCRv4 detector/recognizer, PP-OCR direction classifier)"
-"$pip" download -q --no-deps rapidocr-onnxruntime==1.4.4 -d "$tmp" 2>&1 | grep -v "^WARNING: Location" || true
-wheel=$(ls "$tmp"/rapidocr_onnxruntime-*.whl)
-python3 - "$wheel" "$dest" <<'PY'
-import sys, zipfile, pathlib, os
-wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
+
+# fetch WHEEL_SPEC PATH_IN_WHEEL...: the model files are platform-independent; the wheel's platform
+# is fixed so that every host downloads the same file
+fetch() {
+  local spec=$1; shift
+  echo "models: fetching $spec"
+  rm -rf "$tmp/wheel" && mkdir -p "$tmp/wheel"
+  "$pip" download -q --no-deps "$spec" -d "$tmp/wheel" --only-binary=:all: \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --python-version 3.11 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  python3 - "$(ls "$tmp"/wheel/*.whl)" "$dest" "$@" <<'PY'
+import os, pathlib, sys, zipfile
+wheel, dest, members = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3:]
 with zipfile.ZipFile(wheel) as z:
-    for name in z.namelist():
-        if name.startswith("rapidocr_onnxruntime/models/") and name.endswith(".onnx"):
+    names = z.namelist()
+    for member in members:
+        matches = [n for n in names if n == member or (member.endswith("/") and n.startswith(member) and n.endswith(".onnx"))]
+        if not matches:
+            sys.exit(f"models: {member} is not in {os.path.basename(wheel)}")
+        for name in matches:
             out = dest / pathlib.Path(name).name
-            tmp = out.with_suffix(".part")
-            tmp.write_bytes(z.read(name))
-            os.replace(tmp, out)
+            part = out.with_name(out.name + ".part")
+            part.write_bytes(z.read(name))
+            os.replace(part, out)
             print(f"models: {out} ({out.stat().st_size:,} bytes)")
 PY
+}
+
+fetch rapidocr-onnxruntime==1.4.4 rapidocr_onnxruntime/models/
+fetch silero-vad==6.2.3 silero_vad/data/silero_vad.onnx silero_vad/data/silero_vad_16k_op15.onnx
+fetch mediapipe==0.10.18 mediapipe/modules/face_detection/face_detection_short_range.tflite \
+  mediapipe/modules/selfie_segmentation/selfie_segmentation.tflite

@@ -90,7 +90,7 @@ def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
 
 @app.command()
 def build(
-    model: Path = typer.Argument(..., help="The model file (.onnx)."),
+    model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
     target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory: DIR/bundle, DIR/bundle.tar.gz, DIR/.build (stage cache)."),
     input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
@@ -137,8 +137,11 @@ def build(
         print(json.dumps(summary, indent=2, default=str))
         return
     if not quiet:
-        from .report.text import placement_summary
+        from .report.text import import_summary, placement_summary
 
+        for s in result.stages:
+            if s.name == "import":
+                _err(import_summary(s.record))
         plan_path = out / ".build" / "3-schedule" / "plan.json"
         if plan_path.exists():
             _err(placement_summary(json.loads(plan_path.read_text())))
@@ -210,11 +213,15 @@ def verify(
     if as_json:
         print(json.dumps({"bundle": str(report.bundle), "hashes_ok": report.hashes_ok, "files": report.files,
                           "selftest": report.selftest, "detail": report.detail, "outputs": report.outputs,
-                          "notes": report.notes}, indent=2))
+                          "segments": report.segments, "notes": report.notes}, indent=2))
     else:
         print(f"hashes: ok ({report.files} files match the manifest)")
         for n in report.notes:
             print(f"note: {n}")
+        for seg in report.segments:
+            for o in seg["outputs"]:
+                print(f"  {'ok' if o['passed'] else 'FAIL'} segment {seg['segment']} ({seg['device']}) {o['output']}: "
+                      f"max abs error {o['max_abs_error']:.3g} (tolerance {o['tolerance']:.3g}, {o['rule']})")
         for o in report.outputs:
             print(f"  {'ok' if o['passed'] else 'FAIL'} {o['output']}: max abs error {o['max_abs_error']:.3g} "
                   f"(tolerance {o['tolerance']:.3g}, {o['rule']})")

@@ -130,11 +130,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     target, target_path = load_target(options.target)
     model = Path(options.model)
     if not model.exists():
-        raise UsageError("build.model-not-found", f"model file {model} does not exist",
-                         "give the path of an .onnx file")
-    if model.is_dir():
-        raise UsageError("build.model-is-dir", f"{model} is a directory, not a model file",
-                         "SavedModel directories come with a later release; export to ONNX with tf2onnx")
+        raise UsageError("build.model-not-found", f"model {model} does not exist",
+                         "give an .onnx, .keras, .h5 or .tflite file, or a SavedModel directory")
 
     out = Path(options.out)
     build_dir = out / ".build"
@@ -142,7 +139,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     stop = PHASE_NAMES.index(options.until) if options.until else len(PHASES) - 1
     force_from = PHASE_NAMES.index(options.start) if options.start else len(PHASES)
 
-    key = value_sha256({"model": file_sha256(model), "sdk": __version__})
+    # a SavedModel is a directory: its digest covers every file in it
+    key = value_sha256({"model": tree_sha256(model) if model.is_dir() else file_sha256(model), "sdk": __version__})
     artifact = model
     results: list[StageResult] = []
     try:

@@ -33,6 +33,7 @@ class VerifyReport:
     selftest: str  # passed | failed | not-run
     detail: str
     outputs: list[dict] = field(default_factory=list)
+    segments: list[dict] = field(default_factory=list)  # each segment on its own golden inputs
     notes: list[str] = field(default_factory=list)
 
 
@@ -106,6 +107,7 @@ def verify(path: Path, *, run_selftest: bool = True) -> VerifyReport:
         return report
     report.selftest = "passed" if result["passed"] else "failed"
     report.outputs = result["outputs"]
+    report.segments = result.get("segments", [])
     report.notes = result.get("notes", [])
     report.detail += f"on {result['arch']}"
     return report

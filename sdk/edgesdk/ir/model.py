@@ -17,27 +17,73 @@ DEVICE_KEY = "edgesdk.device"
 CAPABLE_KEY = "edgesdk.capable"
 
 
-def load(path: Path) -> onnx.ModelProto:
-    """Read an ONNX file (with its external data), or fail with a user error that says why."""
+def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
+    """Read an ONNX file (with its external data), or fail with a user error that says why.
+
+    `check=False` leaves `onnx.checker` to the caller (`check_model`), which first wants to report every
+    non-standard op at once rather than the checker's first complaint."""
     path = Path(path)
     try:
-        model = onnx.load(str(path), load_external_data=True)
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends: the file is not a model
         raise UserError(
             "import.bad-file",
             f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:120] or 'parse failed'})",
             "the file may be truncated or in another format; re-export it with torch.onnx.export or tf2onnx",
         ) from None
+    _load_external_data(model, path)
     if not model.graph.node:
         raise UserError("import.empty-graph", f"{path}: the model has no nodes",
                         "the file parsed but holds no graph; it may be truncated or not an ONNX model")
+    if check:
+        check_model(model, path)
+    return model
+
+
+def check_model(model: onnx.ModelProto, path: Path) -> None:
+    """`onnx.checker` (full check: ops known at the model's opsets, types, topological order)."""
     try:
         onnx.checker.check_model(model)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError("import.invalid-model", f"{path}: not a valid ONNX model: {first[:300]}",
                         "the file may be truncated or damaged; re-export it") from None
-    return model
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Check every external-data reference before reading it, so that a missing or short `.data`
+    file is named (with each tensor that needs it) instead of surfacing as onnx's first complaint."""
+    from onnx import external_data_helper as ext
+
+    base = Path(os.path.abspath(path.parent))  # as onnx resolves locations: beside the file as named
+    tensors = [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
+    if not tensors:
+        return
+    problems = []
+    for t in tensors:
+        try:
+            info = ext.ExternalDataInfo(t)
+        except Exception:  # offset/length that are not numbers
+            problems.append(f"tensor '{t.name}': its external data reference is malformed")
+            continue
+        file = Path(os.path.normpath(base / info.location)) if info.location else None
+        if file is None or not file.is_relative_to(base):
+            problems.append(f"tensor '{t.name}': external data location '{info.location}' is outside {base}")
+        elif not file.is_file():
+            problems.append(f"tensor '{t.name}': {file} is missing")
+        else:
+            size, offset, need = file.stat().st_size, info.offset or 0, info.length or 0
+            if offset + need > size:
+                problems.append(f"tensor '{t.name}': {file.name} holds {size} bytes, the tensor needs "
+                                f"bytes {offset}..{offset + need}")
+    if problems:
+        raise UserError("import.external-data", f"{path}: {len(problems)} tensor(s) stored as external data cannot be read",
+                        "keep the .data file(s) beside the .onnx file, as they were saved", notes=problems)
+    try:
+        ext.load_external_data_for_model(model, str(base))
+    except Exception as e:
+        raise UserError("import.external-data", f"{path}: external data could not be read ({type(e).__name__}: {str(e)[:160]})",
+                        "keep the .data file(s) beside the .onnx file, as they were saved") from None
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:

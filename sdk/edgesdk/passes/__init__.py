@@ -1,1 +1,117 @@
-"""Graph rewrite rules shared by import and legalize (the graph-optimization issue fills this)."""
+"""Graph-level optimizations of the import stage: rewrites that keep the model's function.
+
+Needs: a valid ONNX model, opset 13..21, static graph-input shapes, shapes inferred (value_info).
+Guarantees: a valid ONNX model (checker passes, IR version <= 10) with the same graph inputs and
+outputs (names, shapes, element types) computing the same function: integer and layout rewrites
+exactly, float rewrites within rtol 1e-5 (each family's docstring gives its bound), with shapes
+inferred again.
+
+The rule families run in this order, each rule over the whole model (subgraphs included), and the
+sequence repeats until a round fires nothing (at most `MAX_ROUNDS`):
+
+1. no-op elimination             (`identity`: x*1, x+0, Dropout, no-op Reshape/Transpose/Cast/Expand, Identity)
+2. constant folding              (`constant_folding`: onnxscript's folder, constants lifted)
+3. BatchNormalization folding    (`batchnorm`: into Conv, ConvTranspose, Gemm; inference mode only)
+4. Conv/Gemm bias and activation (`conv_bias_activation`: per-channel Mul/Add into Conv, MatMul+Add
+                                  -> Gemm, Min/Max -> Clip, Relu/Clip chains, HardSigmoid/HardSwish)
+5. elementwise chains            (`elementwise`: constants of Mul/Div and Add/Sub chains combined)
+6. transposes                    (`transpose`: pairs merged, transposes sunk through elementwise ops)
+7. reshape chains                (`reshape`: Reshape/Flatten/Squeeze/Unsqueeze chains -> one Reshape)
+8. redundancy                    (`redundancy`: initializer dedup, CSE, dead code)
+
+A rule that raises (a bug, or a graph no rule foresaw) does not stop the build: the round is undone
+from its snapshot, the rule is switched off, the round runs again, and the record's "rule_errors"
+says which rule and why. If the result fails the ONNX checker the input model is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import onnx
+import onnx_ir as ir
+
+from . import batchnorm, constant_folding, conv_bias_activation, elementwise, identity, redundancy, reshape, transpose
+from .rule import Rule
+
+# Rounds until nothing fires; real models settle in 2-3 (each rule already visits every node).
+MAX_ROUNDS = 8
+# onnxruntime 1.31 reads IR version <= 13, the backends 10 (edgesdk.ir.model.IR_VERSION, one layer up).
+IR_VERSION = 10
+
+RULES: tuple[Rule, ...] = (
+    *identity.RULES,
+    *constant_folding.RULES,
+    *batchnorm.RULES,
+    *conv_bias_activation.RULES,
+    *elementwise.RULES,
+    *transpose.RULES,
+    *reshape.RULES,
+    *redundancy.RULES,
+)
+
+log = logging.getLogger(__name__)
+
+
+def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """Returns the optimized model and a record:
+    {"rules": {rule_name: times_fired, ...}   # every rule that ran, 0 included, in the order they run
+     "nodes_before": {op_type: count}, "nodes_after": {op_type: count},  # main graph, sorted by op type
+     "rounds": int}                            # fixed-point iterations, the last (quiet) one included
+    plus "rule_errors": {rule_name: message} where a rule raised and was switched off.
+    """
+    counts = {rule.name: 0 for rule in RULES}
+    errors: dict[str, str] = {}
+    graph = ir.serde.deserialize_model(model)
+    rounds = 0
+    while rounds < MAX_ROUNDS:
+        rounds += 1
+        snapshot = ir.serde.serialize_model(graph)
+        fired: dict[str, int] = {}
+        for rule in RULES:
+            if rule.name in errors:
+                continue
+            try:
+                fired[rule.name] = rule.apply(graph)
+            except Exception as e:  # noqa: BLE001 - any failure of one rule must not lose the model
+                errors[rule.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log.warning("passes: rule %s raised %s; switched off", rule.name, errors[rule.name])
+                graph = ir.serde.deserialize_model(snapshot)
+                break
+        else:
+            for name, n in fired.items():
+                counts[name] += n
+            if not any(fired.values()):
+                break
+
+    result = ir.serde.serialize_model(graph)
+    result.ir_version = min(result.ir_version or IR_VERSION, IR_VERSION)
+    result = _infer_shapes(result)
+    try:
+        onnx.checker.check_model(result)
+    except Exception as e:  # noqa: BLE001
+        errors["checker"] = f"the optimized model is invalid, the input is kept: {str(e).splitlines()[0][:200]}"
+        log.warning("passes: %s", errors["checker"])
+        result, counts = model, {name: 0 for name in counts}
+    record = {"rules": counts, "nodes_before": _op_counts(model), "nodes_after": _op_counts(result), "rounds": rounds}
+    if errors:
+        record["rule_errors"] = errors
+    return result, record
+
+
+def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Shapes for the values the rules created; the kept value_info must agree with inference, else
+    (a stale annotation) it is dropped and inferred afresh."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception:  # noqa: BLE001
+        del model.graph.value_info[:]
+        try:
+            return onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except Exception:  # noqa: BLE001 - the checker below decides whether the model is usable
+            return model
+
+
+def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))

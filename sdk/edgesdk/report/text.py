@@ -6,6 +6,25 @@ from pathlib import Path
 from typing import Any
 
 
+def import_summary(record: dict[str, Any], top: int = 8) -> str:
+    """What import read and how the graph-level optimizations changed it: rules fired, op counts."""
+    before, after = record["nodes_before"], record["nodes_after"]
+    nb, na = sum(before.values()), sum(after.values())
+    source = record["format"] + (f" via {record['converter']}" if record.get("converter") else "")
+    opset = record["opset"]
+    lines = [f"import: {source}, opset {opset['source']}"
+             + (f" -> {opset['canonical']}" if opset["canonical"] != opset["source"] else "")
+             + f"; {nb} nodes -> {na} after optimization" + (f" ({(na - nb) / nb:+.0%})" if nb else "")]
+    fired = sorted(((n, c) for n, c in record["rules"].items() if c), key=lambda nc: (-nc[1], nc[0]))
+    lines.append("  rules fired: " + (", ".join(f"{n} x{c}" for n, c in fired) if fired else "none"))
+    changed = sorted((op for op in set(before) | set(after) if before.get(op, 0) != after.get(op, 0)),
+                     key=lambda op: -abs(before.get(op, 0) - after.get(op, 0)))
+    if changed:
+        shown = ", ".join(f"{op} {before.get(op, 0)}->{after.get(op, 0)}" for op in changed[:top])
+        lines.append("  ops changed: " + shown + (f", and {len(changed) - top} more" if len(changed) > top else ""))
+    return "\n".join(lines)
+
+
 def placement_summary(plan: dict[str, Any]) -> str:
     lines = [f"{'segment':<8} {'device':<11} {'backend':<12} {'nodes':>5} {'predicted ms':>13}"]
     for s in plan["segments"]:

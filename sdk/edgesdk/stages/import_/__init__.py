@@ -1,75 +1,133 @@
-"""import: read the model into the canonical ONNX graph.
+"""import: read the model into the canonical ONNX graph, and optimize it without changing its answer.
 
-Needs: an .onnx file (other formats come with the import issue).
-Guarantees: `model.onnx` with every input's shape static (batch fixed to --batch, other dynamic
-dimensions from --input-shape), constants folded (onnxscript's optimizer), shapes inferred for
-every node, IR version readable by onnxruntime; `import.json` names the inputs and outputs.
-Nothing lossy happens here.
+Needs: an .onnx file (opset 11 or newer, external data beside it), a TensorFlow SavedModel directory,
+a Keras .keras/.h5 file, or a TFLite file (float32, float16, int8).
+Guarantees: `model.onnx` at opset >= 17 (`CANONICAL_OPSET`), every input's shape static (batch fixed
+to --batch, other dynamic dimensions from --input-shape), the graph-level optimizations of
+`edgesdk.passes` applied (each rule exact up to float rounding), shapes inferred for every node, IR
+version readable by onnxruntime. `import.json` names the inputs and outputs; the record counts nodes
+by op type before and after optimization and how often each rule fired. Converted formats also leave
+the converter's own output as `converted.onnx`, to compare in Netron.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import tempfile
+import time
 from pathlib import Path
 
 import onnx
 
+from ... import frontends, passes
 from ...errors import UsageError, UserError
 from ...ir import model as irm
-from ...ir.digest import file_sha256
+from ...ir.digest import file_sha256, tree_sha256
 
 OPTIONS = ("input_shapes", "batch")
 
+# Every graph leaves import at this opset or newer: the passes and backends see one form of
+# Squeeze/Unsqueeze/Split/Softmax (opset 13 moved axes to inputs and changed Softmax's coercion).
+# 17 is the newest opset whose ReduceMean still takes `axes` as an attribute, which every backend reads.
+CANONICAL_OPSET = 17
+
 
 def run(model_path: Path, ctx) -> dict:
-    model = irm.load(model_path)
-    before = collections.Counter(n.op_type for n in model.graph.node)
-    _reject_unknown_ops(model, model_path)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="edgesdk-import-") as work:
+        model, source = frontends.load(model_path, Path(work), batch=ctx.options.batch,
+                                       input_shapes=ctx.options.input_shapes)
+    converted = time.perf_counter()
+    if source["format"] != "onnx":
+        irm.save(model, ctx.out / "converted.onnx")
+        ctx.log(f"import: {source['format']} converted by {source['converter']} in {converted - t0:.1f} s")
+    for note in source.get("notes", []):
+        ctx.warn(note)
+    nodes_source = _count(model)
+
     _fix_input_shapes(model, ctx.options.input_shapes, ctx.options.batch, model_path)
-
-    from onnxscript import optimizer
-
-    try:
-        model = optimizer.optimize(model)
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-    except Exception as e:
-        raise UserError("import.shape-inference", f"{model_path}: shape inference failed: {str(e).splitlines()[0][:300]}",
-                        "check --input-shape; run `onnx.checker.check_model` on the file for details") from None
+    model = _canonical_opset(model, model_path, ctx)
+    model = _infer_shapes(model, model_path)
+    model, optimized = passes.optimize(model)
+    for rule, why in optimized.get("rule_errors", {}).items():
+        ctx.warn(f"graph optimization '{rule}' was switched off for this model: {why}")
+    model = _infer_shapes(model, model_path)
     _require_static(model, model_path)
-
     irm.save(model, ctx.out / "model.onnx")
+
     shapes = irm.static_shapes(model)
     types = irm.elem_types(model)
     consts = irm.constant_names(model)
+    digest = tree_sha256(model_path) if Path(model_path).is_dir() else file_sha256(model_path)
     io = {
         "inputs": [{"name": i.name, "shape": list(shapes[i.name]), "dtype": irm.dtype_name(types[i.name])}
                    for i in model.graph.input if i.name not in consts],
         "outputs": [{"name": o.name, "shape": list(shapes[o.name]), "dtype": irm.dtype_name(types[o.name])}
                     for o in model.graph.output],
-        "source": {"path": str(model_path), "name": Path(model_path).stem, "sha256": file_sha256(model_path),
-                   "format": "onnx", "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))},
+        "source": {"path": str(model_path), "name": Path(model_path).stem, "sha256": digest,
+                   "format": source["format"], "converter": source.get("converter"), "opset": source["opset"]},
     }
     (ctx.out / "import.json").write_text(json.dumps(io, indent=2) + "\n")
-    after = collections.Counter(n.op_type for n in model.graph.node)
-    ctx.log(f"import: {sum(before.values())} nodes -> {sum(after.values())} after constant folding")
-    return {"nodes_before": dict(sorted(before.items())), "nodes_after": dict(sorted(after.items())),
-            "inputs": io["inputs"], "outputs": io["outputs"]}
+    before, after = sum(optimized["nodes_before"].values()), sum(optimized["nodes_after"].values())
+    fired = {k: v for k, v in optimized["rules"].items() if v}
+    ctx.log(f"import: {before} nodes -> {after} after optimization ("
+            + (", ".join(f"{k} x{v}" for k, v in sorted(fired.items(), key=lambda kv: -kv[1])) or "no rule fired") + ")")
+    return {
+        "format": source["format"],
+        "converter": source.get("converter"),
+        "opset": {"source": source["opset"], "canonical": _opset(model)},
+        "nodes_source": nodes_source,
+        "nodes_before": optimized["nodes_before"],
+        "nodes_after": optimized["nodes_after"],
+        "rules": optimized["rules"],
+        "rounds": optimized.get("rounds"),
+        "timings_s": {"convert": round(converted - t0, 3), "optimize": round(time.perf_counter() - converted, 3)},
+        "inputs": io["inputs"],
+        "outputs": io["outputs"],
+    }
 
 
-def _reject_unknown_ops(model: onnx.ModelProto, path: Path) -> None:
-    """All ops no ONNX schema knows (custom domains, misspelled types), reported at once."""
-    domains = {o.domain: o.version for o in model.opset_import}
-    bad = []
-    for i, n in enumerate(model.graph.node):
-        domain = n.domain or ""
-        try:
-            onnx.defs.get_schema(n.op_type, domains.get(domain, 1), domain)
-        except Exception:
-            bad.append(f"node '{irm.node_name(n, i)}' (#{i}): op {domain + '::' if domain else ''}{n.op_type} is not a standard ONNX op")
-    if bad:
-        raise UserError("import.unsupported-op", f"{path}: {len(bad)} node(s) use ops edgesdk cannot read",
-                        "custom ops must be replaced by standard ONNX ops before export", notes=bad)
+def _count(model: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+
+
+def _canonical_opset(model: onnx.ModelProto, path: Path, ctx) -> onnx.ModelProto:
+    """Older graphs are upgraded by ONNX's own version converter, which keeps the function exact."""
+    opset = _opset(model)
+    if opset >= CANONICAL_OPSET:
+        return model
+    from onnx import version_converter
+
+    try:
+        upgraded = version_converter.convert_version(model, CANONICAL_OPSET)
+        onnx.checker.check_model(upgraded)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        ctx.warn(f"{path}: kept at opset {opset}: onnx's version converter could not upgrade it to "
+                 f"{CANONICAL_OPSET} ({first})")
+        return model
+    ctx.log(f"import: opset {opset} -> {CANONICAL_OPSET}")
+    return upgraded
+
+
+def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    # Shapes an exporter recorded for the dynamic graph (Paddle writes -1 for a dynamic batch) would
+    # contradict the ones inferred from the fixed inputs: inference starts from the inputs alone.
+    del model.graph.value_info[:]
+    for out in model.graph.output:
+        for dim in out.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value <= 0:
+                dim.Clear()
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as e:
+        raise UserError("import.shape-inference", f"{path}: shape inference failed: {str(e).splitlines()[0][:300]}",
+                        "check --input-shape; run `onnx.checker.check_model` on the file for details") from None
 
 
 def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path) -> None:
@@ -95,6 +153,9 @@ def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]],
             continue
         for d, dim in enumerate(dims):
             if dim.HasField("dim_value") and dim.dim_value > 0:
+                if d == 0 and batch != 1 and dim.dim_value != batch:
+                    problems.append(f"input '{name}': the batch dimension is fixed at {dim.dim_value} in the model, "
+                                    f"--batch says {batch}")
                 continue
             if d == 0:
                 dim.Clear()
@@ -102,8 +163,9 @@ def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]],
             else:
                 problems.append(f"input '{name}': dimension {d} ('{dim.dim_param or '?'}') is dynamic")
     if problems:
-        raise UsageError("import.dynamic-shape", f"{path}: {len(problems)} input dimension(s) are not fixed",
-                         "give them with --input-shape NAME=1x3x224x224", notes=problems)
+        raise UsageError("import.dynamic-shape", f"{path}: {len(problems)} input dimension(s) are dynamic or do not match",
+                         "give them with --input-shape NAME=1x3x224x224 (also for inputs whose first dimension "
+                         "is not the batch)", notes=problems)
 
 
 def _require_static(model: onnx.ModelProto, path: Path) -> None:

@@ -1,0 +1,279 @@
+"""The converter process: one TensorFlow-format model to ONNX with tf2onnx.
+
+    python -m edgesdk.frontends._child REQUEST.json
+
+Started by `conversion` (see there for why a child). Writes the ONNX file and the result file
+that the request names; its stdout and stderr go to a log the user does not see. Every failure
+becomes a result, never a traceback: {"ok": false, "kind": "user" | "usage", "code", "message",
+"hint", "notes"}. Failures while reading the source are `import.bad-file`, failures inside
+tf2onnx `import.convert-failed`.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import itertools
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..errors import EdgeSDKError, UsageError, UserError
+from .formats import DESCRIPTIONS
+
+
+def main(argv: list[str]) -> int:
+    faulthandler.enable()  # on a native crash, the Python frame goes to the log for the parent
+    request = json.loads(Path(argv[1]).read_text())
+    try:
+        result = {"ok": True, **CONVERTERS[request["format"]](request)}
+    except EdgeSDKError as e:
+        result = {"ok": False, "kind": "usage" if isinstance(e, UsageError) else "user", "code": e.code,
+                  "message": e.message, "hint": e.hint, "notes": e.notes}
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the parent reports it
+        result = {"ok": False, "kind": "user", "code": "import.convert-failed",
+                  "message": f"tf2onnx failed to convert it: {_first_line(e)}",
+                  "hint": "the file may be damaged, or hold a construct tf2onnx 1.17 cannot convert; "
+                          "`python -m tf2onnx.convert` on it shows the full error"}
+    out = Path(request["result"])
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+    return 0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def _reading(fmt: str, read, hint: str = ""):
+    """Call `read()` (which loads the source file); a failure means the file is damaged, not what it
+    claims, or (`hint`) needs something we do not have."""
+    try:
+        return read()
+    except EdgeSDKError:
+        raise
+    except Exception as e:
+        raise UserError("import.bad-file", f"cannot be read as {DESCRIPTIONS[fmt]}: {_first_line(e)}",
+                        hint or f"the file may be truncated, damaged or not {DESCRIPTIONS[fmt]}; check that "
+                        "TensorFlow loads it, or export it again") from None
+
+
+# Keras files fail to load for two reasons besides damage: layers whose class lives in the user's
+# code (custom layers), and Lambda layers, whose pickled Python safe_mode refuses to run.
+KERAS_HINT = ("the file may be damaged, or need the model's own Python code (custom layers, Lambda layers), "
+              "which edgesdk does not run: export it with model.export(path) and pass that SavedModel directory")
+
+
+class _Failures(logging.Handler):
+    """tf2onnx logs (rather than raises) a node it failed to convert: keep node name -> reason."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.failed: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Failed to convert node") and record.args and record.exc_info:
+            self.failed[str(record.args[0])] = _first_line(record.exc_info[1])
+
+
+def _tensorflow():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf2onnx
+
+    _number_nodes(tf2onnx.graph.Node)
+    failures = _Failures()
+    logging.getLogger("tf2onnx").addHandler(failures)
+    return tf, tf2onnx, failures
+
+
+def _number_nodes(node_class) -> None:
+    """Hash tf2onnx's graph nodes by creation order instead of by address.
+
+    tf2onnx's optimizers walk sets of nodes when they fold constants and merge duplicates; with
+    address hashes the walk order, hence which duplicate survives and how the counter behind its
+    made-up names runs, changes from run to run. Creation order is the same in every run, so the
+    same file converts to the same bytes (the bundle is deterministic from its inputs)."""
+    counter = itertools.count()
+    init = node_class.__init__
+
+    def numbered_init(self, *args, **kwargs):
+        self._edgesdk_number = next(counter)
+        init(self, *args, **kwargs)
+
+    node_class.__init__ = numbered_init
+    node_class.__hash__ = lambda self: self._edgesdk_number
+
+
+def _static(name: str, shape: tuple, request: dict) -> list[int | None]:
+    """The shape to convert with: --input-shape where given, else the batch fixed to --batch before
+    conversion (DESIGN §7: a dynamic batch leaves Shape/Gather arithmetic in the graph)."""
+    given = request["input_shapes"].get(name)
+    if given is None:
+        return [request["batch"] if d == 0 and s is None else s for d, s in enumerate(shape)]
+    if len(given) != len(shape):
+        raise UsageError("import.dynamic-shape", f"--input-shape gives rank {len(given)} for input '{name}', "
+                         f"the model has rank {len(shape)}", f"the model's input '{name}' has shape {_dims(shape)}")
+    wrong = [f"input '{name}': dimension {d} is {s} in the model, --input-shape says {v}"
+             for d, (s, v) in enumerate(zip(shape, given)) if s is not None and s != v]
+    if wrong:
+        raise UsageError("import.dynamic-shape", f"--input-shape contradicts the model's input '{name}'",
+                         f"the model's input '{name}' has shape {_dims(shape)}", notes=wrong)
+    return list(given)
+
+
+def _dims(shape) -> str:
+    return "x".join("?" if s is None else str(s) for s in shape)
+
+
+def _keras(request: dict) -> dict:
+    tf, tf2onnx, failures = _tensorflow()
+    import keras
+
+    # compile=False: the optimizer and losses are not part of the function; safe_mode (the default)
+    # refuses Lambda layers' pickled code, which a build tool must not run.
+    model = _reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False), KERAS_HINT)
+    specs = [tf.TensorSpec(_static(t.name, tuple(t.shape), request), t.dtype, name=t.name) for t in model.inputs]
+    proto, _ = tf2onnx.convert.from_keras(model, input_signature=specs, opset=request["opset"])
+    return _finish(proto, request, tf2onnx, failures.failed)
+
+
+def _savedmodel(request: dict) -> dict:
+    tf, tf2onnx, failures = _tensorflow()
+    loaded = _reading("savedmodel", lambda: tf.saved_model.load(request["source"]))
+    signatures = dict(getattr(loaded, "signatures", {}) or {})
+    notes = []
+    if "serving_default" in signatures:
+        key = "serving_default"
+        if set(signatures) - {"serving_default", "serve"}:  # model.export() writes serve as a twin of serving_default
+            notes.append(f"the SavedModel has signatures {', '.join(sorted(signatures))}: converted serving_default")
+    elif len(signatures) == 1:
+        key = next(iter(signatures))
+    elif not signatures:
+        raise UserError("import.savedmodel-signature", "the SavedModel has no signature to convert",
+                        "export it with model.export(path) or tf.saved_model.save(obj, path, signatures=fn)")
+    else:
+        raise UserError("import.savedmodel-signature", f"the SavedModel has {len(signatures)} signatures and none is "
+                        "serving_default", "export the one to deploy as serving_default "
+                        "(tf.saved_model.save(obj, path, signatures={'serving_default': fn}))",
+                        notes=[f"signature '{k}'" for k in sorted(signatures)])
+    fn = signatures[key]
+    args, kwargs = fn.structured_input_signature
+    if args:
+        raise UserError("import.savedmodel-signature", f"signature '{key}' takes positional inputs",
+                        "signatures take named inputs; export it again with tf.saved_model.save")
+    names = list(kwargs)
+    specs = [tf.TensorSpec(_static(n, tuple(kwargs[n].shape), request), kwargs[n].dtype, name=n) for n in names]
+
+    @tf.function(input_signature=specs)
+    def serve(*inputs):
+        return fn(**dict(zip(names, inputs)))
+
+    proto, _ = tf2onnx.convert.from_function(serve, input_signature=specs, opset=request["opset"])
+    return _finish(proto, request, tf2onnx, failures.failed, notes)
+
+
+def _tflite(request: dict) -> dict:
+    _, tf2onnx, failures = _tensorflow()
+    from . import tflite_custom
+
+    flatbuffer = _reading("tflite", lambda: _read_tflite(request["source"]))
+    done: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    rewrite = tflite_custom.rewriter(flatbuffer["custom_ops"], done, refused)
+    proto, _ = tf2onnx.convert.from_tflite(request["source"], opset=request["opset"],
+                                           custom_rewriter=[rewrite] if rewrite else None)
+    _rename_values(proto.graph, flatbuffer["signature_names"])
+    notes = [f"TFLite custom op {code} ({count} node(s)) converted by edgesdk as {tflite_custom.HANDLERS[code][0]}"
+             for code, count in sorted(collections.Counter(done.values()).items())]
+    # A TFLite file fixes its shapes; only a -1 in shape_signature marks a batch that can change.
+    notes += [f"TFLite input '{flatbuffer['signature_names'].get(name, name)}' has the static shape "
+              f"{'x'.join(map(str, shape))} in the file: --batch {request['batch']} does not apply to it"
+              for name, shape, signature in flatbuffer["inputs"]
+              if shape and request["batch"] != shape[0] and (not signature or signature[0] != -1)]
+    result = _finish(proto, request, tf2onnx, {**failures.failed, **refused}, notes)
+    result["custom_codes"] = sorted({op.code for op in flatbuffer["custom_ops"]})
+    return result
+
+
+def _read_tflite(path: str) -> dict:
+    """From the flatbuffer: every custom op (code, output tensor, options), the main subgraph's
+    inputs (name, shape, shape_signature), and signature names for its input and output tensors
+    (what the user called them)."""
+    from tf2onnx.tflite.BuiltinOperator import BuiltinOperator
+    from tf2onnx.tflite.Model import Model
+
+    from .tflite_custom import CustomOp
+
+    model = Model.GetRootAsModel(bytearray(Path(path).read_bytes()), 0)
+    custom_codes = {}
+    for i in range(model.OperatorCodesLength()):
+        code = model.OperatorCodes(i)
+        if max(code.DeprecatedBuiltinCode(), code.BuiltinCode()) == BuiltinOperator.CUSTOM:
+            custom_codes[i] = (code.CustomCode() or b"").decode(errors="replace")
+    custom_ops = []
+    for s in range(model.SubgraphsLength()):
+        graph = model.Subgraphs(s)
+        for k in range(graph.OperatorsLength()):
+            op = graph.Operators(k)
+            if op.OpcodeIndex() in custom_codes and op.OutputsLength():
+                options = b"" if op.CustomOptionsIsNone() else op.CustomOptionsAsNumpy().tobytes()
+                custom_ops.append(CustomOp(custom_codes[op.OpcodeIndex()],
+                                           graph.Tensors(op.Outputs(0)).Name().decode(errors="replace"), options))
+    main = model.Subgraphs(0)
+    inputs = []
+    for j in range(main.InputsLength()):
+        t = main.Tensors(main.Inputs(j))
+        inputs.append((t.Name().decode(errors="replace"), [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else [],
+                       [int(d) for d in t.ShapeSignatureAsNumpy()] if t.ShapeSignatureLength() else []))
+    names = {}
+    if model.SignatureDefsLength() == 1:
+        signature = model.SignatureDefs(0)
+        graph = model.Subgraphs(signature.SubgraphIndex())
+        for tensors, count in ((signature.Inputs, signature.InputsLength()), (signature.Outputs, signature.OutputsLength())):
+            for j in range(count):
+                t = tensors(j)
+                names[graph.Tensors(t.TensorIndex()).Name().decode(errors="replace")] = t.Name().decode(errors="replace")
+    return {"custom_ops": custom_ops, "signature_names": names, "inputs": inputs}
+
+
+def _rename_values(graph, names: dict[str, str]) -> None:
+    """Rename graph inputs and outputs (and every use of them) where the new names are unused."""
+    taken = {v for n in graph.node for v in list(n.input) + list(n.output)} | {i.name for i in graph.initializer}
+    io = {v.name for v in list(graph.input) + list(graph.output)}
+    names = {old: new for old, new in names.items() if old in io and old != new}
+    if not names or len(set(names.values())) != len(names) or set(names.values()) & (taken - set(names)):
+        return
+
+    def rename(g):
+        for v in [*g.input, *g.output, *g.value_info]:
+            v.name = names.get(v.name, v.name)
+        for n in g.node:
+            n.input[:] = [names.get(v, v) for v in n.input]
+            n.output[:] = [names.get(v, v) for v in n.output]
+            for sub in _subgraphs(n):  # subgraphs may read outer values by name
+                rename(sub)
+
+    rename(graph)
+
+
+def _subgraphs(node) -> list:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+
+
+def _finish(proto, request: dict, tf2onnx, failed: dict[str, str], notes: list[str] | None = None) -> dict:
+    import onnx
+
+    proto.ir_version = min(proto.ir_version, 10)  # what onnxruntime 1.31 and every backend read
+    onnx.save(proto, request["onnx"])
+    return {"converter": f"tf2onnx {tf2onnx.__version__}", "notes": notes or [], "failed": failed}
+
+
+CONVERTERS = {"keras": _keras, "h5": _keras, "savedmodel": _savedmodel, "tflite": _tflite}
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

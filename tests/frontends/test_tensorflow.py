@@ -1,0 +1,352 @@
+"""TensorFlow formats (Keras .keras / .h5, SavedModel, TFLite) converted by tf2onnx in a child
+process, compared with the original framework's own output on random inputs.
+
+Tolerances: float models within 1e-5 of max |y| (float32 rounding; measured 1e-7..1e-6). Int8
+TFLite within one quantization step of the interpreter: the ONNX graph requantizes with float
+math (QuantizeLinear rounds half to even) where TFLite's kernels use fixed-point multipliers, so
+a value that lands on a rounding boundary may differ by one step (measured on this 4-layer net:
+all 2000 outputs exact). On deep nets the one-step differences of single layers compound: int8
+MobileNetV2-0.35 (96x96), 20 inputs, logits: per-channel 96% exact, max 7 steps; per-tensor 85%
+exact, max 7 steps. Not asserted here (the test would cost a MobileNet int8 conversion).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from edgesdk import frontends
+from edgesdk.errors import UsageError, UserError
+from edgesdk.frontends import conversion
+from tests.frontends import tf_models
+from tests.frontends.conftest import relative_error, run_onnx
+
+RTOL = 1e-5
+
+
+def _images(n: int, seed: int = 0, shape=tf_models.IMAGE) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, (n, 1) + tuple(shape)).astype(np.float32)
+
+
+def _check_converted(model: onnx.ModelProto, info: dict, fmt: str) -> None:
+    assert info["format"] == fmt and info["converter"] == "tf2onnx 1.17.0" and info["opset"] == 17
+    assert model.producer_name == "tf2onnx" and model.ir_version <= 10
+    assert not any(o.domain not in ("", "ai.onnx", "ai.onnx.ml") for o in model.opset_import)
+
+
+def _dims(value_info) -> list:
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value_info.type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize("fmt", ["keras", "h5"])
+def test_keras_file_matches_keras(conv_net_files, tmp_path, capfd, fmt):
+    import keras
+
+    model, info = frontends.load(conv_net_files[fmt], tmp_path)
+    _check_converted(model, info, fmt)
+    assert [i.name for i in model.graph.input] == ["image"] and [o.name for o in model.graph.output] == ["logits"]
+    assert _dims(model.graph.input[0]) == [1, 16, 16, 3]  # batch fixed before conversion
+    assert "Traceback" not in "".join(capfd.readouterr())  # the child's output stays in its log
+
+    reference = keras.models.load_model(conv_net_files[fmt], compile=False)
+    errors = [relative_error(run_onnx(model, {"image": x})[0], reference(x).numpy()) for x in _images(8)]
+    assert max(errors) <= RTOL, errors
+
+
+def _float64_copy(model):
+    """The same Keras model computing in float64: the reference both float32 answers are measured against."""
+    import keras
+
+    def widen(config):
+        if isinstance(config, dict):
+            return {k: "float64" if k == "dtype" else widen(v) for k, v in config.items()}
+        return [widen(v) for v in config] if isinstance(config, list) else config
+
+    wide = keras.Model.from_config(widen(model.get_config()))
+    wide.set_weights([w.astype(np.float64) for w in model.get_weights()])
+    return wide
+
+
+def test_mobilenet_v2_keras_matches_keras(mobilenet_keras, tmp_path):
+    """Against Keras in float64: over MobileNetV2's 50-odd layers, float32 Keras and float32
+    onnxruntime each drift 5e-6..8e-6 from the float64 answer, so they differ from each other by
+    up to 1.2e-5 (measured); the converted model must be as close to the exact answer as Keras is."""
+    import keras
+
+    model, info = frontends.load(mobilenet_keras, tmp_path)
+    _check_converted(model, info, "keras")
+    assert _dims(model.graph.input[0]) == [1, 96, 96, 3]
+    reference = keras.models.load_model(mobilenet_keras, compile=False)
+    exact = _float64_copy(reference)
+    name = model.graph.input[0].name
+    onnx_errors, keras_errors = [], []
+    for x in _images(3, shape=(96, 96, 3)):
+        y64 = exact(x.astype(np.float64)).numpy()
+        onnx_errors.append(relative_error(run_onnx(model, {name: x})[0], y64))
+        keras_errors.append(relative_error(reference(x).numpy(), y64))
+    assert max(onnx_errors) <= RTOL, (onnx_errors, keras_errors)
+    assert max(onnx_errors) <= 2 * max(keras_errors), (onnx_errors, keras_errors)
+
+
+def test_savedmodel_matches_its_serving_signature(conv_net_files, tmp_path):
+    import tensorflow as tf
+
+    model, info = frontends.load(conv_net_files["savedmodel"], tmp_path)
+    _check_converted(model, info, "savedmodel")
+    assert info["notes"] == []  # model.export's twin signatures serve / serving_default are not worth a warning
+    assert [i.name for i in model.graph.input] == ["image"] and [o.name for o in model.graph.output] == ["output_0"]
+    signature = tf.saved_model.load(str(conv_net_files["savedmodel"])).signatures["serving_default"]
+    errors = [relative_error(run_onnx(model, {"image": x})[0], signature(image=tf.constant(x))["output_0"].numpy())
+              for x in _images(8)]
+    assert max(errors) <= RTOL, errors
+
+
+def test_batch_is_fixed_before_conversion(conv_net_files, tmp_path):
+    """--batch 3: a static input, no Shape arithmetic left behind (DESIGN §7), same numbers."""
+    import keras
+
+    model, _ = frontends.load(conv_net_files["keras"], tmp_path, batch=3)
+    assert _dims(model.graph.input[0]) == [3, 16, 16, 3]
+    assert not {"Shape", "Gather", "Concat"} & {n.op_type for n in model.graph.node}
+    x = _images(3).reshape((3,) + tf_models.IMAGE)
+    reference = keras.models.load_model(conv_net_files["keras"], compile=False)
+    assert relative_error(run_onnx(model, {"image": x})[0], reference(x).numpy()) <= RTOL
+
+
+@pytest.fixture(scope="module")
+def dynamic_keras(tmp_path_factory):
+    """A fully convolutional Keras model with unknown height and width."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    image = keras.Input((None, None, 3), name="image")
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(image)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(image, keras.layers.Dense(2, name="score")(x))
+    path = tmp_path_factory.mktemp("dynamic") / "dynamic.keras"
+    model.save(path)
+    return path
+
+
+def test_input_shapes_fix_the_other_dynamic_dims(dynamic_keras, tmp_path):
+    import keras
+
+    model, _ = frontends.load(dynamic_keras, tmp_path, input_shapes={"image": (1, 24, 20, 3)})
+    assert _dims(model.graph.input[0]) == [1, 24, 20, 3]
+    x = np.random.default_rng(2).uniform(-1, 1, (1, 24, 20, 3)).astype(np.float32)
+    reference = keras.models.load_model(dynamic_keras, compile=False)
+    assert relative_error(run_onnx(model, {"image": x})[0], reference(x).numpy()) <= RTOL
+
+
+def test_input_shape_contradicting_the_model_is_a_usage_error(conv_net_files, tmp_path):
+    with pytest.raises(UsageError) as e:
+        frontends.load(conv_net_files["keras"], tmp_path, input_shapes={"image": (1, 32, 16, 3)})
+    assert e.value.code == "import.dynamic-shape"
+    assert e.value.notes == ["input 'image': dimension 1 is 16 in the model, --input-shape says 32"]
+
+
+def _interpreter(path):
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(str(path))
+    interpreter.allocate_tensors()
+    return interpreter
+
+
+def _interpreter_outputs(path, inputs) -> list[np.ndarray]:
+    interpreter = _interpreter(path)
+    (given,), (wanted,) = interpreter.get_input_details(), interpreter.get_output_details()
+    outputs = []
+    for x in inputs:
+        interpreter.set_tensor(given["index"], x)
+        interpreter.invoke()
+        outputs.append(interpreter.get_tensor(wanted["index"]).copy())
+    return outputs
+
+
+@pytest.mark.parametrize("variant", ["float32", "float16"])
+def test_tflite_float_matches_the_interpreter(conv_net_files, tmp_path, variant):
+    model, info = frontends.load(conv_net_files[variant], tmp_path)
+    _check_converted(model, info, "tflite")
+    # the signature's names, not the flatbuffer's tensor names (serving_default_image:0 ...)
+    assert [i.name for i in model.graph.input] == ["image"] and [o.name for o in model.graph.output] == ["output_0"]
+    inputs = list(_images(8))
+    expected = _interpreter_outputs(conv_net_files[variant], inputs)
+    errors = [relative_error(run_onnx(model, {"image": x})[0], e) for x, e in zip(inputs, expected)]
+    assert max(errors) <= RTOL, errors
+
+
+def test_float16_fixture_holds_fp16_weights_and_dequantize(conv_net_files):
+    """What the float16 test claims to cover: fp16 weight tensors that DEQUANTIZE ops widen."""
+    interpreter = _interpreter(conv_net_files["float16"])
+    assert sum(d["dtype"] == np.float16 for d in interpreter.get_tensor_details()) >= 4
+    assert "DEQUANTIZE" in {op["op_name"] for op in interpreter._get_ops_details()}
+
+
+@pytest.mark.parametrize("variant, per_channel", [("int8-per-channel", True), ("int8-per-tensor", False)])
+def test_tflite_int8_within_one_step_of_the_interpreter(conv_net_files, tmp_path, variant, per_channel):
+    model, _ = frontends.load(conv_net_files[variant], tmp_path)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    scale_sizes = [inits[n.input[1]].size for n in model.graph.node
+                   if n.op_type == "DequantizeLinear" and n.input[1] in inits]
+    assert (max(scale_sizes) > 1) == per_channel, scale_sizes  # the fixture is what it says
+
+    rng = np.random.default_rng(3)
+    floats = [rng.uniform(-1, 1, (1,) + tf_models.IMAGE).astype(np.float32) for _ in range(200)]
+    scale, zero = _interpreter(conv_net_files[variant]).get_input_details()[0]["quantization"]
+    inputs = [np.clip(np.round(x / scale) + zero, -128, 127).astype(np.int8) for x in floats]
+    expected = _interpreter_outputs(conv_net_files[variant], inputs)
+    got = [run_onnx(model, {"image": x})[0] for x in inputs]
+    assert got[0].dtype == np.int8
+    steps = np.abs(np.stack(got).astype(np.int32) - np.stack(expected).astype(np.int32))
+    assert steps.max() <= 1
+    assert (steps == 0).mean() >= 0.99, f"exact {(steps == 0).mean():.4f} of {steps.size} outputs"
+
+
+def test_conversion_is_deterministic(conv_net_files, tmp_path):
+    """Same file, same bytes. Without `_child._number_nodes`, tf2onnx merged duplicate Q/DQ
+    constants and nodes in address order: 3 runs of this file gave 3 different graphs."""
+    first, _ = frontends.load(conv_net_files["int8-per-tensor"], tmp_path / "a")
+    second, _ = frontends.load(conv_net_files["int8-per-tensor"], tmp_path / "b")
+    assert first.SerializeToString() == second.SerializeToString()
+
+
+def test_unsupported_tf_ops_are_reported_together(unsupported_files, tmp_path):
+    with pytest.raises(UserError) as e:
+        frontends.load(unsupported_files["savedmodel"], tmp_path)
+    assert e.value.code == "import.unsupported-op" and "3 node(s)" in e.value.message
+    assert sorted(e.value.notes) == [
+        "TensorFlow op BesselI0e at node 'bessel_i0e/BesselI0e' has no ONNX conversion in tf2onnx",
+        "TensorFlow op Igamma at node 'Igamma' has no ONNX conversion in tf2onnx",
+        "TensorFlow op Zeta at node 'Zeta' has no ONNX conversion in tf2onnx",
+    ]
+
+
+def test_tflite_custom_ops_are_reported_together(unsupported_files, tmp_path):
+    with pytest.raises(UserError) as e:
+        frontends.load(unsupported_files["tflite"], tmp_path)
+    assert e.value.code == "import.unsupported-op" and "3 node(s)" in e.value.message
+    assert sorted(e.value.notes) == [
+        "TFLite custom op 'BesselI0e' at tensor 'bessel_i0e/BesselI0e'",
+        "TFLite custom op 'Igamma' at tensor 'Igamma'",
+        "TFLite custom op 'Zeta' at tensor 'Zeta'",
+    ]
+
+
+def test_savedmodel_with_several_signatures_and_no_default(unsupported_files, tmp_path):
+    with pytest.raises(UserError) as e:
+        frontends.load(unsupported_files["two-signatures"], tmp_path)
+    assert e.value.code == "import.savedmodel-signature" and "none is serving_default" in e.value.message
+    assert e.value.notes == ["signature 'double'", "signature 'half'"]
+
+
+def test_mediapipe_convolution2d_transpose_bias_is_converted(transpose_conv_files, tmp_path):
+    """The custom op (SAME and VALID padding) against TFLite's builtin TRANSPOSE_CONV + bias on
+    the interpreter: the same weights, so the same function."""
+    custom, builtin = transpose_conv_files
+    model, info = frontends.load(custom, tmp_path, batch=2)
+    assert info["notes"] == [
+        "TFLite custom op Convolution2DTransposeBias (2 node(s)) converted by edgesdk as ConvTranspose + bias",
+        "TFLite input 'x' has the static shape 1x8x8x4 in the file: --batch 2 does not apply to it",
+    ]
+    assert Counter(n.op_type for n in model.graph.node)["ConvTranspose"] == 2
+
+    interpreter = _interpreter(builtin)
+    x = np.random.default_rng(4).normal(size=(1, 8, 8, 4)).astype(np.float32)
+    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x)
+    interpreter.invoke()
+    expected = {d["name"]: interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()}
+    got = dict(zip([o.name for o in model.graph.output], run_onnx(model, {model.graph.input[0].name: x})))
+    assert set(got) == set(expected)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in expected.items()}
+    assert sorted(v.shape for v in got.values()) == [(1, 16, 16, 6), (1, 17, 17, 2)]
+    for name in got:
+        assert relative_error(got[name], expected[name]) <= RTOL, name
+
+
+def test_converter_exception_is_one_line_of_convert_failed(conv_net_files, tmp_path, capfd):
+    """A tensor name that is not UTF-8: the flatbuffer reads, tf2onnx raises while converting."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    flatbuffer = flatbuffer_utils.read_model(str(conv_net_files["float32"]))
+    graph = flatbuffer.subgraphs[0]
+    graph.tensors[graph.operators[1].outputs[0]].name = b"conv\xff\xfe"
+    broken = tmp_path / "bad_name.tflite"
+    flatbuffer_utils.write_model(flatbuffer, str(broken))
+    with pytest.raises(UserError) as e:
+        frontends.load(broken, tmp_path / "work")
+    assert e.value.code == "import.convert-failed"
+    assert e.value.message == (f"{broken}: tf2onnx failed to convert it: UnicodeDecodeError: 'utf-8' codec can't "
+                               "decode byte 0xff in position 4: invalid start byte")
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_bad_keras_file_is_a_bad_file_error_without_traceback(conv_net_files, tmp_path, capfd):
+    """A .keras whose config names a layer class Keras does not know: the child's exception
+    becomes one line of message, and nothing reaches the terminal."""
+    import zipfile
+
+    broken = tmp_path / "broken.keras"
+    with zipfile.ZipFile(conv_net_files["keras"]) as src, zipfile.ZipFile(broken, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "config.json":
+                data = data.replace(b'"Conv2D"', b'"NoSuchLayer"')
+            dst.writestr(item, data)
+    with pytest.raises(UserError) as e:
+        frontends.load(broken, tmp_path / "work")
+    assert e.value.code == "import.bad-file" and str(broken) in e.value.message
+    assert "cannot be read as a Keras 3 .keras archive" in e.value.message and "\n" not in e.value.message
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "NoSuchLayer" not in out + err
+
+
+# The parent's handling of a child that dies, hangs, or answers with an error: fake children
+# (no TensorFlow), so these run in well under a second each.
+FAKE_CHILDREN = {
+    "segfault": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+    "abort": "import faulthandler, os; faulthandler.enable(); os.abort()",
+    "exit-without-result": "print('Traceback (most recent call last): boom'); raise SystemExit(3)",
+    "hang": "import time; time.sleep(60)",
+}
+
+
+@pytest.fixture
+def fake_child(monkeypatch):
+    def use(name):
+        monkeypatch.setattr(conversion, "child_command", lambda request: [sys.executable, "-c", FAKE_CHILDREN[name]])
+    return use
+
+
+@pytest.mark.parametrize("name, says", [
+    ("segfault", "was killed by signal SIGSEGV"),
+    ("abort", "was killed by signal SIGABRT"),
+    ("exit-without-result", "exited with status 3 without a result"),
+])
+def test_child_that_dies_is_a_user_error_naming_file_and_signal(conv_net_files, tmp_path, fake_child, capfd, name, says):
+    fake_child(name)
+    with pytest.raises(UserError) as e:
+        frontends.load(conv_net_files["float32"], tmp_path)
+    assert e.value.code == "import.converter-crashed"
+    assert e.value.message == f"{conv_net_files['float32']}: the TFLite converter {says} while reading the file"
+    assert "may be damaged" in e.value.hint
+    if name == "abort":  # faulthandler's frame in the log becomes a note
+        assert e.value.notes and e.value.notes[-1].startswith("the converter crashed in <module>")
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_child_that_hangs_is_killed_after_the_timeout(conv_net_files, tmp_path, fake_child, monkeypatch):
+    import time
+
+    fake_child("hang")
+    monkeypatch.setattr(conversion, "TIMEOUT_S", 1)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as e:
+        frontends.load(conv_net_files["h5"], tmp_path)
+    assert e.value.code == "import.convert-timeout" and "longer than 1 s" in e.value.message
+    assert time.perf_counter() - t0 < 10

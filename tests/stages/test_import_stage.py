@@ -1,0 +1,117 @@
+"""The import stage end to end: every format into the canonical graph, optimized, shapes static,
+the answer unchanged (onnxruntime on the result against the original, stated tolerances), and the
+record the build report and `--json` are made from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from tests.model_zoo import PPOCR_CLS, ROOT
+
+# float graphs: the passes fold BatchNorm and constant chains, which reassociates float math;
+# 1e-5 of the output's range is the issue's bound for "the same answer"
+RTOL = 1e-5
+
+
+def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    m = onnx.load(str(model)) if isinstance(model, Path) else model
+    m.ir_version = min(m.ir_version, 10)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _import(model: Path, out: Path, **shapes):
+    from edgesdk.pipeline import BuildOptions, build
+
+    result = build(BuildOptions(model=model, target="x86", out=out, until="import",
+                                input_shapes={k: tuple(v) for k, v in shapes.items()}))
+    return result.stages[0].record, out / ".build" / "1-import"
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_onnx_opset11_is_canonicalized_optimized_and_equal(tmp_path):
+    record, stage = _import(PPOCR_CLS, tmp_path / "o", x=(1, 3, 48, 192))
+    model = onnx.load(str(stage / "model.onnx"))
+    assert record["format"] == "onnx" and record["converter"] is None
+    assert record["opset"] == {"source": 11, "canonical": 17}
+    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 17
+    # the classifier's exported graph carries BatchNormalization after each Conv: folded away
+    assert record["nodes_before"].get("BatchNormalization", 0) > 0
+    assert record["nodes_after"].get("BatchNormalization", 0) == 0
+    assert sum(record["nodes_after"].values()) < sum(record["nodes_before"].values())
+    assert any(v > 0 for v in record["rules"].values())
+    # every node's outputs have static shapes
+    shapes = {vi.name for vi in list(model.graph.value_info) + list(model.graph.output)}
+    assert all(o in shapes for n in model.graph.node for o in n.output)
+
+    x = np.random.default_rng(0).uniform(-1, 1, (1, 3, 48, 192)).astype(np.float32)
+    (ref,) = _session(PPOCR_CLS).run(None, {"x": x})
+    (got,) = _session(stage / "model.onnx").run(None, {"x": x})
+    assert _rel(got, ref) < RTOL
+
+
+@pytest.fixture(scope="module")
+def small_keras(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A Keras 3 conv net with BatchNorm (statistics set) saved as .keras; an input and Keras' output."""
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(0)
+    inp = tf.keras.Input((32, 32, 3), name="image")
+    x = tf.keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inp)
+    x = tf.keras.layers.BatchNormalization()(x)
+    x = tf.keras.layers.ReLU(6.0)(x)
+    x = tf.keras.layers.DepthwiseConv2D(3, padding="same")(x)
+    x = tf.keras.layers.BatchNormalization()(x)
+    x = tf.keras.layers.ReLU()(x)
+    x = tf.keras.layers.GlobalAveragePooling2D()(x)
+    out = tf.keras.layers.Dense(5, name="logits")(x)
+    model = tf.keras.Model(inp, out)
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.layers.BatchNormalization):
+            layer.momentum = 0.0
+    model(tf.random.stateless_uniform((8, 32, 32, 3), seed=(1, 2)), training=True)
+    path = tmp_path_factory.mktemp("keras") / "small.keras"
+    model.save(path)
+    x = np.random.default_rng(1).uniform(-1, 1, (1, 32, 32, 3)).astype(np.float32)
+    return path, x, np.asarray(model(x, training=False))
+
+
+def test_keras_file_imports_with_batch_fixed_and_same_answer(tmp_path, small_keras):
+    path, x, ref = small_keras
+    record, stage = _import(path, tmp_path / "o")
+    assert record["format"] == "keras" and record["converter"].startswith("tf2onnx")
+    assert (stage / "converted.onnx").exists()
+    model = onnx.load(str(stage / "model.onnx"))
+    (inp,) = [i for i in model.graph.input]
+    assert [d.dim_value for d in inp.type.tensor_type.shape.dim] == [1, 32, 32, 3]
+    (got,) = _session(model).run(None, {inp.name: x})
+    assert _rel(got, ref) < RTOL
+    io = json.loads((stage / "import.json").read_text())
+    assert io["source"]["format"] == "keras"
+
+
+def test_cli_reports_rules_and_op_counts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"),
+           "--input-shape", "x=1x3x48x192", "--until", "import"]
+    text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert text.returncode == 0, text.stderr
+    assert "rules fired:" in text.stderr and "BatchNormalization" in text.stderr
+    js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert js.returncode == 0, js.stderr
+    record = json.loads(js.stdout)["stages"][0]["record"]
+    assert set(record) >= {"nodes_before", "nodes_after", "rules", "format", "opset"}
+    assert record["nodes_after"] != record["nodes_before"]
