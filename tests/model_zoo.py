@@ -18,6 +18,8 @@ PPOCR_CLS = CACHE / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
 PPOCR_CLS_SHAPE = "x=1x3x48x192"
 PPOCR_REC = CACHE / "ch_PP-OCRv4_rec_infer.onnx"
 PPOCR_REC_SHAPE = "x=1x3x48x320"
+# silero-vad 6.2.3: `sr` (8000 or 16000) selects one of two If branches with different front ends
+SILERO_VAD = CACHE / "silero_vad.onnx"
 
 
 def ppocr_cls() -> Path:

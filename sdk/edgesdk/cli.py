@@ -88,12 +88,28 @@ def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _parse_values(values: list[str]) -> dict[str, tuple[float, ...]]:
+    frozen = {}
+    for v in values:
+        name, sep, numbers = v.partition("=")
+        try:
+            parsed = tuple(float(x) for x in numbers.split(","))
+            if not sep or not name:
+                raise ValueError
+        except ValueError:
+            raise UsageError("cli.bad-value", f"--input-value {v}: expected NAME=VALUE like sr=16000 or NAME=1,2,3",
+                             "values are numbers joined by ','") from None
+        frozen[name] = parsed
+    return frozen
+
+
 @app.command()
 def build(
     model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
     target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory: DIR/bundle, DIR/bundle.tar.gz, DIR/.build (stage cache)."),
     input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
+    input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 or NAME=1,2,3 (repeatable); the input leaves the bundle's signature."),
     batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
     trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials per TVM segment; 0 uses only the tuning database."),
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
@@ -111,7 +127,8 @@ def build(
         raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build
 
-    options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape), batch=batch,
+    options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
+                           input_values=_parse_values(input_value), batch=batch,
                            trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples, mode=mode,
                            seed=seed, until=until, start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))

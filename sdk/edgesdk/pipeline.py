@@ -18,6 +18,7 @@ output is a cache hit and does not run. `--from S` forces S and everything after
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import shutil
@@ -57,6 +58,7 @@ class BuildOptions:
     target: str
     out: Path
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    input_values: dict[str, tuple[float, ...]] = field(default_factory=dict)
     batch: int = 1
     trials: int = 0
     tuning_db: Path | None = None
@@ -140,7 +142,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     force_from = PHASE_NAMES.index(options.start) if options.start else len(PHASES)
 
     # a SavedModel is a directory: its digest covers every file in it
-    key = value_sha256({"model": tree_sha256(model) if model.is_dir() else file_sha256(model), "sdk": __version__})
+    sdk = _sdk_digest()
+    key = value_sha256({"model": tree_sha256(model) if model.is_dir() else file_sha256(model), "sdk": sdk})
     artifact = model
     results: list[StageResult] = []
     try:
@@ -150,7 +153,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             if hasattr(stage, "cache_inputs"):  # state outside the build dir the stage reads
                 opts["external"] = stage.cache_inputs(options, target)
             key = value_sha256({"prev": key, "stage": phase.name, "target": target.digest(),
-                                "options": opts, "sdk": __version__})
+                                "options": opts, "sdk": sdk})
             dest = build_dir / f"{i + 1}-{phase.name}"
             if i < force_from and _cache_hit(dest, key):
                 record = json.loads((dest / "record.json").read_text())
@@ -176,6 +179,14 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             (out / "bundle.tar.gz").unlink(missing_ok=True)
         raise
     return BuildResult(out, results, bundle)
+
+
+@functools.lru_cache(maxsize=1)
+def _sdk_digest() -> str:
+    """The version and the code: a cached stage is never reused by an SDK whose code has changed."""
+    root = Path(__file__).resolve().parent
+    code = {str(p.relative_to(root)): file_sha256(p) for p in sorted(root.rglob("*.py"))}
+    return value_sha256({"version": __version__, "code": code})
 
 
 def _publish(package_dir: Path, out: Path) -> Path:

@@ -267,23 +267,29 @@ def test_every_edgetpu_op_has_a_lowering_and_back():
 def test_edgetpu_limits_say_why():
     shapes = {"x": (1, 4, 9, 10), "y": (1, 4, 9, 10), "w": (4, 4, 3, 3), "d": (1, 4, 9, 10), "big": (2, 4, 9, 10),
               "v": (1, 20000), "s": (1, 12), "dyn": (1, 4, 0, 10)}
+
+    def refused(node, shapes, constants, code, words):
+        r = edgetpu.unsupported_reason(node, shapes, constants)
+        assert r is not None and r.code == code and words in r.reason, (node.op_type, r)
+        assert code in edgetpu.REASONS
+
     reason = edgetpu.unsupported_reason
     assert reason(N("Conv", ["x", "w"], ["y"], dilations=[2, 2]), shapes, {"w"}) is None
-    assert "same dilation" in reason(N("Conv", ["x", "w"], ["y"], dilations=[1, 2]), shapes, {"w"})
-    assert "more than 3 dimensions" in reason(N("Relu", ["big"], ["y"]), shapes, set())
-    assert "static shape" in reason(N("Relu", ["dyn"], ["y"]), shapes, set())
-    assert "division by a tensor" in reason(N("Div", ["x", "d"], ["y"]), shapes, set())
+    refused(N("Conv", ["x", "w"], ["y"], dilations=[1, 2]), shapes, {"w"}, "edgetpu.dilation", "same dilation")
+    refused(N("Relu", ["big"], ["y"]), shapes, set(), "edgetpu.rank", "more than 3 dimensions")
+    refused(N("Relu", ["dyn"], ["y"]), shapes, set(), "edgetpu.dynamic-shape", "static shape")
+    refused(N("Div", ["x", "d"], ["y"]), shapes, set(), "edgetpu.tensor-divisor", "division by a tensor")
     assert reason(N("Div", ["x", "w"], ["y"]), shapes, {"w"}) is None
-    assert "16,000" in reason(N("Softmax", ["v"], ["o"]), {**shapes, "o": (1, 20000)}, set())
+    refused(N("Softmax", ["v"], ["o"]), {**shapes, "o": (1, 20000)}, set(), "edgetpu.size", "16,000")
     assert reason(N("Softmax", ["s"], ["o"]), {**shapes, "o": (1, 12)}, set()) is None
-    assert "batch dimension" in reason(N("ReduceMean", ["x"], ["o"], axes=[0, 2]), {**shapes, "o": (1, 4, 1, 10)},
-                                       set())
+    refused(N("ReduceMean", ["x"], ["o"], axes=[0, 2]), {**shapes, "o": (1, 4, 1, 10)}, set(), "edgetpu.batch-axis",
+            "batch dimension")
     assert reason(N("ReduceMean", ["x"], ["o"], axes=[1]), {**shapes, "o": (1, 1, 9, 10)}, set()) is None
-    assert "multiple of 4" in reason(N("ReduceMean", ["c6"], ["o"], axes=[1]),
-                                     {**shapes, "c6": (1, 6, 9, 10), "o": (1, 1, 9, 10)}, set())
-    assert "exactly 2 inputs" in reason(N("Concat", ["x", "w", "d"], ["o"], axis=1), {**shapes, "o": (1, 12, 9, 10)},
-                                        {"w"})
-    assert "not an edge tpu operation" in reason(N("LeakyRelu", ["x"], ["y"]), shapes, set())
+    refused(N("ReduceMean", ["c6"], ["o"], axes=[1]), {**shapes, "c6": (1, 6, 9, 10), "o": (1, 1, 9, 10)}, set(),
+            "edgetpu.channel-multiple", "multiple of 4")
+    refused(N("Concat", ["x", "w", "d"], ["o"], axis=1), {**shapes, "o": (1, 12, 9, 10)}, {"w"},
+            "edgetpu.constant-input", "exactly 2 inputs")
+    refused(N("LeakyRelu", ["x"], ["y"]), shapes, set(), "edgetpu.unsupported-op", "not an edge tpu operation")
     assert reason(N("Transpose", ["x"], ["y"], perm=[0, 1, 3, 2]), shapes, set()) is None
 
 

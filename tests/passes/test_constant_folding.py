@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from tests.passes.harness import EXACT, check_fires, const, f32, model, node, ops, optimized, assert_same
 
@@ -40,4 +40,25 @@ def test_dequantize_of_a_constant_weight_is_kept():
     out, record = optimized(m)
     assert ops(out)["DequantizeLinear"] == 1
     assert {i.data_type for i in out.graph.initializer} >= {TensorProto.INT8}
+    assert_same(m, out, **EXACT)
+
+
+def test_small_constant_of_shape_is_folded_so_a_pad_gets_constant_pads():
+    # exporters build Pad's pads with ConstantOfShape + Concat (silero-vad's STFT padding); unfolded,
+    # Pad's output shape is unknown and everything after it is dynamic
+    m = model([node("ConstantOfShape", ["n"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.int64))),
+               node("Concat", ["zeros", "tail"], ["pads"], axis=0), node("Pad", ["x", "pads"], ["y"], mode="reflect")],
+              X, {"y": [2, 5]}, {"n": np.array([2], np.int64), "tail": np.array([0, 2], np.int64)})
+    out = check_fires(m, "fold-constants", 2, gone=("ConstantOfShape", "Concat"))
+    assert ops(out) == {"Pad": 1}
+    (pad,) = out.graph.node
+    (pads,) = [t for t in out.graph.initializer if t.name == pad.input[1]]
+    assert numpy_helper.to_array(pads).tolist() == [0, 0, 0, 2]
+
+
+def test_large_constant_of_shape_is_kept():
+    m = model([node("ConstantOfShape", ["n"], ["big"]), node("Add", ["x", "big"], ["y"])],
+              {"x": [64, 64]}, ["y"], {"n": np.array([64, 64], np.int64)})
+    out, _ = optimized(m)
+    assert ops(out)["ConstantOfShape"] == 1
     assert_same(m, out, **EXACT)

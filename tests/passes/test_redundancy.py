@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
 from tests.passes.harness import check_does_not_fire, check_fires, f32, model, node, ops
 
@@ -48,3 +49,21 @@ def test_equal_initializers_are_merged_and_their_nodes_with_them():
     out = check_fires(m, "deduplicate-initializers", 1)
     assert ops(out) == {"Add": 1, "Mul": 1}
     assert len(out.graph.initializer) == 1
+
+
+def test_initializers_only_a_dropped_if_branch_read_are_removed():
+    """An If with a constant condition is inlined; what only the other branch read must go too."""
+    then_g = helper.make_graph([helper.make_node("Add", ["x", "a"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    else_g = helper.make_graph([helper.make_node("Mul", ["x", "b"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    g = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.array(True), "c"), numpy_helper.from_array(np.ones(2, np.float32), "a"),
+         numpy_helper.from_array(np.full(2, 3.0, np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    out = check_fires(m, "fold-constants", gone=("If",))
+    assert [n.op_type for n in out.graph.node] == ["Add"]
+    assert {t.name for t in out.graph.initializer} == {"a"}

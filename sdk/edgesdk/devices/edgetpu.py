@@ -7,6 +7,11 @@ op shares: static shapes; int8 only (the segment is quantized as a whole, so flo
 fine here); and only the 3 innermost dimensions of a tensor may exceed 1, which — our layout
 changes only permute axes — means at most 3 dimensions larger than 1 in the ONNX tensor too.
 
+Every refusal is a `Refusal(code, reason)`: a stable code (`edgetpu.rank`, ...) and one lowercase
+sentence, after the statuses Coral's compiler prints per op ("Operation is working on an
+unsupported data type", "Tensor has unsupported rank (up to 3 innermost dimensions mapped)", ...).
+`REASONS` lists every code with Coral's wording where Coral has one.
+
 This says what the Edge TPU accepts; whether our lowering can produce it is asked separately
 (`backends.tflite.lowering_reason`); legalize combines both.
 """
@@ -15,16 +20,39 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import onnx
 from onnx import helper
 
 Shapes = dict[str, tuple[int, ...]]
-Check = Callable[[onnx.NodeProto, Shapes, set[str]], "str | None"]
 
 
-def _ok(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
+class Refusal(NamedTuple):
+    code: str
+    reason: str
+
+
+Check = Callable[[onnx.NodeProto, Shapes, set[str]], "Refusal | None"]
+
+# code -> what it means (Coral's compiler status where there is one)
+REASONS: dict[str, str] = {
+    "edgetpu.unsupported-op": "Operation not supported (not in Coral's list of supported operations)",
+    "edgetpu.data-type": "Operation is working on an unsupported data type (only int8-quantizable float32)",
+    "edgetpu.dynamic-shape": "Attempting to use a delegate that only supports static-sized tensors",
+    "edgetpu.rank": "Tensor has unsupported rank (up to 3 innermost dimensions mapped)",
+    "edgetpu.dilation": "Operation is otherwise supported: x and y dilation differ",
+    "edgetpu.batch-axis": "Operation is otherwise supported: it works on the batch dimension",
+    "edgetpu.channel-multiple": "Operation is otherwise supported: a z-reduction needs a multiple of 4 channels",
+    "edgetpu.constant-input": "Operation is otherwise supported: a constant input where Coral allows none",
+    "edgetpu.size": "Operation is otherwise supported: the tensor is larger than the op allows",
+    "edgetpu.fc-output": "Operation is otherwise supported: a fully-connected output must be 1-d",
+    "edgetpu.tensor-divisor": "Operation is otherwise supported: division by a tensor",
+    "edgetpu.no-lowering": "Supported by the Edge TPU, but edgesdk's TFLite lowering cannot express this form",
+}
+
+
+def _ok(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> Refusal | None:
     return None
 
 
@@ -50,7 +78,7 @@ def _axes(node: onnx.NodeProto, shapes: Shapes) -> list[int] | None:
 def _conv(node, shapes, constants):
     dilations = _attr(node, "dilations", [1, 1])
     if len(set(dilations)) > 1:
-        return "the edge tpu needs the same dilation in x and y"
+        return Refusal("edgetpu.dilation", "the edge tpu needs the same dilation in x and y")
     return None
 
 
@@ -60,7 +88,7 @@ def _no_batch_axis(what: str) -> Check:
         if axes is None and len(node.input) > 1 and node.input[1]:
             return None  # axes given as a tensor: the lowering's check sees that it is constant
         if axes is None or 0 in axes:
-            return f"{what} cannot work on the batch dimension on the edge tpu"
+            return Refusal("edgetpu.batch-axis", f"{what} cannot work on the batch dimension on the edge tpu")
         return None
 
     return check
@@ -73,14 +101,14 @@ def _mean(node, shapes, constants):
     axes = _axes(node, shapes) or []
     # Coral: "if a z-reduction, the z-dimension must be a multiple of 4" (z = channels, axis 1 in NCHW).
     if len(shape) == 4 and 1 in axes and shape[1] % 4:
-        return "a mean over channels needs a multiple of 4 channels on the edge tpu"
+        return Refusal("edgetpu.channel-multiple", "a mean over channels needs a multiple of 4 channels on the edge tpu")
     return None
 
 
 def _concat(node, shapes, constants):
     # Coral: a compile-time constant input is allowed only as the second of exactly 2 inputs, all zeros.
     if any(n in constants for n in node.input) and len(node.input) != 2:
-        return "an edge tpu concatenation with a constant input must have exactly 2 inputs"
+        return Refusal("edgetpu.constant-input", "an edge tpu concatenation with a constant input must have exactly 2 inputs")
     return None
 
 
@@ -88,7 +116,7 @@ def _pad(node, shapes, constants):
     pads = _attr(node, "pads")
     rank = len(shapes.get(node.input[0], ()))
     if pads is not None and rank and (pads[0] or pads[rank]):
-        return "the edge tpu does not pad the batch dimension"
+        return Refusal("edgetpu.batch-axis", "the edge tpu does not pad the batch dimension")
     return None
 
 
@@ -98,20 +126,20 @@ def _softmax(node, shapes, constants):
     for d in shape:
         size *= d
     if sum(d > 1 for d in shape) > 1 or size > 16000:
-        return "the edge tpu's softmax takes a 1-d input of at most 16,000 elements"
+        return Refusal("edgetpu.size", "the edge tpu's softmax takes a 1-d input of at most 16,000 elements")
     return None
 
 
 def _fully_connected(node, shapes, constants):
     out = shapes.get(node.output[0], ())
     if sum(d > 1 for d in out) > 1:
-        return "an edge tpu fully-connected output must be one-dimensional"
+        return Refusal("edgetpu.fc-output", "an edge tpu fully-connected output must be one-dimensional")
     return None
 
 
 def _div(node, shapes, constants):
     if node.input[1] not in constants:
-        return "the edge tpu has no division by a tensor"
+        return Refusal("edgetpu.tensor-divisor", "the edge tpu has no division by a tensor")
     return None
 
 
@@ -163,8 +191,8 @@ OPS: dict[str, OpRule] = {
 }
 
 
-def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
-    """None when the Edge TPU takes `node` (by Coral's published limits), else a lowercase reason.
+def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> Refusal | None:
+    """None when the Edge TPU takes `node` (by Coral's published limits), else why not.
 
     `shapes` holds static shapes of the node's tensors; `constants` the names that are
     initializers or folded constants. A node whose inputs are all constants folds away.
@@ -174,13 +202,13 @@ def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]
         return None
     rule = OPS.get(node.op_type)
     if rule is None or node.domain not in ("", "ai.onnx"):
-        return f"{node.op_type} is not an edge tpu operation"
+        return Refusal("edgetpu.unsupported-op", f"{node.op_type} is not an edge tpu operation")
     for name in [*names, *(o for o in node.output if o)]:
         if name in constants:
             continue
         shape = shapes.get(name)
         if shape is None or any(not isinstance(d, numbers.Integral) or d <= 0 for d in shape):
-            return f"tensor {name} has no static shape (the edge tpu needs static shapes)"
+            return Refusal("edgetpu.dynamic-shape", f"tensor {name} has no static shape (the edge tpu needs static shapes)")
         if sum(d > 1 for d in shape) > 3:
-            return f"tensor {name} {list(shape)} has more than 3 dimensions larger than 1"
+            return Refusal("edgetpu.rank", f"tensor {name} {list(shape)} has more than 3 dimensions larger than 1")
     return rule.check(node, shapes, constants)

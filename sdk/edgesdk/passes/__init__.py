@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """Returns the optimized model and a record:
     {"rules": {rule_name: times_fired, ...}   # every rule that ran, 0 included, in the order they run
-     "nodes_before": {op_type: count}, "nodes_after": {op_type: count},  # main graph, sorted by op type
+     "nodes_before": {op_type: count}, "nodes_after": {op_type: count},  # subgraphs included, sorted by op type
      "rounds": int}                            # fixed-point iterations, the last (quiet) one included
     plus "rule_errors": {rule_name: message} where a rule raised and was switched off.
     """
@@ -86,6 +86,7 @@ def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
                 break
 
     result = ir.serde.serialize_model(graph)
+    counts["remove-dead-nodes"] += _drop_unused_initializers(result)
     result.ir_version = min(result.ir_version or IR_VERSION, IR_VERSION)
     result = _infer_shapes(result)
     try:
@@ -94,10 +95,21 @@ def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
         errors["checker"] = f"the optimized model is invalid, the input is kept: {str(e).splitlines()[0][:200]}"
         log.warning("passes: %s", errors["checker"])
         result, counts = model, {name: 0 for name in counts}
-    record = {"rules": counts, "nodes_before": _op_counts(model), "nodes_after": _op_counts(result), "rounds": rounds}
+    record = {"rules": counts, "nodes_before": op_counts(model), "nodes_after": op_counts(result), "rounds": rounds}
     if errors:
         record["rule_errors"] = errors
     return result, record
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> int:
+    """Initializers no node reads, subgraphs included. onnx_ir still counts a use by the nodes of an If
+    branch that constant folding dropped, so its dead-code pass keeps what only that branch read."""
+    used = ({i for n in _all_nodes(model.graph) for i in n.input} | {o.name for o in model.graph.output}
+            | {i.name for i in model.graph.input})  # an input with a default keeps the signature
+    dead = [t for t in model.graph.initializer if t.name not in used]
+    for t in dead:
+        model.graph.initializer.remove(t)
+    return len(dead)
 
 
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -113,5 +125,17 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return model
 
 
-def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
-    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(collections.Counter(n.op_type for n in _all_nodes(model.graph)).items()))
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """Every node, those in If/Loop/Scan bodies included: an inlined branch is not new work."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _all_nodes(g)

@@ -12,7 +12,6 @@ the converter's own output as `converted.onnx`, to compare in Netron.
 
 from __future__ import annotations
 
-import collections
 import json
 import tempfile
 import time
@@ -25,7 +24,7 @@ from ...errors import UsageError, UserError
 from ...ir import model as irm
 from ...ir.digest import file_sha256, tree_sha256
 
-OPTIONS = ("input_shapes", "batch")
+OPTIONS = ("input_shapes", "input_values", "batch")
 
 # Every graph leaves import at this opset or newer: the passes and backends see one form of
 # Squeeze/Unsqueeze/Split/Softmax (opset 13 moved axes to inputs and changed Softmax's coercion).
@@ -44,9 +43,14 @@ def run(model_path: Path, ctx) -> dict:
         ctx.log(f"import: {source['format']} converted by {source['converter']} in {converted - t0:.1f} s")
     for note in source.get("notes", []):
         ctx.warn(note)
-    nodes_source = _count(model)
+    nodes_source = passes.op_counts(model)
 
-    _fix_input_shapes(model, ctx.options.input_shapes, ctx.options.batch, model_path)
+    _fix_input_shapes(model, ctx.options.input_shapes, ctx.options.batch, model_path,
+                      frozen=set(ctx.options.input_values))
+    if ctx.options.input_values:
+        _freeze_inputs(model, ctx.options.input_values, model_path)
+        ctx.log("import: frozen input(s) " + ", ".join(f"{k}={','.join(f'{x:g}' for x in v)}"
+                                                     for k, v in ctx.options.input_values.items()))
     model = _canonical_opset(model, model_path, ctx)
     model = _infer_shapes(model, model_path)
     model, optimized = passes.optimize(model)
@@ -88,10 +92,6 @@ def run(model_path: Path, ctx) -> dict:
     }
 
 
-def _count(model: onnx.ModelProto) -> dict[str, int]:
-    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
-
-
 def _opset(model: onnx.ModelProto) -> int:
     return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
 
@@ -118,7 +118,7 @@ def _canonical_opset(model: onnx.ModelProto, path: Path, ctx) -> onnx.ModelProto
 def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     # Shapes an exporter recorded for the dynamic graph (Paddle writes -1 for a dynamic batch) would
     # contradict the ones inferred from the fixed inputs: inference starts from the inputs alone.
-    del model.graph.value_info[:]
+    _clear_value_info(model.graph)
     for out in model.graph.output:
         for dim in out.type.tensor_type.shape.dim:
             if dim.HasField("dim_value") and dim.dim_value <= 0:
@@ -126,13 +126,32 @@ def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as e:
-        raise UserError("import.shape-inference", f"{path}: shape inference failed: {str(e).splitlines()[0][:300]}",
-                        "check --input-shape; run `onnx.checker.check_model` on the file for details") from None
+        first = str(e).splitlines()[0][:300]
+        hint = "check --input-shape; run `onnx.checker.check_model` on the file for details"
+        if "op_type:If" in first or "op_type:Loop" in first:
+            # with static shapes, a branch the given shapes never take can be ill-typed (a batch-size switch)
+            hint = ("a branch of an If or Loop does not fit the fixed shapes; if an input selects the branch "
+                    "(a sample rate, a mode), freeze it with --input-value NAME=VALUE; else " + hint)
+        raise UserError("import.shape-inference", f"{path}: shape inference failed: {first}", hint) from None
 
 
-def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path) -> None:
+def _clear_value_info(graph: onnx.GraphProto) -> None:
+    del graph.value_info[:]
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                _clear_value_info(sub)
+
+
+def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path,
+                      frozen: set[str] = frozenset()) -> None:
     consts = irm.constant_names(model)
     inputs = {i.name: i for i in model.graph.input if i.name not in consts}
+    for name in frozen:
+        if name not in inputs:
+            raise UsageError("import.unknown-input", f"--input-value names '{name}', which is not an input of {path}",
+                             f"the model's inputs: {', '.join(inputs)}")
+    inputs = {k: v for k, v in inputs.items() if k not in frozen or k in given}
     for name in given:
         if name not in inputs:
             raise UsageError("import.unknown-input", f"--input-shape names '{name}', which is not an input of {path}",
@@ -168,11 +187,46 @@ def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]],
                          "is not the batch)", notes=problems)
 
 
+def _freeze_inputs(model: onnx.ModelProto, values: dict[str, tuple[float, ...]], path: Path) -> None:
+    """--input-value: the input becomes an initializer, so constant folding can take the branches it selects.
+
+    The shape is the input's declared one (fixed by --input-shape where it was dynamic); a single value
+    fills a dynamic-free shape of any size.
+    """
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    for name, numbers in values.items():
+        vi = next(i for i in model.graph.input if i.name == name)
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim]
+        if None in dims:
+            raise UsageError("import.dynamic-shape", f"{path}: input '{name}' frozen by --input-value has a dynamic "
+                             "dimension", f"give its shape too: --input-shape {name}=...")
+        size = int(np.prod(dims)) if dims else 1
+        if len(numbers) not in (1, size):
+            raise UsageError("cli.bad-value", f"--input-value {name}: {len(numbers)} value(s) for an input of shape "
+                             f"{dims or 'scalar'} ({size} element(s))", "give one value, or one per element")
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        wanted = np.broadcast_to(np.asarray(numbers, np.float64), (size,)).reshape(dims)
+        array = wanted.astype(dtype)
+        if not np.array_equal(array.astype(np.float64), wanted):
+            raise UsageError("cli.bad-value", f"--input-value {name}: the input is {irm.dtype_name(tt.elem_type)}, "
+                             f"{', '.join(f'{x:g}' for x in numbers)} does not fit it", "give values of the input's type")
+        model.graph.initializer.append(numpy_helper.from_array(array, name))
+        model.graph.input.remove(vi)
+
+
 def _require_static(model: onnx.ModelProto, path: Path) -> None:
     shapes = irm.static_shapes(model)
     missing = [f"node '{irm.node_name(n, i)}' ({n.op_type}): output '{o}' has no static shape"
                for i, n in enumerate(model.graph.node) for o in n.output if o and o not in shapes]
     if missing:
+        control = sorted({n.input[0] for n in model.graph.node if n.op_type in ("If", "Loop")
+                          and any(o and o not in shapes for o in n.output)})
+        hint = "fix the input shapes with --input-shape; data-dependent shapes are not supported"
+        if control:
+            hint = (f"an If or Loop whose shapes depend on {', '.join(control)}: if that follows from an input "
+                    "(a sample rate, a mode), freeze the input with --input-value NAME=VALUE; else " + hint)
         raise UserError("import.unknown-shape", f"{path}: shapes of {len(missing)} tensor(s) could not be inferred",
-                        "fix the input shapes with --input-shape; data-dependent shapes are not supported",
-                        notes=missing[:20])
+                        hint, notes=missing[:20])
