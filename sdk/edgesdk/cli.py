@@ -115,6 +115,9 @@ def build(
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy (or .npz) calibration samples for int8."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
+    max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each ReLU-sum approximation's error [default: the target's legalize.max_abs_error]."),
+    allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
+    no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
@@ -129,7 +132,9 @@ def build(
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch,
-                           trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples, mode=mode,
+                           trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples,
+                           max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
+                           legalize_rewrites=not no_rewrites, mode=mode,
                            seed=seed, until=until, start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)
@@ -154,11 +159,13 @@ def build(
         print(json.dumps(summary, indent=2, default=str))
         return
     if not quiet:
-        from .report.text import import_summary, placement_summary
+        from .report.text import import_summary, legalize_summary, placement_summary
 
         for s in result.stages:
             if s.name == "import":
                 _err(import_summary(s.record))
+            if s.name == "legalize" and (text := legalize_summary(s.record)):
+                _err(text)
         plan_path = out / ".build" / "3-schedule" / "plan.json"
         if plan_path.exists():
             _err(placement_summary(json.loads(plan_path.read_text())))
@@ -166,6 +173,38 @@ def build(
             for w in s.record.get("warnings", []) if s.cached else []:
                 _err(f"warning: {w}")
         _err(f"built in {summary['seconds']:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
+
+
+@app.command()
+def check(
+    model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
+    target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
+    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
+    input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 (repeatable)."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy (or .npz) samples: the ranges approximations are fitted on."),
+    calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
+    max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each approximation's error [default: the target's]."),
+    allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic calibration samples."),
+    nodes: bool = typer.Option(False, "--nodes", help="List every node, not only each op type."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout."),
+) -> None:
+    """Analyse MODEL for TARGET without building: which devices can run each op and why not,
+    accelerator coverage by ops and FLOPs, CPU<->accelerator transitions, what legalize would rewrite."""
+    from .pipeline import BuildOptions, check as run_check
+
+    options = BuildOptions(model=model, target=target, out=Path("."), input_shapes=_parse_shapes(input_shape),
+                           input_values=_parse_values(input_value), batch=batch, calib=calib,
+                           calib_samples=calib_samples, max_abs_error=max_abs_error or None,
+                           allow_cpu_fallback=allow_cpu_fallback, seed=seed)
+    report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))
+    if as_json:
+        print(json.dumps(report, indent=2, default=float))
+        return
+    from .report.text import check_summary
+
+    print(check_summary(report, nodes=nodes))
 
 
 @app.command("run")

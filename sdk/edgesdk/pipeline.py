@@ -64,6 +64,9 @@ class BuildOptions:
     tuning_db: Path | None = None
     calib: Path | None = None
     calib_samples: int = 32
+    max_abs_error: float | None = None  # legalize's approximation bound; None: the target's
+    allow_cpu_fallback: bool = False
+    legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)
     mode: str = "latency"
     seed: int = 0
     until: str | None = None
@@ -229,3 +232,24 @@ def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target
         shutil.rmtree(build_dir / f"{PHASE_NAMES.index(later) + 1}-{later}", ignore_errors=True)
     tmp.rename(dest)
     return record
+
+
+def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """`edgesdk check`: import the model (in a temporary directory) and ask legalize what it would do;
+    nothing is rewritten and nothing is written."""
+    import dataclasses
+    import tempfile
+
+    import onnx
+
+    target, target_path = load_target(options.target)
+    with tempfile.TemporaryDirectory(prefix="edgesdk-check-") as tmp:
+        result = build(dataclasses.replace(options, out=Path(tmp) / "out", until="import", start=None), log=log)
+        stage_dir = Path(tmp) / "out" / ".build" / "1-import"
+        model = onnx.load(str(stage_dir / "model.onnx"))
+        io = json.loads((stage_dir / "import.json").read_text())
+        legalize = importlib.import_module(next(p.module for p in PHASES if p.name == "legalize"))
+        ctx = StageContext(target, target_path, options, Path(tmp), Path(tmp), log)
+        report = legalize.analyze(model, ctx, io["inputs"])
+    return {"model": str(options.model), "target": target.name, "import": result.stages[0].record,
+            "warnings": ctx.warnings, **report}

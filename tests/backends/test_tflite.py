@@ -287,6 +287,10 @@ def test_edgetpu_limits_say_why():
     assert reason(N("ReduceMean", ["x"], ["o"], axes=[1]), {**shapes, "o": (1, 1, 9, 10)}, set()) is None
     refused(N("ReduceMean", ["c6"], ["o"], axes=[1]), {**shapes, "c6": (1, 6, 9, 10), "o": (1, 1, 9, 10)}, set(),
             "edgetpu.channel-multiple", "multiple of 4")
+    # the spatial mean of an NHWC tensor is no z-reduction; its channel mean is
+    nhwc = {**shapes, "h": (1, 9, 9, 6), "o": (1, 1, 1, 6), "o3": (1, 9, 9, 1)}
+    assert reason(N("ReduceMean", ["h"], ["o"], axes=[1, 2]), nhwc, set()) is None
+    refused(N("ReduceMean", ["h"], ["o3"], axes=[3]), nhwc, set(), "edgetpu.channel-multiple", "multiple of 4")
     refused(N("Concat", ["x", "w", "d"], ["o"], axis=1), {**shapes, "o": (1, 12, 9, 10)}, {"w"},
             "edgetpu.constant-input", "exactly 2 inputs")
     refused(N("LeakyRelu", ["x"], ["y"]), shapes, set(), "edgetpu.unsupported-op", "not an edge tpu operation")
@@ -440,3 +444,31 @@ def test_int8_bad_calibration_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         tflite.convert_int8(model, [], tmp_path / "m.tflite")
     assert err.value.code == "compress.no-calibration"
+
+
+def _fused_activations(path: Path) -> list[tuple[str, int]]:
+    """(builtin op, fused activation) of every operator in a .tflite file, read with TFLite's schema."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(path.read_bytes(), 0))
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    codes = [c.builtinCode for c in model.operatorCodes]
+    return [(names[codes[op.opcodeIndex]], getattr(op.builtinOptions, "fusedActivationFunction", 0) or 0)
+            for op in model.subgraphs[0].operators]
+
+
+def test_no_activation_is_fused_into_a_concatenation(tmp_path):
+    # Coral: "no fused activation function" on Concatenation; TFLite's converter may fuse a Relu into
+    # the op before it, so the int8 model must keep it a separate op after a Concat
+    w = numpy_helper.from_array(np.random.default_rng(0).uniform(-1, 1, (4, 4, 1, 1)).astype(np.float32), "w")
+    g = helper.make_graph([N("Conv", ["x", "w"], ["a"]), N("Relu", ["x"], ["b"]), N("Concat", ["a", "b"], ["c"], axis=1),
+                           N("Relu", ["c"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], [w])
+    m = onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    rng = np.random.default_rng(1)
+    tflite.convert_int8(m, [{"x": rng.uniform(-1, 1, (1, 4, 8, 8)).astype(np.float32)} for _ in range(4)],
+                        tmp_path / "c.tflite")
+    ops = _fused_activations(tmp_path / "c.tflite")
+    assert ("CONCATENATION", 0) in ops
+    assert all(act == 0 for op, act in ops if op == "CONCATENATION"), ops

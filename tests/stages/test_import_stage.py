@@ -65,7 +65,8 @@ def test_onnx_opset11_is_canonicalized_optimized_and_equal(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_keras(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
-    """A Keras 3 conv net with BatchNorm (statistics set) saved as .keras; an input and Keras' output."""
+    """A Keras 3 conv net with BatchNorm (statistics set) and a GELU layer (Keras writes it with Erfc,
+    which tf2onnx lacks and the import adds) saved as .keras; an input and Keras' output."""
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(0)
@@ -77,6 +78,7 @@ def small_keras(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
     x = tf.keras.layers.BatchNormalization()(x)
     x = tf.keras.layers.ReLU()(x)
     x = tf.keras.layers.GlobalAveragePooling2D()(x)
+    x = tf.keras.layers.Dense(16, activation="gelu")(x)
     out = tf.keras.layers.Dense(5, name="logits")(x)
     model = tf.keras.Model(inp, out)
     for layer in model.layers:
@@ -97,6 +99,7 @@ def test_keras_file_imports_with_batch_fixed_and_same_answer(tmp_path, small_ker
     model = onnx.load(str(stage / "model.onnx"))
     (inp,) = [i for i in model.graph.input]
     assert [d.dim_value for d in inp.type.tensor_type.shape.dim] == [1, 32, 32, 3]
+    assert "Erf" in {n.op_type for n in model.graph.node}
     (got,) = _session(model).run(None, {inp.name: x})
     assert _rel(got, ref) < RTOL
     io = json.loads((stage / "import.json").read_text())

@@ -19,6 +19,12 @@ def session(model: onnx.ModelProto, *, threads: int = 0):
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
     """Run `model` on `feeds`; `outputs` may name any intermediate tensor with a known type."""
+    return run_many(model, [feeds], outputs)[0]
+
+
+def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
+             outputs: list[str] | None = None) -> list[dict[str, np.ndarray]]:
+    """`run` on each of `feeds`, with one session."""
     m = model
     if outputs is not None:
         m = onnx.ModelProto()
@@ -35,4 +41,4 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str]
                 m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     sess = session(m)
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+    return [dict(zip(names, sess.run(names, f))) for f in feeds]

@@ -98,10 +98,15 @@ def _mean(node, shapes, constants):
     if reason := _no_batch_axis("mean")(node, shapes, constants):
         return reason
     shape = shapes.get(node.input[0], ())
-    axes = _axes(node, shapes) or []
-    # Coral: "if a z-reduction, the z-dimension must be a multiple of 4" (z = channels, axis 1 in NCHW).
-    if len(shape) == 4 and 1 in axes and shape[1] % 4:
-        return Refusal("edgetpu.channel-multiple", "a mean over channels needs a multiple of 4 channels on the edge tpu")
+    axes = sorted(_axes(node, shapes) or [])
+    # Coral: "if a z-reduction, the z-dimension must be a multiple of 4" (z: the innermost TFLite axis,
+    # the channels). Which ONNX axis becomes z depends on the layout the lowering picks; the axes tell
+    # the usual cases apart: [2, 3] and [1, 2] are the spatial means of NCHW and NHWC (no z), a lone 1
+    # or 3 is the channel axis of NCHW or NHWC, and [1, 2, 3] includes it either way.
+    if len(shape) == 4 and axes not in ([2, 3], [1, 2]) and (1 in axes or 3 in axes):
+        z = 1 if 1 in axes and 2 not in axes else 3
+        if shape[z] % 4:
+            return Refusal("edgetpu.channel-multiple", "a mean over channels needs a multiple of 4 channels on the edge tpu")
     return None
 
 

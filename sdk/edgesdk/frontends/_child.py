@@ -86,9 +86,31 @@ def _tensorflow():
     import tf2onnx
 
     _number_nodes(tf2onnx.graph.Node)
+    _missing_ops()
     failures = _Failures()
     logging.getLogger("tf2onnx").addHandler(failures)
     return tf, tf2onnx, failures
+
+
+def _missing_ops() -> None:
+    """Conversions tf2onnx 1.17 lacks for ops common models use.
+
+    Erfc: Keras 3 writes its default (exact) GELU as 0.5 * x * erfc(-x / sqrt 2). ONNX has Erf, and
+    erfc(x) = 1 - erf(x); the subtraction loses erfc's relative precision where it is below float32's
+    epsilon (x > ~3.9), which in GELU multiplies 0.5 * x into an absolute error below 1e-6."""
+    import numpy as np
+    from tf2onnx import utils
+    from tf2onnx.handler import tf_op
+
+    @tf_op("Erfc")
+    class Erfc:  # noqa: F841 - registered by the decorator
+        @classmethod
+        def version_9(cls, ctx, node, **kwargs):
+            dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.input[0]))
+            one = ctx.make_const(utils.make_name(f"{node.name}_one"), np.array(1, dtype))
+            node.type = "Erf"
+            sub = ctx.insert_new_node_on_output("Sub", node.output[0], name=utils.make_name(node.name))
+            ctx.replace_inputs(sub, [one.output[0], node.output[0]])
 
 
 def _number_nodes(node_class) -> None:

@@ -72,3 +72,79 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for w in m.warnings:
         out.append(f"warning     {w}")
     return "\n".join(out)
+
+
+def check_summary(report: dict[str, Any], nodes: bool = False) -> str:
+    """`edgesdk check`: per op type (or per node), the devices that can run it and why others cannot;
+    coverage, transitions, and what legalize would do."""
+    rows: dict[tuple, list[str]] = {}
+    for n in report["nodes"]:
+        refused = "; ".join(f"{r['device']}: {r['code']} ({r['reason']})" for r in n["refusals"]
+                            if not r["device"].startswith("cpu"))
+        key = (n["node"] if nodes else n["op"], ", ".join(n["devices"]) or "none", refused)
+        rows.setdefault(key, []).append(n["node"])
+    width = max([len(k[0]) for k in rows] + [4])
+    lines = [f"{report['model']} for {report['target']}: {len(report['nodes'])} nodes, "
+             f"{sum(n['flops'] for n in report['nodes']) / 1e9:.3g} GFLOP",
+             f"{'node' if nodes else 'op':<{width}}  {'' if nodes else 'count':>5}  devices  [refused on: code (reason)]"]
+    for (what, devices, refused), names in sorted(rows.items(), key=lambda kv: (kv[0][2] == "", kv[0][0])):
+        count = "" if nodes else str(len(names))
+        lines.append(f"{what:<{width}}  {count:>5}  {devices}" + (f"  [{refused}]" if refused else ""))
+    for when in ("before", "after"):
+        summary = report.get(when)
+        if not summary:
+            continue
+        cov = ", ".join(f"{kind} {c['ops']}/{c['of_ops']} ops ({c['ops_fraction']:.1%}), {c['flops_fraction']:.1%} of FLOPs"
+                        for kind, c in summary["coverage"].items()) or "no accelerator"
+        lines.append(f"{'as imported' if when == 'before' else 'after legalize'}: {cov}; "
+                     f"{summary['transitions']} tensor(s) cross between the CPU and an accelerator")
+    rewrites = report.get("rewrites") or {}
+    approx = report.get("approximations") or []
+    fallbacks = report.get("fallbacks") or []
+    if not (rewrites or approx or fallbacks):
+        lines.append("legalize would rewrite nothing")
+    else:
+        lines.append("legalize would:")
+        for name, r in rewrites.items():
+            lines.append(f"  rewrite {name} x{r['count']} ({r['exactness']})")
+        for a in approx:
+            lines.append(f"  approximate {', '.join(a['nodes'])} ({' -> '.join(a['ops'])}) by {len(a['knots'])} ReLUs on "
+                         f"[{a['range'][0]:.4g}, {a['range'][1]:.4g}]: max error {a['grid_error']:.2e}"
+                         + (f", {a['int8_error']:.2e} after int8" if "int8_error" in a else "")
+                         + (f"; outputs move by {a['end_to_end']['max_abs_error']:.2e}" if a.get("end_to_end") else ""))
+        for f in fallbacks:
+            lines.append(f"  keep {', '.join(f['nodes'])} on the CPU: {f['reason']}")
+        if report.get("end_to_end"):
+            e = report["end_to_end"]
+            lines.append(f"  end to end, on {e['samples']} calibration sample(s): outputs move by at most "
+                         f"{e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their range)")
+    return "\n".join(lines)
+
+
+def legalize_summary(record: dict[str, Any]) -> str | None:
+    """`edgesdk build`: the accelerator coverage legalize reached and what it changed for it."""
+    before, after = record.get("before"), record.get("after")
+    if not before or not after or not after.get("coverage"):
+        return None
+    lines = []
+    for kind, c in after["coverage"].items():
+        b = before["coverage"].get(kind, c)
+        lines.append(f"legalize: {kind} runs {b['ops_fraction']:.1%} -> {c['ops_fraction']:.1%} of ops, "
+                     f"{b['flops_fraction']:.1%} -> {c['flops_fraction']:.1%} of FLOPs; CPU<->{kind} tensors "
+                     f"{before['transitions']} -> {after['transitions']}")
+    rewrites = record.get("rewrites") or {}
+    if rewrites:
+        lines.append("  rewrites: " + ", ".join(f"{k} x{v['count']}" for k, v in rewrites.items()))
+    approx = record.get("approximations") or []
+    if approx:
+        worst = max(a["grid_error"] for a in approx)
+        worst8 = max((a.get("int8_error", 0.0) for a in approx), default=0.0)
+        lines.append(f"  {len(approx)} function(s) approximated by sums of ReLUs (bound {record['max_abs_error']:g}): "
+                     f"worst error {worst:.2e}" + (f", {worst8:.2e} after int8" if worst8 else ""))
+    if record.get("end_to_end"):
+        e = record["end_to_end"]
+        lines.append(f"  outputs move by at most {e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their "
+                     f"range) on {e['samples']} calibration sample(s)")
+    for f in record.get("fallbacks") or []:
+        lines.append(f"  kept on the CPU: {', '.join(f['nodes'])} ({f['reason']})")
+    return "\n".join(lines)

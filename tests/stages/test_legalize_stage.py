@@ -1,0 +1,155 @@
+"""The legalize stage end to end on arm_2tpu: exact rewrites where the Edge TPU refuses an op, ReLU-sum
+approximations of the functions it lacks within the bound, the import stage's optimizations after them,
+coverage and transitions before and after; the bound's failure as a clear error or a CPU fallback; and
+`edgesdk check`, which rewrites nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.model_zoo import ROOT
+
+EPS = 0.01
+
+
+def _model(path: Path) -> Path:
+    """Conv -> Softplus -> Conv -> LeakyRelu -> Conv -> GELU (tf2onnx's erf form): the Edge TPU lacks
+    Softplus, LeakyRelu and Erf."""
+    rng = np.random.default_rng(0)
+
+    def w(name, shape):
+        return numpy_helper.from_array((rng.normal(size=shape) * 0.3).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Softplus", ["c1"], ["s1"], name="softplus"),
+        helper.make_node("Conv", ["s1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("LeakyRelu", ["c2"], ["l2"], name="leaky", alpha=0.1),
+        helper.make_node("Conv", ["l2", "w3"], ["c3"], name="conv3", pads=[1, 1, 1, 1]),
+        helper.make_node("Div", ["c3", "sqrt2"], ["d"], name="gelu_div"),
+        helper.make_node("Erf", ["d"], ["e"], name="gelu_erf"),
+        helper.make_node("Add", ["e", "one"], ["a"], name="gelu_add"),
+        helper.make_node("Mul", ["c3", "a"], ["m"], name="gelu_mul"),
+        helper.make_node("Mul", ["m", "half"], ["y"], name="gelu_half"),
+    ]
+    inits = [w("w1", (8, 3, 3, 3)), w("w2", (8, 8, 3, 3)), w("w3", (8, 8, 3, 3)),
+             numpy_helper.from_array(np.float32(np.sqrt(2)), "sqrt2"), numpy_helper.from_array(np.float32(1), "one"),
+             numpy_helper.from_array(np.float32(0.5), "half")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def _build(model: Path, out: Path, **options):
+    from edgesdk.pipeline import BuildOptions, build
+
+    result = build(BuildOptions(model=model, target="arm_2tpu", out=out, until="legalize", **options))
+    return result.stages[1].record, out / ".build" / "2-legalize"
+
+
+def _run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
+    m = onnx.load(str(model)) if isinstance(model, Path) else model
+    m.ir_version = min(m.ir_version, 10)
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_rewrites_and_approximations_move_everything_onto_the_edge_tpu(tmp_path):
+    src = _model(tmp_path / "m.onnx")
+    record, stage = _build(src, tmp_path / "o")
+    assert record["rewrites"] == {"leaky-relu-to-max": {"count": 1, "exactness": "exact"}}
+    approx = {tuple(a["nodes"]): a for a in record["approximations"]}
+    assert set(approx) == {("softplus",), ("gelu_erf",)}
+    assert approx[("gelu_erf",)]["ops"] == ["Div", "Erf", "Add", "Mul", "Mul"]  # the whole GELU, once
+    for a in approx.values():
+        assert a["grid_error"] <= EPS and a["knots"] and a["int8_error"] > 0
+    # before: Softplus, LeakyRelu and Erf on the CPU; after: every node on the Edge TPU, no transitions
+    assert record["before"]["coverage"]["edgetpu"]["ops_fraction"] < 1 and record["before"]["transitions"] > 0
+    assert record["after"]["coverage"]["edgetpu"]["ops_fraction"] == 1.0 and record["after"]["transitions"] == 0
+    model = onnx.load(str(stage / "model.onnx"))
+    assert not {"Softplus", "LeakyRelu", "Erf"} & {n.op_type for n in model.graph.node}
+    capable = [{p.key: p.value for p in n.metadata_props}["edgesdk.capable"] for n in model.graph.node]
+    assert all(c.startswith("edgetpu") for c in capable), capable
+    # the legalized function against the original, beyond the calibration samples the build used
+    x = np.random.default_rng(7).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)
+    ref, got = _run(src, x), _run(stage / "model.onnx", x)
+    e2e = record["end_to_end"]
+    assert 0 < np.abs(got - ref).max() < 0.1, np.abs(got - ref).max()
+    assert e2e["max_abs_error"] > 0 and e2e["samples"] > 0
+    report = json.loads((stage / "legalize.json").read_text())
+    assert report["approximations"] and report["refusals"] == []
+
+
+def test_a_bound_that_cannot_be_met_fails_naming_the_node_or_falls_back(tmp_path):
+    from edgesdk.errors import UserError
+
+    src = _model(tmp_path / "m.onnx")
+    with pytest.raises(UserError) as err:
+        _build(src, tmp_path / "o", max_abs_error=1e-7)
+    assert err.value.code == "legalize.approximation-bound"
+    assert "softplus" in "\n".join(err.value.notes) and "gelu_erf" in "\n".join(err.value.notes)
+    assert not (tmp_path / "o" / ".build" / "2-legalize").exists()
+
+    record, stage = _build(src, tmp_path / "f", max_abs_error=1e-7, allow_cpu_fallback=True)
+    assert {tuple(f["nodes"]) for f in record["fallbacks"]} == {("softplus",), ("gelu_erf",)}
+    assert record["approximations"] == []
+    ops = {n.op_type for n in onnx.load(str(stage / "model.onnx")).graph.node}
+    assert {"Softplus", "Erf"} <= ops and "LeakyRelu" not in ops  # the exact rewrite still applies
+
+
+def test_no_rewrites_and_cpu_targets_leave_the_graph_alone(tmp_path):
+    from edgesdk.pipeline import BuildOptions, build
+
+    src = _model(tmp_path / "m.onnx")
+    record, stage = _build(src, tmp_path / "o", legalize_rewrites=False)
+    assert record["rewrites"] == {} and record["approximations"] == []
+    assert {"Softplus", "LeakyRelu", "Erf"} <= {n.op_type for n in onnx.load(str(stage / "model.onnx")).graph.node}
+    result = build(BuildOptions(model=src, target="x86", out=tmp_path / "x", until="legalize"))
+    assert result.stages[1].record["rewrites"] == {} and result.stages[1].record["approximations"] == []
+
+
+def test_check_reports_without_rewriting(tmp_path):
+    src = _model(tmp_path / "m.onnx")
+    before = src.read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+    cmd = [sys.executable, "-m", "edgesdk.cli", "check", str(src), "--target", "arm_2tpu"]
+    text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert text.returncode == 0, text.stderr
+    assert "Softplus" in text.stdout and "edgetpu.unsupported-op" in text.stdout
+    assert "as imported: edgetpu" in text.stdout and "after legalize: edgetpu" in text.stdout
+    assert "rewrite leaky-relu-to-max x1 (exact)" in text.stdout and "approximate softplus" in text.stdout
+    js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert js.returncode == 0, js.stderr
+    report = json.loads(js.stdout)
+    nodes = {n["node"]: n for n in report["nodes"]}
+    assert nodes["softplus"]["devices"] == ["cpu/tvm"]
+    assert nodes["softplus"]["refusals"][0]["code"] == "edgetpu.unsupported-op"
+    assert nodes["conv1"]["devices"][0] == "edgetpu" and nodes["conv1"]["flops"] > 0
+    assert report["before"]["transitions"] > report["after"]["transitions"] == 0
+    assert src.read_bytes() == before
+    bad = subprocess.run(cmd[:4] + ["--target", "nope"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_build_prints_what_legalize_did(tmp_path):
+    src = _model(tmp_path / "m.onnx")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+    r = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", str(src), "--target", "arm_2tpu", "-o",
+                        str(tmp_path / "o"), "--until", "legalize"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "legalize: edgetpu runs 70.0% -> 100.0% of ops" in r.stderr, r.stderr
+    assert "rewrites: leaky-relu-to-max x1" in r.stderr
+    assert "2 function(s) approximated by sums of ReLUs (bound 0.01)" in r.stderr
+    assert "outputs move by at most" in r.stderr
