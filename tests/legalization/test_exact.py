@@ -182,6 +182,30 @@ def test_sub_without_a_constant_subtrahend_stays(case):
     check_does_not_fire(m, "sub-constant-to-add")
 
 
+def test_square_becomes_mul_bit_for_bit():
+    m = model([node("Pow", ["x", "two"], ["y"])], X4, ["y"], {"two": f32(2.0)})
+    out = check_fires(m, "pow-to-mul", gone=("Pow",))
+    assert ops(out) == {"Mul": 1}
+
+
+@pytest.mark.parametrize("n, muls", [(3.0, 2), (4.0, 2)])
+def test_cube_and_fourth_power_become_muls_within_two_ulps(n, muls):
+    m = model([node("Pow", ["x", "n"], ["y"])], X4, ["y"], {"n": f32(n)})
+    out = check_fires(m, "pow-to-mul", gone=("Pow",), tolerance={"rtol": 2 * 2.0**-23, "atol": 0.0})
+    assert ops(out) == {"Mul": muls}
+
+
+@pytest.mark.parametrize("case", ["half", "tensor", "vector"])
+def test_other_powers_stay(case):
+    if case == "half":
+        m = model([node("Pow", ["x", "n"], ["y"])], X4, ["y"], {"n": f32(0.5)})
+    elif case == "tensor":
+        m = model([node("Pow", ["x", "z"], ["y"])], {**X4, "z": [1]}, ["y"])
+    else:
+        m = model([node("Pow", ["x", "n"], ["y"])], X4, ["y"], {"n": f32([2.0, 2.0, 2.0, 2.0, 2.0])})
+    check_does_not_fire(m, "pow-to-mul")
+
+
 def test_div_by_power_of_two_becomes_mul_bit_for_bit():
     m = model([node("Div", ["x", "c"], ["y"])], X4, ["y"], {"c": f32([[[2.0]], [[0.25]], [[-1024.0]]])})
     out = check_fires(m, "div-constant-to-mul", gone=("Div",), feeds=specials(m))

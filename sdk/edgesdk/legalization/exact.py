@@ -308,6 +308,33 @@ class DivConstantToMul(pattern.RewriteRuleClassBase):
         return op.Mul(x, self._new.array(op, f"{c.name}_reciprocal", self._reciprocal))
 
 
+class PowToMul(pattern.RewriteRuleClassBase):
+    """x ** n for a whole n in 2..4 as products (LayerNorm's variance is Pow(x - mean, 2)); the
+    Edge TPU has MUL but no POW, and an approximation of x**2 on a wide range needs dozens of ReLUs."""
+
+    def pattern(self, op, x, n):
+        return op.Pow(x, n)
+
+    def check(self, context, x, n):
+        result = pattern.MatchResult()
+        if reason := _not_float(x):
+            return result.fail(reason)
+        array = constant(n)
+        if array is None or array.size != 1:
+            return result.fail(f"{n.name} is not a scalar constant")
+        value = float(array.reshape(()))
+        if value not in (2.0, 3.0, 4.0):
+            return result.fail(f"exponent {value:g} is not 2, 3 or 4")
+        self._n = int(value)
+        return result
+
+    def rewrite(self, op, x, n):
+        if self._n == 4:
+            square = op.Mul(x, x)
+            return op.Mul(square, square)
+        return op.Mul(x, x) if self._n == 2 else op.Mul(op.Mul(x, x), x)
+
+
 # --- matrix products --------------------------------------------------------------------------
 
 
@@ -544,6 +571,9 @@ RULES: tuple[ExactRule, ...] = (
     ExactRule("div-constant-to-mul", from_patterns("div-constant-to-mul", _rule(DivConstantToMul)),
               _rounding("1 ulp; exact for powers of two"),
               ("Div",), "x / c with constant nonzero c -> x * (1/c)"),
+    ExactRule("pow-to-mul", from_patterns("pow-to-mul", _rule(PowToMul)),
+              _rounding("x*x is bit-exact; x**3 and x**4 round twice, within 2 ulp"),
+              ("Pow",), "x ** n with constant n in {2, 3, 4} -> products of x"),
     ExactRule("clip-to-relu", from_patterns("clip-to-relu", _rule(ClipToRelu)), EXACT,
               ("Clip",), "Clip(x, 0) and Clip(x, 0, inf) -> Relu(x)"),
     ExactRule("gemm-to-fully-connected", from_patterns("gemm-to-fully-connected", _rule(GemmToFullyConnected)),
