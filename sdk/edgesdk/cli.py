@@ -169,6 +169,7 @@ def build(
         plan_path = out / ".build" / "3-schedule" / "plan.json"
         if plan_path.exists():
             _err(placement_summary(json.loads(plan_path.read_text())))
+            _err(f"schedule report: {plan_path.with_name('schedule.html')}")
         for s in result.stages:
             for w in s.record.get("warnings", []) if s.cached else []:
                 _err(f"warning: {w}")

@@ -56,3 +56,47 @@ def test_cheap_island_stays_on_the_cpu(tmp_path):
     assert len(plan["decisions"]) == 1 and "stay on the cpu" in plan["decisions"][0]
     legal = json.loads((tmp_path / "o/.build/2-legalize/legalize.json").read_text())
     assert any(r["op"] == "Pow" and r["device"] == "edgetpu" for r in legal["refusals"])
+
+
+def _branchy(tmp_path):
+    """conv -> [softplus island] -> conv -> conv: enough choice for the DP and the baselines to differ."""
+    rng = np.random.default_rng(1)
+    w = [numpy_helper.from_array(rng.normal(size=(16, 16, 3, 3)).astype(np.float32), f"w{i}") for i in range(4)]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Softplus", ["a"], ["b"]),
+             helper.make_node("Conv", ["b", "w1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c", "w2"], ["d"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["d", "w3"], ["y"], pads=[1, 1, 1, 1])]
+    return _save(tmp_path, nodes, w, [1, 16, 32, 32], [1, 16, 32, 32])
+
+
+def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
+    plan = _plan(tmp_path, _branchy(tmp_path))
+    base = plan["baselines"]
+    assert {"all on the cpu", "greedy (first capable accelerator)",
+            "coral default (first unsupported op onwards on the cpu)",
+            "coral --num_segments 2 (parameter-count split)"} <= set(base)
+    # the DP is optimal for the sequential objective over the space every baseline lies in
+    # (Coral's split needs a TPU prefix of at least 2 nodes; here Softplus ends it after one)
+    assert "1-node Edge TPU prefix" in base["coral --num_segments 2 (parameter-count split)"]["error"]
+    assert all(plan["predicted"]["sequential_ms"] <= b["sequential_ms"] + 1e-9 for b in base.values() if "error" not in b)
+    assert plan["predicted"]["latency_ms"] <= plan["predicted"]["sequential_ms"] + 1e-9
+    assert base["coral default (first unsupported op onwards on the cpu)"]["segments"] == 2
+    report = (tmp_path / "o/.build/3-schedule/schedule.html").read_text()
+    assert report.count("data:image/png;base64,") == 2 and "<th>bytes moved</th>" in report
+    assert all(0 <= u <= 1 for u in plan["utilization"].values())
+
+
+def test_throughput_mode_pipelines_over_distinct_devices(tmp_path):
+    build(BuildOptions(model=_branchy(tmp_path), target="arm_2tpu", out=tmp_path / "o", until="schedule",
+                       legalize_rewrites=False, mode="throughput"))
+    plan = json.loads((tmp_path / "o/.build/3-schedule/plan.json").read_text())
+    by_id = {s["id"]: s for s in plan["segments"]}
+    stage_devices = [{by_id[i]["device"] for i in stage} for stage in plan["pipeline_stages"]]
+    assert all(len(d) == 1 for d in stage_devices)
+    flat = [d.pop() for d in stage_devices]
+    assert len(flat) == len(set(flat)), flat  # one stage per device
+    latency = build(BuildOptions(model=_branchy(tmp_path), target="arm_2tpu", out=tmp_path / "l", until="schedule",
+                                 legalize_rewrites=False))
+    lat_plan = json.loads((tmp_path / "l/.build/3-schedule/plan.json").read_text())
+    assert plan["predicted"]["throughput_fps"] >= lat_plan["predicted"]["throughput_fps"] - 1e-6

@@ -57,3 +57,51 @@ def segment_ms(target: Target, device_id: str, *, flops: float, param_bytes: int
         transfer = 2 * link.latency.value * 1e-6 + io_bytes / (link.bandwidth.value * 1e6)
         return 1e3 * (max(compute, memory) + transfer + nodes * dev.kernel_overhead.value * 1e-6)
     raise ValueError(device_id)
+
+
+# --- per node, for the placement DP -------------------------------------------------------------
+
+
+def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
+            streamed_fraction: float = 0.0) -> float:
+    """One node on one device kind: the roofline term plus the device's per-op overhead.
+
+    On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
+    (1 byte per float32 parameter's 4) comes over the link on every inference because the model's
+    weights do not all fit the on-chip cache (see `streamed_fraction`)."""
+    dev = next(d for d in target.devices if d.kind == kind)
+    if isinstance(dev, CpuDevice):
+        compute = flops / (dev.peak_gflops["float32"].value * 1e9)
+        memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
+        return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
+    if isinstance(dev, EdgeTpuDevice):
+        compute = flops / (dev.peak_tops_int8.value * 1e12)
+        streamed = streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
+        return 1e3 * (compute + streamed + dev.kernel_overhead.value * 1e-6)
+    if isinstance(dev, GpuDevice):
+        compute = flops / (dev.peak_tflops["float32"].value * 1e12)
+        memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
+        return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
+    raise ValueError(kind)
+
+
+def streamed_fraction(target: Target, tpu_param_bytes: int) -> float:
+    """The share of the Edge TPU weights that do not fit the on-chip cache when `tpu_param_bytes`
+    (float32) of parameters run there: Coral's compiler caches as much as fits and streams the rest
+    every inference. Spread evenly over the nodes, so the DP's cost stays a sum over nodes."""
+    tpus = [d for d in target.devices if isinstance(d, EdgeTpuDevice)]
+    if not tpus or tpu_param_bytes <= 0:
+        return 0.0
+    capacity = tpus[0].on_chip_memory.value * 1e6 * sum(d.count for d in tpus)
+    int8 = tpu_param_bytes / 4
+    return max(0.0, 1.0 - capacity / int8)
+
+
+def link_ms_per_byte(target: Target, kind: str) -> tuple[float, float]:
+    """(latency ms, ms per float32 byte) of the link between the host and an accelerator kind. An Edge
+    TPU segment's inputs and outputs are int8: a quarter of the float32 bytes cross."""
+    dev = next(d for d in target.devices if d.kind == kind)
+    per_byte = 1e3 / (dev.link.bandwidth.value * 1e6)
+    if isinstance(dev, EdgeTpuDevice):
+        per_byte /= 4
+    return dev.link.latency.value * 1e-3, per_byte

@@ -32,8 +32,11 @@ def placement_summary(plan: dict[str, Any]) -> str:
     p = plan["predicted"]
     by_dev = ", ".join(f"{d}: {n} nodes" for d, n in plan["placement"].items())
     lines.append(f"placement: {by_dev}")
-    lines.append(f"predicted: {p['latency_ms']:.3f} ms per inference, {p['throughput_fps']:.1f} frames/s pipelined "
-                 f"({plan['cost_model']})")
+    lines.append(f"predicted: {p['latency_ms']:.3f} ms per inference, {p['throughput_fps']:.1f} frames/s on a stream "
+                 f"(simulated on the cost model of devices/cost.py)")
+    for name, b in (plan.get("baselines") or {}).items():
+        if "error" not in b:
+            lines.append(f"  vs {name}: {b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s")
     return "\n".join(lines)
 
 

@@ -1,32 +1,47 @@
-"""schedule: place every node on a device and cut the graph into segments.
+"""schedule: place every node on a device by cost, and cut the graph into segments.
 
 Needs: the legalized model (every node annotated with the devices that can run it).
-Guarantees: `plan.json` and one standalone ONNX model per segment under `segments/`. Segments
-are maximal runs of consecutive nodes (in the graph's topological order) with the same device
-and backend, so executing them in order is always valid.
+Guarantees: `plan.json` and one standalone ONNX model per segment under `segments/`, segments in
+the graph's topological order (executing them in order is always valid); `schedule.html`, the
+placement table, the baselines and Gantt charts of one inference and of a stream.
 
-Placement rule (the simple one; the cost-optimal DP comes with the scheduling issue): a node
-goes to the first accelerator that can run it, otherwise to the CPU; then an accelerator run whose
-predicted time, link transfers included, is no better than the CPU's goes back to the CPU (so a
-lone Add between two CPU ops does not cross USB twice). Accelerator runs are dealt
-round-robin over the target's accelerators of that kind; in `--mode throughput`, when there are
-fewer runs than accelerators, the largest run is split by parameter bytes (Coral's
-`--num_segments` rule) so that every accelerator holds one pipeline stage.
+The graph becomes a numeric problem (`scheduling.problem`): each node's cost on each device that can
+run it (`devices/cost.py`: a roofline of the target's figures plus per-op overhead), every tensor's
+bytes, each accelerator's link. Then:
+
+- `--mode latency`: the placement DP (`scheduling.placement`) finds, among all cuts of the node order
+  into contiguous segments with one device each, the plan of least sequential latency (segments one
+  after another, every tensor that changes device paying its link): optimal within that space.
+- `--mode throughput`: the pipelining DP (`scheduling.pipelining`) picks contiguous stages on distinct
+  devices (CPU stages allowed) that minimize the slowest stage.
+
+The simulator (`scheduling.simulate`) plays the plan on the devices' queues and links (segments on
+different devices overlap where the graph allows) for the predicted latency and the stream's frames/s.
+The documented baselines (all on the CPU; Coral's default; Coral's parameter-count split over the
+TPUs; greedy first-capable-accelerator) are costed and simulated beside it. A CPU segment is split by
+backend (TVM, or onnxruntime for the ops TVM lacks).
 """
 
 from __future__ import annotations
 
-import itertools
+import base64
+import html
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
-from ...devices.cost import node_flops, segment_ms, tensor_bytes
+from ...devices.cost import link_ms_per_byte, node_flops, node_ms, streamed_fraction, tensor_bytes
+from ...errors import UserError
 from ...ir import model as irm
+from ...scheduling import baselines, pipelining, placement, simulate
+from ...scheduling.problem import Link, Problem, Tensor
 
 OPTIONS = ("mode",)
+STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
+ACCELERATOR_BACKEND = {"edgetpu": "tflite", "gpu": "tvm"}
 
 
 @dataclass
@@ -41,12 +56,20 @@ def run(artifact: Path, ctx) -> dict:
     g = model.graph
     shapes = irm.static_shapes(model)
     consts = irm.constant_names(model)
+    problem, cpu_backend = build_problem(model, ctx.target, shapes, consts)
 
-    runs, decisions = _runs(model, ctx, shapes, consts)
-    runs = _deal_accelerators(runs, model, ctx)
+    t0 = time.perf_counter()
+    try:
+        if ctx.options.mode == "throughput":
+            chosen = list(pipelining.pipeline(problem).stages)
+        else:
+            chosen = list(placement.place(problem).segments)
+    except ValueError as e:  # a node no device can run: legalize refuses these first, so a bug here
+        raise UserError("schedule.infeasible", str(e), "run `edgesdk check` to see which device can run what") from None
+    scheduler_s = time.perf_counter() - t0
+    runs = _split_by_backend(chosen, cpu_backend)
+    decisions = _decisions(problem, chosen)
 
-    # tensors each node consumes / the graph's outputs; a run's outputs are what later runs
-    # or the graph need
     graph_inputs = [i.name for i in g.input if i.name not in consts]
     graph_outputs = [o.name for o in g.output]
     probes = _logit_probes(model)
@@ -74,130 +97,204 @@ def run(artifact: Path, ctx) -> dict:
         for node in seg.graph.node:
             irm.set_meta(node, irm.DEVICE_KEY, r.device)
         irm.save(seg, ctx.out / "segments" / f"{seg_id}.onnx")
-        flops = sum(node_flops(g.node[n], shapes) for n in r.nodes)
-        params = irm.param_bytes(seg)
-        io = sum(tensor_bytes(shapes.get(t)) for t in inputs + outputs)
-        act = sum(tensor_bytes(shapes.get(t)) for t in produced)
-        ms = segment_ms(ctx.target, r.device, flops=flops, param_bytes=params, io_bytes=io, act_bytes=act,
-                        nodes=len(r.nodes))
+        ms = placement.segment_ms(problem, r.nodes[0], r.nodes[-1] + 1, r.device)
         segments.append({
             "id": seg_id, "device": r.device, "backend": r.backend, "artifact": f"segments/{seg_id}.onnx",
             "nodes": [irm.node_name(g.node[n], n) for n in r.nodes], "inputs": inputs, "outputs": outputs,
-            "flops": flops, "param_bytes": params, "predicted_ms": round(ms, 4),
+            "flops": sum(node_flops(g.node[n], shapes) for n in r.nodes), "param_bytes": irm.param_bytes(seg),
+            "predicted_ms": round(ms, 4),
         })
     device_of = {n: r.device for r in runs for n in r.nodes}
     for node_i, node in enumerate(g.node):
         irm.set_meta(node, irm.DEVICE_KEY, device_of[node_i])
     irm.save(model, ctx.out / "model.onnx")
 
-    # One pipeline stage per segment: a device works on frame k+1 while the next device works on k.
-    latency = sum(s["predicted_ms"] for s in segments)
-    per_device: dict[str, float] = {}
-    for s in segments:
-        per_device[s["device"]] = per_device.get(s["device"], 0.0) + s["predicted_ms"]
-    bottleneck = max(per_device.values())
+    plan_segments = [(r.nodes[0], r.nodes[-1] + 1, r.device) for r in runs]
+    one = simulate.one_inference(problem, plan_segments)
+    flow = simulate.stream(problem, plan_segments, STREAM_FRAMES)
+    if ctx.options.mode == "throughput":
+        # a stage is a device's contiguous range: its CPU backend pieces run as one stage
+        ids = iter(s["id"] for s in segments)
+        stages = [[next(ids) for r in _split_by_backend([stage], cpu_backend)] for stage in chosen]
+    else:
+        stages = [[s["id"]] for s in segments]
+    compared = _baselines(problem, ctx.target)
     plan = {
         "target": ctx.target.name, "mode": ctx.options.mode,
         "inputs": graph_inputs, "outputs": graph_outputs, "probes": probes,
         "segments": segments,
-        "pipeline_stages": [[s["id"]] for s in segments],
-        "predicted": {"latency_ms": round(latency, 4), "throughput_fps": round(1000.0 / bottleneck, 2)},
-        "cost_model": "roofline over the target's published figures (devices/cost.py); not yet fitted",
-        "placement": {dev: sum(len(s["nodes"]) for s in segments if s["device"] == dev) for dev in per_device},
+        "pipeline_stages": stages,
+        "predicted": {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+                      "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
+                          tuple(placement.Segment(*s) for s in plan_segments), 0.0)), 4)},
+        "utilization": {k: round(v, 4) for k, v in flow.utilization.items()},
+        "cost_model": "per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
+                      "device: the link (devices/cost.py); every figure names its source in the target file",
+        "search": ("contiguous segments of the graph's topological order, one device each; optimal for the "
+                   "sequential latency (placement DP)" if ctx.options.mode == "latency" else
+                   "contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP)"),
+        "baselines": compared,
+        "placement": _placement_counts(runs),
         "decisions": decisions,
     }
     (ctx.out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    # the scheduler's run time is a measurement, not part of the plan: the bundle stays byte-reproducible
+    _html_report(ctx.out / "schedule.html", {**plan, "scheduler_s": round(scheduler_s, 4)}, model, problem,
+                 runs, one, flow)
     for s in segments:
         ctx.log(f"schedule: {s['id']} {s['device']:<10} {s['backend']:<11} {len(s['nodes']):4d} nodes "
                 f"{s['predicted_ms']:8.3f} ms predicted")
-    if decisions:
-        ctx.log(f"schedule: {len(decisions)} accelerator-capable run(s) stay on the cpu, cheaper than crossing "
-                "the link (plan.json lists each)")
+    for name, b in compared.items():
+        ctx.log(f"schedule: baseline {name}: " + (f"{b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s"
+                                                 if "error" not in b else f"not applicable ({b['error']})"))
+    ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s; report: {ctx.out.name}/schedule.html")
     return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
-            "decisions": decisions}
+            "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions}
 
 
-def _runs(model: onnx.ModelProto, ctx, shapes, consts) -> tuple[list[Run], list[str]]:
-    """Maximal runs of one device kind and backend, with accelerator islands that cost more than
-    they save (link transfers included) given back to the CPU."""
-    accelerators = {"edgetpu": ("edgetpu", "tflite"), "gpu": ("gpu", "tvm")}
-    labels: list[tuple[str, str]] = []
-    cpu_labels: list[tuple[str, str]] = []
-    for node in model.graph.node:
-        caps = (irm.get_meta(node, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",")
-        cpu = next((c for c in caps if c.startswith("cpu/")), "cpu/onnxruntime")
-        cpu_labels.append(("cpu", cpu.split("/")[1]))
-        labels.append(accelerators[caps[0]] if caps[0] in accelerators else cpu_labels[-1])
-    decisions = []
-    for r in _group(labels):
-        if r.device == "cpu":
-            continue
-        acc_ms = _run_ms(r.nodes, r.device, model, ctx, shapes, consts)
-        cpu_ms = _run_ms(r.nodes, "cpu", model, ctx, shapes, consts)
-        if cpu_ms <= acc_ms:
-            for n in r.nodes:
-                labels[n] = cpu_labels[n]
-            ops = sorted({model.graph.node[n].op_type for n in r.nodes})
-            decisions.append(f"{len(r.nodes)} node(s) ({', '.join(ops)}) stay on the cpu: {cpu_ms:.3f} ms there, "
-                             f"{acc_ms:.3f} ms on {r.device} with its link transfers")
-    return _group(labels), decisions
-
-
-def _group(labels: list[tuple[str, str]]) -> list[Run]:
-    runs: list[Run] = []
-    for i, (device, backend) in enumerate(labels):
-        if runs and runs[-1].device == device and runs[-1].backend == backend:
-            runs[-1].nodes.append(i)
-        else:
-            runs.append(Run(device, backend, [i]))
-    return runs
-
-
-def _run_ms(nodes: list[int], device: str, model, ctx, shapes, consts) -> float:
+def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Problem, list[str]]:
+    """The numeric problem of `model` on `target`, and each node's CPU backend."""
     g = model.graph
-    inside = set(nodes)
-    produced = {t for n in nodes for t in g.node[n].output}
-    ins = {t for n in nodes for t in g.node[n].input if t and t not in consts and t not in produced}
-    used_later = {t for i, n in enumerate(g.node) if i not in inside for t in n.input} | {o.name for o in g.output}
-    outs = produced & used_later
-    params = sum(tensor_bytes(shapes.get(t)) for n in nodes for t in g.node[n].input if t in consts)
-    return segment_ms(ctx.target, device, flops=sum(node_flops(g.node[n], shapes) for n in nodes),
-                      param_bytes=params, io_bytes=sum(tensor_bytes(shapes.get(t)) for t in ins | outs),
-                      act_bytes=sum(tensor_bytes(shapes.get(t)) for t in produced), nodes=len(nodes))
+    kinds = {d.kind for d in target.devices}
+    devices = ["cpu"] + [i for kind in ("edgetpu", "gpu") if kind in kinds for i in target.logical_ids(kind)]
+    producer = {t: i for i, n in enumerate(g.node) for t in n.output if t}
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(g.node):
+        for t in dict.fromkeys(n.input):
+            if t and t not in consts:
+                consumers.setdefault(t, []).append(i)
+    caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",") for n in g.node]
+    weights = [sum(tensor_bytes(shapes.get(t)) for t in n.input if t in consts) for n in g.node]
+    tpu_weights = sum(w for w, c in zip(weights, caps) if "edgetpu" in c)
+    streamed = streamed_fraction(target, tpu_weights)
+    cost, cpu_backend = [], []
+    for n, c, w in zip(g.node, caps, weights):
+        flops = node_flops(n, shapes)
+        act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
+        per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act)}
+        for kind in ("edgetpu", "gpu"):
+            if kind in c and kind in kinds:
+                ms = node_ms(target, kind, flops=flops, param_bytes=w, act_bytes=act,
+                             streamed_fraction=streamed if kind == "edgetpu" else 0.0)
+                per.update({dev: ms for dev in target.logical_ids(kind)})
+        cost.append(per)
+        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith("cpu/")), "onnxruntime"))
+    outputs = {o.name for o in g.output}
+    tensors = [Tensor(t, tensor_bytes(shapes.get(t)), producer.get(t), tuple(consumers.get(t, ())), t in outputs)
+               for t in dict.fromkeys([*consumers, *outputs])]
+    links = {}
+    for dev in devices[1:]:
+        latency, per_byte = link_ms_per_byte(target, dev.split(":")[0])
+        links[dev] = Link(latency, per_byte)
+    names = tuple(irm.node_name(n, i) for i, n in enumerate(g.node))
+    return Problem(names, tuple(devices), tuple(cost), tuple(tensors), {d: 0.0 for d in devices}, links,
+                   tuple(weights)), cpu_backend
 
 
-def _deal_accelerators(runs: list[Run], model: onnx.ModelProto, ctx) -> list[Run]:
-    for kind in ("edgetpu", "gpu"):
-        ids = ctx.target.logical_ids(kind)
-        mine = [r for r in runs if r.device == kind]
-        if not mine:
-            continue
-        if ctx.options.mode == "throughput" and len(mine) < len(ids):
-            biggest = max(mine, key=lambda r: len(r.nodes))
-            pieces = _split_by_params(biggest, model, len(ids) - len(mine) + 1)
-            at = runs.index(biggest)
-            runs = runs[:at] + pieces + runs[at + 1:]
-            mine = [r for r in runs if r.device == kind]
-        for r, dev in zip(mine, itertools.cycle(ids)):
-            r.device = dev
+def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
+    runs: list[Run] = []
+    for start, stop, device in segments:
+        kind = device.split(":")[0]
+        for n in range(start, stop):
+            backend = cpu_backend[n] if kind == "cpu" else ACCELERATOR_BACKEND[kind]
+            if runs and runs[-1].device == device and runs[-1].backend == backend and runs[-1].nodes[-1] == n - 1:
+                runs[-1].nodes.append(n)
+            else:
+                runs.append(Run(device, backend, [n]))
     return runs
 
 
-def _split_by_params(run: Run, model: onnx.ModelProto, parts: int) -> list[Run]:
-    """Cut a run into `parts` contiguous pieces of about equal parameter bytes."""
-    sizes = {i.name: len(i.raw_data) or 4 * max(1, len(i.float_data)) for i in model.graph.initializer}
-    weights = [sum(sizes.get(t, 0) for t in model.graph.node[n].input) for n in run.nodes]
-    total = sum(weights) or 1
-    pieces, acc, cur = [], 0.0, Run(run.device, run.backend)
-    for n, w in zip(run.nodes, weights):
-        cur.nodes.append(n)
-        acc += w
-        if acc >= total * (len(pieces) + 1) / parts and len(pieces) < parts - 1:
-            pieces.append(cur)
-            cur = Run(run.device, run.backend)
-    if cur.nodes:
-        pieces.append(cur)
-    return pieces
+def _decisions(problem: Problem, segments) -> list[str]:
+    """Accelerator-capable runs the plan leaves on the CPU, and why: the cost both ways."""
+    out = []
+    for start, stop, device in segments:
+        if device != "cpu":
+            continue
+        n = start
+        while n < stop:
+            accel = next((d for d in problem.devices[1:] if problem.can(n, d)), None)
+            if accel is None:
+                n += 1
+                continue
+            end = n
+            while end < stop and problem.can(end, accel):
+                end += 1
+            cpu = placement.segment_ms(problem, n, end, "cpu")
+            acc = placement.segment_ms(problem, n, end, accel)
+            out.append(f"{end - n} node(s) ({problem.nodes[n]}..{problem.nodes[end - 1]}) stay on the cpu: "
+                       f"{cpu:.3f} ms there, {acc:.3f} ms on {accel} with its link transfers, "
+                       "or the plan around them is cheaper so")
+            n = end
+    return out
+
+
+def _baselines(problem: Problem, target) -> dict[str, dict]:
+    rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy}
+    tpus = target.logical_ids("edgetpu")
+    if tpus:
+        rules["coral default (first unsupported op onwards on the cpu)"] = baselines.coral_default
+        if len(tpus) > 1:
+            rules[f"coral --num_segments {len(tpus)} (parameter-count split)"] = (
+                lambda p: baselines.coral_segments(p, len(tpus)))
+    out = {}
+    for name, rule in rules.items():
+        try:
+            segs = rule(problem)
+        except ValueError as e:
+            out[name] = {"error": str(e)}
+            continue
+        one = simulate.one_inference(problem, segs)
+        flow = simulate.stream(problem, segs, STREAM_FRAMES)
+        sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
+        out[name] = {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+                     "sequential_ms": round(sequential, 4), "segments": len(segs)}
+    return out
+
+
+def _placement_counts(runs: list[Run]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.device] = counts.get(r.device, 0) + len(r.nodes)
+    return counts
+
+
+def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run], one, flow) -> None:
+    """The plan for people: predicted figures, baselines, the placement table and two Gantt charts."""
+    charts = []
+    for name, timeline, title in (("one", one, "one inference"), ("stream", flow, f"a stream of {STREAM_FRAMES} frames")):
+        png = simulate.gantt(timeline, path.with_name(f"gantt_{name}.png"), title)
+        charts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,"
+                      f"{base64.b64encode(png.read_bytes()).decode()}'>")
+    device_of = {n: r.device for r in runs for n in r.nodes}
+    moved = {}
+    for t in problem.tensors:
+        if t.producer is not None and any(device_of[c] != device_of[t.producer] for c in t.consumers):
+            moved[t.producer] = moved.get(t.producer, 0) + t.nbytes
+    rows = []
+    for i, node in enumerate(model.graph.node):
+        dev = device_of[i]
+        caps = irm.get_meta(node, irm.CAPABLE_KEY) or ""
+        reason = ("only the cpu can run it" if all(c.startswith("cpu") for c in caps.split(",")) else
+                  "cheapest in the plan" if dev != "cpu" else "accelerator-capable, cheaper on the cpu in the plan")
+        rows.append(f"<tr><td>{html.escape(problem.nodes[i])}</td><td>{node.op_type}</td><td>{dev}</td>"
+                    f"<td>{html.escape(reason)}</td><td>{problem.node_ms(i, dev):.4f}</td><td>{moved.get(i, 0):,}</td></tr>")
+    base = "".join(f"<tr><td>{html.escape(k)}</td><td>{v.get('latency_ms', '—')}</td><td>{v.get('throughput_fps', '—')}</td></tr>"
+                   for k, v in plan["baselines"].items())
+    p = plan["predicted"]
+    page = f"""<!doctype html><meta charset="utf-8"><title>edgesdk schedule: {html.escape(plan['target'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}</style>
+<h1>Schedule for {html.escape(plan['target'])} ({plan['mode']})</h1>
+<p>Predicted: {p['latency_ms']:.3f} ms per inference (simulated; {p['sequential_ms']:.3f} ms with no overlap),
+{p['throughput_fps']:.1f} frames/s on a stream. Search: {html.escape(plan['search'])}; {plan['scheduler_s']} s.</p>
+<p>Cost model: {html.escape(plan['cost_model'])}.</p>
+<h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
+<tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
+<h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
+{''.join(charts)}
+<h2>Placement</h2><table><tr><th>node</th><th>op</th><th>device</th><th>reason</th><th>predicted ms</th><th>bytes moved</th></tr>
+{''.join(rows)}</table>
+"""
+    path.write_text(page)
 
 
 def _logit_probes(model: onnx.ModelProto) -> dict[str, str]:
