@@ -208,6 +208,47 @@ def check(
     print(check_summary(report, nodes=nodes))
 
 
+@app.command()
+def calibrate(
+    target: str = typer.Option(..., "--target", "-t", help="The target whose CPU figures to fit (its CPU must be this host's architecture)."),
+    model: List[Path] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable)."),
+    holdout: List[Path] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable)."),
+    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape in every model: NAME=1x3x224x224."),
+    threads: int = typer.Option(2, "--threads", min=1, help="Intra-op threads, as the bundle will run."),
+    runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the fit and its evaluation as JSON on stdout."),
+) -> None:
+    """Measure per-op latencies on this host, fit the target's CPU cost figures, and report predicted
+    vs measured on held-out models."""
+    import yaml
+
+    from .pipeline import calibrate as run_calibrate
+
+    result = run_calibrate(target, list(model), list(holdout), _parse_shapes(input_shape), threads=threads, runs=runs,
+                           log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
+    if output is not None:
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text(yaml.safe_dump(result["fitted_target"], sort_keys=False))
+        tmp.replace(output)
+    if as_json:
+        print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
+        return
+    f = result["fit"]
+    lines = [f"fitted on {result['samples']} ops: peak {f['peak_gflops']:.1f} GFLOP/s, memory {f['bandwidth_gbps']:.1f} GB/s, "
+             f"overhead {f['overhead_us']:.2f} us per op"]
+    for what in ("on_fitted", "held_out"):
+        ev = result[what]
+        for name, m in (ev or {}).get("models", {}).items():
+            lines.append(f"{'held out' if what == 'held_out' else 'fitted  '} {name}: predicted {m['predicted_ms']:.2f} ms, "
+                         f"measured {m['measured_ms']:.2f} ms ({m['total_rel_error']:.0%} off); per op median "
+                         f"{m['median_rel_error']:.0%} off")
+    lines += [f"note: {n}" for n in f.get("notes", [])]
+    if output is not None:
+        lines.append(f"wrote {output}")
+    print("\n".join(lines))
+
+
 @app.command("run")
 def run_bundle(
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),

@@ -253,3 +253,48 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
         report = legalize.analyze(model, ctx, io["inputs"])
     return {"model": str(options.model), "target": target.name, "import": result.stages[0].record,
             "warnings": ctx.warnings, **report}
+
+
+def calibrate(target_name: str, models: list[Path], holdout: list[Path], input_shapes: dict[str, tuple[int, ...]],
+              *, threads: int, runs: int, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """`edgesdk calibrate`: measure every op of `models` on this host, fit the target's CPU figures,
+    and evaluate the fit on the `holdout` models. Returns the fit, the evaluation and the target with
+    the fitted figures (as a dict ready for YAML)."""
+    import dataclasses
+    import platform
+    import tempfile
+
+    import onnx
+
+    from .devices import calibrate as cal
+
+    target, _ = load_target(target_name)
+    cpu = next(d for d in target.devices if d.kind == "cpu")
+    if cpu.arch != platform.machine():
+        raise UsageError("calibrate.foreign-arch", f"target '{target.name}' has a {cpu.arch} CPU; this host is "
+                         f"{platform.machine()}", "calibrate on the device itself, with a target of its architecture")
+    samples: dict[str, list] = {"fit": [], "holdout": []}
+    with tempfile.TemporaryDirectory(prefix="edgesdk-calibrate-") as tmp:
+        for role, paths in (("fit", models), ("holdout", holdout)):
+            for i, path in enumerate(paths):
+                out = Path(tmp) / f"{role}{i}"
+                build(BuildOptions(model=Path(path), target=target_name, out=out, until="import",
+                                   input_shapes={k: v for k, v in input_shapes.items()}), log=log)
+                model = onnx.load(str(out / ".build" / "1-import" / "model.onnx"))
+                log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
+                    f"{threads} threads)")
+                samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)
+    fit = cal.fit_cpu(samples["fit"])
+    names = ", ".join(Path(p).name for p in models)
+    source = (f"fitted by edgesdk calibrate on an {platform.machine()} host, "
+              f"{threads} threads, per-op onnxruntime profiles of {names}")
+    fitted = target.model_copy(deep=True)
+    for i, d in enumerate(fitted.devices):
+        if d.kind == "cpu":
+            figures = fit.figures(source)
+            peak = {**d.peak_gflops, **figures.pop("peak_gflops")}
+            fitted.devices[i] = d.model_copy(update={**figures, "peak_gflops": peak})
+    return {"target": target.name, "fit": dataclasses.asdict(fit), "samples": len(samples["fit"]),
+            "on_fitted": cal.evaluate(fit, samples["fit"]),
+            "held_out": cal.evaluate(fit, samples["holdout"]) if samples["holdout"] else None,
+            "fitted_target": fitted.model_dump(mode="json")}

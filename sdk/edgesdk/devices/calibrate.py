@@ -1,0 +1,338 @@
+"""Calibrate a host CPU's cost figures from per-op latencies measured on that host.
+
+`edgesdk calibrate` replaces a target's estimated CPU figures with fitted ones. The model to fit is
+the one the scheduler uses for every node on the CPU (`cost.node_ms`):
+
+    ms = 1e3 * ( max(flops / (peak * 1e9), bytes / (bandwidth * 1e9)) + overhead * 1e-6 )
+
+with peak in GFLOP/s, bandwidth in GB/s, overhead in us, bytes = parameter + activation bytes.
+
+1. `measure_ops` runs a model with onnxruntime's profiler, graph optimizations off so that no node
+   is fused away (a function op onnxruntime inlines is the sum of its body's kernels), and keeps
+   each node's median kernel time.
+2. `fit_cpu` fits the three figures by least squares on log(predicted / measured): op latencies
+   span four decades, and an absolute (or squared-ms) loss would fit the few large convolutions and
+   ignore the hundreds of small ops whose overhead the scheduler weighs against link transfers.
+3. `evaluate` compares the fit with measurements, per op and per model total (use a held-out model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..config import Figure
+from ..errors import UserError
+from ..ir import model as irm
+from .cost import node_flops, tensor_bytes
+
+WARMUP_RUNS = 2
+# onnxruntime's profiler stores whole microseconds: a kernel reported as 0 took less than 1 us,
+# and is counted as half the resolution so that a log-space fit can use it.
+PROFILER_RESOLUTION_MS = 1e-3
+# ONNX Runtime turns Constant nodes into initializers when it loads a graph: they never run a kernel.
+FOLDED_AT_LOAD = frozenset({"Constant"})
+
+
+@dataclass(frozen=True)
+class OpSample:
+    """One node's median kernel time on this host, with the quantities the cost model sees."""
+
+    model: str
+    node: str
+    op_type: str
+    flops: float
+    param_bytes: int
+    act_bytes: int
+    ms: float
+
+    @property
+    def bytes(self) -> int:
+        return self.param_bytes + self.act_bytes
+
+
+@dataclass(frozen=True)
+class CpuFit:
+    """Fitted CPU figures, and how well they explain the samples they were fitted on.
+
+    `residuals[i]` is ln(predicted / measured) of sample i (the quantity minimized);
+    `bound[i]` says which term of the roofline predicts sample i: "compute" or "memory"."""
+
+    peak_gflops: float
+    bandwidth_gbps: float
+    overhead_us: float
+    residuals: tuple[float, ...]
+    bound: tuple[str, ...]
+    loss: str = "log"
+    notes: tuple[str, ...] = field(default=())
+
+    def predict_ms(self, flops: float, nbytes: float) -> float:
+        return predict_ms(flops, nbytes, self.peak_gflops, self.bandwidth_gbps, self.overhead_us)
+
+    def figures(self, source: str) -> dict:
+        """The cpu device's cost fields of a target file, with `source` saying where they came from
+        (host, threads, models); the int8 peak is not fitted here and stays as it was."""
+        return {
+            "peak_gflops": {"float32": Figure(value=self.peak_gflops, unit="GFLOP/s", source=source)},
+            "memory_bandwidth": Figure(value=self.bandwidth_gbps, unit="GB/s", source=source),
+            "kernel_overhead": Figure(value=self.overhead_us, unit="us", source=source),
+        }
+
+
+def predict_ms(flops: float, nbytes: float, peak_gflops: float, bandwidth_gbps: float, overhead_us: float) -> float:
+    """`cost.node_ms` for a CPU, from bare figures."""
+    return 1e3 * (max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbps * 1e9)) + overhead_us * 1e-6)
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int = WARMUP_RUNS,
+                name: str | None = None, seed: int = 0) -> list[OpSample]:
+    """Median kernel time of every node of `model` over `runs` profiled runs after `warmup` runs.
+
+    The model needs static shapes (the import stage's output has them). onnxruntime runs it with
+    graph optimizations off (no node fused away: each kernel is one node, or one op of a function
+    node's body, whose kernels add up to its time), `threads` intra-op threads,
+    spinning off (an idle spinning pool would steal the cores the next kernel needs), on random
+    inputs drawn with `seed`. Flops and bytes are counted as the scheduler counts them
+    (`stages/schedule.build_problem`). Constant nodes run no kernel and have no sample."""
+    import onnxruntime as ort
+
+    if threads < 1 or runs < 1 or warmup < 0:
+        raise ValueError(f"threads and runs must be >= 1 and warmup >= 0, got {threads}, {runs}, {warmup}")
+    model_name = name or model.graph.name or "model"
+    shapes, consts = _shapes(model, model_name), irm.constant_names(model)
+    feeds = _random_feeds(model, shapes, consts, seed)
+
+    # The profiler names a kernel event after its node; names in a graph may be empty or repeated,
+    # so the profiled copy names node i `edgesdk_i`.
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    named.ir_version = min(named.ir_version, irm.IR_VERSION)
+    for i, node in enumerate(named.graph.node):
+        node.name = f"edgesdk_{i}"
+    g = model.graph
+    expected = [i for i, n in enumerate(g.node) if n.op_type not in FOLDED_AT_LOAD]
+
+    with tempfile.TemporaryDirectory(prefix="edgesdk-calibrate-") as tmp:
+        executed, parts = _executed_graph(named, _session_options(ort, threads), Path(tmp) / "resolved.onnx")
+        opts = _session_options(ort, threads)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "profile")
+        sess = ort.InferenceSession(executed.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        for _ in range(warmup + runs):
+            sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+
+    # The k-th event of a kernel is its k-th run; a node's time in a run is the sum of its kernels'.
+    kernel_times: dict[str, list[float]] = {}
+    for ev in events:
+        ev_name = ev.get("name", "")
+        if ev.get("cat") == "Node" and ev_name.startswith("edgesdk_") and ev_name.endswith("_kernel_time"):
+            kernel_times.setdefault(ev_name[:-len("_kernel_time")], []).append(ev["dur"] * 1e-3)
+    times: dict[int, list[float]] = {}
+    missing = []
+    for i in expected:
+        per_kernel = [kernel_times.get(k, []) for k in parts.get(i, ())]
+        if not per_kernel or any(len(t) != warmup + runs for t in per_kernel):
+            missing.append(f"node '{irm.node_name(g.node[i], i)}' ({g.node[i].op_type}): "
+                           f"{min((len(t) for t in per_kernel), default=0)} kernel events for {warmup + runs} runs")
+            continue
+        times[i] = [math.fsum(run) for run in zip(*per_kernel)]
+    if missing:
+        raise UserError("calibrate.profile", f"{model_name}: onnxruntime's profile lacks {len(missing)} node(s)",
+                        "the graph may hold control flow (If, Loop) whose nodes run inside a subgraph; "
+                        "calibrate on models without it", notes=missing)
+
+    samples = []
+    for i in expected:
+        n = g.node[i]
+        # as build_problem counts them: initializers are parameters; every other tensor a node reads or
+        # writes is an activation, counted once per use
+        weights = sum(tensor_bytes(shapes.get(t)) for t in n.input if t in consts)
+        act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
+        ms = max(statistics.median(times[i][warmup:]), PROFILER_RESOLUTION_MS / 2)
+        samples.append(OpSample(model_name, irm.node_name(n, i), n.op_type, node_flops(n, shapes), weights, act, ms))
+    return samples
+
+
+def _session_options(ort, threads: int):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
+def _executed_graph(named: onnx.ModelProto, opts, path: Path) -> tuple[onnx.ModelProto, dict[int, list[str]]]:
+    """The graph onnxruntime runs for `named` (node i named `edgesdk_i`), and node i's kernels in it.
+
+    Even with optimizations off, onnxruntime inlines an op it has no kernel for (HardSwish, a function
+    op) into the function's body, whose nodes have no names: the profile could not say whose they are.
+    The resolved graph it saves shows them; an inlined node belongs to the function node whose outputs
+    it computes, directly or through other inlined nodes. Those are named `edgesdk_i_k` and the resolved
+    graph is what gets profiled."""
+    import onnxruntime as ort
+
+    opts.optimized_model_filepath = str(path)
+    ort.InferenceSession(named.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    executed = onnx.load(str(path))
+    executed.ir_version = min(executed.ir_version, irm.IR_VERSION)
+    parts: dict[int, list[str]] = {}
+    unnamed_producer = {t: n for n in executed.graph.node if not n.name.startswith("edgesdk_") for t in n.output}
+    for n in executed.graph.node:
+        if n.name.startswith("edgesdk_"):
+            parts.setdefault(int(n.name[len("edgesdk_"):]), []).append(n.name)
+    for i, original in enumerate(named.graph.node):
+        if i in parts:
+            continue
+        # walk back from the function node's outputs through the inlined nodes that compute them
+        stack, body = [t for t in original.output if t], []
+        while stack:
+            producer = unnamed_producer.pop(stack.pop(), None)
+            if producer is not None and producer not in body:
+                body.append(producer)
+                stack.extend(t for t in producer.input if t)
+        for k, node in enumerate(body):
+            node.name = f"edgesdk_{i}_{k}"
+            parts.setdefault(i, []).append(node.name)
+    return executed, parts
+
+
+def _shapes(model: onnx.ModelProto, model_name: str) -> dict[str, tuple[int, ...]]:
+    shapes = irm.static_shapes(model)
+    produced = [t for n in model.graph.node for t in n.output if t]
+    if not all(t in shapes for t in produced):
+        shapes = irm.static_shapes(onnx.shape_inference.infer_shapes(model, data_prop=True))
+    unknown = [t for t in produced if t not in shapes]
+    inputs = [i.name for i in model.graph.input if i.name not in shapes]
+    if inputs or unknown:
+        raise UserError("calibrate.dynamic-shape",
+                        f"{model_name}: {len(inputs) + len(unknown)} tensor(s) have no static shape",
+                        "calibrate on the import stage's model.onnx (`edgesdk build --until import`), whose "
+                        "shapes are static",
+                        notes=[f"input '{t}'" for t in inputs] + [f"tensor '{t}'" for t in unknown[:20]])
+    return shapes
+
+
+def _random_feeds(model: onnx.ModelProto, shapes, consts, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    types = irm.elem_types(model)
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in consts:
+            continue
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(types[vi.name])
+        shape = shapes[vi.name]
+        # indices and flags read as zeros: always in range
+        feeds[vi.name] = (rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating)
+                          else np.zeros(shape, dtype))
+    return feeds
+
+
+# --- fitting -------------------------------------------------------------------------------------
+
+
+def fit_cpu(samples: list[OpSample]) -> CpuFit:
+    """Least squares on r_i = ln(pred_i / meas_i) over u = ln(peak, bandwidth, overhead).
+
+    Fitting the logarithms keeps the figures positive without bounds. The roofline's max makes the
+    model piecewise smooth: on each piece the Jacobian is exact,
+
+        d r_i / d ln peak      = -c_i / pred_i   (compute-bound nodes, c_i = flops_i / peak)
+        d r_i / d ln bandwidth = -m_i / pred_i   (memory-bound nodes, m_i = bytes_i / bandwidth)
+        d r_i / d ln overhead  =  o   / pred_i
+
+    and a few starts around the data's own rates find the piece the optimum lies on. A figure whose
+    term predicts no sample is not determined by the data (only bounded): `notes` says so."""
+    from scipy.optimize import least_squares
+
+    if len(samples) < 3:
+        raise ValueError(f"fitting three figures needs at least 3 samples, got {len(samples)}")
+    flops = np.array([s.flops for s in samples], dtype=float)
+    nbytes = np.array([s.bytes for s in samples], dtype=float)
+    meas = np.array([s.ms for s in samples], dtype=float)
+    if np.any(meas <= 0):
+        raise ValueError("every measured time must be positive")
+
+    def terms(u):
+        peak, bw, over = np.exp(u)
+        return 1e3 * flops / (peak * 1e9), 1e3 * nbytes / (bw * 1e9), 1e3 * over * 1e-6
+
+    def residuals(u):
+        c, m, o = terms(u)
+        return np.log(np.maximum(c, m) + o) - np.log(meas)
+
+    def jacobian(u):
+        c, m, o = terms(u)
+        pred = np.maximum(c, m) + o
+        compute = c >= m
+        return np.column_stack([np.where(compute, -c, 0.0) / pred, np.where(compute, 0.0, -m) / pred, o / pred])
+
+    # starts: the rates the largest ops reach (GFLOP/s, GB/s) and the smallest op's time (us)
+    peak0 = np.quantile(flops / (meas * 1e6), 0.9)
+    bw0 = np.quantile(nbytes / (meas * 1e6), 0.9)
+    over0 = np.min(meas) * 1e3
+    best = None
+    for fp in (0.3, 1.0, 3.0):
+        for fb in (0.3, 1.0, 3.0):
+            for fo in (0.3, 1.0):
+                u0 = np.log([max(peak0 * fp, 1e-3), max(bw0 * fb, 1e-3), max(over0 * fo, 1e-3)])
+                r = least_squares(residuals, u0, jac=jacobian, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
+                                  max_nfev=2000)
+                if best is None or r.cost < best.cost:
+                    best = r
+    peak, bw, over = (float(x) for x in np.exp(best.x))
+    c, m, _ = terms(best.x)
+    bound = tuple("compute" if ci >= mi else "memory" for ci, mi in zip(c, m))
+    notes = []
+    for kind, figure in (("compute", "peak_gflops"), ("memory", "bandwidth_gbps")):
+        if kind not in bound:
+            notes.append(f"no sample is {kind}-bound at the fit: {figure} is a bound, not a measurement")
+    return CpuFit(peak, bw, over, tuple(float(x) for x in best.fun), bound, "log", tuple(notes))
+
+
+# --- evaluating ----------------------------------------------------------------------------------
+
+
+def evaluate(fit: CpuFit, samples: list[OpSample]) -> dict:
+    """Predicted against measured: per op (|pred - meas| / meas, median and max), per op type, and per
+    model total (the sum over its nodes, which is what the scheduler adds up for a CPU segment)."""
+    pred = [fit.predict_ms(s.flops, s.bytes) for s in samples]
+    err = [abs(p - s.ms) / s.ms for p, s in zip(pred, samples)]
+
+    def summary(idx: list[int]) -> dict:
+        e = [err[i] for i in idx]
+        return {"ops": len(idx), "median_rel_error": statistics.median(e), "max_rel_error": max(e)}
+
+    by_model: dict[str, list[int]] = {}
+    by_type: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_model.setdefault(s.model, []).append(i)
+        by_type.setdefault(s.op_type, []).append(i)
+    models = {}
+    for name, idx in by_model.items():
+        measured = math.fsum(samples[i].ms for i in idx)
+        predicted = math.fsum(pred[i] for i in idx)
+        models[name] = {"measured_ms": measured, "predicted_ms": predicted,
+                        "total_rel_error": abs(predicted - measured) / measured, **summary(idx)}
+    worst = max(range(len(samples)), key=err.__getitem__)
+    return {
+        "ops": summary(list(range(len(samples)))),
+        "models": models,
+        "op_types": {t: summary(idx) for t, idx in sorted(by_type.items())},
+        "worst_op": {"model": samples[worst].model, "node": samples[worst].node, "op_type": samples[worst].op_type,
+                     "measured_ms": samples[worst].ms, "predicted_ms": pred[worst]},
+    }

@@ -1,0 +1,199 @@
+"""calibrate: the fitter recovers the figures that generated its samples, the profiler gives every
+node of a real run a time, and the errors are computed as defined."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.config import load_target
+from edgesdk.devices import cost
+from edgesdk.devices.calibrate import CpuFit, OpSample, evaluate, fit_cpu, measure_ops, predict_ms
+from edgesdk.errors import UserError
+from edgesdk.ir import model as irm
+
+TRUE = {"peak_gflops": 180.0, "bandwidth_gbps": 25.0, "overhead_us": 4.0}
+
+
+def synthetic(flops_bytes, figures=TRUE) -> list[OpSample]:
+    return [OpSample("synthetic", f"n{i}", "Op", f, 0, b, predict_ms(f, b, *figures.values()))
+            for i, (f, b) in enumerate(flops_bytes)]
+
+
+def spread(seed: int, n: int = 60) -> list[tuple[float, int]]:
+    """Ops from tiny (overhead-bound) to large, half of them with many flops per byte (compute-bound
+    at 180 GFLOP/s and 25 GB/s: more than 7.2 flops per byte) and half with few (memory-bound)."""
+    rng = np.random.default_rng(seed)
+    size = 10 ** rng.uniform(2, 7, n)
+    intensity = np.where(np.arange(n) % 2 == 0, 10 ** rng.uniform(1.5, 2.5, n), 10 ** rng.uniform(-1, 0.5, n))
+    return [(float(s * k), int(s)) for s, k in zip(size, intensity)]
+
+
+def test_fit_recovers_the_figures_that_generated_the_samples():
+    fit = fit_cpu(synthetic(spread(0)))
+    assert fit.peak_gflops == pytest.approx(TRUE["peak_gflops"], rel=1e-6)
+    assert fit.bandwidth_gbps == pytest.approx(TRUE["bandwidth_gbps"], rel=1e-6)
+    assert fit.overhead_us == pytest.approx(TRUE["overhead_us"], rel=1e-6)
+    assert max(abs(r) for r in fit.residuals) < 1e-9
+    assert fit.bound.count("compute") == 30 and fit.bound.count("memory") == 30
+    assert fit.notes == ()
+
+
+def test_fit_is_relative_small_ops_count_as_much_as_large_ones():
+    # +-10% noise on ops spanning five decades: in log space every op is explained to about 10%,
+    # the smallest (overhead-bound) as well as the largest; a loss in ms would fit the large ones and
+    # leave the small ones off by their whole overhead
+    base = synthetic(spread(1))
+    noisy = [OpSample(s.model, s.node, s.op_type, s.flops, 0, s.act_bytes, s.ms * (1.1 if i % 3 else 0.9))
+             for i, s in enumerate(base)]
+    fit = fit_cpu(noisy)
+    by_size = sorted(range(len(noisy)), key=lambda i: noisy[i].ms)
+    for idx in (by_size[:10], by_size[-10:]):
+        assert max(abs(fit.residuals[i]) for i in idx) < 0.2
+    for key, got in (("peak_gflops", fit.peak_gflops), ("bandwidth_gbps", fit.bandwidth_gbps),
+                     ("overhead_us", fit.overhead_us)):
+        assert got == pytest.approx(TRUE[key], rel=0.15), key
+
+
+def test_fit_says_when_no_sample_is_memory_bound():
+    # every op does >= 100 flops per byte: the bandwidth only has a lower bound
+    ops = [(f, int(f / 1000)) for f in np.logspace(3, 9, 40)]
+    fit = fit_cpu(synthetic(ops))
+    assert fit.peak_gflops == pytest.approx(TRUE["peak_gflops"], rel=1e-6)
+    assert fit.overhead_us == pytest.approx(TRUE["overhead_us"], rel=1e-6)
+    assert set(fit.bound) == {"compute"}
+    assert fit.notes == ("no sample is memory-bound at the fit: bandwidth_gbps is a bound, not a measurement",)
+
+
+def test_fit_refuses_too_few_samples():
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_cpu(synthetic([(1e6, 100), (1e3, 1e5)]))
+
+
+def test_prediction_is_the_schedulers_cpu_cost_with_the_fitted_figures():
+    target, _ = load_target("x86")
+    fit = CpuFit(123.0, 17.0, 6.5, (), ())
+    figures = fit.figures("edgesdk calibrate on test-host, 2 threads")
+    host = target.host
+    peak = {**host.peak_gflops, **figures.pop("peak_gflops")}
+    calibrated = target.model_copy(update={"devices": [host.model_copy(update={**figures, "peak_gflops": peak})]})
+    assert calibrated.host.peak_gflops["int8"] == host.peak_gflops["int8"]  # not fitted, left as it was
+    for flops, nbytes in ((2e6, 1_000), (1e3, 4e6), (0.0, 0)):
+        want = cost.node_ms(calibrated, "cpu", flops=flops, param_bytes=nbytes // 2, act_bytes=nbytes - nbytes // 2)
+        assert fit.predict_ms(flops, nbytes) == pytest.approx(want, rel=1e-12)
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def conv_net() -> onnx.ModelProto:
+    """conv 3x3 -> HardSwish (a function op onnxruntime inlines) -> depthwise conv -> add -> pool -> gemm.
+    Node names are left empty, as many exporters leave them."""
+    rng = np.random.default_rng(0)
+    w = {
+        "w1": rng.standard_normal((16, 3, 3, 3)).astype(np.float32),
+        "b1": np.zeros(16, np.float32),
+        "w2": rng.standard_normal((16, 1, 3, 3)).astype(np.float32),
+        "wf": rng.standard_normal((16, 10)).astype(np.float32),
+        "bf": np.zeros(10, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("HardSwish", ["c1"], ["h1"]),
+        helper.make_node("Conv", ["h1", "w2"], ["c2"], pads=[1, 1, 1, 1], group=16),
+        helper.make_node("Add", ["c2", "h1"], ["s"]),
+        helper.make_node("GlobalAveragePool", ["s"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "wf", "bf"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "conv_net",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+                              [numpy_helper.from_array(a, k) for k, a in w.items()])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = irm.IR_VERSION
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+def test_measure_ops_gives_every_node_a_time():
+    m = conv_net()
+    samples = measure_ops(m, threads=1, runs=3)
+    assert [s.node for s in samples] == [irm.node_name(n, i) for i, n in enumerate(m.graph.node)]
+    assert [s.op_type for s in samples] == [n.op_type for n in m.graph.node]
+    assert all(s.ms > 0 for s in samples)
+    assert {s.model for s in samples} == {"conv_net"}
+    shapes = irm.static_shapes(m)
+    assert [s.flops for s in samples] == [cost.node_flops(n, shapes) for n in m.graph.node]
+    conv, hswish, dw, add = samples[:4]
+    assert conv.flops == 2 * 16 * 32 * 32 * 3 * 3 * 3
+    assert (conv.param_bytes, conv.act_bytes) == (4 * (16 * 3 * 9 + 16), 4 * (3 + 16) * 32 * 32)
+    assert (hswish.param_bytes, hswish.act_bytes) == (0, 4 * 2 * 16 * 32 * 32)
+    assert (dw.param_bytes, dw.act_bytes) == (4 * 16 * 9, 4 * 2 * 16 * 32 * 32)
+    assert (add.param_bytes, add.act_bytes) == (0, 4 * 3 * 16 * 32 * 32)
+
+
+def test_measure_ops_skips_constant_nodes_and_keeps_given_names():
+    # onnxruntime turns a Constant node into an initializer: it runs no kernel and gets no sample
+    nodes = [
+        helper.make_node("Constant", [], ["k"], name="scale",
+                         value=numpy_helper.from_array(np.full((1, 4), 2.0, np.float32))),
+        helper.make_node("Mul", ["x", "k"], ["m"], name="twice"),
+        helper.make_node("Relu", ["m"], ["y"], name="twice"),  # repeated name
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 4])])
+    m = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    samples = measure_ops(m, threads=1, runs=2, name="const")
+    assert [(s.node, s.op_type) for s in samples] == [("twice", "Mul"), ("twice", "Relu")]
+    assert samples[0].act_bytes == 4 * (32 + 4 + 32)  # a Constant's output is an activation, as the scheduler counts it
+    assert all(s.ms > 0 for s in samples)
+
+
+def test_measure_ops_refuses_dynamic_shapes():
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UserError) as e:
+        measure_ops(m, threads=1, runs=1, name="dyn")
+    assert e.value.code == "calibrate.dynamic-shape"
+    assert e.value.notes[0] == "input 'x'"
+
+
+# --- evaluating --------------------------------------------------------------------------------
+
+
+def test_evaluate_computes_errors_per_op_per_type_and_per_model_total():
+    # 1 GFLOP/s, 1 GB/s, 1 ms overhead: 1e6 flops or 1e6 bytes take 1 ms, plus 1 ms
+    fit = CpuFit(1.0, 1.0, 1000.0, (), ())
+    samples = [
+        OpSample("m1", "a", "Conv", 1e6, 0, 0, 4.0),  # predicted 2: |2-4|/4 = 0.5
+        OpSample("m1", "b", "Add", 0.0, 1_000_000, 1_000_000, 3.0),  # predicted 3: 0
+        OpSample("m2", "c", "Conv", 3e6, 0, 1000, 5.0),  # predicted 4: 0.2
+    ]
+    report = evaluate(fit, samples)
+    assert report["ops"] == {"ops": 3, "median_rel_error": pytest.approx(0.2), "max_rel_error": pytest.approx(0.5)}
+    m1, m2 = report["models"]["m1"], report["models"]["m2"]
+    assert (m1["measured_ms"], m1["predicted_ms"]) == (pytest.approx(7.0), pytest.approx(5.0))
+    assert m1["total_rel_error"] == pytest.approx(2 / 7)
+    assert (m1["median_rel_error"], m1["max_rel_error"]) == (pytest.approx(0.25), pytest.approx(0.5))
+    assert m2["total_rel_error"] == pytest.approx(0.2) and m2["ops"] == 1
+    assert report["op_types"]["Conv"] == {"ops": 2, "median_rel_error": pytest.approx(0.35),
+                                          "max_rel_error": pytest.approx(0.5)}
+    assert report["op_types"]["Add"]["max_rel_error"] == pytest.approx(0.0, abs=1e-12)
+    assert report["worst_op"]["node"] == "a" and report["worst_op"]["predicted_ms"] == pytest.approx(2.0)
+
+
+def test_measured_samples_fit_and_evaluate_end_to_end():
+    # not a timing assertion: a fit on real, noisy times gives finite positive figures whose
+    # residuals are the log-ratios evaluate sees
+    samples = measure_ops(conv_net(), threads=1, runs=3)
+    fit = fit_cpu(samples)
+    assert all(math.isfinite(x) and x > 0 for x in (fit.peak_gflops, fit.bandwidth_gbps, fit.overhead_us))
+    report = evaluate(fit, samples)
+    errs = sorted(abs(math.exp(r) - 1) for r in fit.residuals)
+    assert report["ops"]["max_rel_error"] == pytest.approx(errs[-1], rel=1e-9)
