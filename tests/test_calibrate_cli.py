@@ -22,8 +22,8 @@ def _cli(*args):
 
 def test_calibrate_fits_and_writes_a_valid_target(tmp_path):
     out = tmp_path / "fitted.yaml"
-    r = _cli("calibrate", "--target", "x86", "-m", str(PPOCR_CLS), "--holdout", str(PPOCR_CLS),
-             "--input-shape", PPOCR_CLS_SHAPE, "--runs", "3", "-o", str(out), "--json")
+    r = _cli("calibrate", "--target", "x86", "-m", f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}",
+             "--holdout", f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}", "--runs", "3", "-o", str(out), "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     fit = result["fit"]
@@ -36,5 +36,5 @@ def test_calibrate_fits_and_writes_a_valid_target(tmp_path):
 
 
 def test_calibrate_refuses_a_foreign_cpu(tmp_path):
-    r = _cli("calibrate", "--target", "arm_2tpu", "-m", str(PPOCR_CLS), "--input-shape", PPOCR_CLS_SHAPE)
+    r = _cli("calibrate", "--target", "arm_2tpu", "-m", f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}")
     assert r.returncode == 2 and "aarch64" in r.stderr and "Traceback" not in r.stderr

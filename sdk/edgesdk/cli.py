@@ -211,9 +211,8 @@ def check(
 @app.command()
 def calibrate(
     target: str = typer.Option(..., "--target", "-t", help="The target whose CPU figures to fit (its CPU must be this host's architecture)."),
-    model: List[Path] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable)."),
-    holdout: List[Path] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable)."),
-    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape in every model: NAME=1x3x224x224."),
+    model: List[str] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable); PATH@NAME=1x3x48x192 fixes its input shapes."),
+    holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
     threads: int = typer.Option(2, "--threads", min=1, help="Intra-op threads, as the bundle will run."),
     runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),
@@ -225,7 +224,11 @@ def calibrate(
 
     from .pipeline import calibrate as run_calibrate
 
-    result = run_calibrate(target, list(model), list(holdout), _parse_shapes(input_shape), threads=threads, runs=runs,
+    def spec(text: str) -> tuple[Path, dict]:
+        path, _, shapes = text.partition("@")
+        return Path(path), _parse_shapes([x for x in shapes.split(",") if x])
+
+    result = run_calibrate(target, [spec(m) for m in model], [spec(h) for h in holdout], threads=threads, runs=runs,
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
     if output is not None:
         tmp = output.with_name(f".{output.name}.tmp")

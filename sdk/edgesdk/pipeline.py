@@ -255,11 +255,11 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
             "warnings": ctx.warnings, **report}
 
 
-def calibrate(target_name: str, models: list[Path], holdout: list[Path], input_shapes: dict[str, tuple[int, ...]],
+def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[tuple[Path, dict]],
               *, threads: int, runs: int, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """`edgesdk calibrate`: measure every op of `models` on this host, fit the target's CPU figures,
-    and evaluate the fit on the `holdout` models. Returns the fit, the evaluation and the target with
-    the fitted figures (as a dict ready for YAML)."""
+    """`edgesdk calibrate`: measure every op of `models` (each with its input shapes) on this host, fit
+    the target's CPU figures, and evaluate the fit on the `holdout` models. Returns the fit, the
+    evaluation and the target with the fitted figures (as a dict ready for YAML)."""
     import dataclasses
     import platform
     import tempfile
@@ -276,16 +276,16 @@ def calibrate(target_name: str, models: list[Path], holdout: list[Path], input_s
     samples: dict[str, list] = {"fit": [], "holdout": []}
     with tempfile.TemporaryDirectory(prefix="edgesdk-calibrate-") as tmp:
         for role, paths in (("fit", models), ("holdout", holdout)):
-            for i, path in enumerate(paths):
+            for i, (path, shapes) in enumerate(paths):
                 out = Path(tmp) / f"{role}{i}"
                 build(BuildOptions(model=Path(path), target=target_name, out=out, until="import",
-                                   input_shapes={k: v for k, v in input_shapes.items()}), log=log)
+                                   input_shapes=shapes), log=log)
                 model = onnx.load(str(out / ".build" / "1-import" / "model.onnx"))
                 log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
                     f"{threads} threads)")
                 samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)
     fit = cal.fit_cpu(samples["fit"])
-    names = ", ".join(Path(p).name for p in models)
+    names = ", ".join(Path(p).name for p, _ in models)
     source = (f"fitted by edgesdk calibrate on an {platform.machine()} host, "
               f"{threads} threads, per-op onnxruntime profiles of {names}")
     fitted = target.model_copy(deep=True)
