@@ -238,8 +238,9 @@ def calibrate(
         print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
         return
     f = result["fit"]
-    lines = [f"fitted on {result['samples']} ops: peak {f['peak_gflops']:.1f} GFLOP/s, memory {f['bandwidth_gbps']:.1f} GB/s, "
-             f"overhead {f['overhead_us']:.2f} us per op"]
+    lines = [f"fitted on {result['samples']} ops: peak {f['peak_gflops']:.1f} GFLOP/s"
+             + (f" ({f['grouped_gflops']:.1f} for grouped convolutions)" if f.get("grouped_gflops") else "")
+             + f", memory {f['bandwidth_gbps']:.1f} GB/s, overhead {f['overhead_us']:.2f} us per op"]
     for what in ("on_fitted", "held_out"):
         ev = result[what]
         for name, m in (ev or {}).get("models", {}).items():

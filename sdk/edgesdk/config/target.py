@@ -49,7 +49,9 @@ class CpuDevice(_Strict):
     # A TVM target as a JSON dict, e.g. {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}.
     codegen: dict[str, Any]
     cross_compiler: str | None = None
-    peak_gflops: dict[Literal["float32", "int8"], Figure]
+    # float32_grouped (optional): the rate of grouped/depthwise convolutions, which reach a fraction of
+    # the dense rate on CPUs (too little work per weight to fill the vector units)
+    peak_gflops: dict[Literal["float32", "float32_grouped", "int8"], Figure]
     memory_bandwidth: Figure  # GB/s
     kernel_overhead: Figure  # us per kernel launch
 

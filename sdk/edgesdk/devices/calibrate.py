@@ -31,7 +31,7 @@ import onnx
 from ..config import Figure
 from ..errors import UserError
 from ..ir import model as irm
-from .cost import node_flops, tensor_bytes
+from .cost import is_grouped, node_flops, tensor_bytes
 
 WARMUP_RUNS = 2
 # onnxruntime's profiler stores whole microseconds: a kernel reported as 0 took less than 1 us,
@@ -52,6 +52,7 @@ class OpSample:
     param_bytes: int
     act_bytes: int
     ms: float
+    grouped: bool = False  # a grouped/depthwise convolution: fitted at its own rate when the data has some
 
     @property
     def bytes(self) -> int:
@@ -72,15 +73,20 @@ class CpuFit:
     bound: tuple[str, ...]
     loss: str = "log"
     notes: tuple[str, ...] = field(default=())
+    grouped_gflops: float | None = None  # the grouped-convolution rate, when the samples had some
 
-    def predict_ms(self, flops: float, nbytes: float) -> float:
-        return predict_ms(flops, nbytes, self.peak_gflops, self.bandwidth_gbps, self.overhead_us)
+    def predict_ms(self, flops: float, nbytes: float, grouped: bool = False) -> float:
+        peak = self.grouped_gflops if grouped and self.grouped_gflops else self.peak_gflops
+        return predict_ms(flops, nbytes, peak, self.bandwidth_gbps, self.overhead_us)
 
     def figures(self, source: str) -> dict:
         """The cpu device's cost fields of a target file, with `source` saying where they came from
         (host, threads, models); the int8 peak is not fitted here and stays as it was."""
+        peaks = {"float32": Figure(value=self.peak_gflops, unit="GFLOP/s", source=source)}
+        if self.grouped_gflops:
+            peaks["float32_grouped"] = Figure(value=self.grouped_gflops, unit="GFLOP/s", source=source)
         return {
-            "peak_gflops": {"float32": Figure(value=self.peak_gflops, unit="GFLOP/s", source=source)},
+            "peak_gflops": peaks,
             "memory_bandwidth": Figure(value=self.bandwidth_gbps, unit="GB/s", source=source),
             "kernel_overhead": Figure(value=self.overhead_us, unit="us", source=source),
         }
@@ -160,7 +166,8 @@ def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int 
         weights = sum(tensor_bytes(shapes.get(t)) for t in n.input if t in consts)
         act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
         ms = max(statistics.median(times[i][warmup:]), PROFILER_RESOLUTION_MS / 2)
-        samples.append(OpSample(model_name, irm.node_name(n, i), n.op_type, node_flops(n, shapes), weights, act, ms))
+        samples.append(OpSample(model_name, irm.node_name(n, i), n.op_type, node_flops(n, shapes), weights, act, ms,
+                                is_grouped(n)))
     return samples
 
 
@@ -264,12 +271,16 @@ def fit_cpu(samples: list[OpSample]) -> CpuFit:
     flops = np.array([s.flops for s in samples], dtype=float)
     nbytes = np.array([s.bytes for s in samples], dtype=float)
     meas = np.array([s.ms for s in samples], dtype=float)
+    grouped = np.array([s.grouped for s in samples], dtype=bool)
+    # a fourth figure, the grouped-convolution rate, only when there are enough such samples to fit it
+    four = int(grouped.sum()) >= 3
     if np.any(meas <= 0):
         raise ValueError("every measured time must be positive")
 
     def terms(u):
-        peak, bw, over = np.exp(u)
-        return 1e3 * flops / (peak * 1e9), 1e3 * nbytes / (bw * 1e9), 1e3 * over * 1e-6
+        peak, bw, over = np.exp(u[:3])
+        rate = np.where(grouped, np.exp(u[3]), peak) if four else peak
+        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), 1e3 * over * 1e-6
 
     def residuals(u):
         c, m, o = terms(u)
@@ -279,29 +290,37 @@ def fit_cpu(samples: list[OpSample]) -> CpuFit:
         c, m, o = terms(u)
         pred = np.maximum(c, m) + o
         compute = c >= m
-        return np.column_stack([np.where(compute, -c, 0.0) / pred, np.where(compute, 0.0, -m) / pred, o / pred])
+        dc = np.where(compute, -c, 0.0) / pred
+        cols = [np.where(grouped, 0.0, dc) if four else dc, np.where(compute, 0.0, -m) / pred, o / pred]
+        if four:
+            cols.append(np.where(grouped, dc, 0.0))
+        return np.column_stack(cols)
 
     # starts: the rates the largest ops reach (GFLOP/s, GB/s) and the smallest op's time (us)
     peak0 = np.quantile(flops / (meas * 1e6), 0.9)
     bw0 = np.quantile(nbytes / (meas * 1e6), 0.9)
     over0 = np.min(meas) * 1e3
+    grouped0 = np.quantile((flops / (meas * 1e6))[grouped], 0.9) if four else None
     best = None
     for fp in (0.3, 1.0, 3.0):
         for fb in (0.3, 1.0, 3.0):
             for fo in (0.3, 1.0):
-                u0 = np.log([max(peak0 * fp, 1e-3), max(bw0 * fb, 1e-3), max(over0 * fo, 1e-3)])
-                r = least_squares(residuals, u0, jac=jacobian, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
-                                  max_nfev=2000)
+                start = [max(peak0 * fp, 1e-3), max(bw0 * fb, 1e-3), max(over0 * fo, 1e-3)]
+                if four:
+                    start.append(max(grouped0 * fp, 1e-3))
+                r = least_squares(residuals, np.log(start), jac=jacobian, method="lm", xtol=1e-15, ftol=1e-15,
+                                  gtol=1e-15, max_nfev=2000)
                 if best is None or r.cost < best.cost:
                     best = r
-    peak, bw, over = (float(x) for x in np.exp(best.x))
+    peak, bw, over = (float(x) for x in np.exp(best.x[:3]))
+    grouped_rate = float(np.exp(best.x[3])) if four else None
     c, m, _ = terms(best.x)
     bound = tuple("compute" if ci >= mi else "memory" for ci, mi in zip(c, m))
     notes = []
     for kind, figure in (("compute", "peak_gflops"), ("memory", "bandwidth_gbps")):
         if kind not in bound:
             notes.append(f"no sample is {kind}-bound at the fit: {figure} is a bound, not a measurement")
-    return CpuFit(peak, bw, over, tuple(float(x) for x in best.fun), bound, "log", tuple(notes))
+    return CpuFit(peak, bw, over, tuple(float(x) for x in best.fun), bound, "log", tuple(notes), grouped_rate)
 
 
 # --- evaluating ----------------------------------------------------------------------------------
@@ -310,7 +329,7 @@ def fit_cpu(samples: list[OpSample]) -> CpuFit:
 def evaluate(fit: CpuFit, samples: list[OpSample]) -> dict:
     """Predicted against measured: per op (|pred - meas| / meas, median and max), per op type, and per
     model total (the sum over its nodes, which is what the scheduler adds up for a CPU segment)."""
-    pred = [fit.predict_ms(s.flops, s.bytes) for s in samples]
+    pred = [fit.predict_ms(s.flops, s.bytes, s.grouped) for s in samples]
     err = [abs(p - s.ms) / s.ms for p, s in zip(pred, samples)]
 
     def summary(idx: list[int]) -> dict:

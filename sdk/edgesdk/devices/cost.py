@@ -63,7 +63,7 @@ def segment_ms(target: Target, device_id: str, *, flops: float, param_bytes: int
 
 
 def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
-            streamed_fraction: float = 0.0) -> float:
+            streamed_fraction: float = 0.0, grouped: bool = False) -> float:
     """One node on one device kind: the roofline term plus the device's per-op overhead.
 
     On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
@@ -71,7 +71,8 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
     weights do not all fit the on-chip cache (see `streamed_fraction`)."""
     dev = next(d for d in target.devices if d.kind == kind)
     if isinstance(dev, CpuDevice):
-        compute = flops / (dev.peak_gflops["float32"].value * 1e9)
+        peak = dev.peak_gflops.get("float32_grouped") if grouped else None
+        compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
         return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
     if isinstance(dev, EdgeTpuDevice):
@@ -83,6 +84,12 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
         return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
     raise ValueError(kind)
+
+
+def is_grouped(node: onnx.NodeProto) -> bool:
+    """A grouped or depthwise convolution: costed at the CPU's `float32_grouped` rate where given."""
+    return node.op_type in ("Conv", "ConvTranspose") and any(
+        a.name == "group" and a.i > 1 for a in node.attribute)
 
 
 def streamed_fraction(target: Target, tpu_param_bytes: int) -> float:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import onnx
 
-from ...devices.cost import link_ms_per_byte, node_flops, node_ms, streamed_fraction, tensor_bytes
+from ...devices.cost import is_grouped, link_ms_per_byte, node_flops, node_ms, streamed_fraction, tensor_bytes
 from ...errors import UserError
 from ...ir import model as irm
 from ...scheduling import baselines, pipelining, placement, simulate
@@ -171,7 +171,7 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
     for n, c, w in zip(g.node, caps, weights):
         flops = node_flops(n, shapes)
         act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
-        per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act)}
+        per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act, grouped=is_grouped(n))}
         for kind in ("edgetpu", "gpu"):
             if kind in c and kind in kinds:
                 ms = node_ms(target, kind, flops=flops, param_bytes=w, act_bytes=act,

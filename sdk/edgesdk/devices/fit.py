@@ -1,0 +1,217 @@
+"""Fitting a device's free cost parameters to published latencies, in the form of `cost.node_ms`.
+
+For one device kind, `node_ms` summed over the nodes of one inference is
+
+    T(x, o) = sum_i max(flops_i * x, floor_i) + n * o + fixed
+
+with the two free parameters x = ms per flop (1 / the effective rate; the peak of the target file
+is x's lower bound: an efficiency above 1 is not physical) and o = the per-op overhead in ms.
+floor_i is the node's memory-roofline time (CPU, GPU; 0 on the Edge TPU, whose node_ms has no
+memory term); `fixed` is everything the fit leaves at its published value: link transfers, weights
+streamed over the link, nodes on other devices.
+
+The fit minimizes sum_j r_j^2 with relative residuals r_j = (T_j - y_j) / y_j: published figures
+span 2 ms to 2 s, and an absolute error would let the slowest model decide alone.
+
+T is linear in o and convex piecewise linear in x, with breaks where a node turns from memory- to
+compute-bound (x = floor_i / flops_i). On one piece every max() picks a fixed side, T is affine in
+(x, o), and the objective is a convex quadratic, so its minimum over the box (bounds intersected
+with the piece) is the unconstrained stationary point when that lies inside, else the 1-D minimum
+along one of the box's edges. Checking those candidates on every piece and keeping the best is
+exact: no iteration, no starting point, no tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import CpuDevice, EdgeTpuDevice, GpuDevice, Target
+
+# the field that carries each device kind's compute rate, and that field's unit in flop/s
+RATE_FIELD = {"cpu": ("peak_gflops", "float32", 1e9), "edgetpu": ("peak_tops_int8", None, 1e12),
+              "gpu": ("peak_tflops", "float32", 1e12)}
+PARAMETERS = 2  # ms per flop and per-op overhead
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One published latency and the terms of the model that predicts it."""
+
+    name: str
+    measured_ms: float
+    flops: tuple[float, ...]        # per node the fitted device runs
+    floor_ms: tuple[float, ...]     # per node: its memory-roofline time; 0 where there is none
+    ops: int                        # nodes that pay the per-op overhead
+    fixed_ms: float = 0.0           # the terms the fit does not touch
+
+    def predict_ms(self, ms_per_flop: float, overhead_ms: float) -> float:
+        compute = sum(max(f * ms_per_flop, m) for f, m in zip(self.flops, self.floor_ms))
+        return compute + self.ops * overhead_ms + self.fixed_ms
+
+
+@dataclass(frozen=True)
+class Fit:
+    kind: str
+    ms_per_flop: float
+    overhead_ms: float
+    residuals: tuple[float, ...]    # relative, (predicted - measured) / measured, per observation
+    at_bound: tuple[str, ...]       # the bounds the optimum sits on (empty: an interior optimum)
+
+    @property
+    def rate(self) -> float:
+        """Effective flop/s (ops/s on the Edge TPU)."""
+        return 1e3 / self.ms_per_flop
+
+    @property
+    def overhead_us(self) -> float:
+        return self.overhead_ms * 1e3
+
+    @property
+    def exact(self) -> bool:
+        """Every fitted figure reproduced: with as many figures as parameters, an interior optimum."""
+        return all(abs(r) < 1e-9 for r in self.residuals)
+
+
+def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
+               streamed_fraction: float = 0.0) -> tuple[float, float, float]:
+    """(flops, memory floor ms, fixed ms) of one node, such that `cost.node_ms` equals
+    max(flops * x, floor) + fixed + overhead at the target's own x and overhead."""
+    dev = next(d for d in target.devices if d.kind == kind)
+    if isinstance(dev, (CpuDevice, GpuDevice)):
+        return flops, 1e3 * (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9), 0.0
+    if isinstance(dev, EdgeTpuDevice):
+        # int8 weights (a quarter of the float32 bytes) that do not fit the cache cross the link
+        return flops, 0.0, 1e3 * streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
+    raise ValueError(kind)
+
+
+def observation(target: Target, kind: str, name: str, measured_ms: float,
+                nodes: Iterable[tuple[float, int, int]], *, streamed_fraction: float = 0.0,
+                fixed_ms: float = 0.0) -> Observation:
+    """The observation of a published figure from its nodes' (flops, param_bytes, act_bytes) on
+    `kind`, plus `fixed_ms` of other terms."""
+    flops, floors = [], []
+    for f, p, a in nodes:
+        f, floor, fixed = node_terms(target, kind, flops=f, param_bytes=p, act_bytes=a,
+                                     streamed_fraction=streamed_fraction)
+        flops.append(f)
+        floors.append(floor)
+        fixed_ms += fixed
+    return Observation(name, measured_ms, tuple(flops), tuple(floors), len(flops), fixed_ms)
+
+
+def target_parameters(target: Target, kind: str) -> tuple[float, float]:
+    """(ms per flop, overhead ms) of `kind` as the target file states them."""
+    dev = next(d for d in target.devices if d.kind == kind)
+    field, key, scale = RATE_FIELD[kind]
+    figure = getattr(dev, field)
+    figure = figure[key] if key else figure
+    return 1e3 / (figure.value * scale), dev.kernel_overhead.value * 1e-3
+
+
+def fit_roofline(kind: str, observations: Sequence[Observation], *, max_rate: float,
+                 min_rate: float = 0.0, min_overhead_us: float = 0.0,
+                 max_overhead_us: float = math.inf) -> Fit:
+    """The least-squares (x, o) of the module docstring within rate in [min_rate, max_rate] flop/s
+    and overhead in [min_overhead_us, max_overhead_us]."""
+    if len(observations) < PARAMETERS:
+        raise ValueError(f"fitting the rate and the per-op overhead of {kind} needs at least {PARAMETERS} "
+                         f"published figures, got {len(observations)}"
+                         + (f" ({', '.join(o.name for o in observations)})" if observations else ""))
+    if not 0 <= min_rate < max_rate or not 0 <= min_overhead_us <= max_overhead_us:
+        raise ValueError(f"empty or negative bounds: rate [{min_rate}, {max_rate}] flop/s, "
+                         f"overhead [{min_overhead_us}, {max_overhead_us}] us")
+    bad = [o.name for o in observations if not o.measured_ms > 0]
+    if bad:
+        raise ValueError(f"published figures must be positive: {', '.join(bad)}")
+    totals = np.array([[sum(o.flops), o.ops] for o in observations], dtype=float)
+    if np.linalg.matrix_rank(totals / np.abs(totals).max(axis=0).clip(min=1e-300)) < PARAMETERS:
+        raise ValueError(f"the figures of {', '.join(o.name for o in observations)} cannot separate the rate "
+                         f"of {kind} from its per-op overhead: their flops and op counts are proportional")
+
+    x_lo = 1e3 / max_rate
+    x_hi = 1e3 / min_rate if min_rate > 0 else math.inf
+    o_lo, o_hi = min_overhead_us * 1e-3, max_overhead_us * 1e-3
+    breaks = sorted({m / f for o in observations for f, m in zip(o.flops, o.floor_ms)
+                     if f > 0 and m > 0 and x_lo < m / f < x_hi})
+    edges = [x_lo, *breaks, x_hi]
+    y = np.array([o.measured_ms for o in observations])
+
+    def objective(x: float, ov: float) -> float:
+        return float(sum((o.predict_ms(x, ov) / o.measured_ms - 1.0) ** 2 for o in observations))
+
+    best = None
+    for lo, hi in zip(edges, edges[1:]):
+        # on this piece T_j = a_j x + n_j o + c_j: which side of its max() a node takes is read at a
+        # point strictly inside the piece (at an edge, rounding could put a node on the wrong side)
+        probe = 2.0 * lo if math.isinf(hi) else 0.5 * (lo + hi)
+        a = np.array([sum(f for f, m in zip(o.flops, o.floor_ms) if f * probe >= m) for o in observations])
+        c = np.array([o.fixed_ms + sum(m for f, m in zip(o.flops, o.floor_ms) if f * probe < m)
+                      for o in observations])
+        n = np.array([float(o.ops) for o in observations])
+        for x, ov in _box_candidates(a / y, n / y, 1.0 - c / y, (lo, hi), (o_lo, o_hi)):
+            value = objective(x, ov)
+            if best is None or value < best[0]:
+                best = (value, x, ov)
+    _, x, ov = best
+    residuals = tuple(float(o.predict_ms(x, ov) / o.measured_ms - 1.0) for o in observations)
+    at = [name for name, v, b in (("rate = max_rate (efficiency 1)", x, x_lo), ("rate = min_rate", x, x_hi),
+                                  ("overhead = min", ov, o_lo), ("overhead = max", ov, o_hi))
+          if math.isfinite(b) and math.isclose(v, b, rel_tol=1e-12, abs_tol=0.0 if b else 1e-15)]
+    return Fit(kind, float(x), float(ov), residuals, tuple(at))
+
+
+def _box_candidates(a: np.ndarray, n: np.ndarray, b: np.ndarray, xs: tuple[float, float],
+                    overheads: tuple[float, float]) -> list[tuple[float, float]]:
+    """Minimizers of ||a x + n o - b||^2 over x in xs, o in overheads: the stationary point when it is
+    inside, and the clipped 1-D minimum along each finite edge (a convex quadratic's box minimum is
+    one of them)."""
+    out = []
+    # columns scaled to unit norm: x ~ 1e-10 ms/flop and o ~ 1e-2 ms differ by eight orders
+    sa, sn = np.linalg.norm(a) or 1.0, np.linalg.norm(n) or 1.0
+    m = np.column_stack([a / sa, n / sn])
+    if np.linalg.matrix_rank(m) == PARAMETERS:
+        (u, v), *_ = np.linalg.lstsq(m, b, rcond=None)
+        x, ov = u / sa, v / sn
+        if xs[0] <= x <= xs[1] and overheads[0] <= ov <= overheads[1]:
+            out.append((x, ov))
+    for x in xs:
+        if math.isfinite(x):
+            out.append((x, _clip(_line_min(n, b - a * x), overheads)))
+    for ov in overheads:
+        if math.isfinite(ov):
+            out.append((_clip(_line_min(a, b - n * ov), xs), ov))
+    return out
+
+
+def _line_min(col: np.ndarray, rhs: np.ndarray) -> float:
+    denom = float(col @ col)
+    return float(col @ rhs) / denom if denom > 0 else 0.0
+
+
+def _clip(v: float, bounds: tuple[float, float]) -> float:
+    return min(max(v, bounds[0]), bounds[1])
+
+
+def refit_target(target: Target, kind: str, fit: Fit, source: str) -> Target:
+    """`target` with `kind`'s rate field and kernel_overhead replaced by the fit, each naming
+    `source`. The rate field of today's schema is called a peak: the fitted value is an effective
+    rate, and its source says so."""
+    if not fit.overhead_us > 0:
+        raise ValueError(f"the fit puts the per-op overhead of {kind} at 0 us ({', '.join(fit.at_bound)}): a target "
+                         "file's figures are > 0; fit with min_overhead_us > 0 or fix the model instead")
+    field, key, scale = RATE_FIELD[kind]
+    data = target.model_dump(mode="json")
+    for dev in data["devices"]:
+        if dev["kind"] != kind:
+            continue
+        rate = dev[field][key] if key else dev[field]
+        rate["value"] = fit.rate / scale
+        rate["source"] = source
+        dev["kernel_overhead"]["value"] = fit.overhead_us
+        dev["kernel_overhead"]["source"] = source
+    return Target.model_validate(data)
