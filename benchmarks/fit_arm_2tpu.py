@@ -95,17 +95,15 @@ class Graph:
     """One legalized model's numbers: per-node flops, parameter and activation bytes, capabilities."""
 
     def __init__(self, name: str, model):
-        from edgesdk.devices.cost import node_flops, tensor_bytes
+        from edgesdk.devices.cost import node_bytes, node_flops
         from edgesdk.ir import model as irm
 
         self.name, self.model = name, model
         self.shapes, self.consts = irm.static_shapes(model), irm.constant_names(model)
         g = model.graph
-        # as build_problem computes them: a node's weights are its constant inputs, its activations the rest
+        # as build_problem computes them
         self.flops = [node_flops(n, self.shapes) for n in g.node]
-        self.weights = [sum(tensor_bytes(self.shapes.get(t)) for t in n.input if t in self.consts) for n in g.node]
-        self.acts = [sum(tensor_bytes(self.shapes.get(t)) for t in [*n.input, *n.output] if t and t not in self.consts)
-                     for n in g.node]
+        self.weights, self.acts = (list(x) for x in zip(*(node_bytes(n, self.shapes, self.consts) for n in g.node)))
         caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",") for n in g.node]
         self.tpu_weights = sum(w for w, c in zip(self.weights, caps) if "edgetpu" in c)
         self.ops = {}

@@ -31,7 +31,7 @@ import onnx
 from ..config import Figure
 from ..errors import UserError
 from ..ir import model as irm
-from .cost import is_grouped, node_flops, tensor_bytes
+from .cost import is_grouped, node_bytes, node_flops
 
 WARMUP_RUNS = 2
 # onnxruntime's profiler stores whole microseconds: a kernel reported as 0 took less than 1 us,
@@ -161,10 +161,7 @@ def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int 
     samples = []
     for i in expected:
         n = g.node[i]
-        # as build_problem counts them: initializers are parameters; every other tensor a node reads or
-        # writes is an activation, counted once per use
-        weights = sum(tensor_bytes(shapes.get(t)) for t in n.input if t in consts)
-        act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
+        weights, act = node_bytes(n, shapes, consts)
         ms = max(statistics.median(times[i][warmup:]), PROFILER_RESOLUTION_MS / 2)
         samples.append(OpSample(model_name, irm.node_name(n, i), n.op_type, node_flops(n, shapes), weights, act, ms,
                                 is_grouped(n)))

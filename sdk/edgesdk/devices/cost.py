@@ -34,6 +34,14 @@ def tensor_bytes(shape: tuple[int, ...] | None, itemsize: int = 4) -> int:
     return itemsize * math.prod(shape) if shape else 0
 
 
+def node_bytes(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], constants: set[str]) -> tuple[int, int]:
+    """(parameter bytes, activation bytes) a node reads and writes: its constant inputs are parameters;
+    every other tensor it reads or writes is an activation, counted once per use."""
+    params = sum(tensor_bytes(shapes.get(t)) for t in node.input if t in constants)
+    acts = sum(tensor_bytes(shapes.get(t)) for t in [*node.input, *node.output] if t and t not in constants)
+    return params, acts
+
+
 def segment_ms(target: Target, device_id: str, *, flops: float, param_bytes: int, io_bytes: int,
                act_bytes: int, nodes: int) -> float:
     kind = device_id.split(":")[0]

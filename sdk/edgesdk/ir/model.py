@@ -109,6 +109,18 @@ def set_meta(node: onnx.NodeProto, key: str, value: str) -> None:
     node.metadata_props.add(key=key, value=value)
 
 
+def graphs(graph: onnx.GraphProto):
+    """`graph` and every graph nested in it (If branches, Loop and Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from graphs(g)
+
+
 def node_name(node: onnx.NodeProto, index: int) -> str:
     return node.name or f"{node.op_type}_{index}"
 

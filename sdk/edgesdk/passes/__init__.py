@@ -33,6 +33,7 @@ import onnx
 import onnx_ir as ir
 
 from . import batchnorm, constant_folding, conv_bias_activation, elementwise, identity, redundancy, reshape, transpose
+from ..ir import model as irm
 from .rule import Rule
 
 # Rounds until nothing fires; real models settle in 2-3 (each rule already visits every node).
@@ -131,11 +132,4 @@ def op_counts(model: onnx.ModelProto) -> dict[str, int]:
 
 def _all_nodes(graph: onnx.GraphProto):
     """Every node, those in If/Loop/Scan bodies included: an inlined branch is not new work."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _all_nodes(g)
+    return (node for g in irm.graphs(graph) for node in g.node)

@@ -118,7 +118,8 @@ def _canonical_opset(model: onnx.ModelProto, path: Path, ctx) -> onnx.ModelProto
 def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     # Shapes an exporter recorded for the dynamic graph (Paddle writes -1 for a dynamic batch) would
     # contradict the ones inferred from the fixed inputs: inference starts from the inputs alone.
-    _clear_value_info(model.graph)
+    for graph in irm.graphs(model.graph):
+        del graph.value_info[:]
     for out in model.graph.output:
         for dim in out.type.tensor_type.shape.dim:
             if dim.HasField("dim_value") and dim.dim_value <= 0:
@@ -133,14 +134,6 @@ def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
             hint = ("a branch of an If or Loop does not fit the fixed shapes; if an input selects the branch "
                     "(a sample rate, a mode), freeze it with --input-value NAME=VALUE; else " + hint)
         raise UserError("import.shape-inference", f"{path}: shape inference failed: {first}", hint) from None
-
-
-def _clear_value_info(graph: onnx.GraphProto) -> None:
-    del graph.value_info[:]
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                _clear_value_info(sub)
 
 
 def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path,

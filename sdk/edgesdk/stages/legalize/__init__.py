@@ -56,10 +56,7 @@ def run(artifact: Path, ctx) -> dict:
     model = onnx.load(str(artifact / "model.onnx"))
     io = json.loads((artifact / "import.json").read_text())
     result = legalize(model, ctx, io["inputs"])
-    model = result.pop("model")
-
-    tables = support.Tables([d.kind for d in ctx.target.devices])
-    nodes = tables.model(model)
+    model, nodes = result.pop("model"), result.pop("support")
     refusals, impossible, counts = [], [], collections.Counter()
     for node, s in zip(model.graph.node, nodes):
         refusals += [{"node": s.name, "op": s.op, **r} for r in s.refusals]
@@ -73,8 +70,8 @@ def run(artifact: Path, ctx) -> dict:
                         notes=impossible)
 
     irm.save(model, ctx.out / "model.onnx")
-    after = support.summarize(model, nodes)
-    report = {**result, "after": after, "refusals": refusals}
+    after = result["after"]
+    report = {**result, "refusals": refusals}
     (ctx.out / "legalize.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     by_reason = collections.Counter((r["device"], r["op"], r["code"]) for r in refusals)
     for (dev, op, code), n in sorted(by_reason.items()):
@@ -90,15 +87,22 @@ def run(artifact: Path, ctx) -> dict:
 def analyze(model: onnx.ModelProto, ctx, inputs: list[dict]) -> dict:
     """`edgesdk check`: everything legalize would do and what it would leave, on a copy."""
     result = legalize(_copy(model), ctx, inputs)
-    legalized = result.pop("model")
-    tables = support.Tables([d.kind for d in ctx.target.devices])
-    result["after"] = support.summarize(legalized, tables.model(legalized))
+    del result["model"], result["support"]
     return result
 
 
 def legalize(model: onnx.ModelProto, ctx, inputs: list[dict]) -> dict:
-    kinds = [d.kind for d in ctx.target.devices]
-    tables = support.Tables(kinds)
+    """The rewritten model, what was done to it, and its final support: `support` (per node) and
+    `after` (coverage and transitions)."""
+    tables = support.Tables([d.kind for d in ctx.target.devices])
+    result = _rewrite(model, ctx, inputs, tables)
+    result["support"] = tables.model(result["model"])
+    result["after"] = support.summarize(result["model"], result["support"])
+    return result
+
+
+def _rewrite(model: onnx.ModelProto, ctx, inputs: list[dict], tables: support.Tables) -> dict:
+    kinds = tables.kinds
     original = model
     nodes = tables.model(model)
     before = support.summarize(model, nodes)
@@ -168,15 +172,12 @@ def legalize(model: onnx.ModelProto, ctx, inputs: list[dict]) -> dict:
             exact_outputs = ort_backend.run_many(model, sample)
             for k, (region, approx, _, entry) in enumerate(fitted):
                 single = _copy(model)
-                new_nodes, inits = relu_sum.to_onnx(approx, region.input, f"{region.output}__relu_sum", f"relu_sum{k}_")
-                regions.replace(single, region, new_nodes, inits, f"{region.output}__relu_sum")
+                _approximate(single, region, approx, k)
                 entry["end_to_end"] = _deviation_of(exact_outputs, ort_backend.run_many(single, sample))
             model = _copy(model)
             # the last exit first: earlier exits rename their consumers, the later approximations included
             for k, (region, approx, _, entry) in enumerate(sorted(fitted, key=lambda t: -max(t[0].nodes))):
-                new_nodes, inits = relu_sum.to_onnx(approx, region.input, f"{region.output}__relu_sum",
-                                                    f"relu_sum{k}_")
-                regions.replace(model, region, new_nodes, inits, f"{region.output}__relu_sum")
+                _approximate(model, region, approx, k)
         result["approximations"] = [entry for *_, entry in fitted]
         for e in result["approximations"]:
             ctx.log(f"legalize: {', '.join(e['nodes'])} ({' -> '.join(e['ops'])}) ~ {len(e['knots'])} ReLUs on "
@@ -193,6 +194,13 @@ def legalize(model: onnx.ModelProto, ctx, inputs: list[dict]) -> dict:
             result["end_to_end"] = _deviation(original, model, feeds[:E2E_SAMPLES])
     result["model"] = model
     return result
+
+
+def _approximate(model: onnx.ModelProto, region: regions.Region, approx: relu_sum.Approximation, k: int) -> None:
+    """Put approximation number `k` in place of `region`'s exit, in `model`."""
+    new_output = f"{region.output}__relu_sum"
+    new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, f"relu_sum{k}_")
+    regions.replace(model, region, new_nodes, inits, new_output)
 
 
 def _node_json(n: support.NodeSupport) -> dict:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import onnx
 
-from ...devices.cost import is_grouped, link_ms_per_byte, node_flops, node_ms, streamed_fraction, tensor_bytes
+from ...devices.cost import (is_grouped, link_ms_per_byte, node_bytes, node_flops, node_ms, streamed_fraction,
+                             tensor_bytes)
 from ...errors import UserError
 from ...ir import model as irm
 from ...scheduling import baselines, pipelining, placement, simulate
@@ -164,13 +165,12 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
             if t and t not in consts:
                 consumers.setdefault(t, []).append(i)
     caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",") for n in g.node]
-    weights = [sum(tensor_bytes(shapes.get(t)) for t in n.input if t in consts) for n in g.node]
+    weights, acts = zip(*(node_bytes(n, shapes, consts) for n in g.node)) if g.node else ((), ())
     tpu_weights = sum(w for w, c in zip(weights, caps) if "edgetpu" in c)
     streamed = streamed_fraction(target, tpu_weights)
     cost, cpu_backend = [], []
-    for n, c, w in zip(g.node, caps, weights):
+    for n, c, w, act in zip(g.node, caps, weights, acts):
         flops = node_flops(n, shapes)
-        act = sum(tensor_bytes(shapes.get(t)) for t in [*n.input, *n.output] if t and t not in consts)
         per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act, grouped=is_grouped(n))}
         for kind in ("edgetpu", "gpu"):
             if kind in c and kind in kinds:
