@@ -78,7 +78,7 @@ def test_loop_body_is_optimized():
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2, 3])])
     m = model([node("Loop", ["trips", "", "x"], ["y"], body=body)], X, {"y": [2, 3]},
-              {"trips": np.int64(3), "one": f32(1.0)})
+              {"trips": np.int64(100), "one": f32(1.0)})
     out, record = optimized(m)
     assert record["rules"]["remove-mul-by-one"] == 1 and record["rules"]["merge-relu-relu"] == 1
     body_ops = [n.op_type for n in out.graph.node[0].attribute[0].g.node]

@@ -11,13 +11,14 @@ sequence repeats until a round fires nothing (at most `MAX_ROUNDS`):
 
 1. no-op elimination             (`identity`: x*1, x+0, Dropout, no-op Reshape/Transpose/Cast/Expand, Identity)
 2. constant folding              (`constant_folding`: onnxscript's folder, constants lifted)
-3. BatchNormalization folding    (`batchnorm`: into Conv, ConvTranspose, Gemm; inference mode only)
-4. Conv/Gemm bias and activation (`conv_bias_activation`: per-channel Mul/Add into Conv, MatMul+Add
+3. loop unrolling                (`loops`: Loop with a small constant trip count -> copies of its body)
+4. BatchNormalization folding    (`batchnorm`: into Conv, ConvTranspose, Gemm; inference mode only)
+5. Conv/Gemm bias and activation (`conv_bias_activation`: per-channel Mul/Add into Conv, MatMul+Add
                                   -> Gemm, Min/Max -> Clip, Relu/Clip chains, HardSigmoid/HardSwish)
-5. elementwise chains            (`elementwise`: constants of Mul/Div and Add/Sub chains combined)
-6. transposes                    (`transpose`: pairs merged, transposes sunk through elementwise ops)
-7. reshape chains                (`reshape`: Reshape/Flatten/Squeeze/Unsqueeze chains -> one Reshape)
-8. redundancy                    (`redundancy`: initializer dedup, CSE, dead code)
+6. elementwise chains            (`elementwise`: constants of Mul/Div and Add/Sub chains combined)
+7. transposes                    (`transpose`: pairs merged, transposes sunk through elementwise ops)
+8. reshape chains                (`reshape`: Reshape/Flatten/Squeeze/Unsqueeze chains -> one Reshape)
+9. redundancy                    (`redundancy`: initializer dedup, CSE, dead code)
 
 A rule that raises (a bug, or a graph no rule foresaw) does not stop the build: the round is undone
 from its snapshot, the rule is switched off, the round runs again, and the record's "rule_errors"
@@ -32,7 +33,8 @@ import logging
 import onnx
 import onnx_ir as ir
 
-from . import batchnorm, constant_folding, conv_bias_activation, elementwise, identity, redundancy, reshape, transpose
+from . import (batchnorm, constant_folding, conv_bias_activation, elementwise, identity, loops, redundancy, reshape,
+               transpose)
 from ..ir import model as irm
 from .rule import Rule
 
@@ -44,6 +46,7 @@ IR_VERSION = 10
 RULES: tuple[Rule, ...] = (
     *identity.RULES,
     *constant_folding.RULES,
+    *loops.RULES,
     *batchnorm.RULES,
     *conv_bias_activation.RULES,
     *elementwise.RULES,

@@ -220,6 +220,8 @@ def _require_static(model: onnx.ModelProto, path: Path) -> None:
         hint = "fix the input shapes with --input-shape; data-dependent shapes are not supported"
         if control:
             hint = (f"an If or Loop whose shapes depend on {', '.join(control)}: if that follows from an input "
-                    "(a sample rate, a mode), freeze the input with --input-value NAME=VALUE; else " + hint)
+                    "(a sample rate, a mode, a sequence length), freeze the input with --input-value NAME=VALUE "
+                    f"(a Loop is unrolled once its trip count is a constant up to {passes.loops.MAX_TRIP_COUNT} "
+                    "and it cannot exit early); else " + hint)
         raise UserError("import.unknown-shape", f"{path}: shapes of {len(missing)} tensor(s) could not be inferred",
                         hint, notes=missing[:20])
