@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -94,3 +95,20 @@ def test_schema_is_json_schema_with_device_union():
     for kind in ("CpuDevice", "EdgeTpuDevice", "GpuDevice"):
         assert kind in schema["$defs"]
     assert '"additionalProperties": false' in text
+
+
+def test_layer_overhead_is_an_optional_cpu_figure(tmp_path):
+    arm, _ = load_target("arm_2tpu")
+    assert arm.host.layer_overhead is not None and arm.host.layer_overhead.unit == "us"
+    for name in ("x86", "rtx3090"):
+        assert load_target(name)[0].host.layer_overhead is None
+    # a figure like any other: a value > 0 with a source; on an Edge TPU it is an unknown key
+    text = builtin_targets()["arm_2tpu"].read_text()
+    bad, n = re.subn(r"(    layer_overhead:\n      value: )[0-9.]+", r"\g<1>-1.0", text)
+    assert n == 1
+    p = _write(tmp_path, bad)
+    line = bad.splitlines().index("      value: -1.0") + 1
+    assert any(n.startswith(f"{p}:{line}: field 'devices.0.layer_overhead.value'") for n in _problems(p))
+    misplaced = text.replace("    on_chip_memory:\n", "    layer_overhead: {value: 1.0, unit: us, source: nowhere}\n"
+                             "    on_chip_memory:\n")
+    assert any("unknown key 'devices.1.layer_overhead'" in n for n in _problems(_write(tmp_path, misplaced)))

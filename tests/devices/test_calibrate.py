@@ -87,6 +87,23 @@ def test_prediction_is_the_schedulers_cpu_cost_with_the_fitted_figures():
         assert fit.predict_ms(flops, nbytes) == pytest.approx(want, rel=1e-12)
 
 
+
+def test_a_per_layer_cost_of_the_input_target_is_dropped():
+    # arm_2tpu's CPU carries a per-layer cost fitted to Coral's figures; a per-node fit replacing its
+    # figures must not keep it, or every convolution would pay it on top of the fitted overhead
+    target, _ = load_target("arm_2tpu")
+    cpu = next(d for d in target.devices if d.kind == "cpu")
+    assert cpu.layer_overhead is not None
+    fit = CpuFit(123.0, 17.0, 6.5, (), ())
+    figures = fit.figures("edgesdk calibrate on test-host, 2 threads")
+    peak = {**cpu.peak_gflops, **figures.pop("peak_gflops")}
+    refit = cpu.model_copy(update={**figures, "peak_gflops": peak})
+    assert refit.layer_overhead is None
+    base = target.model_copy(update={"devices": [refit, *[d for d in target.devices if d.kind != "cpu"]]})
+    assert fit.predict_ms(2e6, 1000) == pytest.approx(
+        cost.node_ms(base, "cpu", flops=2e6, param_bytes=500, act_bytes=500), rel=1e-9)
+
+
 # --- measuring ---------------------------------------------------------------------------------
 
 

@@ -81,7 +81,9 @@ class CpuFit:
 
     def figures(self, source: str) -> dict:
         """The cpu device's cost fields of a target file, with `source` saying where they came from
-        (host, threads, models); the int8 peak is not fitted here and stays as it was."""
+        (host, threads, models); the int8 peak is not fitted here and stays as it was. The fit is per
+        node: a per-layer cost the input target had (`layer_overhead`) is dropped, or it would be
+        counted twice."""
         peaks = {"float32": Figure(value=self.peak_gflops, unit="GFLOP/s", source=source)}
         if self.grouped_gflops:
             peaks["float32_grouped"] = Figure(value=self.grouped_gflops, unit="GFLOP/s", source=source)
@@ -89,6 +91,7 @@ class CpuFit:
             "peak_gflops": peaks,
             "memory_bandwidth": Figure(value=self.bandwidth_gbps, unit="GB/s", source=source),
             "kernel_overhead": Figure(value=self.overhead_us, unit="us", source=source),
+            "layer_overhead": None,
         }
 
 

@@ -21,9 +21,13 @@ def node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> floa
     """Multiply-accumulates counted as 2 flops; elementwise ops as one flop per output element."""
     out = shapes.get(node.output[0]) if node.output else None
     out_elems = math.prod(out) if out else 0
-    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1 and node.input[1] in shapes:
+    if node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in shapes:
         w = shapes[node.input[1]]  # (M, C/group, kh, kw)
         return 2.0 * out_elems * math.prod(w[1:])
+    if node.op_type == "ConvTranspose" and len(node.input) > 1 and node.input[1] in shapes and node.input[0] in shapes:
+        # (C, M/group, kh, kw): every input element is scattered into M/group * kh * kw outputs
+        w = shapes[node.input[1]]
+        return 2.0 * math.prod(shapes[node.input[0]]) * math.prod(w[1:])
     if node.op_type in ("Gemm", "MatMul") and node.input[0] in shapes:
         k = shapes[node.input[0]][-1]
         return 2.0 * out_elems * k
@@ -74,6 +78,11 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
             streamed_fraction: float = 0.0, grouped: bool = False) -> float:
     """One node on one device kind: the roofline term plus the device's per-op overhead.
 
+    On a CPU with a `layer_overhead`, a convolution or matrix product (`is_mac_layer`) pays it on top
+    of `kernel_overhead`: a fixed cost per layer (its kernel's setup, operand packing, the fork and
+    join of its threads) that elementwise ops, fused into the layer before them by CPU runtimes, do
+    not pay.
+
     On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
     (1 byte per float32 parameter's 4) comes over the link on every inference because the model's
     weights do not all fit the on-chip cache (see `streamed_fraction`)."""
@@ -82,7 +91,10 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
         peak = dev.peak_gflops.get("float32_grouped") if grouped else None
         compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
+        overhead = dev.kernel_overhead.value
+        if dev.layer_overhead is not None and is_mac_layer(flops, act_bytes):
+            overhead += dev.layer_overhead.value
+        return 1e3 * (max(compute, memory) + overhead * 1e-6)
     if isinstance(dev, EdgeTpuDevice):
         compute = flops / (dev.peak_tops_int8.value * 1e12)
         streamed = streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
@@ -92,6 +104,16 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
         return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
     raise ValueError(kind)
+
+
+def is_mac_layer(flops: float, act_bytes: int) -> bool:
+    """A convolution or a matrix product, told from the two numbers every cost function has: `node_flops`
+    counts 2K flops per output element of a K-long multiply-accumulate and one flop per output element
+    of any other op, and a node reads or writes at least its output (act_bytes / 4 float32 elements),
+    so any other op does at most one flop per activation element. A convolution or matrix product does
+    more (2K * out > in + out) unless it is degenerate: a strided 1x1 convolution to 1 or 2 channels
+    would count as no layer. A CPU's `layer_overhead` is paid by these nodes."""
+    return flops > act_bytes / 4
 
 
 def is_grouped(node: onnx.NodeProto) -> bool:

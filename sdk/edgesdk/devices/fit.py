@@ -4,11 +4,13 @@ For one device kind, `node_ms` summed over the nodes of one inference is
 
     T(x, o) = sum_i max(flops_i * x, floor_i) + n * o + fixed
 
-with the two free parameters x = ms per flop (1 / the effective rate; the peak of the target file
-is x's lower bound: an efficiency above 1 is not physical) and o = the per-op overhead in ms.
-floor_i is the node's memory-roofline time (CPU, GPU; 0 on the Edge TPU, whose node_ms has no
-memory term); `fixed` is everything the fit leaves at its published value: link transfers, weights
-streamed over the link, nodes on other devices.
+with two free parameters: x = ms per flop (1 / the effective rate; the peak of the target file is
+x's lower bound: an efficiency above 1 is not physical) and o = one of the device's overheads in ms,
+either `kernel_overhead`, which every node pays (n = the node count), or on a CPU `layer_overhead`,
+which only convolutions and matrix products pay (n = their count, `cost.is_mac_layer`). floor_i is
+the node's memory-roofline time (CPU, GPU; 0 on the Edge TPU, whose node_ms has no memory term);
+`fixed` is everything the fit leaves at the target's value: the other overhead, grouped convolutions
+at a `float32_grouped` rate, link transfers, weights streamed over the link, nodes on other devices.
 
 The fit minimizes sum_j r_j^2 with relative residuals r_j = (T_j - y_j) / y_j: published figures
 span 2 ms to 2 s, and an absolute error would let the slowest model decide alone.
@@ -30,11 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import CpuDevice, EdgeTpuDevice, GpuDevice, Target
+from .cost import is_mac_layer
 
 # the field that carries each device kind's compute rate, and that field's unit in flop/s
 RATE_FIELD = {"cpu": ("peak_gflops", "float32", 1e9), "edgetpu": ("peak_tops_int8", None, 1e12),
               "gpu": ("peak_tflops", "float32", 1e12)}
-PARAMETERS = 2  # ms per flop and per-op overhead
+PARAMETERS = 2  # ms per flop and one overhead
+# which overhead a fit frees: the target field, and the devices that have it
+OVERHEADS = {"node": ("kernel_overhead", ("cpu", "edgetpu", "gpu")), "layer": ("layer_overhead", ("cpu",))}
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,9 @@ class Observation:
     measured_ms: float
     flops: tuple[float, ...]        # per node the fitted device runs
     floor_ms: tuple[float, ...]     # per node: its memory-roofline time; 0 where there is none
-    ops: int                        # nodes that pay the per-op overhead
+    ops: int                        # nodes that pay the fitted overhead
     fixed_ms: float = 0.0           # the terms the fit does not touch
+    overhead: str = "node"          # the fitted overhead: "node" (kernel_overhead) or "layer" (layer_overhead)
 
     def predict_ms(self, ms_per_flop: float, overhead_ms: float) -> float:
         compute = sum(max(f * ms_per_flop, m) for f, m in zip(self.flops, self.floor_ms))
@@ -60,6 +66,7 @@ class Fit:
     overhead_ms: float
     residuals: tuple[float, ...]    # relative, (predicted - measured) / measured, per observation
     at_bound: tuple[str, ...]       # the bounds the optimum sits on (empty: an interior optimum)
+    overhead: str = "node"          # which overhead overhead_ms is (OVERHEADS)
 
     @property
     def rate(self) -> float:
@@ -77,40 +84,62 @@ class Fit:
 
 
 def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
-               streamed_fraction: float = 0.0) -> tuple[float, float, float]:
-    """(flops, memory floor ms, fixed ms) of one node, such that `cost.node_ms` equals
-    max(flops * x, floor) + fixed + overhead at the target's own x and overhead."""
+               streamed_fraction: float = 0.0, grouped: bool = False,
+               overhead: str = "node") -> tuple[float, float, float, bool]:
+    """(fitted flops, memory floor ms, fixed ms, pays the fitted overhead) of one node, such that
+    `cost.node_ms` equals max(flops * x, floor) + fixed + (o if it pays) at the target's own x and o."""
+    _check_overhead(kind, overhead)
     dev = next(d for d in target.devices if d.kind == kind)
     if isinstance(dev, (CpuDevice, GpuDevice)):
-        return flops, 1e3 * (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9), 0.0
+        memory = 1e3 * (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
+        fixed, pays = 0.0, True
+        if isinstance(dev, CpuDevice):
+            layer = is_mac_layer(flops, act_bytes)
+            if overhead == "layer":
+                fixed, pays = dev.kernel_overhead.value * 1e-3, layer
+            elif dev.layer_overhead is not None and layer:
+                fixed = dev.layer_overhead.value * 1e-3
+            grouped_rate = dev.peak_gflops.get("float32_grouped") if grouped else None
+            if grouped_rate is not None:  # at its own rate, which the fit leaves alone
+                return 0.0, 0.0, fixed + max(1e3 * flops / (grouped_rate.value * 1e9), memory), pays
+        return flops, memory, fixed, pays
     if isinstance(dev, EdgeTpuDevice):
         # int8 weights (a quarter of the float32 bytes) that do not fit the cache cross the link
-        return flops, 0.0, 1e3 * streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
+        return flops, 0.0, 1e3 * streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6), True
     raise ValueError(kind)
 
 
-def observation(target: Target, kind: str, name: str, measured_ms: float,
-                nodes: Iterable[tuple[float, int, int]], *, streamed_fraction: float = 0.0,
-                fixed_ms: float = 0.0) -> Observation:
-    """The observation of a published figure from its nodes' (flops, param_bytes, act_bytes) on
-    `kind`, plus `fixed_ms` of other terms."""
-    flops, floors = [], []
-    for f, p, a in nodes:
-        f, floor, fixed = node_terms(target, kind, flops=f, param_bytes=p, act_bytes=a,
-                                     streamed_fraction=streamed_fraction)
+def observation(target: Target, kind: str, name: str, measured_ms: float, nodes: Iterable[tuple],
+                *, streamed_fraction: float = 0.0, fixed_ms: float = 0.0, overhead: str = "node") -> Observation:
+    """The observation of a published figure from its nodes' (flops, param_bytes, act_bytes[, grouped])
+    on `kind`, plus `fixed_ms` of other terms; `overhead` is the overhead the fit will free."""
+    flops, floors, ops = [], [], 0
+    for f, p, a, *grouped in nodes:
+        f, floor, fixed, pays = node_terms(target, kind, flops=f, param_bytes=p, act_bytes=a,
+                                           streamed_fraction=streamed_fraction, grouped=bool(grouped and grouped[0]),
+                                           overhead=overhead)
         flops.append(f)
         floors.append(floor)
         fixed_ms += fixed
-    return Observation(name, measured_ms, tuple(flops), tuple(floors), len(flops), fixed_ms)
+        ops += pays
+    return Observation(name, measured_ms, tuple(flops), tuple(floors), ops, fixed_ms, overhead)
 
 
-def target_parameters(target: Target, kind: str) -> tuple[float, float]:
-    """(ms per flop, overhead ms) of `kind` as the target file states them."""
+def target_parameters(target: Target, kind: str, overhead: str = "node") -> tuple[float, float]:
+    """(ms per flop, overhead ms) of `kind` as the target file states them (an absent overhead is 0)."""
+    _check_overhead(kind, overhead)
     dev = next(d for d in target.devices if d.kind == kind)
     field, key, scale = RATE_FIELD[kind]
     figure = getattr(dev, field)
     figure = figure[key] if key else figure
-    return 1e3 / (figure.value * scale), dev.kernel_overhead.value * 1e-3
+    over = getattr(dev, OVERHEADS[overhead][0])
+    return 1e3 / (figure.value * scale), over.value * 1e-3 if over is not None else 0.0
+
+
+def _check_overhead(kind: str, overhead: str) -> None:
+    if overhead not in OVERHEADS or kind not in OVERHEADS[overhead][1]:
+        raise ValueError(f"the {kind} device has no {overhead!r} overhead to fit (it has: "
+                         f"{', '.join(o for o, (_, kinds) in OVERHEADS.items() if kind in kinds)})")
 
 
 def fit_roofline(kind: str, observations: Sequence[Observation], *, max_rate: float,
@@ -125,6 +154,9 @@ def fit_roofline(kind: str, observations: Sequence[Observation], *, max_rate: fl
     if not 0 <= min_rate < max_rate or not 0 <= min_overhead_us <= max_overhead_us:
         raise ValueError(f"empty or negative bounds: rate [{min_rate}, {max_rate}] flop/s, "
                          f"overhead [{min_overhead_us}, {max_overhead_us}] us")
+    if len({o.overhead for o in observations}) > 1:
+        raise ValueError(f"the observations of {kind} free different overheads: "
+                         f"{', '.join(f'{o.name} ({o.overhead})' for o in observations)}")
     bad = [o.name for o in observations if not o.measured_ms > 0]
     if bad:
         raise ValueError(f"published figures must be positive: {', '.join(bad)}")
@@ -162,7 +194,7 @@ def fit_roofline(kind: str, observations: Sequence[Observation], *, max_rate: fl
     at = [name for name, v, b in (("rate = max_rate (efficiency 1)", x, x_lo), ("rate = min_rate", x, x_hi),
                                   ("overhead = min", ov, o_lo), ("overhead = max", ov, o_hi))
           if math.isfinite(b) and math.isclose(v, b, rel_tol=1e-12, abs_tol=0.0 if b else 1e-15)]
-    return Fit(kind, float(x), float(ov), residuals, tuple(at))
+    return Fit(kind, float(x), float(ov), residuals, tuple(at), observations[0].overhead)
 
 
 def _box_candidates(a: np.ndarray, n: np.ndarray, b: np.ndarray, xs: tuple[float, float],
@@ -198,11 +230,13 @@ def _clip(v: float, bounds: tuple[float, float]) -> float:
 
 
 def refit_target(target: Target, kind: str, fit: Fit, source: str) -> Target:
-    """`target` with `kind`'s rate field and kernel_overhead replaced by the fit, each naming
-    `source`. The rate field of today's schema is called a peak: the fitted value is an effective
-    rate, and its source says so."""
+    """`target` with `kind`'s rate field and the fitted overhead (`kernel_overhead` or `layer_overhead`)
+    replaced by the fit, each naming `source`. The rate field of today's schema is called a peak: the
+    fitted value is an effective rate, and its source says so."""
+    _check_overhead(kind, fit.overhead)
+    over = OVERHEADS[fit.overhead][0]
     if not fit.overhead_us > 0:
-        raise ValueError(f"the fit puts the per-op overhead of {kind} at 0 us ({', '.join(fit.at_bound)}): a target "
+        raise ValueError(f"the fit puts the {over} of {kind} at 0 us ({', '.join(fit.at_bound)}): a target "
                          "file's figures are > 0; fit with min_overhead_us > 0 or fix the model instead")
     field, key, scale = RATE_FIELD[kind]
     data = target.model_dump(mode="json")
@@ -212,6 +246,5 @@ def refit_target(target: Target, kind: str, fit: Fit, source: str) -> Target:
         rate = dev[field][key] if key else dev[field]
         rate["value"] = fit.rate / scale
         rate["source"] = source
-        dev["kernel_overhead"]["value"] = fit.overhead_us
-        dev["kernel_overhead"]["source"] = source
+        dev[over] = {"value": fit.overhead_us, "unit": "us", "source": source}
     return Target.model_validate(data)
