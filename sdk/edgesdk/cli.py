@@ -119,6 +119,7 @@ def build(
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
     no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
+    no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -134,7 +135,7 @@ def build(
                            input_values=_parse_values(input_value), batch=batch,
                            trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples,
                            max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
-                           legalize_rewrites=not no_rewrites, mode=mode,
+                           legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            seed=seed, until=until, start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)

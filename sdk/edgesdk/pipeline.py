@@ -68,6 +68,7 @@ class BuildOptions:
     allow_cpu_fallback: bool = False
     legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)
     mode: str = "latency"
+    inter_op: bool = True  # False: no inter-operator parallelism on the CPU (--no-inter-op, to compare)
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from
@@ -155,7 +156,9 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             opts = {name: options.value(name) for name in getattr(stage, "OPTIONS", ())}
             if hasattr(stage, "cache_inputs"):  # state outside the build dir the stage reads
                 opts["external"] = stage.cache_inputs(options, target)
-            key = value_sha256({"prev": key, "stage": phase.name, "target": target.digest(),
+            # a stage that never reads the target (import) keeps its cache when only the target changes
+            uses_target = getattr(stage, "USES_TARGET", True)
+            key = value_sha256({"prev": key, "stage": phase.name, "target": target.digest() if uses_target else None,
                                 "options": opts, "sdk": sdk})
             dest = build_dir / f"{i + 1}-{phase.name}"
             if i < force_from and _cache_hit(dest, key):

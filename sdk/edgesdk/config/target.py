@@ -54,6 +54,15 @@ class CpuDevice(_Strict):
     peak_gflops: dict[Literal["float32", "float32_grouped", "int8"], Figure]
     memory_bandwidth: Figure  # GB/s
     kernel_overhead: Figure  # us per kernel launch
+    # layer_overhead (optional): us that a convolution or matrix product pays on top of kernel_overhead
+    # (devices/cost.py, is_mac_layer); without it every node pays kernel_overhead alone
+    layer_overhead: Figure | None = None
+    # Inter-operator parallelism (optional; without step_dispatch the CPU runs one operator at a time):
+    # step_dispatch: us to hand a stage's groups to worker threads and collect them (the runtime's
+    # thread hand-off and its extra segment calls); parallel_efficiency: e in (0, 1], a kernel on p
+    # threads runs at (1 + e (p - 1)) times its one-thread speed (1: perfect scaling).
+    step_dispatch: Figure | None = None
+    parallel_efficiency: Figure | None = None
 
     @property
     def count(self) -> int:

@@ -1,8 +1,22 @@
-"""Execute a bundle's plan: segments in order, tensors handed from device to device."""
+"""Execute a bundle's plan: segments in order, tensors handed from device to device.
+
+Inter-operator parallelism: the manifest's `parallel_steps` name segments (groups of independent
+nodes, `scheduling/parallel.py`) that run at once, each on a worker thread; each gets the number of threads the plan gave it (`Segment.threads`). `run`
+executes them one after another instead when the model is opened with `parallel=False` (or with
+EDGESDK_SEQUENTIAL=1 in the environment): the same segments, for measuring what parallelism buys.
+
+CPU threads: TVM's runtime sizes its thread pool once per thread, by default to half the logical
+CPUs on x86 (it assumes hyper-threading), so on a 2-CPU host it runs one thread. The bundle sets
+TVM_NUM_THREADS to the target CPU's cores (at most this host's CPUs) unless the environment sets it,
+and, with parallel steps, TVM_BIND_THREADS=0: every pool pins its worker i to core i, so two pools
+would share cores while others idle.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -23,12 +37,14 @@ class BundleModel:
     """
 
     def __init__(self, bundle: Path, *, artifacts: dict[str, Path] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, parallel: bool | None = None):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
         self.log = log if log is not None else (lambda s: print(s, file=sys.stderr))
         self.notes: list[str] = []
         self.runners = []
+        self.parallel = (os.environ.get("EDGESDK_SEQUENTIAL", "") in ("", "0")) if parallel is None else parallel
+        _configure_threads(self.manifest)
         t0 = time.perf_counter()
         for seg in self.manifest.segments:
             if artifacts and seg.id in artifacts:  # a twin built for this host's CPU
@@ -40,7 +56,10 @@ class BundleModel:
                 self.log(f"runtime: {runner.note}")
             self.runners.append((seg, runner))
         self.load_seconds = time.perf_counter() - t0
-        self._lock = threading.Lock()
+        self.steps = _steps(self.manifest, self.runners)
+        width = max((len(step) for step in self.steps), default=1)
+        # the calling thread keeps its own thread count: parallel steps run on workers only
+        self._pool = concurrent.futures.ThreadPoolExecutor(width, "edgesdk-step") if width > 1 else None
 
     @property
     def inputs(self):
@@ -54,10 +73,21 @@ class BundleModel:
         """Outputs by name; `extra_outputs` may name any tensor that crosses a segment boundary."""
         self._check(feeds)
         env = {k: np.asarray(v) for k, v in feeds.items()}
-        for seg, runner in self.runners:
-            env.update(runner.run({t.name: env[t.name] for t in seg.inputs}))
+        for step in self.steps:
+            if len(step) == 1 or not self.parallel or self._pool is None:
+                for seg, runner in step:
+                    env.update(runner.run({t.name: env[t.name] for t in seg.inputs}))
+                continue
+            futures = [self._pool.submit(_call, runner, seg.threads, {t.name: env[t.name] for t in seg.inputs})
+                       for seg, runner in step]
+            for future in futures:
+                env.update(future.result())
         names = [o.name for o in self.manifest.outputs] + list(extra_outputs)
         return {n: env[n] for n in names}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def stream(self, frames: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
         for feeds in frames:
@@ -75,3 +105,39 @@ class BundleModel:
             if shape != tuple(spec.shape):
                 raise ValueError(f"input '{name}' has shape {shape}, the model takes {tuple(spec.shape)}")
 
+
+
+def _steps(manifest: Manifest, runners: list) -> list[list]:
+    """The segments grouped into steps in manifest order; a parallel step sits where its first
+    segment is (the plan puts a step's segments next to each other)."""
+    step_of = {sid: i for i, step in enumerate(manifest.parallel_steps) for sid in step}
+    steps: list[list] = []
+    placed: dict[int, list] = {}
+    for seg, runner in runners:
+        i = step_of.get(seg.id)
+        if i is None:
+            steps.append([(seg, runner)])
+        elif i in placed:
+            placed[i].append((seg, runner))
+        else:
+            placed[i] = [(seg, runner)]
+            steps.append(placed[i])
+    return steps
+
+
+_local = threading.local()
+
+
+def _call(runner, threads: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a segment on this thread with `threads` CPU threads (0: leave the thread as it is)."""
+    if threads and getattr(_local, "threads", None) != threads and hasattr(runner, "set_threads"):
+        runner.set_threads(threads)
+        _local.threads = threads
+    return runner.run(feeds)
+
+
+def _configure_threads(manifest: Manifest) -> None:
+    if manifest.cpu_threads:
+        os.environ.setdefault("TVM_NUM_THREADS", str(min(manifest.cpu_threads, os.cpu_count() or 1)))
+    if manifest.parallel_steps:
+        os.environ.setdefault("TVM_BIND_THREADS", "0")

@@ -53,6 +53,8 @@ class Segment:
     fallback_artifact: str | None = None
     nodes: int = 0
     predicted_ms: float = 0.0
+    # Worker threads for this segment when it runs in a parallel step (0: the runtime's default).
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class Manifest:
     segments: tuple[Segment, ...]
     pipeline_stages: tuple[tuple[str, ...], ...]  # segment ids per stage
     predicted: dict[str, float]
+    # Inter-operator parallelism: segment ids that may run at once, one tuple per step, steps in
+    # order; a segment in no step runs alone, in manifest order. Empty: every segment alone.
+    parallel_steps: tuple[tuple[str, ...], ...] = ()
+    # Threads each CPU backend uses (the target CPU's cores); 0: the backend's own default.
+    cpu_threads: int = 0
     toolchain: dict[str, str] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     edgetpu: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +129,7 @@ def segment_from_dict(d: dict[str, Any]) -> Segment:
         fallback_artifact=d.get("fallback_artifact"),
         nodes=int(d.get("nodes", 0)),
         predicted_ms=float(d.get("predicted_ms", 0.0)),
+        threads=int(d.get("threads", 0)),
     )
 
 
@@ -139,6 +147,8 @@ def manifest_from_dict(d: dict[str, Any]) -> Manifest:
         segments=tuple(segment_from_dict(s) for s in d["segments"]),
         pipeline_stages=tuple(tuple(s) for s in d["pipeline_stages"]),
         predicted=d.get("predicted", {}),
+        parallel_steps=tuple(tuple(s) for s in d.get("parallel_steps", ())),
+        cpu_threads=int(d.get("cpu_threads", 0)),
         toolchain=d.get("toolchain", {}),
         calibration=d.get("calibration", {}),
         edgetpu=d.get("edgetpu", {}),

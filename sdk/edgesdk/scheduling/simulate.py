@@ -59,12 +59,13 @@ def link_of(device: str) -> str:
     return f"{device}/link"
 
 
-def one_inference(problem: Problem, segments: Sequence) -> Timeline:
+def one_inference(problem: Problem, segments: Sequence, durations: dict[int, float] | None = None) -> Timeline:
     """One frame through the plan; `makespan_ms` is the latency of one inference."""
-    return stream(problem, segments, frames=1)
+    return stream(problem, segments, frames=1, durations=durations)
 
 
-def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float = 0.0) -> Timeline:
+def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float = 0.0,
+           durations: dict[int, float] | None = None) -> Timeline:
     """`frames` frames through the same plan, frame f's graph inputs on the host at f * interval_ms
     (0: all at once, a saturated source); consecutive frames overlap as far as the resources' fixed
     order allows. Throughput is measured on the last half of the frames, where the pipeline is full:
@@ -90,7 +91,8 @@ def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float
         on_host = {t: f * interval_ms for t, tensor in enumerate(problem.tensors) if tensor.producer is None}
         n_before = len(events)
         for s, ((i, j, d), (ins, outs)) in enumerate(zip(plan, io)):
-            compute_ms = problem.overhead_ms.get(d, 0.0) + sum(problem.node_ms(k, d) for k in range(i, j))
+            compute_ms = problem.overhead_ms.get(d, 0.0) + (
+                durations[s] if durations and s in durations else sum(problem.node_ms(k, d) for k in range(i, j)))
             if d == "cpu":
                 ready = max((on_host[t] for t in ins), default=0.0)
                 end = run(d, ready, compute_ms, segment=s, kind="compute", frame=f)

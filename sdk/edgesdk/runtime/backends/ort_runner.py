@@ -11,11 +11,15 @@ from ..manifest import Segment
 
 
 class OrtRunner:
-    def __init__(self, bundle: Path, segment: Segment):
+    def __init__(self, bundle: Path, segment: Segment, threads: int = 0):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+        # Idle intra-op threads spin by default, taking the cores from the next segment's backend.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
         self.outputs = [o.name for o in segment.outputs]
         self.note = ""
@@ -27,4 +31,4 @@ class OrtRunner:
 
 
 def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> OrtRunner:
-    return OrtRunner(bundle, segment)
+    return OrtRunner(bundle, segment, segment.threads)

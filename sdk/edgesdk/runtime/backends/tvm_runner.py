@@ -37,6 +37,13 @@ class TvmRunner:
         # The VM keeps per-call state (registers, its memory pool): one call at a time.
         self._lock = threading.Lock()
 
+    def set_threads(self, threads: int) -> None:
+        """Size the calling thread's TVM thread pool (TVM keeps one pool per thread; it never grows
+        beyond TVM_NUM_THREADS)."""
+        import tvm
+
+        tvm.get_global_func("runtime.config_threadpool")(1, threads)
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Outputs by ONNX name for `feeds` (ONNX names, shapes and dtypes of the segment)."""
         args = [self._tensor(_checked(feeds, spec, self._segment.id), device=self._device) for spec in self._inputs]

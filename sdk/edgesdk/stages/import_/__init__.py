@@ -25,6 +25,8 @@ from ...ir import model as irm
 from ...ir.digest import file_sha256, tree_sha256
 
 OPTIONS = ("input_shapes", "input_values", "batch")
+# import reads no target figure: its cache holds when only the target changes
+USES_TARGET = False
 
 # Every graph leaves import at this opset or newer: the passes and backends see one form of
 # Squeeze/Unsqueeze/Split/Softmax (opset 13 moved axes to inputs and changed Softmax's coercion).

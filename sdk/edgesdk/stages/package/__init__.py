@@ -97,7 +97,7 @@ def run(artifact: Path, ctx) -> dict:
                 unfinished.append(art)
         segments.append(mf.Segment(id=sid, device=dev, backend=seg["backend"], artifact=art, inputs=ins,
                                    outputs=outs, fallback_artifact=fallback, nodes=len(seg["nodes"]),
-                                   predicted_ms=seg["predicted_ms"]))
+                                   predicted_ms=seg["predicted_ms"], threads=seg.get("threads", 0)))
 
     edgetpu_info: dict = {}
     if any(s.backend == "tflite" for s in segments):
@@ -123,6 +123,8 @@ def run(artifact: Path, ctx) -> dict:
         target={"name": target.name, "sha256": target.digest(), "description": target.description},
         arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
         segments=tuple(segments), pipeline_stages=tuple(tuple(s) for s in plan["pipeline_stages"]),
+        parallel_steps=tuple(tuple(s) for s in plan.get("parallel_steps", ())),
+        cpu_threads=next(d.cores for d in target.devices if d.kind == "cpu"),
         predicted=plan["predicted"], toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
         tuning={"database_sha256": json.loads((tune_dir / "tune.json").read_text())["database_sha256"],
                 "segments": tuned},

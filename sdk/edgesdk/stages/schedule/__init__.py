@@ -15,6 +15,11 @@ bytes, each accelerator's link. Then:
 - `--mode throughput`: the pipelining DP (`scheduling.pipelining`) picks contiguous stages on distinct
   devices (CPU stages allowed) that minimize the slowest stage.
 
+- inter-operator parallelism (`--mode latency`, a CPU with more than one core and the target's
+  `step_dispatch` figure): each CPU run is re-scheduled by the IOS-style DP of `scheduling.parallel`
+  into stages whose independent groups run at once on worker threads; a stage of several groups
+  becomes one segment per group, listed in the plan's `parallel_steps`. `--no-inter-op` turns it off.
+
 The simulator (`scheduling.simulate`) plays the plan on the devices' queues and links (segments on
 different devices overlap where the graph allows) for the predicted latency and the stream's frames/s.
 The documented baselines (all on the CPU; Coral's default; Coral's parameter-count split over the
@@ -37,10 +42,10 @@ from ...devices.cost import (is_grouped, link_ms_per_byte, node_bytes, node_flop
                              tensor_bytes)
 from ...errors import UserError
 from ...ir import model as irm
-from ...scheduling import baselines, pipelining, placement, simulate
+from ...scheduling import baselines, parallel, pipelining, placement, simulate
 from ...scheduling.problem import Link, Problem, Tensor
 
-OPTIONS = ("mode",)
+OPTIONS = ("mode", "inter_op")
 STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
 ACCELERATOR_BACKEND = {"edgetpu": "tflite", "gpu": "tvm"}
 
@@ -50,6 +55,8 @@ class Run:
     device: str  # logical id
     backend: str
     nodes: list[int] = field(default_factory=list)
+    threads: int = 0            # a group of a parallel step: its worker's threads (0: not one)
+    predicted_ms: float = 0.0   # a group of a parallel step: its time on those threads
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -68,8 +75,12 @@ def run(artifact: Path, ctx) -> dict:
     except ValueError as e:  # a node no device can run: legalize refuses these first, so a bug here
         raise UserError("schedule.infeasible", str(e), "run `edgesdk check` to see which device can run what") from None
     scheduler_s = time.perf_counter() - t0
-    runs = _split_by_backend(chosen, cpu_backend)
+    placed = _split_by_backend(chosen, cpu_backend)
     decisions = _decisions(problem, chosen)
+    t1 = time.perf_counter()
+    runs, steps, inter_op = _parallelize(placed, problem, model, ctx.target, shapes, consts,
+                                         ctx.options.mode == "latency" and ctx.options.inter_op)
+    scheduler_s += time.perf_counter() - t1
 
     graph_inputs = [i.name for i in g.input if i.name not in consts]
     graph_outputs = [o.name for o in g.output]
@@ -98,21 +109,25 @@ def run(artifact: Path, ctx) -> dict:
         for node in seg.graph.node:
             irm.set_meta(node, irm.DEVICE_KEY, r.device)
         irm.save(seg, ctx.out / "segments" / f"{seg_id}.onnx")
-        ms = placement.segment_ms(problem, r.nodes[0], r.nodes[-1] + 1, r.device)
+        ms = (placement.segment_ms(problem, r.nodes[0], r.nodes[-1] + 1, r.device) if r.threads == 0 else
+              r.predicted_ms)
         segments.append({
             "id": seg_id, "device": r.device, "backend": r.backend, "artifact": f"segments/{seg_id}.onnx",
             "nodes": [irm.node_name(g.node[n], n) for n in r.nodes], "inputs": inputs, "outputs": outputs,
             "flops": sum(node_flops(g.node[n], shapes) for n in r.nodes), "param_bytes": irm.param_bytes(seg),
-            "predicted_ms": round(ms, 4),
+            "predicted_ms": round(ms, 4), **({"threads": r.threads} if r.threads else {}),
         })
     device_of = {n: r.device for r in runs for n in r.nodes}
     for node_i, node in enumerate(g.node):
         irm.set_meta(node, irm.DEVICE_KEY, device_of[node_i])
     irm.save(model, ctx.out / "model.onnx")
 
-    plan_segments = [(r.nodes[0], r.nodes[-1] + 1, r.device) for r in runs]
-    one = simulate.one_inference(problem, plan_segments)
-    flow = simulate.stream(problem, plan_segments, STREAM_FRAMES)
+    # the simulator sees the placement's runs; a CPU run scheduled for inter-operator parallelism takes
+    # its parallel plan's time
+    plan_segments = [(r.nodes[0], r.nodes[-1] + 1, r.device) for r in placed]
+    durations = {i: p.ms for i, p in inter_op.items()}
+    one = simulate.one_inference(problem, plan_segments, durations)
+    flow = simulate.stream(problem, plan_segments, STREAM_FRAMES, durations=durations)
     if ctx.options.mode == "throughput":
         # a stage is a device's contiguous range: its CPU backend pieces run as one stage
         ids = iter(s["id"] for s in segments)
@@ -125,6 +140,8 @@ def run(artifact: Path, ctx) -> dict:
         "inputs": graph_inputs, "outputs": graph_outputs, "probes": probes,
         "segments": segments,
         "pipeline_stages": stages,
+        "parallel_steps": steps,
+        "inter_op": _inter_op_summary(inter_op, placed, problem),
         "predicted": {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
                       "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
                           tuple(placement.Segment(*s) for s in plan_segments), 0.0)), 4)},
@@ -148,7 +165,11 @@ def run(artifact: Path, ctx) -> dict:
     for name, b in compared.items():
         ctx.log(f"schedule: baseline {name}: " + (f"{b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s"
                                                  if "error" not in b else f"not applicable ({b['error']})"))
-    ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s; report: {ctx.out.name}/schedule.html")
+    for r in plan["inter_op"].get("runs", ()):
+        ctx.log(f"schedule: inter-operator parallelism: {r['nodes']} cpu nodes in {r['stages']} stages, "
+                f"{r['parallel_stages']} of them concurrent groups: {r['sequential_ms']:.3f} -> "
+                f"{r['parallel_ms']:.3f} ms predicted")
+    ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s")
     return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
             "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions}
 
@@ -202,6 +223,88 @@ def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
             else:
                 runs.append(Run(device, backend, [n]))
     return runs
+
+
+def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, target, shapes, consts,
+                 enabled: bool) -> tuple[list[Run], list[list[str]], dict[int, parallel.ParallelPlan]]:
+    """Re-schedule each CPU run into stages of concurrent groups (`scheduling.parallel`).
+
+    Returns the runs (a parallel stage's groups become runs of their own, next to each other), the
+    parallel steps as segment ids, and the parallel plan per placed run that has one."""
+    cpu = next(d for d in target.devices if d.kind == "cpu")
+    dispatch = cpu.step_dispatch
+    if not enabled or cpu.cores < 2 or dispatch is None:
+        return placed, [], {}
+    g = model.graph
+    terms = [(node_flops(n, shapes), *node_bytes(n, shapes, consts), is_grouped(n)) for n in g.node]
+    out_bytes = [sum(tensor_bytes(shapes.get(t)) for t in n.output if t) for n in g.node]
+    producer = {t.name: t.producer for t in problem.tensors if t.producer is not None}
+
+    def cost(n: int, threads: int) -> float:
+        flops, params, acts, grouped = terms[n]
+        return cpu_thread_ms(target, threads, flops=flops, param_bytes=params, act_bytes=acts, grouped=grouped)
+
+    copy_ms_per_byte = 2e3 / (cpu.memory_bandwidth.value * 1e9)  # out of one segment, into the next
+    memory_ms = [1e3 * (params + acts) / (cpu.memory_bandwidth.value * 1e9) for _, params, acts, _ in terms]
+    runs: list[Run] = []
+    steps: list[list[str]] = []
+    plans: dict[int, parallel.ParallelPlan] = {}
+    for i, r in enumerate(placed):
+        if r.device != "cpu" or len(r.nodes) < 3:
+            runs.append(r)
+            continue
+        inside = set(r.nodes)
+        preds = {n: frozenset(producer[t] for t in g.node[n].input if producer.get(t) in inside) for n in r.nodes}
+        found = parallel.schedule(parallel.Run(tuple(r.nodes), preds,
+                                               {n: out_bytes[n] * copy_ms_per_byte for n in r.nodes},
+                                               {n: memory_ms[n] for n in r.nodes}),
+                                  cost, cpu.cores, dispatch_ms=dispatch.value * 1e-3)
+        if not any(st.parallel for st in found.stages) or found.ms >= found.sequential_ms:
+            runs.append(r)
+            continue
+        plans[i] = found
+        for st in found.stages:
+            if not st.parallel:
+                if runs and runs[-1].device == "cpu" and runs[-1].threads == 0 and runs[-1].backend == r.backend \
+                        and runs[-1].nodes and runs[-1].nodes[-1] in inside:
+                    runs[-1].nodes.extend(st.groups[0])
+                else:
+                    runs.append(Run("cpu", r.backend, list(st.groups[0])))
+                continue
+            steps.append([f"s{len(runs) + k}" for k in range(len(st.groups))])
+            for group, threads in zip(st.groups, st.threads):
+                runs.append(Run("cpu", r.backend, list(group), threads,
+                                sum(cost(n, threads) for n in group)))
+    return runs, steps, plans
+
+
+def cpu_thread_ms(target, threads: int, *, flops: float, param_bytes: int, act_bytes: int, grouped: bool) -> float:
+    """A node on `threads` of the CPU's P cores: `node_ms` (all P cores) with its compute term scaled
+    by (1 + e (P - 1)) / (1 + e (threads - 1)), e the CPU's `parallel_efficiency` (1 when absent:
+    perfect scaling). The memory term does not scale (the bandwidth is shared); the overheads stay."""
+    cpu = next(d for d in target.devices if d.kind == "cpu")
+    full = node_ms(target, "cpu", flops=flops, param_bytes=param_bytes, act_bytes=act_bytes, grouped=grouped)
+    if threads >= cpu.cores:
+        return full
+    e = cpu.parallel_efficiency.value if cpu.parallel_efficiency is not None else 1.0
+    peak = cpu.peak_gflops.get("float32_grouped") if grouped else None
+    compute = 1e3 * flops / ((peak or cpu.peak_gflops["float32"]).value * 1e9)
+    memory = 1e3 * (param_bytes + act_bytes) / (cpu.memory_bandwidth.value * 1e9)
+    scaled = compute * (1 + e * (cpu.cores - 1)) / (1 + e * (threads - 1))
+    return full - max(compute, memory) + max(scaled, memory)
+
+
+def _inter_op_summary(plans: dict[int, parallel.ParallelPlan], placed: list[Run], problem: Problem) -> dict:
+    if not plans:
+        return {}
+    return {"runs": [{"nodes": len(placed[i].nodes), "sequential_ms": round(p.sequential_ms, 4),
+                      "parallel_ms": round(p.ms, 4), "stages": len(p.stages),
+                      "parallel_stages": sum(st.parallel for st in p.stages), "blocks": p.blocks,
+                      "split_blocks": p.splits} for i, p in sorted(plans.items())],
+            "search": "sequences of stages inside blocks of at most 14 units of the run's topological order "
+                      "(cut where fewest edges cross), units being linear clusters or single nodes (both solved, "
+                      "the better kept); a stage's groups are its weakly connected components, at most one per "
+                      "core; optimal within that space (IOS-style DP)"}
 
 
 def _decisions(problem: Problem, segments) -> list[str]:
@@ -289,12 +392,30 @@ def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run
 <p>Cost model: {html.escape(plan['cost_model'])}.</p>
 <h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
 <tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
+{_inter_op_html(plan)}
 <h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
 {''.join(charts)}
 <h2>Placement</h2><table><tr><th>node</th><th>op</th><th>device</th><th>reason</th><th>predicted ms</th><th>bytes moved</th></tr>
 {''.join(rows)}</table>
 """
     path.write_text(page)
+
+
+def _inter_op_html(plan: dict) -> str:
+    runs = plan.get("inter_op", {}).get("runs", ())
+    if not runs:
+        return ""
+    by_id = {s["id"]: s for s in plan["segments"]}
+    def describe(sid: str) -> str:
+        seg = by_id[sid]
+        return f"{sid} ({len(seg['nodes'])} nodes, {seg['threads']} thread(s), {seg['predicted_ms']:.3f} ms)"
+
+    steps = "".join(f"<li>{', '.join(describe(i) for i in step)}</li>" for step in plan["parallel_steps"])
+    rows = "".join(f"<tr><td>{r['nodes']}</td><td>{r['stages']}</td><td>{r['parallel_stages']}</td>"
+                   f"<td>{r['sequential_ms']:.3f}</td><td>{r['parallel_ms']:.3f}</td></tr>" for r in runs)
+    return (f"<h2>Inter-operator parallelism</h2><p>Search: {html.escape(plan['inter_op']['search'])}.</p>"
+            "<table><tr><th>cpu nodes</th><th>stages</th><th>concurrent stages</th><th>one at a time ms</th>"
+            f"<th>with concurrent groups ms</th></tr>{rows}</table><p>Steps run at once:</p><ul>{steps}</ul>")
 
 
 def _logit_probes(model: onnx.ModelProto) -> dict[str, str]:
