@@ -42,7 +42,8 @@ RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on
 # what makes a rule that removes no op type worth running: the op it reshapes, or a rank refusal
 RANK = "<rank>"
-TRIGGERS = {"gemm-to-fully-connected": {"Gemm"}, "fold-rank-for-elementwise": {RANK}}
+TRIGGERS = {"gemm-to-fully-connected": {"Gemm"}, "gemm-computed-bias-to-add": {"Gemm"},
+            "fold-rank-for-elementwise": {RANK}}
 
 # refusals an approximation can cure: the op itself is missing (not a shape or type limit)
 APPROXIMABLE = frozenset({"edgetpu.unsupported-op", "edgetpu.no-lowering", "gpu.tvm-unsupported"})
