@@ -129,7 +129,7 @@ def host_target(fitted: dict, cores: int, dispatch: float, eff: dict) -> Path:
     cpu["step_dispatch"] = {"value": dispatch, "unit": "us",
                             "source": "measured by benchmarks/bench_parallel.py on this host"}
     cpu["parallel_efficiency"] = {
-        "value": eff["e"], "unit": "1",
+        "value": max(eff["e"], 0.01), "unit": "1",  # the field must be > 0: a kernel that does not scale
         "source": f"measured by benchmarks/bench_parallel.py on this host: TVM bundles of {', '.join(FIT)} "
                   f"at 1 and {cores} threads"}
     fitted["name"] = "x86_host"

@@ -100,3 +100,29 @@ def test_throughput_mode_pipelines_over_distinct_devices(tmp_path):
                                  legalize_rewrites=False))
     lat_plan = json.loads((tmp_path / "l/.build/3-schedule/plan.json").read_text())
     assert plan["predicted"]["throughput_fps"] >= lat_plan["predicted"]["throughput_fps"] - 1e-6
+
+
+def test_throughput_mode_is_never_slower_than_the_latency_plan_streamed(tmp_path):
+    # CPU-only ops (Pow) at both ends and in the middle: one contiguous stage per device would put the
+    # whole graph on the CPU; the latency plan, streamed, keeps the convolutions on the TPUs
+    rng = np.random.default_rng(2)
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    w = [numpy_helper.from_array(rng.normal(size=(32, 32, 3, 3)).astype(np.float32), f"w{i}") for i in range(4)]
+    nodes = [helper.make_node("Pow", ["x", "two"], ["p0"]),
+             helper.make_node("Conv", ["p0", "w0"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["a", "w1"], ["b"], pads=[1, 1, 1, 1]),
+             helper.make_node("Pow", ["b", "two"], ["p1"]),
+             helper.make_node("Conv", ["p1", "w2"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c", "w3"], ["d"], pads=[1, 1, 1, 1]),
+             helper.make_node("Pow", ["d", "two"], ["y"])]
+    path = _save(tmp_path, nodes, [two, *w], [1, 32, 64, 64], [1, 32, 64, 64])
+    plans = {}
+    for mode in ("latency", "throughput"):
+        build(BuildOptions(model=path, target="arm_2tpu", out=tmp_path / mode, until="schedule",
+                           legalize_rewrites=False, mode=mode))
+        plans[mode] = json.loads((tmp_path / mode / ".build/3-schedule/plan.json").read_text())
+    lat, thr = plans["latency"], plans["throughput"]
+    assert thr["predicted"]["throughput_fps"] >= lat["predicted"]["throughput_fps"]
+    assert any(s["device"].startswith("edgetpu") for s in thr["segments"])
+    assert thr["predicted"]["throughput_fps"] > thr["baselines"]["all on the cpu"]["throughput_fps"]
+    assert "streamed" in thr["search"]
