@@ -89,6 +89,22 @@ def test_runs_by_onnx_name(bundle):
     assert_close(runner.run(dict(reversed(list(feeds.items())))), reference(model, feeds))
 
 
+def test_native_outputs_pass_to_the_next_call_without_numpy(bundle):
+    import tvm
+
+    root, segment, model = bundle
+    runner = open_runner(root, segment, None)
+    feeds = feeds_for(2)
+    native = runner.run(feeds, native=True)
+    assert all(isinstance(v, tvm.runtime.Tensor) for v in native.values())
+    assert_close({k: v.numpy() for k, v in native.items()}, reference(model, feeds))
+    # a TVM tensor feed is used as it is; one of the wrong shape is refused like a numpy array would be
+    x = tvm.runtime.tensor(feeds["x"])
+    assert_close(runner.run({"x": x, "bias": feeds["bias"]}), reference(model, feeds))
+    with pytest.raises(ValueError, match="has shape"):
+        runner.run({"x": tvm.runtime.tensor(np.zeros((1, 3, 4, 4), np.float32)), "bias": feeds["bias"]})
+
+
 def test_concurrent_runs_stay_correct(bundle):
     root, segment, model = bundle
     runner = open_runner(root, segment, None)

@@ -95,9 +95,9 @@ def test_runtime_runs_the_groups_on_workers_and_matches_onnxruntime(branchy):
     step = set(bundle.manifest.parallel_steps[0])
     threads: dict[str, str] = {}
     for seg, runner in bundle.runners:
-        def spy(feeds, _run=runner.run, _id=seg.id):
+        def spy(feeds, _run=runner.run, _id=seg.id, **kw):
             threads[_id] = threading.current_thread().name
-            return _run(feeds)
+            return _run(feeds, **kw)
         runner.run = spy
     got = bundle.run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

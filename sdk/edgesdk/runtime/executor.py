@@ -81,14 +81,13 @@ class BundleModel:
         for step in self.steps:
             if len(step) == 1 or not self.parallel or self._pool is None:
                 for seg, runner in step:
-                    env.update(runner.run({t.name: env[t.name] for t in seg.inputs}))
+                    env.update(_call(runner, 0, _feeds(seg, runner, env)))
                 continue
-            futures = [self._pool.submit(_call, runner, seg.threads, {t.name: env[t.name] for t in seg.inputs})
-                       for seg, runner in step]
+            futures = [self._pool.submit(_call, runner, seg.threads, _feeds(seg, runner, env)) for seg, runner in step]
             for future in futures:
                 env.update(future.result())
         names = [o.name for o in self.manifest.outputs] + list(extra_outputs)
-        return {n: env[n] for n in names}
+        return {n: _host(env[n]) for n in names}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -133,12 +132,26 @@ def _steps(manifest: Manifest, runners: list) -> list[list]:
 _local = threading.local()
 
 
-def _call(runner, threads: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a segment on this thread with `threads` CPU threads (0: leave the thread as it is)."""
+def _call(runner, threads: int, feeds: dict) -> dict:
+    """Run a segment on this thread with `threads` CPU threads (0: leave the thread as it is). A TVM
+    runner's outputs stay TVM tensors (see `_feeds`)."""
     if threads and getattr(_local, "threads", None) != threads and hasattr(runner, "set_threads"):
         runner.set_threads(threads)
         _local.threads = threads
+    if getattr(runner, "native_tensors", False):
+        return runner.run(feeds, native=True)
     return runner.run(feeds)
+
+
+def _feeds(seg, runner, env: dict) -> dict:
+    """A segment's inputs: TVM tensors go to a TVM runner as they are, to any other runner as numpy."""
+    if getattr(runner, "native_tensors", False):
+        return {t.name: env[t.name] for t in seg.inputs}
+    return {t.name: _host(env[t.name]) for t in seg.inputs}
+
+
+def _host(value):
+    return value if isinstance(value, np.ndarray) else value.numpy()
 
 
 def _configure_threads(manifest: Manifest) -> None:

@@ -19,6 +19,9 @@ from ..manifest import Segment
 
 class Runner(Protocol):
     note: str  # a line for the user when the runner fell back (empty otherwise)
+    # Optional: `native_tensors = True` when `run(feeds, native=True)` takes and returns the backend's
+    # own tensors (TVM), which the executor passes from segment to segment without copies; and
+    # `set_threads(n)` to size the calling thread's pool for a parallel step.
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
