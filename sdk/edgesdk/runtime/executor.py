@@ -1,4 +1,5 @@
-"""Execute a bundle's plan: segments in order, tensors handed from device to device.
+"""Execute a bundle's plan: segments in order, tensors handed from device to device; `stream`
+pipelines frames over the devices (`streaming.py`).
 
 Inter-operator parallelism: the manifest's `parallel_steps` name segments (groups of independent
 nodes, `scheduling/parallel.py`) that run at once, each on a worker thread; each gets the number of threads the plan gave it (`Segment.threads`). `run`
@@ -93,9 +94,24 @@ class BundleModel:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def stream(self, frames: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
-        for feeds in frames:
-            yield self.run(feeds)
+    def stream(self, frames: Iterable[dict[str, np.ndarray]], *, depth: int | None = None
+               ) -> Iterator[dict[str, np.ndarray]]:
+        """Results of `frames`, in input order, pipelined over the devices (`streaming.py`): one worker
+        per device, at most `depth` frames in flight (default: one per device, plus one). An error in
+        any segment is raised here for its frame; closing the generator stops the workers."""
+        from .streaming import stream
+
+        devices = {seg.device for seg, _ in self.runners}
+        names = [o.name for o in self.manifest.outputs]
+
+        def checked():
+            for feeds in frames:
+                self._check(feeds)
+                yield feeds
+
+        return stream(self.runners, _feeds, lambda runner, feeds: _call(runner, 0, feeds),
+                      lambda env: {n: _host(env[n]) for n in names}, checked(),
+                      depth if depth is not None else len(devices) + 1)
 
     def _check(self, feeds: dict[str, np.ndarray]) -> None:
         want = {t.name: t for t in self.manifest.inputs}

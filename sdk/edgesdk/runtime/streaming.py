@@ -1,0 +1,116 @@
+"""A stream of frames through a bundle, pipelined: one worker thread per device, frames in flight at once.
+
+Each device (cpu, edgetpu:0, edgetpu:1, ...) gets a worker that runs that device's segments for the
+frames in flight. A segment of a frame is ready when the segments producing its inputs (on any device)
+for that frame are done; a worker runs its earliest ready task in the order (frame, manifest position).
+While edgetpu:1 works on frame f, edgetpu:0 can already run frame f+1, and a CPU holding the first and
+the last segment runs frame f+1's first while frame f's last waits for the TPUs: the throughput is that
+of the busiest device, as the schedule's simulator predicts, not the sum of all segments.
+
+No deadlock: a task depends only on tasks before it in that order, so the earliest unfinished task is
+ready, and its worker, when idle, takes it.
+
+Bounded: at most `depth` frames are in flight (fed and not yet yielded); the caller's iterator is
+read only as results are taken. Results come out in input order.
+
+Errors: a segment that raises marks its frame failed; the frame's other segments are skipped (they
+are ready at once, so no worker waits on them), and the error is raised to the caller when that
+frame's turn comes. Closing the generator (or an error) stops the workers and joins them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+@dataclass
+class _Frame:
+    index: int
+    env: dict
+    done: dict[str, threading.Event]          # segment id -> finished (or skipped)
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
+           frames: Iterable[dict[str, np.ndarray]], depth: int) -> Iterator[dict[str, np.ndarray]]:
+    """`runners`: (segment, runner) in manifest order. `feeds_of(segment, runner, env)` picks a segment's
+    inputs, `call(runner, feeds)` runs it, `outputs(env)` makes a frame's result."""
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, got {depth}")
+    producer = {t.name: seg.id for seg, _ in runners for t in seg.outputs}
+    waits = {seg.id: sorted({producer[t.name] for t in seg.inputs if t.name in producer}) for seg, _ in runners}
+    devices = list(dict.fromkeys(seg.device for seg, _ in runners))
+    pending: dict[str, list] = {d: [] for d in devices}   # (frame, segment, runner), in global order
+    cond = threading.Condition()
+    stopping = False
+
+    def ready(frame: _Frame, seg) -> bool:
+        return frame.error is not None or all(frame.done[sid].is_set() for sid in waits[seg.id])
+
+    def work(device: str) -> None:
+        while True:
+            with cond:
+                while True:
+                    if stopping:
+                        return
+                    task = next((t for t in pending[device] if ready(t[0], t[1])), None)
+                    if task is not None:
+                        pending[device].remove(task)
+                        break
+                    cond.wait()
+            frame, seg, runner = task
+            if frame.error is None:
+                try:
+                    with frame.lock:
+                        feeds = feeds_of(seg, runner, frame.env)
+                    result = call(runner, feeds)
+                    with frame.lock:
+                        frame.env.update(result)
+                except BaseException as e:  # noqa: BLE001 -- handed to the caller with its frame
+                    frame.error = frame.error or e
+            with cond:
+                frame.done[seg.id].set()
+                cond.notify_all()
+
+    workers = [threading.Thread(target=work, args=(d,), name=f"edgesdk-stream-{d}", daemon=True) for d in devices]
+    for w in workers:
+        w.start()
+    in_flight: list[_Frame] = []
+    try:
+        source = iter(frames)
+        index = 0
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < depth:
+                try:
+                    feeds = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                frame = _Frame(index, {k: np.asarray(v) for k, v in feeds.items()},
+                               {seg.id: threading.Event() for seg, _ in runners})
+                index += 1
+                in_flight.append(frame)
+                with cond:
+                    for seg, runner in runners:
+                        pending[seg.device].append((frame, seg, runner))
+                    cond.notify_all()
+            if not in_flight:
+                return
+            frame = in_flight.pop(0)
+            for event in frame.done.values():
+                event.wait()
+            if frame.error is not None:
+                raise frame.error
+            yield outputs(frame.env)
+    finally:
+        # stop: tasks not started are dropped, a running segment finishes, then the workers exit
+        with cond:
+            stopping = True
+            cond.notify_all()
+        for w in workers:
+            w.join()

@@ -1,0 +1,140 @@
+"""`BundleModel.stream`: frames pipelined over the devices, one worker per device.
+
+A hand-made bundle of four onnxruntime segments on three devices (cpu, edgetpu:0, edgetpu:1, cpu again;
+the device label decides the worker, the backend is onnxruntime so that it runs anywhere): results in
+input order and equal to `run`, devices working on different frames at once, at most `depth` frames in
+flight, an error reaching the caller with no thread left behind, and a clean early close. About 2 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from edgesdk.runtime import BundleModel
+from edgesdk.runtime import manifest as mf
+
+SHAPE = (1, 4)
+
+
+def _segment(root: Path, sid: str, device: str, op: str, inputs: list[str], output: str) -> mf.Segment:
+    consts = []
+    if op in ("Add", "Mul") and len(inputs) == 1:
+        consts = [helper.make_tensor(f"{sid}_c", TensorProto.FLOAT, [], [1.0 if op == "Add" else 2.0])]
+        inputs = [*inputs, f"{sid}_c"]
+    g = helper.make_graph([helper.make_node(op, inputs, [output])], sid,
+                          [helper.make_tensor_value_info(i, TensorProto.FLOAT, SHAPE) for i in inputs
+                           if not i.endswith("_c")],
+                          [helper.make_tensor_value_info(output, TensorProto.FLOAT, SHAPE)], consts)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    (root / "segments").mkdir(exist_ok=True)
+    onnx.save(m, str(root / "segments" / f"{sid}.onnx"))
+    spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
+    return mf.Segment(sid, device, "onnxruntime", f"segments/{sid}.onnx",
+                      tuple(spec(i) for i in inputs if not i.endswith("_c")), (spec(output),))
+
+
+@pytest.fixture()
+def bundle(tmp_path) -> Path:
+    """cpu: a = x + 1 -> edgetpu:0: b = a * 2 -> edgetpu:1: c = relu(b) -> cpu: y = c + x"""
+    segments = (_segment(tmp_path, "s0", "cpu", "Add", ["x"], "a"),
+                _segment(tmp_path, "s1", "edgetpu:0", "Mul", ["a"], "b"),
+                _segment(tmp_path, "s2", "edgetpu:1", "Relu", ["b"], "c"),
+                _segment(tmp_path, "s3", "cpu", "Add", ["c", "x"], "y"))
+    spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
+    manifest = mf.Manifest(schema_version=mf.SCHEMA_VERSION, sdk_version="test", min_runtime_version=mf.RUNTIME_VERSION,
+                           model={"name": "test"}, target={"name": "test"}, arch="x86_64", device_map={},
+                           inputs=(spec("x"),), outputs=(spec("y"),), segments=segments,
+                           pipeline_stages=tuple((s.id,) for s in segments), predicted={})
+    (tmp_path / "manifest.json").write_text(manifest.to_json())
+    return tmp_path
+
+
+def frames(n: int, log: list | None = None):
+    for i in range(n):
+        if log is not None:
+            log.append(i)
+        yield {"x": np.full(SHAPE, i - 3.5, np.float32)}
+
+
+def expected(i: int) -> np.ndarray:
+    x = np.full(SHAPE, i - 3.5, np.float32)
+    return np.maximum((x + 1) * 2, 0) + x
+
+
+def slowed(model: BundleModel, seconds: float, busy: dict, peak: list) -> None:
+    """Each segment sleeps while it runs; record how many run at once."""
+    lock = threading.Lock()
+    for seg, runner in model.runners:
+        def run(feeds, _run=runner.run, _id=seg.id):
+            with lock:
+                busy[_id] = True
+                peak[0] = max(peak[0], sum(busy.values()))
+            time.sleep(seconds)
+            try:
+                return _run(feeds)
+            finally:
+                with lock:
+                    busy[_id] = False
+        runner.run = run
+
+
+def stream_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("edgesdk-stream")]
+
+
+def test_results_in_order_equal_run_and_devices_overlap(bundle):
+    model = BundleModel(bundle, log=lambda s: None)
+    busy, peak = {}, [0]
+    slowed(model, 0.02, busy, peak)
+    got = list(model.stream(frames(8)))
+    assert len(got) == 8
+    for i, out in enumerate(got):
+        np.testing.assert_array_equal(out["y"], expected(i))
+        np.testing.assert_array_equal(out["y"], model.run({"x": np.full(SHAPE, i - 3.5, np.float32)})["y"])
+    assert peak[0] >= 2, "no two devices ever worked at once"
+    assert not stream_threads()
+
+
+def test_at_most_depth_frames_in_flight(bundle):
+    model = BundleModel(bundle, log=lambda s: None)
+    pulled: list[int] = []
+    for taken, _ in enumerate(model.stream(frames(10, pulled), depth=2)):
+        assert len(pulled) - taken <= 2
+    assert len(pulled) == 10
+
+
+def test_an_error_reaches_the_caller_and_nothing_hangs(bundle):
+    model = BundleModel(bundle, log=lambda s: None)
+    seg, runner = model.runners[1]
+
+    def fail_on_frame_5(feeds, _run=runner.run):
+        if feeds["a"][0, 0] == 5 - 3.5 + 1:
+            raise RuntimeError("segment s1 failed on frame 5")
+        return _run(feeds)
+
+    runner.run = fail_on_frame_5
+    got = []
+    with pytest.raises(RuntimeError, match="frame 5"):
+        for out in model.stream(frames(9)):
+            got.append(out)
+    assert len(got) == 5  # frames 0..4, in order, before the failing one
+    assert not stream_threads()
+
+
+def test_bad_input_and_early_close_stop_the_workers(bundle):
+    model = BundleModel(bundle, log=lambda s: None)
+    it = model.stream(frames(100))
+    next(it), next(it)
+    it.close()
+    assert not stream_threads()
+    with pytest.raises(ValueError, match="shape"):
+        list(model.stream([{"x": np.zeros((2, 2), np.float32)}]))
+    assert not stream_threads()
