@@ -2,11 +2,13 @@
 
 The int8 model is built by the real backend (`edgesdk.backends.tflite`) from a small inline
 ONNX graph whose outputs come back in NHWC (perm (0, 3, 1, 2)) and in 2-d. No Edge TPU or
-libedgetpu exists here, so the delegate path is exercised only as far as its failure.
+libedgetpu exists here: the delegate path is exercised through `FakeCoralDelegates`, a test double
+standing in for libedgetpu (named as such), which records what the runner asks Coral's library for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -89,6 +91,58 @@ def test_missing_edgetpu_falls_back_to_the_uncompiled_model(bundle):
     for name, value in runner.run({"x": x}).items():
         np.testing.assert_array_equal(value, reference[name])
     assert "runs its int8 model on the CPU" in open_runner(root, segment, None).note
+
+
+class FakeCoralDelegates:
+    """TEST DOUBLE for libedgetpu.so.1 (no Edge TPU here). It stands in for the interpreter module the
+    runner uses: `load_delegate` records the library and options it is asked for and returns a marker
+    (or raises as the real one does for an unplugged TPU); `Interpreter` is LiteRT's real interpreter,
+    which, given the marker, runs the uncompiled int8 model on the CPU in place of the TPU, so the
+    runner's own code (encode, signature call, decode) runs for real."""
+
+    def __init__(self, real, fallback: Path, unplugged: set[str] = frozenset()):
+        self.real, self.fallback, self.unplugged = real, fallback, unplugged
+        self.loaded: list[tuple[str, dict]] = []
+        self.opened: list[str] = []
+
+    def load_delegate(self, library: str, options: dict):
+        if options.get("device") in self.unplugged:
+            raise ValueError(f"Failed to load delegate from {library}")
+        self.loaded.append((library, dict(options)))
+        return ("fake-edgetpu-delegate", options["device"])
+
+    def Interpreter(self, model_path: str, experimental_delegates=None, num_threads=None):  # noqa: N802
+        self.opened.append(Path(model_path).name)
+        if experimental_delegates:
+            assert all(d[0] == "fake-edgetpu-delegate" for d in experimental_delegates)
+            model_path = str(self.fallback)  # the compiled model needs a TPU; the double runs the int8 one
+        return self.real.Interpreter(model_path=model_path, num_threads=num_threads)
+
+
+def test_compiled_segment_loads_coral_delegate_per_tpu(bundle, monkeypatch):
+    from edgesdk.runtime.backends import tflite_runner
+
+    root, result, model = bundle
+    shutil.copyfile(root / "segments" / "s1.tflite", root / "segments" / "s1_edgetpu.tflite")
+    double = FakeCoralDelegates(tflite_runner._interpreter_module(), root / "segments" / "s1.tflite",
+                                unplugged={"usb:1"})
+    monkeypatch.setattr(tflite_runner, "_interpreter_module", lambda: double)
+    monkeypatch.setattr(tflite_runner, "_libedgetpu_present", lambda: True)
+    compiled = _segment(result, artifact="segments/s1_edgetpu.tflite")
+    on_tpu = open_runner(root, compiled, "usb:0")
+    assert on_tpu.note == ""  # the delegate loaded: nothing to tell the user
+    assert double.loaded == [("libedgetpu.so.1", {"device": "usb:0"})]
+    assert double.opened == ["s1_edgetpu.tflite"]  # the compiled model goes to the delegate
+    x = np.random.default_rng(4).uniform(-1, 1, (1, 3, 8, 8)).astype(np.float32)
+    reference = open_runner(root, _segment(result), None).run({"x": x})
+    for name, value in on_tpu.run({"x": x}).items():
+        np.testing.assert_array_equal(value, reference[name])
+    # the second TPU is unplugged: the runner says so and runs the uncompiled int8 model on the CPU
+    missing = open_runner(root, dataclasses.replace(compiled, device="edgetpu:1"), "usb:1")
+    assert missing.note == "edgetpu:1 (usb:1) not found: segment s1 runs its int8 model on the CPU"
+    assert double.opened[-1] == "s1.tflite" and len(double.loaded) == 1
+    for name, value in missing.run({"x": x}).items():
+        np.testing.assert_array_equal(value, reference[name])
 
 
 def test_quantization_rounds_and_clips(bundle):
