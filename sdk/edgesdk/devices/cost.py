@@ -75,8 +75,12 @@ def segment_ms(target: Target, device_id: str, *, flops: float, param_bytes: int
 
 
 def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
-            streamed_fraction: float = 0.0, grouped: bool = False) -> float:
+            streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> float:
     """One node on one device kind: the roofline term plus the device's per-op overhead.
+
+    On a CPU, `threads` (default: all P cores) runs the node on fewer cores: the compute term scales
+    by (1 + e (P - 1)) / (1 + e (threads - 1)) with the CPU's `parallel_efficiency` e (1 when absent:
+    perfect scaling); the memory term does not (the bandwidth is shared), nor do the overheads.
 
     On a CPU with a `layer_overhead`, a convolution or matrix product (`is_mac_layer`) pays it on top
     of `kernel_overhead`: a fixed cost per layer (its kernel's setup, operand packing, the fork and
@@ -90,6 +94,9 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
     if isinstance(dev, CpuDevice):
         peak = dev.peak_gflops.get("float32_grouped") if grouped else None
         compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
+        if threads is not None and threads < dev.cores:
+            e = dev.parallel_efficiency.value if dev.parallel_efficiency is not None else 1.0
+            compute *= (1 + e * (dev.cores - 1)) / (1 + e * (threads - 1))
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
         overhead = dev.kernel_overhead.value
         if dev.layer_overhead is not None and is_mac_layer(flops, act_bytes):

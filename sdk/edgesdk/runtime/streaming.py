@@ -28,7 +28,6 @@ import numpy as np
 
 @dataclass
 class _Frame:
-    index: int
     env: dict
     done: dict[str, threading.Event]          # segment id -> finished (or skipped)
     error: BaseException | None = None
@@ -82,7 +81,6 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
     in_flight: list[_Frame] = []
     try:
         source = iter(frames)
-        index = 0
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < depth:
@@ -91,9 +89,8 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                 except StopIteration:
                     exhausted = True
                     break
-                frame = _Frame(index, {k: np.asarray(v) for k, v in feeds.items()},
+                frame = _Frame({k: np.asarray(v) for k, v in feeds.items()},
                                {seg.id: threading.Event() for seg, _ in runners})
-                index += 1
                 in_flight.append(frame)
                 with cond:
                     for seg, runner in runners:

@@ -73,10 +73,6 @@ class ParallelPlan:
     splits: int = 0                         # blocks split because they passed the budget
     evaluations: int = 0                    # stages costed
 
-    @property
-    def speedup(self) -> float:
-        return self.sequential_ms / self.ms if self.ms > 0 else 1.0
-
 
 @dataclass(frozen=True)
 class Run:

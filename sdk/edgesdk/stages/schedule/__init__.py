@@ -252,7 +252,8 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
 
     def cost(n: int, threads: int) -> float:
         flops, params, acts, grouped = terms[n]
-        return cpu_thread_ms(target, threads, flops=flops, param_bytes=params, act_bytes=acts, grouped=grouped)
+        return node_ms(target, "cpu", flops=flops, param_bytes=params, act_bytes=acts, grouped=grouped,
+                       threads=threads)
 
     copy_ms_per_byte = 2e3 / (cpu.memory_bandwidth.value * 1e9)  # out of one segment, into the next
     memory_ms = [1e3 * (params + acts) / (cpu.memory_bandwidth.value * 1e9) for _, params, acts, _ in terms]
@@ -286,22 +287,6 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
                 runs.append(Run("cpu", r.backend, list(group), threads,
                                 sum(cost(n, threads) for n in group)))
     return runs, steps, plans
-
-
-def cpu_thread_ms(target, threads: int, *, flops: float, param_bytes: int, act_bytes: int, grouped: bool) -> float:
-    """A node on `threads` of the CPU's P cores: `node_ms` (all P cores) with its compute term scaled
-    by (1 + e (P - 1)) / (1 + e (threads - 1)), e the CPU's `parallel_efficiency` (1 when absent:
-    perfect scaling). The memory term does not scale (the bandwidth is shared); the overheads stay."""
-    cpu = next(d for d in target.devices if d.kind == "cpu")
-    full = node_ms(target, "cpu", flops=flops, param_bytes=param_bytes, act_bytes=act_bytes, grouped=grouped)
-    if threads >= cpu.cores:
-        return full
-    e = cpu.parallel_efficiency.value if cpu.parallel_efficiency is not None else 1.0
-    peak = cpu.peak_gflops.get("float32_grouped") if grouped else None
-    compute = 1e3 * flops / ((peak or cpu.peak_gflops["float32"]).value * 1e9)
-    memory = 1e3 * (param_bytes + act_bytes) / (cpu.memory_bandwidth.value * 1e9)
-    scaled = compute * (1 + e * (cpu.cores - 1)) / (1 + e * (threads - 1))
-    return full - max(compute, memory) + max(scaled, memory)
 
 
 def _inter_op_summary(plans: dict[int, parallel.ParallelPlan], placed: list[Run], problem: Problem) -> dict:
