@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None,
-           calib: Path | None = None):
+           calib: Path | None = None, **more):
     from edgesdk.pipeline import BuildOptions, build
 
     shapes = {}
@@ -23,7 +23,7 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
     # one database per target: MetaSchedule keys records by workload alone
     tuning_db = tuning_db / target if tuning_db else None
     options = BuildOptions(model=model, target=target, out=out, input_shapes=shapes, tuning_db=tuning_db,
-                           calib=calib, calib_samples=16)
+                           calib=calib, calib_samples=16, **more)
     return build(options)
 
 
@@ -58,12 +58,15 @@ def x86_ppocr(tmp_path_factory, tuning_db):
 
 @pytest.fixture(scope="session")
 def text_calib(tmp_path_factory) -> Path:
-    """Calibration samples like the classifier's real inputs: text lines, upright and flipped."""
+    """Calibration images like the classifier's real inputs: PNGs of text lines, upright and flipped
+    (the build preprocesses them as PP-OCR does: model_zoo.PPOCR_CLS_PREPROCESS)."""
     import numpy as np
+    from PIL import Image
 
     d = tmp_path_factory.mktemp("calib-text")
-    np.save(d / "upright.npy", model_zoo.text_lines(8, seed=10)[:, 0])
-    np.save(d / "flipped.npy", model_zoo.text_lines(8, seed=11, flipped=True)[:, 0])
+    pixels = np.concatenate([model_zoo.text_line_pixels(8, seed=10), model_zoo.text_line_pixels(8, seed=11, flipped=True)])
+    for k, p in enumerate(pixels):
+        Image.fromarray(np.repeat(p[..., None], 3, axis=2)).save(d / f"line{k:02d}.png")
     return d
 
 
@@ -71,13 +74,20 @@ def text_calib(tmp_path_factory) -> Path:
 def arm_ppocr(tmp_path_factory, tuning_db, text_calib):
     out = tmp_path_factory.mktemp("arm-ppocr")
     return _build(out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db,
-                  calib=text_calib)
+                  calib=text_calib, calib_preprocess=model_zoo.PPOCR_CLS_PREPROCESS, calib_method="percentile")
 
 
 @pytest.fixture(scope="session")
 def gpu_ppocr(tmp_path_factory, tuning_db):
     out = tmp_path_factory.mktemp("gpu-ppocr")
     return _build(out, model_zoo.ppocr_cls(), "rtx3090", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+
+
+@pytest.fixture(scope="session")
+def arm_captioner(tmp_path_factory, tuning_db):
+    """DESIGN §8's DenseNet-LSTM captioner at CI sizes (model_zoo.captioner) for arm_2tpu."""
+    out = tmp_path_factory.mktemp("arm-captioner")
+    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db)
 
 
 @pytest.fixture(scope="session")

@@ -65,6 +65,37 @@ def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
     return path
 
 
+def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100) -> Path:
+    """DESIGN §8's DenseNet-LSTM captioner at sizes a CI run can afford: `frames` frames of
+    size x size x 3 -> DenseNet121 per frame (no top, average pool: 1,024 features) -> LSTM(units)
+    encoder -> LSTM(units) decoder over `steps` steps -> Dense over `words`. The architecture is
+    the benchmark's (benchmarks/bench_schedule.py builds 8 x 224 x 224, LSTM(512), 16 steps, 10,000
+    words); random weights, seed 0, BatchNorm statistics set as for MobileNetV2. A .keras file:
+    the build imports it through tf2onnx, whose LSTM Loops import unrolls."""
+    path = CACHE / f"captioner_{frames}x{size}_{units}_{steps}_{words}.keras"
+    if path.exists():
+        return path
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+    cnn = tf.keras.applications.DenseNet121(include_top=False, weights=None, pooling="avg", input_shape=(size, size, 3))
+    for layer in cnn.layers:
+        if isinstance(layer, tf.keras.layers.BatchNormalization):
+            layer.momentum = 0.0
+    cnn(tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1), training=True)
+    clip = tf.keras.Input((frames, size, size, 3), batch_size=1, name="frames")
+    features = layers.TimeDistributed(cnn)(clip)
+    _, h, c = layers.LSTM(units, return_state=True)(features)
+    decoded = layers.LSTM(units, return_sequences=True)(layers.RepeatVector(steps)(h), initial_state=[h, c])
+    model = tf.keras.Model(clip, layers.Dense(words)(decoded))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.keras")
+    model.save(tmp)
+    tmp.rename(path)
+    return path
+
+
 if __name__ == "__main__":
     print(mobilenet_v2())
     print(mobilenet_v2(96, 0.35))
@@ -85,13 +116,24 @@ _GLYPHS = {
 }
 
 
+PPOCR_CLS_PREPROCESS = "scale=1/255,mean=0.5,std=0.5"  # PP-OCR's own: (pixel / 255 - 0.5) / 0.5
+
+
 def text_lines(n: int, seed: int = 0, *, flipped: bool = False) -> "np.ndarray":
     """n images of a line of dark digits on a light background, preprocessed as PP-OCR's classifier
     expects: NCHW 1x3x48x192, (pixel / 255 - 0.5) / 0.5. `flipped` rotates them by 180 degrees."""
     import numpy as np
 
+    pixels = text_line_pixels(n, seed, flipped=flipped).astype(np.float32)
+    return np.repeat(((pixels / 255.0 - 0.5) / 0.5)[:, None, None], 3, axis=2)
+
+
+def text_line_pixels(n: int, seed: int = 0, *, flipped: bool = False) -> "np.ndarray":
+    """n grey 48x192 uint8 images of a line of dark digits on a light background."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
-    out = np.empty((n, 1, 3, 48, 192), np.float32)
+    out = np.empty((n, 48, 192), np.uint8)
     for k in range(n):
         img = np.full((48, 192), rng.uniform(200, 250), np.float32)
         scale = int(rng.integers(4, 6))
@@ -106,6 +148,5 @@ def text_lines(n: int, seed: int = 0, *, flipped: bool = False) -> "np.ndarray":
         img += rng.normal(0, 6, img.shape)
         if flipped:
             img = img[::-1, ::-1]
-        img = np.clip(img, 0, 255)
-        out[k, 0] = ((img / 255.0 - 0.5) / 0.5)[None]
+        out[k] = np.round(np.clip(img, 0, 255))
     return out

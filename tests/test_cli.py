@@ -94,6 +94,24 @@ def test_bad_invocations_exit_2(tmp_path):
     assert_user_facing(proc, 2, "--until deploy: no such stage")
     proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--input-shape", "x=1x3xbig")
     assert_user_facing(proc, 2, "--input-shape x=1x3xbig")
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--calib-method", "kl")
+    assert_user_facing(proc, 2, "--calib-method kl: expected minmax or percentile")
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--calib-percentile", "20")
+    assert_user_facing(proc, 2, "--calib-percentile 20.0: outside (50, 100]")
+
+
+def test_bad_calibration_images_are_a_user_error(tmp_path):
+    """A --calib directory of images with a preprocessing that does not fit: exit 1, named, nothing left."""
+    from PIL import Image
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    Image.new("RGB", (192, 48), (200, 200, 200)).save(calib / "a.png")
+    out = tmp_path / "o"
+    proc = edgesdk("build", str(PPOCR_CLS), "--input-shape", "x=1x3x48x192", "--target", "arm_2tpu", "-o", str(out),
+                   "--calib", str(calib), "--calib-preprocess", "mean=0.5:0.5")
+    assert_user_facing(proc, 1, "mean has 2 values, the input has 3 channel(s)")
+    assert not (out / "bundle").exists()
 
 
 def test_custom_ops_are_listed_together(tmp_path):

@@ -113,8 +113,11 @@ def build(
     batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
     trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials per TVM segment; 0 uses only the tuning database."),
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy (or .npz) calibration samples for int8."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of calibration samples for int8: .npy / .npz files, or images (PNG, JPEG, BMP)."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
+    calib_method: str = typer.Option("minmax", "--calib-method", help="How int8 activation ranges are chosen: minmax or percentile."),
+    calib_percentile: float = typer.Option(99.99, "--calib-percentile", help="With --calib-method percentile: the percentile kept in each tail, in (50, 100]."),
+    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs: KEY=VALUE,... of color (RGB, BGR, GRAY), scale (1/255), mean, std (per channel joined by ':'), layout (NCHW, NHWC); input = (pixel * scale - mean) / std."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each ReLU-sum approximation's error [default: the target's legalize.max_abs_error]."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
     no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
@@ -129,12 +132,19 @@ def build(
     """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
     if mode not in ("latency", "throughput"):
         raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
+    if calib_method not in ("minmax", "percentile"):
+        raise UsageError("cli.bad-calib-method", f"--calib-method {calib_method}: expected minmax or percentile",
+                         "minmax: the range of the values seen; percentile: clip rare outliers")
+    if not 50.0 < calib_percentile <= 100.0:
+        raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {calib_percentile}: outside (50, 100]",
+                         "99.99 keeps all but one value in 10,000 per tail")
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch,
                            trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples,
-                           max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
+                           calib_method=calib_method, calib_percentile=calib_percentile,
+                           calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            seed=seed, until=until, start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
@@ -184,8 +194,9 @@ def check(
     input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
     input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 (repeatable)."),
     batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy (or .npz) samples: the ranges approximations are fitted on."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy / .npz samples or images: the ranges approximations are fitted on."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
+    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs (see edgesdk build --help)."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each approximation's error [default: the target's]."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic calibration samples."),
@@ -198,8 +209,8 @@ def check(
 
     options = BuildOptions(model=model, target=target, out=Path("."), input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch, calib=calib,
-                           calib_samples=calib_samples, max_abs_error=max_abs_error or None,
-                           allow_cpu_fallback=allow_cpu_fallback, seed=seed)
+                           calib_samples=calib_samples, calib_preprocess=calib_preprocess,
+                           max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback, seed=seed)
     report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))
     if as_json:
         print(json.dumps(report, indent=2, default=float))
@@ -316,7 +327,7 @@ def verify(
     if as_json:
         print(json.dumps({"bundle": str(report.bundle), "hashes_ok": report.hashes_ok, "files": report.files,
                           "selftest": report.selftest, "detail": report.detail, "outputs": report.outputs,
-                          "segments": report.segments, "notes": report.notes}, indent=2))
+                          "segments": report.segments, "stream": report.stream, "notes": report.notes}, indent=2))
     else:
         print(f"hashes: ok ({report.files} files match the manifest)")
         for n in report.notes:
@@ -328,6 +339,10 @@ def verify(
         for o in report.outputs:
             print(f"  {'ok' if o['passed'] else 'FAIL'} {o['output']}: max abs error {o['max_abs_error']:.3g} "
                   f"(tolerance {o['tolerance']:.3g}, {o['rule']})")
+        if s := report.stream:
+            print(f"  {'ok' if s['passed'] else 'FAIL'} pipelined stream: {s['frames']} frames equal run() frame by "
+                  f"frame" + (f" except frames {s['mismatched_frames']}" if s["mismatched_frames"] else "")
+                  + f" ({s['stream_seconds']:.3f} s streamed, {s['sequential_seconds']:.3f} s one after another)")
         if report.selftest == "not-run":
             print(f"self-test: {report.detail}")
         else:

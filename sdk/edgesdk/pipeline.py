@@ -64,6 +64,9 @@ class BuildOptions:
     tuning_db: Path | None = None
     calib: Path | None = None
     calib_samples: int = 32
+    calib_method: str = "minmax"  # or "percentile": how int8 activation ranges are chosen
+    calib_percentile: float = 99.99
+    calib_preprocess: str | None = None  # how --calib images become inputs (ir/calibration.py)
     max_abs_error: float | None = None  # legalize's approximation bound; None: the target's
     allow_cpu_fallback: bool = False
     legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)

@@ -35,6 +35,8 @@ class VerifyReport:
     outputs: list[dict] = field(default_factory=list)
     segments: list[dict] = field(default_factory=list)  # each segment on its own golden inputs
     notes: list[str] = field(default_factory=list)
+    stream: dict = field(default_factory=dict)  # the pipelined stream's frames against run()
+    load_seconds: float | None = None  # the runtime's load of every segment, on the device
 
 
 def open_bundle(path: Path, workdir: Path | None = None) -> Path:
@@ -109,6 +111,8 @@ def verify(path: Path, *, run_selftest: bool = True) -> VerifyReport:
     report.outputs = result["outputs"]
     report.segments = result.get("segments", [])
     report.notes = result.get("notes", [])
+    report.stream = result.get("stream", {})
+    report.load_seconds = result.get("load_seconds")
     report.detail += f"on {result['arch']}"
     return report
 

@@ -277,6 +277,9 @@ def test_edgetpu_limits_say_why():
     assert reason(N("Conv", ["x", "w"], ["y"], dilations=[2, 2]), shapes, {"w"}) is None
     refused(N("Conv", ["x", "w"], ["y"], dilations=[1, 2]), shapes, {"w"}, "edgetpu.dilation", "same dilation")
     refused(N("Relu", ["big"], ["y"]), shapes, set(), "edgetpu.rank", "more than 3 dimensions")
+    # a recurrent cell stays on the CPU with its own reason, not "not an edge tpu operation"
+    refused(N("LSTM", ["s", "w", "w"], ["y"], hidden_size=4), shapes, {"w"}, "edgetpu.recurrent", "cannot quantize")
+    refused(N("Loop", ["", ""], ["y"]), shapes, set(), "edgetpu.recurrent", "stays on the cpu")
     refused(N("Relu", ["dyn"], ["y"]), shapes, set(), "edgetpu.dynamic-shape", "static shape")
     refused(N("Div", ["x", "d"], ["y"]), shapes, set(), "edgetpu.tensor-divisor", "division by a tensor")
     assert reason(N("Div", ["x", "w"], ["y"]), shapes, {"w"}) is None
@@ -472,3 +475,73 @@ def test_no_activation_is_fused_into_a_concatenation(tmp_path):
     ops = _fused_activations(tmp_path / "c.tflite")
     assert ("CONCATENATION", 0) in ops
     assert all(act == 0 for op, act in ops if op == "CONCATENATION"), ops
+
+
+# --- calibration methods ------------------------------------------------------------------------
+
+
+def _quant_and_buffers(path: Path) -> tuple[list, list[bytes]]:
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(path.read_bytes(), 0))
+    quant = [None if t.quantization is None or t.quantization.scale is None else
+             (list(t.quantization.scale), list(t.quantization.zeroPoint)) for t in model.subgraphs[0].tensors]
+    buffers = [bytes(b.data) if b.data is not None else b"" for b in model.buffers]
+    return quant, buffers
+
+
+def test_minmax_is_the_converters_own_one_step_conversion(tmp_path):
+    """convert_int8 calibrates and quantizes in two steps (so that percentile can narrow ranges in
+    between); with min-max the quantization parameters and every weight buffer equal the
+    converter's one-step full-int8 conversion of the same lowering."""
+    model = onnx.load(str(model_zoo.mobilenet_v2(96, 0.35)))
+    rng = np.random.default_rng(0)
+    calibration = [{"input": rng.uniform(-1, 1, (1, 96, 96, 3)).astype(np.float32)} for _ in range(8)]
+    result = tflite.convert_int8(model, calibration, tmp_path / "two.tflite")
+    assert result.ranges == {"method": "minmax"}
+    lowered = tflite._lower(model)
+    (tmp_path / "one.tflite").write_bytes(
+        tflite._convert(lowered, [tflite._to_tf_layout(lowered, f) for f in calibration]))
+    q2, b2 = _quant_and_buffers(tmp_path / "two.tflite")
+    q1, b1 = _quant_and_buffers(tmp_path / "one.tflite")
+    assert q1 == q2 and sum(1 for q in q1 if q) > 60
+    weights = [b for b in b1 if len(b) > 256]  # the converter's metadata buffers differ in order only
+    assert weights and all(b in b2 for b in weights)
+
+
+def test_percentile_clips_a_rare_outlier_that_min_max_lets_widen_every_step(ppocr_int8, tmp_path):
+    """The pretrained PP-OCR classifier calibrated on 16 text lines, one of which has a burst of
+    saturated pixels (240 values of 12 after preprocessing, where text lines lie in [-1, 1]: 0.05 %
+    of the values seen). Min-max lets that one sample set the input's quantization step; the 99.9th
+    percentile does not, and the
+    int8 logits on 16 clean held-out lines are closer to onnxruntime's fp32 ones."""
+    model = _logits(_ppocr_cls_static())
+    rng = np.random.default_rng(7)
+    calibration = [{"x": text_line(rng)} for _ in range(16)]
+    calibration[3]["x"][0, :, 10:14, 40:60] = 12.0
+    minmax = tflite.convert_int8(model, calibration, tmp_path / "minmax.tflite")
+    pct = tflite.convert_int8(model, calibration, tmp_path / "pct.tflite", method="percentile", percentile=99.9)
+    assert pct.ranges["method"] == "percentile" and pct.ranges["narrowed"] > 0
+    assert 0 < pct.ranges["median_range_kept"] <= 1
+    assert minmax.inputs[0].quant.scale > 4 * pct.inputs[0].quant.scale  # 13 / 255 against about 2 / 255
+    held_out = np.random.default_rng(8)
+    feeds = [{"x": text_line(held_out)} for _ in range(16)]
+    name = model.graph.output[0].name
+    want = np.concatenate([run_ort(model, f)[name] for f in feeds])
+    err = {}
+    for label, result in (("minmax", minmax), ("percentile", pct)):
+        got = np.concatenate([run_tflite(tmp_path / f"{'pct' if label == 'percentile' else label}.tflite", result, f)[name]
+                              for f in feeds])
+        err[label] = 1 - _cosine(got, want)
+    assert err["percentile"] < err["minmax"], err
+
+
+def test_calibration_method_and_percentile_are_checked(tmp_path):
+    model = make_model([N("Relu", ["x"], ["y"])], X4, ["y"])
+    feeds = [random_feeds(model)]
+    with pytest.raises(UserError) as err:
+        tflite.convert_int8(model, feeds, tmp_path / "m.tflite", method="entropy")
+    assert err.value.code == "compress.calib-method" and "minmax, percentile" in err.value.hint
+    with pytest.raises(UserError) as err:
+        tflite.convert_int8(model, feeds, tmp_path / "m.tflite", method="percentile", percentile=30)
+    assert err.value.code == "compress.calib-percentile"

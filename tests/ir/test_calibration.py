@@ -1,4 +1,5 @@
-"""--calib DIR: the accepted layouts of samples, and clear errors for the rest."""
+"""--calib DIR: the accepted layouts of samples, images with their stated preprocessing, and clear
+errors for the rest."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 
 from edgesdk.errors import UserError
-from edgesdk.ir.calibration import load_calibration
+from edgesdk.ir.calibration import load_calibration, parse_preprocess
 
 INPUTS = [{"name": "x", "shape": [1, 3, 4, 4], "dtype": "float32"}]
 
 
-def _opts(calib, n=100, seed=0):
-    return SimpleNamespace(calib=calib, calib_samples=n, seed=seed)
+def _opts(calib, n=100, seed=0, preprocess=None):
+    return SimpleNamespace(calib=calib, calib_samples=n, seed=seed, calib_preprocess=preprocess)
 
 
 def test_synthetic_is_seeded_and_said(tmp_path):
@@ -43,7 +44,7 @@ def test_errors_name_the_file_and_what_is_expected(tmp_path):
         load_calibration(_opts(tmp_path / "nope"), INPUTS)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(UserError, match="no .npy or .npz files"):
+    with pytest.raises(UserError, match="no images, .npy or .npz files"):
         load_calibration(_opts(empty), INPUTS)
 
 
@@ -55,3 +56,73 @@ def test_npz_for_several_inputs(tmp_path):
     np.savez(tmp_path / "t.npz", x=np.zeros((1, 3, 4, 4)))
     with pytest.raises(UserError, match="t.npz: no array for input 'm'"):
         load_calibration(_opts(tmp_path), inputs)
+
+
+# --- images ----------------------------------------------------------------------------------------
+
+
+def _save_png(path, pixels: np.ndarray) -> None:
+    from PIL import Image
+
+    Image.fromarray(pixels).save(path)
+
+
+def test_images_become_inputs_as_the_preprocessing_states(tmp_path):
+    """Three RGB PNGs for an NCHW input, preprocessed as PP-OCR's models are: the loader's arrays
+    equal the formula computed here with numpy from the same pixels (float32 rounding: 1e-6)."""
+    rng = np.random.default_rng(3)
+    pixels = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(3)]
+    for k, p in enumerate(pixels):
+        _save_png(tmp_path / f"{k}.png", p)
+    inputs = [{"name": "x", "shape": [1, 3, 48, 64], "dtype": "float32"}]
+    feeds, info = load_calibration(_opts(tmp_path, preprocess="scale=1/255,mean=0.5,std=0.5"), inputs)
+    assert len(feeds) == 3 and info["images"] is True
+    assert info["preprocess"] == "color=RGB,scale=0.00392157,mean=0.5,std=0.5,layout=NCHW"
+    for f, p in zip(feeds, pixels):
+        want = ((p.astype(np.float64) / 255 - 0.5) / 0.5).transpose(2, 0, 1)[None]
+        assert f["x"].shape == (1, 3, 48, 64) and f["x"].dtype == np.float32
+        np.testing.assert_allclose(f["x"], want, atol=1e-6)
+
+
+def test_bgr_per_channel_mean_std_nhwc_and_resize(tmp_path):
+    pixel = np.array([10, 128, 250], np.uint8)
+    _save_png(tmp_path / "a.png", np.tile(pixel, (20, 30, 1)))  # a flat image: resizing keeps it flat
+    inputs = [{"name": "img", "shape": [1, 8, 12, 3], "dtype": "float32"}]
+    spec = "color=BGR,scale=1,mean=100:110:120,std=2:4:8"
+    feeds, info = load_calibration(_opts(tmp_path, preprocess=spec), inputs)
+    assert info["preprocess"].endswith("layout=NHWC")
+    want = (pixel[::-1].astype(np.float64) - [100, 110, 120]) / [2, 4, 8]
+    assert feeds[0]["img"].shape == (1, 8, 12, 3)
+    np.testing.assert_allclose(feeds[0]["img"], np.broadcast_to(want, (1, 8, 12, 3)), atol=1e-5)
+
+
+def test_grayscale_input_takes_images_as_gray(tmp_path):
+    _save_png(tmp_path / "a.png", np.full((4, 4, 3), 51, np.uint8))
+    feeds, _ = load_calibration(_opts(tmp_path), [{"name": "g", "shape": [1, 1, 4, 4], "dtype": "float32"}])
+    np.testing.assert_allclose(feeds[0]["g"], np.full((1, 1, 4, 4), 0.2), atol=1e-6)  # 51 / 255
+
+
+@pytest.mark.parametrize("spec, code, words", [
+    ("scale=1/255,gamma=2", "compress.preprocess-syntax", "gamma=2"),
+    ("mean=0.5:0.5", "compress.preprocess-channels", "mean has 2 values"),
+    ("layout=NWHC", "compress.preprocess-layout", "layout=NWHC"),
+    ("color=GRAY", "compress.preprocess-color", "3 channel(s)"),
+    ("std=0", "compress.preprocess-value", "zero"),
+    ("scale=1/x", "compress.preprocess-value", "not a number"),
+])
+def test_bad_preprocessing_is_named(spec, code, words):
+    with pytest.raises(UserError) as err:
+        parse_preprocess(spec, (1, 3, 48, 64))
+    assert err.value.code == code and words in err.value.message
+
+
+def test_images_and_numpy_do_not_mix_and_bad_images_are_named(tmp_path):
+    _save_png(tmp_path / "a.png", np.zeros((4, 4, 3), np.uint8))
+    np.save(tmp_path / "b.npy", np.zeros((1, 3, 4, 4)))
+    with pytest.raises(UserError) as err:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert err.value.code == "compress.calib-mixed"
+    (tmp_path / "b.npy").unlink()
+    (tmp_path / "c.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(UserError, match="c.jpg: not a readable image"):
+        load_calibration(_opts(tmp_path), INPUTS)

@@ -153,3 +153,17 @@ def test_build_prints_what_legalize_did(tmp_path):
     assert "rewrites: leaky-relu-to-max x1" in r.stderr
     assert "2 function(s) approximated by sums of ReLUs (bound 0.01)" in r.stderr
     assert "outputs move by at most" in r.stderr
+
+
+def test_a_recurrent_cell_stays_on_the_cpu_and_says_why():
+    """silero-vad (pretrained, from its wheel) carries an exported ONNX LSTM: for arm_2tpu it is
+    refused by the Edge TPU as recurrent (full int8 cannot quantize it) and runs on the CPU."""
+    from edgesdk.pipeline import BuildOptions, check
+    from tests.model_zoo import SILERO_VAD
+
+    report = check(BuildOptions(model=SILERO_VAD, target="arm_2tpu", out=Path("."), allow_cpu_fallback=True,
+                                input_shapes={"input": (1, 512), "state": (2, 1, 128)}, input_values={"sr": (16000.0,)}))
+    lstm = [n for n in report["nodes"] if n["op"] == "LSTM"]
+    assert len(lstm) == 1 and lstm[0]["devices"] == ["cpu/onnxruntime"], lstm
+    refusal = next(r for r in lstm[0]["refusals"] if r["device"] == "edgetpu")
+    assert refusal["code"] == "edgetpu.recurrent" and "cannot quantize a recurrent cell" in refusal["reason"]

@@ -30,6 +30,8 @@ import os
 import re
 import sys
 import tempfile
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -50,6 +52,11 @@ class TfliteResult:
     inputs: tuple[TensorSpec, ...]  # ONNX order; key = signature key; perm; quant for int8
     outputs: tuple[TensorSpec, ...]
     op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
+    ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
+
+
+CALIBRATION_METHODS = ("minmax", "percentile")
+_HISTOGRAM_BINS = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,17 +82,32 @@ def lowering_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -
     return lowering.check(node, shapes, constants)
 
 
-def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path) -> TfliteResult:
+def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
+                 method: str = "minmax", percentile: float = 99.99) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
+
+    `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
+    converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
+    percentiles of the values seen (from a 2,048-bin histogram over the min-max range, rounded
+    outwards to a bin edge), so that rare outliers do not widen the quantization step of
+    everything else. Weights are per-channel in both.
     Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
+    if method not in CALIBRATION_METHODS:
+        raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
+                        f"choose one of {', '.join(CALIBRATION_METHODS)}")
+    if not 50.0 < percentile <= 100.0:
+        raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
+                        "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
     lowered = _lower(model)
     samples = [_to_tf_layout(lowered, feed) for feed in calibration]
     if not samples:
         raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
                         "give calibration inputs (--calibration DIR) or let the build use random ones")
-    return _finish(lowered, _convert(lowered, samples), Path(out_path))
+    model_bytes, ranges = _convert_int8(lowered, samples, method, percentile)
+    result = _finish(lowered, model_bytes, Path(out_path))
+    return dataclasses.replace(result, ranges=ranges)
 
 
 def convert_float(model: onnx.ModelProto, out_path: Path) -> TfliteResult:
@@ -1132,9 +1154,7 @@ def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.nda
     return sample
 
 
-def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
-    import warnings
-
+def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any:
     import tensorflow as tf
 
     # the converter's calibrator builds a tf.lite.Interpreter internally and TF warns about its
@@ -1151,12 +1171,89 @@ def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         converter.inference_input_type = tf.int8
         converter.inference_output_type = tf.int8
+    return converter
+
+
+def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
+    """The converter in one step: float when `samples` is None, else full int8 (min-max ranges)."""
+    converter = _converter(lowered, samples)
     with _native_stderr_captured() as captured:
         try:
             return converter.convert()
         except Exception:
             sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
             raise
+
+
+def _convert_int8(lowered: _Lowered, samples: list[list[np.ndarray]], method: str,
+                  percentile: float) -> tuple[bytes, dict[str, Any]]:
+    """Full int8 in two steps, the converter's own: calibrate (a float model whose activation
+    tensors carry the min and max seen), then quantize from those ranges. Between the two the
+    percentile method narrows each range; with "minmax" the result is the converter's one-step
+    conversion (tested)."""
+    import tensorflow as tf
+    from tensorflow.lite.python import lite
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    converter = _converter(lowered, samples)
+    converter._experimental_calibrate_only = True  # pylint: disable=protected-access
+    with _native_stderr_captured() as captured:
+        try:
+            calibrated = converter.convert()
+            ranges: dict[str, Any] = {"method": method}
+            if method == "percentile":
+                graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+                ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
+                calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
+            # the converter's own second step, with the arguments its one-step path passes
+            quantized = lite._mlir_quantize(  # pylint: disable=protected-access
+                calibrated, converter._experimental_disable_per_channel,  # pylint: disable=protected-access
+                input_data_type=tf.int8, output_data_type=tf.int8)
+            return lite._deduplicate_readonly_buffers(quantized), ranges  # pylint: disable=protected-access
+        except Exception:
+            sys.stderr.write(captured())
+            raise
+
+
+def _narrow_to_percentile(model: Any, calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]],
+                          percentile: float) -> dict[str, Any]:
+    """Replace the min/max of every calibrated activation in `model` (the flatbuffer's object form)
+    by percentiles of the values the float model computes on `samples`."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    graph = model.subgraphs[0]
+    stats = {i: (float(t.quantization.min[0]), float(t.quantization.max[0])) for i, t in enumerate(graph.tensors)
+             if t.quantization is not None and t.quantization.min is not None and len(t.quantization.min) == 1}
+    with warnings.catch_warnings():  # "for debugging only": reading every activation is the point here
+        warnings.simplefilter("ignore")
+        interpreter = Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
+    runner = interpreter.get_signature_runner()
+    keys = [spec.key for spec in lowered.inputs]
+    hist = {i: np.zeros(_HISTOGRAM_BINS, np.int64) for i in stats}
+    for sample in samples:
+        runner(**dict(zip(keys, sample)))
+        for i, (lo, hi) in stats.items():
+            if hi > lo:
+                hist[i] += np.histogram(interpreter.get_tensor(i), _HISTOGRAM_BINS, (lo, hi))[0]
+    tail = (100.0 - percentile) / 100.0
+    kept = []
+    for i, (lo, hi) in stats.items():
+        counts = hist[i]
+        if hi <= lo or not counts.sum():
+            continue
+        cdf = np.cumsum(counts) / counts.sum()
+        edges = np.linspace(lo, hi, _HISTOGRAM_BINS + 1)
+        # outwards to bin edges: the first bin whose cumulative share passes the lower tail, the
+        # last bin still holding values inside the upper one
+        new_lo = float(edges[int(np.searchsorted(cdf, tail, side="right"))])
+        new_hi = float(edges[int(np.searchsorted(cdf, 1.0 - tail, side="left")) + 1])
+        new_lo, new_hi = max(new_lo, lo), min(new_hi, hi)
+        if new_hi > new_lo:
+            graph.tensors[i].quantization.min = [new_lo]
+            graph.tensors[i].quantization.max = [new_hi]
+            kept.append((new_hi - new_lo) / (hi - lo))
+    return {"percentile": percentile, "tensors": len(stats), "narrowed": int(sum(k < 1.0 for k in kept)),
+            "median_range_kept": round(float(np.median(kept)), 4) if kept else 1.0}
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ REASONS: dict[str, str] = {
     "edgetpu.fc-output": "Operation is otherwise supported: a fully-connected output must be 1-d",
     "edgetpu.tensor-divisor": "Operation is otherwise supported: division by a tensor",
     "edgetpu.no-lowering": "Supported by the Edge TPU, but edgesdk's TFLite lowering cannot express this form",
+    "edgetpu.recurrent": "A recurrent cell (LSTM, GRU, RNN, a Loop not unrolled): full int8 cannot quantize it; CPU",
 }
 
 
@@ -150,6 +151,11 @@ def _div(node, shapes, constants):
 
 ELEMENTWISE = ("ADD", "SUB", "MUL", "MAXIMUM", "MINIMUM")
 
+# Recurrent ONNX ops: a Keras LSTM given to the converter with full int8 crashes it (TF 2.21), and
+# our lowering has no recurrent cell; a Loop whose trip count is constant is unrolled at import
+# (passes/loops.py) and never reaches here.
+RECURRENT = ("LSTM", "GRU", "RNN", "Loop", "Scan")
+
 OPS: dict[str, OpRule] = {
     "Conv": OpRule(("CONV_2D", "DEPTHWISE_CONV_2D", "PAD", "SPLIT", "CONCATENATION"), _conv),
     "ConvTranspose": OpRule(("TRANSPOSE_CONV", "PAD", "STRIDED_SLICE", "ADD")),
@@ -205,6 +211,10 @@ def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]
     names = [n for n in node.input if n]
     if node.op_type == "Constant" or (names and all(n in constants for n in names)):
         return None
+    if node.op_type in RECURRENT and node.domain in ("", "ai.onnx"):
+        return Refusal("edgetpu.recurrent", f"{node.op_type} is recurrent: TensorFlow's full-int8 converter cannot "
+                       "quantize a recurrent cell, so it stays on the cpu (import unrolls a Loop with a constant "
+                       "trip count into ops the edge tpu takes; an exported LSTM, GRU or RNN node is not unrolled)")
     rule = OPS.get(node.op_type)
     if rule is None or node.domain not in ("", "ai.onnx"):
         return Refusal("edgetpu.unsupported-op", f"{node.op_type} is not an edge tpu operation")

@@ -63,6 +63,7 @@ def inspect_bundle(manifest, bundle: Path) -> str:
         out.append(f"edge tpu    {state}")
         if m.edgetpu.get("finish_command"):
             out.append(f"            finish with: {m.edgetpu['finish_command']}")
+        out += [f"            {line}" for line in edgetpu_mapping(m.edgetpu)]
     if m.calibration:
         out.append(f"calibration {'SYNTHETIC' if m.calibration.get('synthetic') else 'from ' + str(m.calibration.get('source'))}"
                    f", {m.calibration.get('samples')} samples")
@@ -75,6 +76,33 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for w in m.warnings:
         out.append(f"warning     {w}")
     return "\n".join(out)
+
+
+def edgetpu_mapping(edgetpu: dict[str, Any]) -> list[str]:
+    """Per compiled Edge TPU segment: what the compiler mapped, its parameter memory, and where a
+    partly mapped segment's ops go to the CPU with the corrected prediction."""
+    corrected = {c["segment"]: c for c in edgetpu.get("corrections", ())}
+    lines = []
+    for sid, log in (edgetpu.get("compiler") or {}).items():
+        memory = f"parameters {_bytes(log['on_chip_bytes'])} on chip, {_bytes(log['off_chip_bytes'])} streamed"
+        c = corrected.get(sid)
+        if c is None:
+            lines.append(f"{sid}: every op mapped to the Edge TPU ({log['ops_on_tpu']} ops; {memory})")
+            continue
+        tail = "it runs" if c["ops_on_cpu"] == 1 else f"it and the {c['ops_on_cpu'] - 1} ops after it run"
+        where = ("nothing runs on the TPU: ships the uncompiled int8 model" if not c["ops_on_tpu"] else
+                 f"{tail} on the host CPU (from node {c['first_cpu_node']})")
+        lines.append(f"{sid}: {c['ops_on_tpu']} of {c['ops']} ops mapped to the Edge TPU ({memory}); first unmapped: "
+                     f"op {c['ops_on_tpu'] + 1}, {c['first_unmapped']} ({c['status']}); {where}; predicted "
+                     f"{c['predicted_ms_before']:.3f} -> {c['predicted_ms_after']:.3f} ms")
+    return lines
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def check_summary(report: dict[str, Any], nodes: bool = False) -> str:

@@ -10,6 +10,12 @@ does and every model output does. One exception, reported as such: when every se
 golden but a model output does not, the difference is the build host's and this device's int8
 kernels rounding differently (1 LSB is within tolerance) and later segments amplifying it; LiteRT
 does not promise bit-equal int8 across CPU architectures, so that is a note, not a failure.
+
+Then a short pipelined stream (`BundleModel.stream`, one worker per device): STREAM_FRAMES frames,
+alternately the golden input and a variant of it (float inputs reversed along their last axis), so
+that results in the wrong order would show; each streamed result must equal, bit for bit, what
+`run()` gives for the same frame on this device. The stream's and the sequential runs' wall times
+are reported (under emulation they show that it runs, not how fast a board is).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +31,7 @@ import numpy as np
 from .executor import BundleModel
 
 FLOAT_RTOL = 1e-4
+STREAM_FRAMES = 4
 
 
 def selftest(bundle: Path) -> dict:
@@ -45,13 +53,31 @@ def selftest(bundle: Path) -> dict:
             segments.append({"segment": seg.id, "device": seg.device, "passed": all(c["passed"] for c in checks),
                              "outputs": checks})
     segments_ok = all(s["passed"] for s in segments)
-    ok = segments_ok and (outputs_ok or bool(segments))
+    stream = stream_check(model, inputs)
+    ok = segments_ok and (outputs_ok or bool(segments)) and stream["passed"]
     if segments and segments_ok and not outputs_ok:
         notes.append("every segment matches its golden output, but the model's output differs end to end: int8 "
                      "rounding on this device differs from the build host's within 1 LSB and later segments "
                      "amplify it")
     return {"passed": ok, "arch": platform.machine(), "outputs": results, "segments": segments, "notes": notes,
-            "load_seconds": round(model.load_seconds, 3)}
+            "stream": stream, "load_seconds": round(model.load_seconds, 3)}
+
+
+def stream_check(model: BundleModel, inputs: dict[str, np.ndarray], frames: int = STREAM_FRAMES) -> dict:
+    """Stream `frames` frames through the device pipeline and compare each with `run()`."""
+    variant = {k: np.ascontiguousarray(np.flip(v, -1)) if v.dtype.kind == "f" and v.ndim else v
+               for k, v in inputs.items()}
+    feeds = [inputs if k % 2 == 0 else variant for k in range(frames)]
+    t0 = time.perf_counter()
+    expected = [model.run(f) for f in feeds]
+    sequential = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = list(model.stream(feeds))
+    streamed = time.perf_counter() - t0
+    wrong = [k for k, (g, e) in enumerate(zip(got, expected))
+             if set(g) != set(e) or any(not np.array_equal(g[n], e[n]) for n in e)]
+    return {"frames": frames, "passed": len(got) == frames and not wrong, "mismatched_frames": wrong,
+            "sequential_seconds": round(sequential, 4), "stream_seconds": round(streamed, 4)}
 
 
 def _compare(spec, got: np.ndarray, expected: np.ndarray) -> dict:
@@ -79,6 +105,10 @@ def main(argv: list[str]) -> int:
         for r in report["outputs"]:
             print(f"{'ok' if r['passed'] else 'FAIL'}  {r['output']}: max abs error {r['max_abs_error']:.3g} "
                   f"(tolerance {r['tolerance']:.3g}, {r['rule']})")
+        s = report["stream"]
+        print(f"{'ok' if s['passed'] else 'FAIL'}  pipelined stream of {s['frames']} frames equals run() frame by frame"
+              + (f" (frames {s['mismatched_frames']} differ)" if s["mismatched_frames"] else "")
+              + f": {s['stream_seconds']:.3f} s, {s['sequential_seconds']:.3f} s one after another")
         for n in report["notes"]:
             print(f"note: {n}")
         print(f"self-test {'passed' if report['passed'] else 'FAILED'} on {report['arch']}")

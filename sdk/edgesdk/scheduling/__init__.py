@@ -1,4 +1,4 @@
 """Scheduling algorithms over a numeric placement problem (`problem.Problem`): optimal placement by
 dynamic programming, pipelining for streams, the documented baselines, and a simulator that plays a
-plan on the devices' queues and links. The schedule stage builds the problem from a graph and a
-target's cost model."""
+plan on the devices' queues and links. `graph.build_problem` builds the problem
+from a graph and a target's cost model, for the schedule stage and for the package stage's re-costing."""

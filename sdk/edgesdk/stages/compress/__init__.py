@@ -7,9 +7,14 @@ tensor specs (layout permutation, quantization) and its accuracy against the flo
 
 Calibration: `--calib DIR` holds `.npy` files (one sample shaped like the model's input, or a stack
 of samples along a new first axis) for a single-input model, or `.npz` files with one array per
-input name. The float model runs on them with onnxruntime to get each segment's own inputs. With
-no `--calib`, synthetic samples (uniform in [-1, 1], seeded) are used, and the build says so in
-its output and in the manifest: int8 ranges then do not reflect real data.
+input name, or images for a model with one image input (`--calib-preprocess` states how pixels
+become inputs: ir/calibration.py). The float model runs on them with onnxruntime to get each
+segment's own inputs. With no `--calib`, synthetic samples (uniform in [-1, 1], seeded) are used,
+and the build says so in its output and in the manifest: int8 ranges then do not reflect real data.
+
+`--calib-method minmax` (the default) takes each activation's range from the smallest and largest
+value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
+(backends/tflite.py). The method goes into `compress.json` and the manifest's `calibration`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
 from ...ir.numeric import compare
 
-OPTIONS = ("calib", "calib_samples", "seed")
+OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
 
 
 def cache_inputs(options, target) -> dict:
@@ -47,6 +52,9 @@ def run(artifact: Path, ctx) -> dict:
         return {"int8_segments": 0}
 
     samples, calib_info = load_calibration(ctx.options, io["inputs"])
+    calib_info = {**calib_info, "method": ctx.options.calib_method}
+    if ctx.options.calib_method == "percentile":
+        calib_info["percentile"] = ctx.options.calib_percentile
     record["calibration"] = calib_info
     if calib_info["synthetic"]:
         ctx.warn(f"no --calib data: int8 ranges come from {len(samples)} synthetic samples (uniform in [-1, 1]); "
@@ -65,7 +73,8 @@ def run(artifact: Path, ctx) -> dict:
         out_path = ctx.out / "segments" / f"{seg['id']}.tflite"
         ctx.log(f"compress: {seg['id']}: {len(seg['nodes'])} nodes -> full-int8 TFLite")
         feeds = [{k: a[k] for k in seg["inputs"]} for a in acts]
-        result = tflite_backend.convert_int8(model, feeds, out_path)
+        result = tflite_backend.convert_int8(model, feeds, out_path, method=ctx.options.calib_method,
+                                             percentile=ctx.options.calib_percentile)
         # accuracy of this segment alone: int8 TFLite vs the float segment, on the calibration inputs
         runner = tflite_runner.open_runner(ctx.out, Segment(
             id=seg["id"], device="cpu", backend="tflite", artifact=f"segments/{seg['id']}.tflite",
@@ -75,7 +84,7 @@ def run(artifact: Path, ctx) -> dict:
         record["segments"][seg["id"]] = {
             "artifact": f"segments/{seg['id']}.tflite",
             "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
-            "tflite_ops": result.op_counts, "accuracy_vs_float": acc,
+            "tflite_ops": result.op_counts, "ranges": result.ranges, "accuracy_vs_float": acc,
         }
         worst = min(a["cosine"] for a in acc.values())
         ctx.log(f"compress: {seg['id']}: cosine similarity to float {worst:.5f}")

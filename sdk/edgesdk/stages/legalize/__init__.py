@@ -36,7 +36,7 @@ from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
 from ...legalization import exact, regions, relu_sum, support
 
-OPTIONS = ("max_abs_error", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "seed")
+OPTIONS = ("max_abs_error", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess", "seed")
 
 RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on

@@ -36,8 +36,10 @@ from ...ir.digest import file_sha256
 from ...ir.numeric import compare
 from ...runtime import manifest as mf
 from ...runtime.executor import BundleModel
+from ...scheduling import placement
+from ...scheduling.graph import build_problem
 
-OPTIONS = ("calib", "seed")
+OPTIONS = ("calib", "calib_preprocess", "seed")
 RUNTIME_DIR = Path(mf.__file__).parent
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
 HOST_CODEGEN = {"kind": "llvm"}
@@ -59,6 +61,7 @@ def run(artifact: Path, ctx) -> dict:
     tuned: dict[str, dict] = {}
     unfinished: list[str] = []
     compiler_logs: dict[str, dict] = {}
+    corrections: list[dict] = []
     for seg in plan["segments"]:
         sid, dev = seg["id"], seg["device"]
         model = onnx.load(str(sched / seg["artifact"]))
@@ -87,12 +90,11 @@ def run(artifact: Path, ctx) -> dict:
             ins = tuple(mf.tensor_from_dict(t) for t in info["inputs"])
             outs = tuple(mf.tensor_from_dict(t) for t in info["outputs"])
             if edgetpu_compiler.find():
-                compiled, log = edgetpu_compiler.compile_segment(bundle / art, bundle / "segments")
-                art = f"segments/{compiled.name}"
-                compiler_logs[sid] = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
-                if log.ops_on_cpu:
-                    ctx.warn(f"{sid}: edgetpu_compiler mapped {log.ops_on_tpu} ops to the Edge TPU and left "
-                             f"{log.ops_on_cpu} on its CPU")
+                art, compiler_logs[sid], correction = compile_for_edgetpu(bundle, art, seg, sched / "model.onnx",
+                                                                          target)
+                if correction:
+                    corrections.append(correction)
+                    ctx.warn(edgetpu_compiler.describe(correction))
             else:
                 unfinished.append(art)
         segments.append(mf.Segment(id=sid, device=dev, backend=seg["backend"], artifact=art, inputs=ins,
@@ -102,6 +104,9 @@ def run(artifact: Path, ctx) -> dict:
     edgetpu_info: dict = {}
     if any(s.backend == "tflite" for s in segments):
         edgetpu_info = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs}
+        if corrections:
+            edgetpu_info["corrections"] = corrections
+            plan["predicted"] = corrected_prediction(plan["predicted"], corrections)
         if unfinished:
             cmd = edgetpu_compiler.finish_command(unfinished)
             edgetpu_info["finish_command"] = f"cd bundle && {cmd}"
@@ -163,6 +168,55 @@ def run(artifact: Path, ctx) -> dict:
     size = sum(f["size"] for f in manifest.files.values())
     return {"bundle_bytes": size, "files": len(manifest.files), "twins": sorted(twins),
             "edgetpu": edgetpu_info, "accuracy": accuracy, "tuned": tuned}
+
+
+def compile_for_edgetpu(bundle: Path, tflite: str, seg: dict, scheduled: Path, target) -> tuple[str, dict, dict | None]:
+    """Compile one Edge TPU segment's int8 model (`tflite`, relative to `bundle`) with edgetpu_compiler.
+
+    Returns the artifact to ship, the compiler's log (less its text) and, when the compiler maps only
+    part of the model, the correction (`edgetpu_correction`); `seg`, the plan's segment, then carries
+    the corrected predicted_ms. A model the compiler maps nothing of ships uncompiled: the compiled one
+    would only add the delegate's overhead to a model that runs on the CPU anyway."""
+    compiled, log = edgetpu_compiler.compile_segment(bundle / tflite, bundle / "segments")
+    record = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
+    mapped = edgetpu_compiler.mapping(edgetpu_compiler.operators((bundle / tflite).read_bytes()), log)
+    if not mapped.on_cpu:
+        return f"segments/{compiled.name}", record, None
+    correction = edgetpu_correction(seg, mapped, onnx.load(str(scheduled)), target)
+    seg["predicted_ms"] = correction["predicted_ms_after"]
+    if not mapped.on_tpu:
+        compiled.unlink()
+        return tflite, record, correction
+    return f"segments/{compiled.name}", record, correction
+
+
+def edgetpu_correction(seg: dict, mapped: edgetpu_compiler.Mapping, scheduled: onnx.ModelProto, target) -> dict:
+    """The record of an Edge TPU segment (a plan segment) that the compiler maps only partly, with its
+    cost re-computed: the leading share of its nodes (`edgetpu_compiler.leading_nodes`, the share of its
+    TFLite ops the compiler maps) on its Edge TPU, the rest on the target's CPU. Each part is costed as
+    the schedule stage costs a segment (`placement.segment_ms` over the problem `build_problem` makes of
+    the scheduled model), so the Edge TPU part pays the link for what it hands to the CPU part."""
+    problem, _ = build_problem(scheduled, target, irm.static_shapes(scheduled), irm.constant_names(scheduled))
+    index = {name: i for i, name in enumerate(problem.nodes)}
+    start, stop = index[seg["nodes"][0]], index[seg["nodes"][-1]] + 1
+    assert [index[n] for n in seg["nodes"]] == list(range(start, stop)), f"{seg['id']} is not contiguous"
+    k = edgetpu_compiler.leading_nodes(stop - start, mapped)
+    head = placement.segment_ms(problem, start, start + k, seg["device"]) if k else 0.0
+    tail = placement.segment_ms(problem, start + k, stop, "cpu") if start + k < stop else 0.0
+    return {"segment": seg["id"], "ops": len(mapped.ops), "ops_on_tpu": mapped.on_tpu, "ops_on_cpu": mapped.on_cpu,
+            "first_unmapped": mapped.first_unmapped, "status": mapped.status,
+            "nodes_on_tpu": k, "nodes_on_cpu": stop - start - k, "first_cpu_node": seg["nodes"][k],
+            "predicted_ms_before": seg["predicted_ms"], "predicted_ms_after": round(head + tail, 4)}
+
+
+def corrected_prediction(predicted: dict, corrections: list[dict]) -> dict:
+    """The plan's predicted latency with the corrected segments. `sequential_ms` is the sum of the
+    segments' times along the plan, so it moves by the sum of their differences. The simulated
+    `latency_ms` is moved by the same sum: exact for a segment on the critical path of one inference
+    (every segment, when each depends on the one before); for a segment that overlaps another device's
+    work it overstates the change. `throughput_fps` stays the scheduler's simulation."""
+    delta = sum(c["predicted_ms_after"] - c["predicted_ms_before"] for c in corrections)
+    return {**predicted, **{k: round(predicted[k] + delta, 4) for k in ("latency_ms", "sequential_ms") if k in predicted}}
 
 
 def _describe(codegen: dict) -> str:

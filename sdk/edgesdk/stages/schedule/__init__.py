@@ -5,7 +5,7 @@ Guarantees: `plan.json` and one standalone ONNX model per segment under `segment
 the graph's topological order (executing them in order is always valid); `schedule.html`, the
 placement table, the baselines and Gantt charts of one inference and of a stream.
 
-The graph becomes a numeric problem (`scheduling.problem`): each node's cost on each device that can
+The graph becomes a numeric problem (`scheduling.graph`): each node's cost on each device that can
 run it (`devices/cost.py`: a roofline of the target's figures plus per-op overhead), every tensor's
 bytes, each accelerator's link. Then:
 
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import onnx
 
-from ...devices.cost import (is_grouped, link_ms_per_byte, node_bytes, node_flops, node_ms, streamed_fraction,
-                             tensor_bytes)
+from ...devices.cost import is_grouped, node_bytes, node_flops, node_ms, tensor_bytes
 from ...errors import UserError
 from ...ir import model as irm
 from ...scheduling import baselines, parallel, pipelining, placement, simulate
-from ...scheduling.problem import Link, Problem, Tensor
+from ...scheduling.graph import build_problem
+from ...scheduling.problem import Problem
 
 OPTIONS = ("mode", "inter_op")
 STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
@@ -182,44 +182,6 @@ def run(artifact: Path, ctx) -> dict:
     ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s")
     return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
             "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions}
-
-
-def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Problem, list[str]]:
-    """The numeric problem of `model` on `target`, and each node's CPU backend."""
-    g = model.graph
-    kinds = {d.kind for d in target.devices}
-    devices = ["cpu"] + [i for kind in ("edgetpu", "gpu") if kind in kinds for i in target.logical_ids(kind)]
-    producer = {t: i for i, n in enumerate(g.node) for t in n.output if t}
-    consumers: dict[str, list[int]] = {}
-    for i, n in enumerate(g.node):
-        for t in dict.fromkeys(n.input):
-            if t and t not in consts:
-                consumers.setdefault(t, []).append(i)
-    caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",") for n in g.node]
-    weights, acts = zip(*(node_bytes(n, shapes, consts) for n in g.node)) if g.node else ((), ())
-    tpu_weights = sum(w for w, c in zip(weights, caps) if "edgetpu" in c)
-    streamed = streamed_fraction(target, tpu_weights)
-    cost, cpu_backend = [], []
-    for n, c, w, act in zip(g.node, caps, weights, acts):
-        flops = node_flops(n, shapes)
-        per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act, grouped=is_grouped(n))}
-        for kind in ("edgetpu", "gpu"):
-            if kind in c and kind in kinds:
-                ms = node_ms(target, kind, flops=flops, param_bytes=w, act_bytes=act,
-                             streamed_fraction=streamed if kind == "edgetpu" else 0.0)
-                per.update({dev: ms for dev in target.logical_ids(kind)})
-        cost.append(per)
-        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith("cpu/")), "onnxruntime"))
-    outputs = {o.name for o in g.output}
-    tensors = [Tensor(t, tensor_bytes(shapes.get(t)), producer.get(t), tuple(consumers.get(t, ())), t in outputs)
-               for t in dict.fromkeys([*consumers, *outputs])]
-    links = {}
-    for dev in devices[1:]:
-        latency, per_byte = link_ms_per_byte(target, dev.split(":")[0])
-        links[dev] = Link(latency, per_byte)
-    names = tuple(irm.node_name(n, i) for i, n in enumerate(g.node))
-    return Problem(names, tuple(devices), tuple(cost), tuple(tensors), {d: 0.0 for d in devices}, links,
-                   tuple(weights)), cpu_backend
 
 
 def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
