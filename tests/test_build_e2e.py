@@ -300,7 +300,7 @@ def test_edgetpu_compiler_test_double(tmp_path, tuning_db):
     build runs it, parses its log, and ships both models; the double's log leaves the SOFTMAX unmapped,
     so the build says so and corrects the plan's prediction. The runtime, finding no libedgetpu, falls
     back to the uncompiled int8 model and says so."""
-    from edgesdk.backends.edgetpu_compiler import operators
+    from edgesdk.backends.tflite import operators
     from edgesdk.report.text import inspect_bundle
 
     otherwise = "Operation is otherwise supported, but not mapped due to some unspecified limitation"
@@ -359,7 +359,7 @@ LOG
     assert seg.artifact.endswith("_edgetpu.tflite") and seg.fallback_artifact.endswith(".tflite")
 
     # the cut: the uncompiled model's last op is its only SOFTMAX; the segment's nodes split in proportion
-    ops = operators((out / "bundle" / seg.fallback_artifact).read_bytes())
+    ops = operators((out / "bundle" / seg.fallback_artifact).read_bytes())[0]
     assert ops.count("SOFTMAX") == 1 and ops[-1] == "SOFTMAX"
     scheduled = json.loads((out / ".build/3-schedule/plan.json").read_text())
     planned = next(s for s in scheduled["segments"] if s["id"] == seg.id)

@@ -253,7 +253,7 @@ def test_the_hand_formula_matches_the_schedule_stage_on_the_whole_segment(tiny):
 ])
 def test_correction_of_a_partly_mapped_segment(tiny, unmapped, on_tpu, k):
     model, path, target, seg = tiny
-    ops = etc.operators(path.read_bytes())
+    ops = tflite.operators(path.read_bytes())[0]
     assert ops == ("CONV_2D", "CONV_2D", "MEAN", "FULLY_CONNECTED")
     table = [(op, 1, etc.MAPPED if i < on_tpu else OTHERWISE if op == unmapped else SUBGRAPH)
              for i, op in enumerate(ops) if op != "CONV_2D"] + [("CONV_2D", 2, etc.MAPPED)]
@@ -278,7 +278,7 @@ def test_correction_of_a_partly_mapped_segment(tiny, unmapped, on_tpu, k):
 
 def test_correction_when_nothing_is_mapped(tiny):
     model, path, target, seg = tiny
-    ops = etc.operators(path.read_bytes())
+    ops = tflite.operators(path.read_bytes())[0]
     log = etc.parse_log(_log([("CONV_2D", 2, "Operation is working on an unsupported data type"),
                               ("MEAN", 1, SUBGRAPH), ("FULLY_CONNECTED", 1, SUBGRAPH)], tpu=0, cpu=4))
     c = edgetpu_correction(seg, etc.mapping(ops, log), model, target)

@@ -155,21 +155,6 @@ def parse_log(text: str) -> CompileLog:
     )
 
 
-def operators(model: bytes) -> tuple[str, ...]:
-    """The operators of a .tflite flatbuffer's main subgraph in execution order, named as the compiler's
-    table names them (builtin operator names; custom ops as CUSTOM)."""
-    from ai_edge_litert import schema_py_generated as schema
-
-    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-    m = schema.Model.GetRootAs(model, 0)
-    codes = []
-    for i in range(m.OperatorCodesLength()):
-        c = m.OperatorCodes(i)
-        codes.append(names[max(c.BuiltinCode(), c.DeprecatedBuiltinCode())])
-    g = m.Subgraphs(0)
-    return tuple(codes[g.Operators(i).OpcodeIndex()] for i in range(g.OperatorsLength()))
-
-
 def mapping(ops: Sequence[str], log: CompileLog) -> Mapping:
     """The first op of `ops` (the uncompiled model, in execution order) that the compiler did not map.
 

@@ -29,6 +29,7 @@ import onnx
 from ... import __version__
 from ...backends import edgetpu_compiler
 from ...backends import onnxruntime as ort_backend
+from ...backends import tflite as tflite_backend
 from ...backends import tvm as tvm_backend
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
@@ -179,7 +180,7 @@ def compile_for_edgetpu(bundle: Path, tflite: str, seg: dict, scheduled: Path, t
     would only add the delegate's overhead to a model that runs on the CPU anyway."""
     compiled, log = edgetpu_compiler.compile_segment(bundle / tflite, bundle / "segments")
     record = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
-    mapped = edgetpu_compiler.mapping(edgetpu_compiler.operators((bundle / tflite).read_bytes()), log)
+    mapped = edgetpu_compiler.mapping(tflite_backend.operators((bundle / tflite).read_bytes())[0], log)
     if not mapped.on_cpu:
         return f"segments/{compiled.name}", record, None
     correction = edgetpu_correction(seg, mapped, onnx.load(str(scheduled)), target)
