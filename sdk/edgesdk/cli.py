@@ -30,10 +30,13 @@ app = typer.Typer(
 targets_app = typer.Typer(help="List, show, validate target files; write their JSON Schema.", no_args_is_help=True)
 app.add_typer(targets_app, name="targets")
 
-_state = {"debug": False}
+_state = {"debug": False, "progress_open": False}
 
 
 def _err(line: str) -> None:
+    if _state["progress_open"]:  # a progress line is being redrawn: the next line starts below it
+        sys.stderr.write("\n")
+        _state["progress_open"] = False
     print(line, file=sys.stderr, flush=True)
 
 
@@ -49,6 +52,44 @@ def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help=
     if ctx.invoked_subcommand is None:
         print(ctx.get_help())
         raise typer.Exit(0)
+
+
+def _progress_line():
+    """A progress line for long work: redrawn in place on a terminal, printed as lines in a log
+    (CI); None ends it."""
+    tty = sys.stderr.isatty()
+
+    def show(line: str | None) -> None:
+        if line is None:
+            if _state["progress_open"]:
+                sys.stderr.write("\n")
+                sys.stderr.flush()
+            _state["progress_open"] = False
+        elif tty:
+            sys.stderr.write(f"\r\x1b[K    {line}")
+            sys.stderr.flush()
+            _state["progress_open"] = True
+        else:
+            _err(f"    {line}")
+
+    return show
+
+
+def _parse_duration(text: str | None, flag: str) -> float | None:
+    """90, 90s, 20m, 1.5h -> seconds."""
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = text.strip().lower()
+    scale = units.get(t[-1:], None)
+    number = t[:-1] if scale else t
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise UsageError("cli.bad-duration", f"{flag} {text}: not a duration", "e.g. 90s, 20m, 1.5h, or seconds")
+    return seconds
 
 
 @contextlib.contextmanager
@@ -111,8 +152,11 @@ def build(
     input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
     input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 or NAME=1,2,3 (repeatable); the input leaves the bundle's signature."),
     batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
-    trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials per TVM segment; 0 uses only the tuning database."),
+    trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials (measured candidates) per device kind (CPU, GPU) of the model; 0: no search, the tuning database's records are applied."),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="Stop tuning after this long: 90s, 20m, 1.5h or seconds; the next build with the same --trials resumes."),
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
+    rpc_tracker: Optional[str] = typer.Option(None, "--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: tuning measures candidates on the boards registered with it."),
+    rpc_key: Optional[str] = typer.Option(None, "--rpc-key", help="With --rpc-tracker: the key the boards registered with."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of calibration samples for int8: .npy / .npz files, or images (PNG, JPEG, BMP)."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
     calib_method: str = typer.Option("minmax", "--calib-method", help="How int8 activation ranges are chosen: minmax or percentile."),
@@ -138,11 +182,16 @@ def build(
     if not 50.0 < calib_percentile <= 100.0:
         raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {calib_percentile}: outside (50, 100]",
                          "99.99 keeps all but one value in 10,000 per tail")
+    if bool(rpc_tracker) != bool(rpc_key):
+        raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
+                         "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch,
-                           trials=trials, tuning_db=tuning_db, calib=calib, calib_samples=calib_samples,
+                           trials=trials, time_budget=_parse_duration(time_budget, "--time-budget"),
+                           tuning_db=tuning_db, rpc_tracker=rpc_tracker, rpc_key=rpc_key,
+                           calib=calib, calib_samples=calib_samples,
                            calib_method=calib_method, calib_percentile=calib_percentile,
                            calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
@@ -163,7 +212,7 @@ def build(
 
     t0 = time.perf_counter()
     with _native_stderr_silenced(quiet):
-        result = run_build(options, log=log, on_stage=on_stage)
+        result = run_build(options, log=log, on_stage=on_stage, progress=None if quiet else _progress_line())
     summary = result.summary()
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     if as_json:

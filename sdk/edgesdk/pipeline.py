@@ -61,7 +61,10 @@ class BuildOptions:
     input_values: dict[str, tuple[float, ...]] = field(default_factory=dict)
     batch: int = 1
     trials: int = 0
+    time_budget: float | None = None  # seconds of tuning at most (the tune stage's wall time)
     tuning_db: Path | None = None
+    rpc_tracker: str | None = None  # HOST:PORT of a TVM RPC tracker whose boards measure tuning candidates
+    rpc_key: str | None = None
     calib: Path | None = None
     calib_samples: int = 32
     calib_method: str = "minmax"  # or "percentile": how int8 activation ranges are chosen
@@ -92,6 +95,8 @@ class StageContext:
     out: Path  # where this stage writes (a temporary directory, renamed on success)
     log: Callable[[str], None]
     warnings: list[str] = field(default_factory=list)
+    # a progress line redrawn in place on a terminal (None ends it); None: progress goes to `log`
+    progress: Callable[[str | None], None] | None = None
 
     def artifact(self, stage: str) -> Path:
         """The output directory of an earlier stage."""
@@ -132,7 +137,8 @@ def _check_stage_name(name: str | None, flag: str) -> None:
 
 
 def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
-          on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None) -> BuildResult:
+          on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None,
+          progress: Callable[[str | None], None] | None = None) -> BuildResult:
     """Run the pipeline for `options`; returns what each stage did (cached or not) and its record."""
     _check_stage_name(options.until, "--until")
     _check_stage_name(options.start, "--from")
@@ -171,7 +177,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             else:
                 on_stage(phase.name, "start", 0.0)
                 t0 = time.perf_counter()
-                record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log)
+                record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log,
+                                    progress)
                 secs = time.perf_counter() - t0
                 results.append(StageResult(phase.name, False, secs, record))
                 on_stage(phase.name, "done", secs)
@@ -215,12 +222,13 @@ def _cache_hit(dest: Path, key: str) -> bool:
 
 
 def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target: Target, target_path: Path,
-               options: BuildOptions, build_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+               options: BuildOptions, build_dir: Path, log: Callable[[str], None],
+               progress: Callable[[str | None], None] | None = None) -> dict[str, Any]:
     build_dir.mkdir(parents=True, exist_ok=True)
     tmp = build_dir / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ctx = StageContext(target, target_path, options, build_dir, tmp, log)
+    ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress)
     try:
         t0 = time.perf_counter()
         record = stage.run(artifact, ctx)

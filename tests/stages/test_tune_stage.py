@@ -1,15 +1,22 @@
-"""The tune stage through the pipeline: MetaSchedule records found with --trials N are applied to
-the compiled kernel, persisted in the database, and reused by a later build with --trials 0."""
+"""The tune stage through the pipeline and the command line: MetaSchedule records found with
+--trials N are applied, summarized per task, persisted in the database and reused; a build that
+replays a database is the same bytes; tuning's invocation errors and an unreachable RPC tracker
+are reported as such."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.backends import onnxruntime as ort_backend
+from edgesdk.ir.digest import tree_sha256
 from edgesdk.pipeline import BuildOptions, build
 from edgesdk.runtime import BundleModel, Manifest
+from tests.test_cli import assert_user_facing, edgesdk
 
 
 def _conv_model(path):
@@ -24,23 +31,79 @@ def _conv_model(path):
     return m
 
 
-def test_tuned_records_are_applied_and_reused(tmp_path):
-    model = _conv_model(tmp_path / "conv.onnx")
-    db = tmp_path / "db"
-    first = build(BuildOptions(model=tmp_path / "conv.onnx", target="x86", out=tmp_path / "a", trials=8, tuning_db=db))
-    tune = first.stages[3].record
-    assert tune["segments"]["s0"]["trials"] > 0, tune
-    m = Manifest.load(first.bundle)
-    applied = m.tuning["segments"]["s0"]
-    assert applied["tasks"] >= 1 and applied["tuned"] == applied["tasks"], applied
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """`edgesdk build conv.onnx --target x86 --trials 16` as a user runs it."""
+    tmp = tmp_path_factory.mktemp("tune")
+    model = _conv_model(tmp / "conv.onnx")
+    proc = edgesdk("build", str(tmp / "conv.onnx"), "--target", "x86", "-o", str(tmp / "a"), "--trials", "16",
+                   "--tuning-db", str(tmp / "db"))
+    assert proc.returncode == 0, proc.stderr
+    return {"tmp": tmp, "model": model, "db": tmp / "db", "out": tmp / "a", "stderr": proc.stderr}
 
+
+def test_the_build_shows_progress_and_a_summary_per_task(tuned):
+    err = tuned["stderr"]
+    assert "tune: cpu: segments s0: up to 16 trials, measured on this host" in err
+    bars = [line for line in err.splitlines() if "tune: cpu [" in line]
+    assert bars and "/15 trials" in bars[-1] and "best" in bars[-1] and " ms" in bars[-1], err
+    assert "untuned ms" in err and "speedup" in err
+    row = next(line for line in err.splitlines() if line.strip().startswith("fused_conv2d"))
+    assert row.strip().endswith("x"), row  # the speedup over the untuned schedule
+
+
+def test_records_are_applied_and_the_digest_is_in_the_manifest(tuned):
+    import json
+
+    tune = json.loads((tuned["out"] / ".build" / "4-tune" / "tune.json").read_text())
+    (task,) = tune["kinds"]["cpu"]["per_task"]
+    assert task["trials"] == 16 and task["untuned_ms"] > 0 and task["best_ms"] <= task["untuned_ms"]
+    m = Manifest.load(tuned["out"] / "bundle")
+    assert m.tuning["database_sha256"] == tree_sha256(tuned["out"] / ".build" / "4-tune" / "tuning_db")
+    assert m.tuning["database_records"] == 16
+    assert m.tuning["segments"]["s0"]["tuned"] == m.tuning["segments"]["s0"]["tasks"] == 1
     x = np.random.default_rng(1).normal(size=(1, 8, 16, 16)).astype(np.float32)
-    got = BundleModel(first.bundle, log=lambda s: None).run({"x": x})["y"]
-    np.testing.assert_allclose(got, ort_backend.run(model, {"x": x})["y"], rtol=1e-4, atol=1e-5)
+    got = BundleModel(tuned["out"] / "bundle", log=lambda s: None).run({"x": x})["y"]
+    np.testing.assert_allclose(got, ort_backend.run(tuned["model"], {"x": x})["y"], rtol=1e-4, atol=1e-5)
 
-    # a later build, --trials 0: no search, the persisted records are applied again
-    second = build(BuildOptions(model=tmp_path / "conv.onnx", target="x86", out=tmp_path / "b", trials=0, tuning_db=db))
-    assert Manifest.load(second.bundle).tuning["segments"]["s0"]["tuned"] == applied["tuned"]
-    # and without the database the same kernel is untuned
-    third = build(BuildOptions(model=tmp_path / "conv.onnx", target="x86", out=tmp_path / "c", tuning_db=tmp_path / "empty"))
-    assert Manifest.load(third.bundle).tuning["segments"]["s0"]["tuned"] == 0
+
+def test_a_build_that_replays_a_database_is_the_same_bytes(tuned, tmp_path):
+    """--trials 0 searches nothing: the same database (here a copy elsewhere) gives the same bundle,
+    byte for byte; the same model without the database gets untuned kernels."""
+    shutil.copytree(tuned["db"], tmp_path / "copy")
+    src = tuned["tmp"] / "conv.onnx"
+    one = build(BuildOptions(model=src, target="x86", out=tmp_path / "b", tuning_db=tuned["db"]))
+    two = build(BuildOptions(model=src, target="x86", out=tmp_path / "c", tuning_db=tmp_path / "copy"))
+    assert one.stages[3].record["kinds"]["cpu"]["trials"] == 0
+    assert (tmp_path / "b" / "bundle.tar.gz").read_bytes() == (tmp_path / "c" / "bundle.tar.gz").read_bytes()
+    assert Manifest.load(one.bundle).tuning["segments"]["s0"]["tuned"] == 1
+    untuned = build(BuildOptions(model=src, target="x86", out=tmp_path / "d", tuning_db=tmp_path / "empty"))
+    assert Manifest.load(untuned.bundle).tuning["segments"]["s0"]["tuned"] == 0
+    # the workload was searched with this budget before: asking again costs no trials
+    again = build(BuildOptions(model=src, target="x86", out=tmp_path / "e", trials=16, tuning_db=tuned["db"]))
+    summary = again.stages[3].record["kinds"]["cpu"]
+    assert (summary["trials"], summary["reused"], summary["stopped"]) == (0, 1, "done")
+
+
+def test_tuning_invocation_errors(tuned, tmp_path):
+    src, out = str(tuned["tmp"] / "conv.onnx"), str(tmp_path / "o")
+    proc = edgesdk("build", src, "--target", "x86", "-o", out, "--trials", "8", "--time-budget", "soon")
+    assert_user_facing(proc, 2, "--time-budget soon: not a duration")
+    proc = edgesdk("build", src, "--target", "x86", "-o", out, "--trials", "8", "--rpc-tracker", "127.0.0.1:9190")
+    assert_user_facing(proc, 2, "--rpc-tracker and --rpc-key go together")
+    proc = edgesdk("build", src, "--target", "x86", "-o", out, "--trials", "8", "--rpc-tracker", "nohost",
+                   "--rpc-key", "rk3588")
+    assert_user_facing(proc, 2, "--rpc-tracker 'nohost' is not HOST:PORT")
+
+
+def test_a_tracker_that_does_not_answer_is_a_user_error(tuned, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = edgesdk("build", str(tuned["tmp"] / "conv.onnx"), "--target", "x86", "-o", str(tmp_path / "o"),
+                   "--trials", "8", "--tuning-db", str(tmp_path / "db"),
+                   "--rpc-tracker", f"127.0.0.1:{port}", "--rpc-key", "rk3588")
+    assert_user_facing(proc, 1, f"the RPC tracker at 127.0.0.1:{port} does not answer", "rpc_tracker")
+    assert not (tmp_path / "o" / "bundle").exists()

@@ -72,6 +72,19 @@ def run_python(
     that the host cannot exec directly: code run this way must not spawn Python subprocesses.
     Raises `subprocess.TimeoutExpired` after `timeout` seconds; a non-zero exit is the caller's to read.
     """
+    command, guest = _guest_command(rootfs, args, env)
+    return subprocess.run(command, cwd=cwd, env=guest, capture_output=True, text=True, timeout=timeout)
+
+
+def start_python(rootfs: Path, args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+                 **popen: object) -> subprocess.Popen:
+    """`run_python`'s guest, started in the background (a server): a Popen in a new session, so
+    that `os.killpg(proc.pid, ...)` stops it with everything it forked."""
+    command, guest = _guest_command(rootfs, args, env)
+    return subprocess.Popen(command, cwd=cwd, env=guest, start_new_session=True, **popen)  # type: ignore[arg-type]
+
+
+def _guest_command(rootfs: Path, args: list[str], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
     qemu = shutil.which(QEMU)
     if qemu is None:
         raise UserError(
@@ -99,6 +112,4 @@ def run_python(
         TVM_USE_RUNTIME_LIB="1",
     )
     guest.update(extra)
-    return subprocess.run(
-        [qemu, str(python), *args], cwd=cwd, env=guest, capture_output=True, text=True, timeout=timeout
-    )
+    return [qemu, str(python), *args], guest

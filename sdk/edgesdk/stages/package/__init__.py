@@ -132,8 +132,7 @@ def run(artifact: Path, ctx) -> dict:
         parallel_steps=tuple(tuple(s) for s in plan.get("parallel_steps", ())),
         cpu_threads=next(d.cores for d in target.devices if d.kind == "cpu"),
         predicted=plan["predicted"], toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
-        tuning={"database_sha256": json.loads((tune_dir / "tune.json").read_text())["database_sha256"],
-                "segments": tuned},
+        tuning=_tuning_provenance(json.loads((tune_dir / "tune.json").read_text()), tuned),
         warnings=tuple(_all_warnings(ctx)),
     )
     (bundle / "manifest.json").write_text(manifest.to_json())
@@ -324,3 +323,11 @@ def write_tarball(bundle: Path, dest: Path) -> None:
                     with open(p, "rb") as f:
                         tar.addfile(info, f)
     tmp.replace(dest)
+
+
+def _tuning_provenance(tune: dict, tuned: dict) -> dict:
+    """Where the kernels' schedules come from: the digest and size of the database the package
+    stage applied (a build that replays it is the same bytes), and per segment how many of its
+    functions got a record."""
+    return {"database_sha256": tune["database_sha256"], "database_records": tune.get("database_records", 0),
+            "segments": tuned}

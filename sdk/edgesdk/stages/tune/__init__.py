@@ -2,10 +2,16 @@
 
 Needs: the plan and its segment models.
 Guarantees: `tuning_db/`, a copy of the tuning database as the package stage will apply it
-(so a rebuild replays exactly these records), and `tune.json` with a summary per segment.
+(so a rebuild replays exactly these records), `tune.json` with a summary per device kind
+and per task (trials, untuned and best latency, speedup), and MetaSchedule's logs in `logs/`.
 With `--trials 0` (the default) nothing is searched: records already in the database are used.
 The database (`--tuning-db`, default under the user's cache directory, one per target) is
-persisted between builds and shared between models.
+persisted between builds and shared between models: a workload searched before with at least
+this budget costs no trials, and every record trains the cost model before a new search
+(transfer). The segments of one device kind are searched together, so `--trials` is the
+budget per device kind (CPU, GPU) of the model, and `--time-budget` the stage's wall time.
+Candidates are measured here, or with `--rpc-tracker`/`--rpc-key` on the boards registered
+with a TVM RPC tracker.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import onnx
@@ -20,7 +27,7 @@ import onnx
 from ...backends import tvm as tvm_backend
 from ...ir.digest import tree_sha256
 
-OPTIONS = ("trials", "tuning_db", "seed")
+OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key")
 
 
 def default_tuning_db(target_name: str) -> Path:
@@ -47,22 +54,119 @@ def run(artifact: Path, ctx) -> dict:
     plan = json.loads((artifact / "plan.json").read_text())
     db = _db_path(ctx.options, ctx.target)
     db.mkdir(parents=True, exist_ok=True)
-    summaries = {}
+    boards = None
+    if ctx.options.rpc_tracker or ctx.options.rpc_key:
+        boards = tvm_backend.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
+    by_kind: dict[str, list[dict]] = {}
     for seg in plan["segments"]:
-        if seg["backend"] != "tvm":
+        if seg["backend"] == "tvm":
+            by_kind.setdefault(seg["device"].split(":")[0], []).append(seg)
+    kinds: dict[str, dict] = {}
+    start = time.monotonic()
+    budget_s = ctx.options.time_budget
+    for n, (kind, segments) in enumerate(by_kind.items()):
+        ids = [s["id"] for s in segments]
+        if ctx.options.trials <= 0:
+            kinds[kind] = {"segments": ids, "trials": 0,
+                           "note": "no search (--trials 0): records in the database are applied"}
             continue
-        if ctx.options.trials > 0:
-            model = onnx.load(str(artifact / seg["artifact"]))
-            ctx.log(f"tune: {seg['id']} on {seg['device']}: up to {ctx.options.trials} trials")
-            # one database per device kind: MetaSchedule keys records by workload, not by target
-            summaries[seg["id"]] = tvm_backend.tune_onnx(
-                model, codegen_for(ctx.target, seg["device"]), db / seg["device"].split(":")[0],
-                trials=ctx.options.trials,
-                seed=ctx.options.seed, progress=lambda line, s=seg["id"]: ctx.log(f"tune: {s}: {line}"))
-        else:
-            summaries[seg["id"]] = {"trials": 0, "note": "no search (--trials 0): records in the database are applied"}
-    shutil.copytree(db, ctx.out / "tuning_db")
+        device = next(d for d in ctx.target.devices if d.kind == kind)
+        left = None
+        if budget_s:  # what is left of the stage's time, shared by the kinds still to tune
+            left = max(0.0, budget_s - (time.monotonic() - start)) / (len(by_kind) - n)
+        where = f"on {boards.key} boards via {boards.host}:{boards.port}" if boards else "on this host"
+        ctx.log(f"tune: {kind}: segments {', '.join(ids)}: up to {ctx.options.trials} trials"
+                + (f" or {_duration(left)}" if left is not None else "") + f", measured {where}")
+        bar = _Bar(ctx, kind)
+        summary = tvm_backend.tune_onnx(
+            [onnx.load(str(artifact / s["artifact"])) for s in segments],
+            codegen_for(ctx.target, segments[0]["device"]),
+            db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
+            trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed,
+            progress=bar, log=ctx.log, boards=boards,
+            num_cores=device.cores if boards else None,
+            log_dir=ctx.out / "logs" / kind,
+        )
+        bar.close()
+        summary["segments"] = ids
+        kinds[kind] = summary
+        for line in describe(kind, summary):
+            ctx.log(line)
+        if summary["failures"]["build"] or summary["failures"]["run"]:
+            f = summary["failures"]
+            ctx.warn(f"tune: {kind}: {f['build']} candidate(s) failed to build and {f['run']} to run; "
+                     f"the search went on with the rest; first: {f['messages'][0]}")
+        if summary["stopped"] == "boards-lost":
+            ctx.warn(f"tune: {kind}: search stopped early: {summary.get('stop_message', '')}; the records measured "
+                     f"are kept, and the next build with the same --trials resumes the search")
+        elif summary["stopped"] == "time":
+            ctx.log(f"tune: {kind}: --time-budget reached; the next build with the same --trials resumes the search")
+    shutil.copytree(db, ctx.out / "tuning_db", ignore=shutil.ignore_patterns("*.tmp"))
     record = {"database": str(db), "database_sha256": tree_sha256(ctx.out / "tuning_db"),
-              "trials": ctx.options.trials, "seed": ctx.options.seed, "segments": summaries}
+              "database_records": _records(ctx.out / "tuning_db"),
+              "trials": ctx.options.trials, "time_budget_s": budget_s, "seed": ctx.options.seed,
+              "measured_on": str(boards) if boards else "this host", "kinds": kinds}
     (ctx.out / "tune.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record
+
+
+def describe(kind: str, summary: dict) -> list[str]:
+    """The per-task summary table of one device kind's search, as log lines."""
+    head = (f"tune: {kind}: {summary['tasks']} tasks, {summary['searched']} searched, {summary['reused']} reused "
+            f"from the database; {summary['trials']} candidates measured in {_duration(summary.get('wall_s', 0))} "
+            f"(stopped: {summary['stopped']})")
+    lines = [head]
+    if summary.get("transfer"):
+        lines.append(f"      cost model first trained on {summary['transfer']['records']} records of "
+                     f"{summary['transfer']['workloads']} workloads in the database")
+    lines.append(f"      {'task':<44} {'weight':>6} {'trials':>6} {'untuned ms':>11} {'best ms':>9} {'speedup':>8}")
+    for t in summary["per_task"]:
+        untuned = f"{t['untuned_ms']:.4f}" if t["untuned_ms"] is not None else "-"
+        best = f"{t['best_ms']:.4f}" if t["best_ms"] is not None else "-"
+        speedup = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
+        name = t["name"] if len(t["name"]) <= 44 else t["name"][:41] + "..."
+        lines.append(f"      {name:<44} {t['weight']:>6} {t['trials']:>6} {untuned:>11} {best:>9} {speedup:>8}")
+    return lines
+
+
+class _Bar:
+    """The search's progress bar: measured / budget, the best latency of the task just measured,
+    failures and elapsed time; redrawn in place on a terminal (`ctx.progress`)."""
+
+    def __init__(self, ctx, kind: str) -> None:
+        self.ctx, self.kind = ctx, kind
+        self.shown = False
+
+    def __call__(self, p) -> None:
+        width = 24
+        filled = min(width, int(width * p.measured / max(1, p.budget)))
+        best = p.best_ms.get(p.task)
+        line = (f"tune: {self.kind} [{'#' * filled}{'.' * (width - filled)}] {p.measured}/{p.budget} trials"
+                f" | {p.task}: best {best:.4f} ms" if best is not None else
+                f"tune: {self.kind} [{'#' * filled}{'.' * (width - filled)}] {p.measured}/{p.budget} trials"
+                f" | {p.task}: no valid candidate yet")
+        line += f" | {_duration(p.elapsed_s)}" + (f" | {p.failed} failed" if p.failed else "")
+        progress = getattr(self.ctx, "progress", None)
+        (progress or self.ctx.log)(line)
+        self.shown = True
+
+    def close(self) -> None:
+        progress = getattr(self.ctx, "progress", None)
+        if self.shown and progress is not None:
+            progress(None)  # end the redrawn line
+
+
+def _records(db: Path) -> int:
+    return sum(sum(1 for line in f.read_bytes().splitlines() if line.strip())
+               for f in db.glob("*/database_tuning_record.json"))
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

@@ -1,7 +1,7 @@
 """TVM backend: an ONNX segment compiled by Apache TVM Relax into a shared library.
 
-Every build-side TVM call of edgesdk lives in this file, so a TVM API rename costs one
-file (TVM 0.27: Relax only, MetaSchedule under `tvm.s_tir.meta_schedule`, targets as
+Every build-side TVM call of edgesdk lives in this package (compilation here, tuning in
+`tuning.py`), so a TVM API rename costs one place (TVM 0.27: Relax only, MetaSchedule under `tvm.s_tir.meta_schedule`, targets as
 JSON dicts). The bundle runtime loads the library with `tvm.runtime.load_module` and
 runs its Relax VM function `main`.
 
@@ -14,7 +14,8 @@ records by the structural hash of each fused TIR function, so the functions that
              MetaSchedule decisions (CPU)--> all scheduled --VM codegen, LLVM / CUDA C-->
              .so (cross-linked for aarch64)
     tune:    the same fused TIR functions --MetaSchedule (evolutionary search, XGBoost
-             cost model, measured here)--> records in a JSON database, one per target
+             cost model, measured here or on boards over RPC)--> records in a JSON
+             database, one per target (tuning.py)
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 
 import onnx
 
-from ..errors import UserError
-from ..runtime.manifest import TensorSpec
+from ...errors import UserError
+from ...runtime.manifest import TensorSpec
 
 _ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 
@@ -133,110 +134,7 @@ def compile_onnx(
     )
 
 
-def tune_onnx(
-    model: onnx.ModelProto,
-    target: dict,
-    tuning_db: Path,
-    *,
-    trials: int,
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
-    max_trials_per_task: int | None = None,
-) -> dict:
-    """Search schedules for the segment's TIR functions with MetaSchedule.
-
-    The search is evolutionary, guided by an XGBoost cost model, and measures candidates
-    on this machine (so it needs the target's CPU; CUDA tuning needs a GPU here). Records
-    are appended to the JSON database in the directory `tuning_db` (created when absent),
-    which persists between builds. A task that already holds `max_trials_per_task` records
-    (default: `trials`) is not searched again, so re-tuning a tuned workload costs no
-    trials. `trials == 0` does nothing. `trials` is the budget over all tasks.
-
-    Returns a summary: `tasks` (tunable functions), `searched` and `reused` (tasks searched
-    now / skipped as already tuned), `trials` (records added now), `best_ms` (task name ->
-    best latency in the database, ms), `seed`.
-    """
-    summary: dict[str, Any] = {"tasks": 0, "searched": 0, "reused": 0, "trials": 0, "best_ms": {}, "seed": seed}
-    if trials <= 0:
-        return summary
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
-    target, tvm_target = _resolve_target(target)
-    _check_measurable(target, tvm_target)
-    if tvm_target.kind.name == "llvm" and "num-cores" not in target:
-        # MetaSchedule sizes parallel loops by the target's core count; the candidates run
-        # on this machine, so its physical cores it is. The database keeps the target as
-        # given, so that compiling for it finds these records.
-        tvm_target = tvm.target.Target({**target, "num-cores": ms.utils.cpu_count(logical=False)})
-    mod = _lower(_import(model), tvm_target)
-    extracted = list(ms.relax_integration.extract_tasks(mod, tvm_target))
-    summary["tasks"] = len(extracted)
-    per_task = max_trials_per_task or trials
-    database = _open_database(Path(tuning_db), target, must_exist=False)
-    # A task is done when it holds `per_task` records, or when a search with at least this
-    # budget already ran (a small task's space can run out of new candidates before that).
-    counts, searched = _record_counts(database), _searched_budgets(Path(tuning_db))
-    keys = [_workload_key(t) for t in extracted]
-    todo_keys = [k for k in keys if counts.get(k, 0) < per_task and searched.get(k, 0) < per_task]
-    todo = [t for t, k in zip(extracted, keys) if k in todo_keys]
-    summary["reused"] = len(extracted) - len(todo)
-    summary["searched"] = len(todo)
-    records_before = len(database)
-    if todo:
-        batch = min(64, per_task)  # one measured batch must not overshoot a small budget
-        # The population the cost model ranks to pick each batch: 16 candidates per slot
-        # keeps the batch diverse; TVM's fixed 512 costs seconds per round on small budgets.
-        strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(64, 16 * batch)))
-        # A build worker costs ~4 s to start and a build ~0.3 s: a second worker pays off
-        # from batches of about a dozen candidates.
-        builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), batch // 8)))
-        _tensor_intrin_importer()()  # before TuneContext does it the slow way
-        _drop_unnamed_handlers("tvm.s_tir.meta_schedule")
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            todo, work_dir=str(tuning_db), strategy=strategy, seed=seed
-        )
-        callbacks = list(ms.MeasureCallback.create("default"))
-        if progress is not None:
-            callbacks.append(_progress_callback(progress, [t.task_name for t in todo]))
-        try:
-            ms.tune_tasks(
-                tasks=contexts,
-                task_weights=weights,
-                work_dir=str(tuning_db),
-                max_trials_global=trials,
-                max_trials_per_task=per_task,
-                num_trials_per_iter=batch,
-                builder=builder,
-                database=database,
-                cost_model="xgb",
-                measure_callbacks=callbacks,
-            )
-        finally:
-            builder.shutdown()
-    summary["trials"] = len(database) - records_before
-    if todo:
-        _record_searched_budgets(Path(tuning_db), dict.fromkeys(todo_keys, per_task))
-    for task in extracted:
-        best = _best_ms(database, task)
-        if best is not None:
-            summary["best_ms"][task.task_name] = best
-    return summary
-
-
 # --- import and lowering -------------------------------------------------------------
-
-
-def _drop_unnamed_handlers(logger_name: str) -> None:
-    """MetaSchedule rebuilds its loggers with logging.config.dictConfig, naming each handler the
-    logger already has; a handler someone else attached without a name (a test harness's, an
-    application's) makes that crash with `'NoneType' object has no attribute 'format'`."""
-    import logging
-
-    logger = logging.getLogger(logger_name)
-    for handler in list(logger.handlers):
-        if handler.get_name() is None:
-            logger.removeHandler(handler)
 
 
 def _import(model: onnx.ModelProto) -> Any:
@@ -378,13 +276,6 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
 
     tvm_target = tvm.target.Target({**target, "num-cores": target.get("num-cores", _DEFAULT_NUM_CORES)})
 
-    def postprocs() -> list:  # fresh ones per function: the tuning context initializes them
-        return [
-            ms.postproc.DisallowDynamicLoop(),
-            ms.postproc.RewriteParallelVectorizeUnroll(),
-            ms.postproc.RewriteReductionBlock(),
-        ]
-
     todo = [
         (gvar, func)
         for gvar, func in mod.functions_items()
@@ -395,7 +286,7 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
     scheduled = 0
     for gvar, func in todo:
         try:
-            new = _cpu_default_schedule(func, tvm_target, postprocs)
+            new = _cpu_default_schedule(func, tvm_target)
         except Exception:  # noqa: BLE001 -- a rule that does not fit leaves the loop nest
             new = None
         if new is not None:
@@ -404,8 +295,25 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
     return mod, scheduled
 
 
-def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], list]) -> Any:
+def _cpu_default_postprocs() -> list:
+    """Fresh postprocessors for one function: the tuning context initializes them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return [
+        ms.postproc.DisallowDynamicLoop(),
+        ms.postproc.RewriteParallelVectorizeUnroll(),
+        ms.postproc.RewriteReductionBlock(),
+    ]
+
+
+def _cpu_default_schedule(func: Any, tvm_target: Any) -> Any:
     """`func` scheduled by `_cpu_default_schedules`' heuristic, or None."""
+    sch = _cpu_default_sch(func, tvm_target, _cpu_default_postprocs)
+    return None if sch is None else sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _cpu_default_sch(func: Any, tvm_target: Any, postprocs: Callable[[], list]) -> Any:
+    """The schedule (with its trace, so it can be a tuning record) of `_cpu_default_schedule`, or None."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
@@ -426,8 +334,13 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
     fused = [s for s in spaces if any(i.kind.name == "ReverseComputeAt" for i in s.trace.insts)]
     for space in fused[:1] + spaces[:1]:
         sch = _replay(func, space.trace)
-        if _runs_every_instance(sch) and all(p.apply(sch) for p in context.space_generator.postprocs):
-            return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        if not _runs_every_instance(sch.copy()):  # a copy: its queries stay out of the trace
+            continue
+        # the marker MetaSchedule puts before postprocessing: a search that mutates this trace
+        # (it is a tuning record too) replays the decisions and postprocesses afresh
+        sch.enter_postproc()
+        if all(p.apply(sch) for p in context.space_generator.postprocs):
+            return sch
     return None
 
 
@@ -680,72 +593,6 @@ def _open_database(path: Path, target: dict, *, must_exist: bool) -> Any:
     return ms.database.JSONDatabase(work_dir=str(path), allow_missing=True)
 
 
-def _check_measurable(target: dict, tvm_target: Any) -> None:
-    """Tuning measures candidates on this machine: it must be able to run them."""
-    import tvm
-
-    if tvm_target.kind.name == "cuda" and not tvm.cuda(0).exist:
-        raise UserError(
-            "tvm.tune-needs-gpu",
-            "tuning a cuda segment measures kernels on a GPU, and this machine has none",
-            hint="tune on the GPU host, or build with tuning off (dlight's default schedules)",
-        )
-    host = _ARCHES.get(platform.machine().lower())
-    if tvm_target.kind.name == "llvm" and target_arch(target) != host:
-        raise UserError(
-            "tvm.tune-foreign-cpu",
-            f"tuning for {target_arch(target)} measures kernels on that cpu, and this host is {host}",
-            hint="tune on the device itself, or build with tuning off",
-        )
-
-
-def _workload_key(task: Any) -> str:
-    from tvm.s_tir.meta_schedule.utils import shash2hex
-
-    return shash2hex(task.dispatched[0])
-
-
-def _record_counts(database: Any) -> dict[str, int]:
-    """Records (valid or not) per workload structural hash."""
-    from tvm.s_tir.meta_schedule.utils import shash2hex
-
-    counts: dict[str, int] = {}
-    for record in database.get_all_tuning_records():
-        key = shash2hex(record.workload.mod)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def _searched_budgets(path: Path) -> dict[str, int]:
-    """Workload hash -> the largest per-task budget a finished search had (`searched.json`)."""
-    import json
-
-    file = path / "searched.json"
-    return json.loads(file.read_text()) if file.exists() else {}
-
-
-def _record_searched_budgets(path: Path, budgets: dict[str, int]) -> None:
-    import json
-
-    merged = _searched_budgets(path)
-    for key, budget in budgets.items():
-        merged[key] = max(merged.get(key, 0), budget)
-    tmp = path / "searched.json.tmp"
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path / "searched.json")
-
-
-def _best_ms(database: Any, task: Any) -> float | None:
-    mod = task.dispatched[0]
-    if not database.has_workload(mod):
-        return None
-    top = database.get_top_k(database.commit_workload(mod), 1)
-    if not top or not top[0].run_secs:
-        return None
-    secs = [float(s) for s in top[0].run_secs]
-    return round(1e3 * sum(secs) / len(secs), 6)
-
-
 def _tensor_intrin_importer() -> Callable[[], None]:
     """A function that imports `tvm.s_tir.tensor_intrin` in ~4 s instead of 20-50 s.
 
@@ -772,66 +619,8 @@ def _tensor_intrin_importer() -> Callable[[], None]:
     return import_tensor_intrin
 
 
-def _pooled_builder(max_workers: int) -> Any:
-    """A MetaSchedule builder whose worker processes live as long as the tuning run.
+# The tuning half of this backend, re-exported (it uses the lowering above, so it comes last).
+from .tuning import Boards, Progress, check_boards, repair_database, tune_onnx  # noqa: E402
 
-    TVM's LocalBuilder starts fresh workers for every measured batch, and each worker's
-    first build imports `tvm.s_tir.tensor_intrin` (see `_tensor_intrin_importer`). These
-    workers import it once per tuning run, while the tuning process prepares the search.
-    """
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
-    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
-    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
-
-    timeout_sec = 60.0
-
-    @derived_object
-    class _PooledBuilder(PyBuilder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.pool = PopenPoolExecutor(
-                max_workers=max_workers,
-                timeout=timeout_sec,
-                initializer=_tensor_intrin_importer(),
-            )
-            # Start the workers now: their import overlaps the tuning process's own.
-            for _ in range(max_workers):
-                self.pool.submit(int)
-
-        def build(self, build_inputs):
-            jobs = [(None, None, b.mod, b.target, _serialize_params(b.params)) for b in build_inputs]
-            results = []
-            for result in self.pool.map_with_error_catching(lambda job: _worker_func(*job), jobs):
-                if result.status == StatusKind.COMPLETE:
-                    results.append(BuilderResult(result.value, None))
-                elif result.status == StatusKind.TIMEOUT:
-                    results.append(BuilderResult(None, f"build timed out after {timeout_sec} s"))
-                else:
-                    results.append(BuilderResult(None, f"build failed: {result.value}"))
-            return results
-
-        def shutdown(self) -> None:
-            self.pool.shutdown()
-
-    return _PooledBuilder()
-
-
-def _progress_callback(progress: Callable[[str], None], names: list[str]) -> Any:
-    """A MetaSchedule measure callback that reports each measured batch to `progress`."""
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
-
-    best: dict[int, float] = {}
-
-    @derived_object
-    class _Progress(PyMeasureCallback):
-        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
-            for result in runner_results:
-                if result.run_secs:
-                    ms_ = 1e3 * sum(float(s) for s in result.run_secs) / len(result.run_secs)
-                    best[task_id] = min(best.get(task_id, math.inf), ms_)
-            shown = f"{best[task_id]:.4f} ms" if task_id in best else "no valid candidate yet"
-            progress(f"tune {names[task_id]}: {len(runner_results)} measured, best {shown}")
-
-    return _Progress()
+__all__ = ["Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "importer_ops", "repair_database",
+           "target_arch", "tune_onnx"]

@@ -1,0 +1,185 @@
+"""Tuning measured on remote boards over TVM RPC: a tracker on loopback, and an aarch64 board
+emulated by an RPC server in the arm64 root file system under qemu-user (DESIGN §7). The
+candidates are cross-built here and measured there; a board that drops out mid-run stops the
+search with a report, and the next run resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edgesdk.backends import qemu
+from edgesdk.backends import tvm as tvm_backend
+from edgesdk.errors import UserError
+from tests.backends.test_qemu import rootfs  # noqa: F401 -- the session fixture
+from tests.backends.test_tvm import AARCH64, elf_machine, single_task_graph
+
+HERE = Path(__file__).resolve().parent
+EXTRA = "opt/edgesdk-site/tvm/lib/libtvm_runtime_extra.so"
+KEY = "a72-qemu"
+EM_AARCH64 = 183
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process and what it forked (the tracker's worker)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _servers(port: int, key: str) -> int:
+    return tvm_backend.tuning._servers(tvm_backend.Boards("127.0.0.1", port, key))
+
+
+class Board:
+    """The emulated board: the guest's RPC server, registered with the tracker under KEY."""
+
+    def __init__(self, rootfs: Path, tracker_port: int, log: Path) -> None:
+        self.rootfs, self.tracker_port, self.log = rootfs, tracker_port, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = [str(HERE / "qemu_rpc_server.py"), "--tracker", f"127.0.0.1:{self.tracker_port}", "--key", KEY,
+                "--port", str(port := _free_port()), "--port-end", str(port + 1),
+                "--load-library", str(self.rootfs / EXTRA)]
+        with open(self.log, "a") as out:
+            self.proc = qemu.start_python(self.rootfs, args, cwd=self.log.parent, stdout=out, stderr=out,
+                                          env={"TVM_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while _servers(self.tracker_port, KEY) == 0:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the emulated board did not register with the tracker"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("rpc") / "tracker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                                 "--port", str(port), "--port-end", str(port + 1)],
+                                stdout=out, stderr=out, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+    yield port
+    _stop(proc)
+
+
+@pytest.fixture
+def board(rootfs, tracker, tmp_path):  # noqa: F811
+    b = Board(rootfs, tracker, tmp_path / "board.log")
+    b.start()
+    yield b
+    b.kill()
+
+
+def test_candidates_are_measured_on_the_emulated_board(board, tracker, tmp_path):
+    """8 aarch64 candidates built here, measured on the board; the records compile into a tuned
+    aarch64 library."""
+    db = tmp_path / "db"
+    boards = tvm_backend.Boards("127.0.0.1", tracker, KEY)
+    summary = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=9, batch=8, boards=boards,
+                                    num_cores=1)
+    assert summary["measured_on"] == f"1 board(s) {KEY}@127.0.0.1:{tracker}"
+    assert summary["failures"] == {"build": 0, "run": 0, "messages": []}, summary["failures"]
+    assert summary["stopped"] == "budget" and summary["trials"] == 9
+    (task,) = summary["per_task"]
+    assert task["untuned_ms"] > 0 and 0 < task["best_ms"] <= task["untuned_ms"]
+    records = [json.loads(line) for line in (db / "database_tuning_record.json").read_text().splitlines()]
+    assert len(records) == 9 and all(max(r[1][1]) < 1e9 for r in records)
+    assert json.loads((db / "target.json").read_text())["mtriple"] == "aarch64-linux-gnu"
+    built = tvm_backend.compile_onnx(single_task_graph(), AARCH64, tmp_path / "tuned.so", tuning_db=db)
+    assert (built.tasks, built.tuned) == (1, 1)
+    assert elf_machine(tmp_path / "tuned.so")[2] == EM_AARCH64
+
+
+def test_a_board_that_drops_out_stops_the_search_and_the_next_run_resumes(board, tracker, tmp_path):
+    db = tmp_path / "db"
+    boards = tvm_backend.Boards("127.0.0.1", tracker, KEY)
+    batches = []
+
+    def unplug_after_first_batch(p):
+        batches.append(p)
+        if len(batches) == 1:
+            board.kill()
+
+    first = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=33, batch=8, boards=boards,
+                                  num_cores=1, progress=unplug_after_first_batch)
+    assert first["stopped"] == "boards-lost", first
+    assert "all failed to run on the boards" in first["stop_message"]
+    assert first["failures"]["run"] >= 16 and "no board is registered" in first["failures"]["messages"][-1]
+    lines = (db / "database_tuning_record.json").read_text().splitlines()
+    valid = [r for r in (json.loads(line) for line in lines) if max(r[1][1]) < 1e9]
+    assert len(valid) == 1 + 8  # the baseline and the batch measured before the board went
+    assert not (db / "searched.json").exists()  # not finished
+
+    board.start()  # plugged in again: the search resumes with what is left of the budget
+    second = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=33, batch=8, boards=boards,
+                                   num_cores=1)
+    assert second["stopped"] == "budget" and second["failures"]["run"] == 0, second
+    valid_after = [r for r in (json.loads(line) for line in
+                               (db / "database_tuning_record.json").read_text().splitlines()) if max(r[1][1]) < 1e9]
+    assert len(valid_after) == 33
+
+
+def test_a_key_without_boards_is_a_user_error(tracker, tmp_path):
+    boards = tvm_backend.Boards("127.0.0.1", tracker, "no-such-board")
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as err:
+        tvm_backend.tune_onnx(single_task_graph(), AARCH64, tmp_path / "db", trials=8, boards=boards)
+    assert err.value.code == "tune.rpc-no-board" and "'no-such-board'" in err.value.message
+    assert time.monotonic() - t0 < 30  # TVM's own request would wait forever
+
+
+def test_a_build_for_the_arm_board_tunes_on_it(board, tracker, tmp_path):
+    """`edgesdk build --target arm_2tpu --trials 8 --rpc-tracker ... --rpc-key ...` with a model the
+    Edge TPU refuses (a sine): its aarch64 CPU segment is tuned on the emulated board and ships tuned."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgesdk.runtime import Manifest
+    from tests.test_cli import edgesdk
+
+    g = helper.make_graph([helper.make_node("Sin", ["x"], ["s"]), helper.make_node("Mul", ["s", "x"], ["y"])], "sine",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 64])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "sine.onnx"))
+    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+                   "--trials", "8", "--tuning-db", str(tmp_path / "db"),
+                   "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
+    assert proc.returncode == 0, proc.stderr
+    assert f"measured on {KEY} boards via 127.0.0.1:{tracker}" in proc.stderr
+    m = Manifest.load(tmp_path / "out" / "bundle")
+    (seg,) = [s for s in m.segments if s.backend == "tvm"]
+    # the baseline and what the search found in an elementwise function's small schedule space
+    assert m.tuning["segments"][seg.id]["tuned"] >= 1 and m.tuning["database_records"] >= 2
+    assert elf_machine(tmp_path / "out" / "bundle" / seg.artifact)[2] == EM_AARCH64
