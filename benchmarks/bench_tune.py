@@ -3,6 +3,9 @@ tuning wall time per model, and how much a database from other models speeds up 
 
     .venv/bin/python benchmarks/bench_tune.py [--trials 600] [--transfer-trials 96] [--runs 50] [--threads 2]
 
+A rerun reuses the kept database and the cached builds (no trials); `--transfer-trials 0` then
+measures the latencies again and keeps the transfer results of the last run.
+
 1. Tuning: `edgesdk build MODEL --target <x86 for this host's CPU> --trials N --no-inter-op` for
    MobileNetV2, ResNet50, InceptionV3 (tf.keras.applications, weights=None) and the PP-OCRv4 text
    detector (pretrained, rapidocr-onnxruntime's wheel, 1x3x480x480), in that order, all into one
@@ -232,6 +235,8 @@ def main() -> None:
         result["transfer"] = []
         for name in TRANSFER_MODELS:
             result["transfer"] += transfer(name, kept, target, db / "cpu", args.transfer_trials)
+    elif args.out.exists():  # --transfer-trials 0: a rerun of the latencies keeps the last transfer run
+        result["transfer"] = json.loads(args.out.read_text()).get("transfer")
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     log(f"wrote {args.out}")
 

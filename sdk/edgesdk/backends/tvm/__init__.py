@@ -113,8 +113,7 @@ def compile_onnx(
     with tvm_target, tvm.transform.PassContext(opt_level=3):
         if tuning_db is not None:
             database = _open_database(Path(tuning_db), target, must_exist=True)
-            with database:
-                mod = relax.transform.MetaScheduleApplyDatabase()(mod)
+            mod = _apply_database(mod, database)
         tuned = tasks - _count_unscheduled(mod)
         if "gpu" in tvm_target.keys:
             mod = _gpu_default_schedules(mod)
@@ -293,6 +292,40 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
             mod[gvar] = new
             scheduled += 1
     return mod, scheduled
+
+
+def _apply_database(mod: Any, database: Any, top_k: int = 8) -> Any:
+    """Give each function with records the schedule of its fastest sound record.
+
+    This is MetaSchedule's `MetaScheduleApplyDatabase`, plus a check: TVM 0.27's search can
+    produce a schedule that leaves part of a block's iteration domain unrun (a convolution fused
+    with the next layer's padding, computed per output tile, leaves the padding's border
+    unwritten). It measures fast and computes garbage, so a record whose schedule does not run
+    every instance of every block is passed over for the next best.
+    """
+    from tvm import s_tir, tirx
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", False):
+            continue
+        workload = _normalize_mod(func)
+        if not database.has_workload(workload):
+            continue
+        for record in database.get_top_k(database.commit_workload(workload), top_k):
+            sch = s_tir.Schedule(workload)
+            try:
+                record.trace.apply_to_schedule(sch, remove_postproc=False)
+            except Exception:  # noqa: BLE001 -- a trace that no longer replays
+                continue
+            if not _runs_every_instance(sch.copy()):
+                continue
+            new = sch.mod["main"]
+            if "global_symbol" not in (func.attrs or {}):  # as MetaScheduleApplyDatabase keeps it
+                new = new.without_attr("global_symbol")
+            mod[gvar] = new.with_attr("tirx.is_scheduled", True)
+            break
+    return mod
 
 
 def _cpu_default_postprocs() -> list:

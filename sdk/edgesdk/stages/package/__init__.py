@@ -161,6 +161,11 @@ def run(artifact: Path, ctx) -> dict:
     for name, a in accuracy["tensors"].items():
         ctx.log(f"package: accuracy of {name} vs the fp32 model: cosine {a['cosine']:.5f}, "
                 f"max abs error {a['max_abs_error']:.4g}")
+        if not any(s.backend == "tflite" for s in segments) and a["cosine"] < 0.9999:
+            # nothing is quantized: a float plan that disagrees with the model has a wrong kernel
+            ctx.warn(f"{name} differs from the fp32 model (cosine {a['cosine']:.5f}) although no segment is "
+                     f"quantized: a compiled kernel computes wrong results; rebuild with --tuning-db pointing "
+                     f"at an empty directory to rule out a tuning record, and report it")
     manifest = dataclasses.replace(manifest, accuracy=accuracy)
     manifest = dataclasses.replace(manifest, files=_file_table(bundle))
     (bundle / "manifest.json").write_text(manifest.to_json())
