@@ -562,21 +562,27 @@ def _module_tree(module: Any):
         yield from _module_tree(imported)
 
 
+def _cross_compiler(target: dict) -> str | None:
+    """The gcc that links a library for `target` when its CPU is not this host's; None when it is."""
+    arch = target_arch(target)
+    if arch == _ARCHES.get(platform.machine().lower()):
+        return None
+    compiler = f"{arch}-linux-gnu-gcc"
+    if shutil.which(compiler) is None:
+        raise UserError(
+            "tvm.no-cross-compiler",
+            f"linking for {arch} needs {compiler}, which is not on PATH",
+            hint=f"install it: apt-get install gcc-{arch}-linux-gnu",
+        )
+    return compiler
+
+
 def _export(executable: Any, target: dict, out_path: Path) -> None:
     """Link `executable` into `out_path` atomically, cross-linking for a foreign CPU."""
     from tvm.support import cc
 
-    arch = target_arch(target)
-    options: dict[str, Any] = {}
-    if arch != _ARCHES.get(platform.machine().lower()):
-        compiler = f"{arch}-linux-gnu-gcc"
-        if shutil.which(compiler) is None:
-            raise UserError(
-                "tvm.no-cross-compiler",
-                f"linking for {arch} needs {compiler}, which is not on PATH",
-                hint=f"install it: apt-get install gcc-{arch}-linux-gnu",
-            )
-        options["fcompile"] = cc.cross_compiler(compiler)
+    compiler = _cross_compiler(target)
+    options: dict[str, Any] = {"fcompile": cc.cross_compiler(compiler)} if compiler else {}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".so", dir=out_path.parent)
     os.close(fd)

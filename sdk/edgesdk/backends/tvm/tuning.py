@@ -123,7 +123,7 @@ def tune_onnx(
     name, weight, trials (measured now), records (in the database), untuned_ms, best_ms,
     speedup.
     """
-    from . import _resolve_target
+    from . import _cross_compiler, _resolve_target
 
     start = time.monotonic()
     models = [models] if isinstance(models, onnx.ModelProto) else list(models)
@@ -137,8 +137,8 @@ def tune_onnx(
     say = log or (lambda s: None)
     target, tvm_target = _resolve_target(target)
     if boards is not None:
-        free = check_boards(boards)
-        summary["measured_on"] = f"{free} board(s) {boards}"
+        servers = check_boards(boards)
+        summary["measured_on"] = f"{servers} board(s) {boards}"
     else:
         _check_measurable(target, tvm_target)
         summary["measured_on"] = "this host"
@@ -169,7 +169,8 @@ def tune_onnx(
     stop = {"why": "budget" if todo else "done"}
     if todo:
         runner = _runner(ms, boards)
-        builder = _pooled_builder(max_workers=max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)))
+        builder = _pooled_builder(max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)),
+                                  _cross_compiler(target))
         try:
             new = [t for t in todo if baseline.get(t.key) is None]
             if new:
@@ -262,33 +263,28 @@ def _search(ms, todo, tvm_target, log_dir, budget, batch, seed, builder, runner,
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="edgesdk-tune-logs-"))
-        _run_search(ms, todo, str(log_dir), budget, batch, seed, strategy, builder, runner, database, cost_model,
-                    watch)
-
-
-def _run_search(ms, todo, work_dir, budget, batch, seed, strategy, builder, runner, database, cost_model,
-                watch) -> None:
-    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-        [t.extracted for t in todo], work_dir=work_dir, strategy=strategy, seed=seed
-    )
-    try:
-        ms.tune_tasks(
-            tasks=contexts,
-            task_weights=weights,
-            work_dir=work_dir,
-            max_trials_global=budget,
-            max_trials_per_task=budget,
-            num_trials_per_iter=batch,
-            builder=builder,
-            runner=runner,
-            database=database,
-            cost_model=cost_model,
-            measure_callbacks=[*ms.MeasureCallback.create("default"), watch.callback()],
+        work_dir = str(log_dir)
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            [t.extracted for t in todo], work_dir=work_dir, strategy=strategy, seed=seed
         )
-    except Exception:
-        if watch.stop.get("why") in ("time", "boards-lost", "interrupted"):
-            return  # `_Watch._end` left the loop on purpose
-        raise
+        try:
+            ms.tune_tasks(
+                tasks=contexts,
+                task_weights=weights,
+                work_dir=work_dir,
+                max_trials_global=budget,
+                max_trials_per_task=budget,
+                num_trials_per_iter=batch,
+                builder=builder,
+                runner=runner,
+                database=database,
+                cost_model=cost_model,
+                measure_callbacks=[*ms.MeasureCallback.create("default"), watch.callback()],
+            )
+        except Exception:
+            if watch.stop.get("why") in ("time", "boards-lost", "interrupted"):
+                return  # `_Watch._end` left the loop on purpose
+            raise
 
 
 class _Watch:
@@ -311,11 +307,11 @@ class _Watch:
         @derived_object
         class _Callback(PyMeasureCallback):
             def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
-                watch.apply(task_scheduler, task_id, builder_results, runner_results)
+                watch.apply(task_id, builder_results, runner_results)
 
         return _Callback()
 
-    def apply(self, scheduler, task_id, builder_results, runner_results) -> None:
+    def apply(self, task_id, builder_results, runner_results) -> None:
         name = self.names[task_id]
         ran = 0
         for built, result in zip(builder_results, runner_results):
@@ -334,20 +330,20 @@ class _Watch:
             self.progress(Progress(self.measured, self.budget, time.monotonic() - self.start, name,
                                    dict(self.best), failed))
         if self.interrupted:
-            self._end(scheduler, "interrupted", "")
+            self._end("interrupted", "")
         elif self.remote and self.failed_batches >= _LOST_BOARD_BATCHES:
-            self._end(scheduler, "boards-lost",
+            self._end("boards-lost",
                       f"the last {self.failed_batches} batches all failed to run on the boards "
                       f"({self.failures['messages'][-1] if self.failures['messages'] else 'no message'})")
         elif time.monotonic() >= self.deadline:
-            self._end(scheduler, "time", "")
+            self._end("time", "")
 
     def _fail(self, kind: str, task: str, message: str) -> None:
         self.failures[kind] += 1
         if len(self.failures["messages"]) < 5:
             self.failures["messages"].append(f"{kind} of a {task} candidate: {_gist(message)}")
 
-    def _end(self, scheduler, why: str, message: str) -> None:
+    def _end(self, why: str, message: str) -> None:
         """Stop the search now. The batch just measured is already in the database (MetaSchedule's
         own callbacks ran before this one). Marking the tasks terminated from here trips the
         scheduler's own checks, so the search is left by an exception that `_search` expects."""
@@ -599,21 +595,18 @@ def _check_measurable(target: dict, tvm_target: Any) -> None:
 # --- building candidates -------------------------------------------------------------
 
 
-def _build_job(mod: Any, target: Any, params: Any) -> str:
-    """Build one candidate into a shared library (cross-linked for a foreign CPU). Runs in a
-    builder worker process; a library, not TVM's default .tar, so that a board needs no compiler."""
-    import platform
-    import shutil
+def _build_job(mod: Any, target: Any, params: Any, compiler: str | None) -> str:
+    """Build one candidate into a shared library, linked by `compiler` when the target's CPU is
+    not this host's. Runs in a builder worker process; a library, not TVM's default .tar, so
+    that a board needs no compiler."""
     import tempfile
 
     import tvm
-    from tvm.support import cc
-
     from tvm import s_tir
+    from tvm.support import cc
 
     from . import _runs_every_instance
 
-    arches = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
     try:
         sound = _runs_every_instance(s_tir.Schedule(mod))
     except Exception:  # noqa: BLE001 -- not a block-structured function: the build decides
@@ -624,18 +617,8 @@ def _build_job(mod: Any, target: Any, params: Any) -> str:
                            "of a fused epilogue unwritten): refused")
     with target:  # the relax VM-free build MetaSchedule does: the function alone
         lib = tvm.compile(mod, target=target)
-    triple = str(target.attrs.get("mtriple", "")) if target.kind.name == "llvm" else ""
-    if target.kind.name == "cuda" and target.host is not None:
-        triple = str(target.host.attrs.get("mtriple", ""))
-    arch = arches.get(triple.split("-")[0], arches.get(platform.machine().lower()))
-    options = {}
-    if arch != arches.get(platform.machine().lower()):
-        compiler = f"{arch}-linux-gnu-gcc"
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"linking for {arch} needs {compiler}, which is not on PATH")
-        options["fcompile"] = cc.cross_compiler(compiler)
     path = os.path.join(tempfile.mkdtemp(prefix="edgesdk-tune-"), "candidate.so")
-    lib.export_library(path, **options)
+    lib.export_library(path, **({"fcompile": cc.cross_compiler(compiler)} if compiler else {}))
     return path
 
 
@@ -644,8 +627,9 @@ def _build_jobs(build_inputs: list) -> list[tuple]:
     return [(b.mod, b.target, None) for b in build_inputs]
 
 
-def _pooled_builder(max_workers: int) -> Any:
-    """A MetaSchedule builder whose worker processes live as long as the tuning run.
+def _pooled_builder(max_workers: int, compiler: str | None) -> Any:
+    """A MetaSchedule builder whose worker processes live as long as the tuning run; libraries
+    are linked by `compiler` (`_cross_compiler`; None: this host's).
 
     TVM's LocalBuilder starts fresh workers for every measured batch, and each worker's
     first build imports `tvm.s_tir.tensor_intrin` (see `_tensor_intrin_importer`). These
@@ -670,7 +654,8 @@ def _pooled_builder(max_workers: int) -> Any:
 
         def build(self, build_inputs):
             results = []
-            for result in self.pool.map_with_error_catching(lambda job: _build_job(*job), _build_jobs(build_inputs)):
+            for result in self.pool.map_with_error_catching(lambda job: _build_job(*job, compiler),
+                                                           _build_jobs(build_inputs)):
                 if result.status == StatusKind.COMPLETE:
                     results.append(BuilderResult(result.value, None))
                 elif result.status == StatusKind.TIMEOUT:

@@ -35,11 +35,6 @@ def default_tuning_db(target_name: str) -> Path:
     return base / "edgesdk" / "tuning" / target_name
 
 
-def codegen_for(target, device_id: str) -> dict:
-    kind = device_id.split(":")[0]
-    return next(d for d in target.devices if d.kind == kind).codegen
-
-
 def _db_path(options, target) -> Path:
     return Path(options.tuning_db) if options.tuning_db else default_tuning_db(target.name)
 
@@ -80,7 +75,7 @@ def run(artifact: Path, ctx) -> dict:
         bar = _Bar(ctx, kind)
         summary = tvm_backend.tune_onnx(
             [onnx.load(str(artifact / s["artifact"])) for s in segments],
-            codegen_for(ctx.target, segments[0]["device"]),
+            device.codegen,
             db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
             trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed,
             progress=bar, log=ctx.log, boards=boards,
@@ -141,19 +136,15 @@ class _Bar:
         width = 24
         filled = min(width, int(width * p.measured / max(1, p.budget)))
         best = p.best_ms.get(p.task)
-        line = (f"tune: {self.kind} [{'#' * filled}{'.' * (width - filled)}] {p.measured}/{p.budget} trials"
-                f" | {p.task}: best {best:.4f} ms" if best is not None else
-                f"tune: {self.kind} [{'#' * filled}{'.' * (width - filled)}] {p.measured}/{p.budget} trials"
-                f" | {p.task}: no valid candidate yet")
-        line += f" | {_duration(p.elapsed_s)}" + (f" | {p.failed} failed" if p.failed else "")
-        progress = getattr(self.ctx, "progress", None)
-        (progress or self.ctx.log)(line)
+        line = (f"tune: {self.kind} [{'#' * filled}{'.' * (width - filled)}] {p.measured}/{p.budget} trials | {p.task}: "
+                + (f"best {best:.4f} ms" if best is not None else "no valid candidate yet")
+                + f" | {_duration(p.elapsed_s)}" + (f" | {p.failed} failed" if p.failed else ""))
+        (self.ctx.progress or self.ctx.log)(line)
         self.shown = True
 
     def close(self) -> None:
-        progress = getattr(self.ctx, "progress", None)
-        if self.shown and progress is not None:
-            progress(None)  # end the redrawn line
+        if self.shown and self.ctx.progress is not None:
+            self.ctx.progress(None)  # end the redrawn line
 
 
 def _records(db: Path) -> int:
