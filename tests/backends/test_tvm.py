@@ -211,3 +211,14 @@ def test_untuned_functions_get_the_default_schedule_deterministically(conv_x86, 
     again = tvm_backend.compile_onnx(model, HOST, tmp_path / "again.so")
     assert (tmp_path / "again.so").read_bytes() == out.read_bytes()
     assert again.default_scheduled == result.default_scheduled
+
+
+def test_a_missing_cross_linker_is_named(monkeypatch, tmp_path):
+    """Exported libraries and tuning candidates alike are linked by `_cross_compiler`'s choice."""
+    monkeypatch.setattr(tvm_backend.shutil, "which", lambda name: None)
+    with pytest.raises(UserError) as err:
+        tvm_backend.compile_onnx(single_task_graph(), AARCH64, tmp_path / "x.so")
+    assert err.value.code == "tvm.no-cross-compiler" and "aarch64-linux-gnu-gcc" in err.value.message
+    assert "apt-get install gcc-aarch64-linux-gnu" in err.value.hint
+    assert not (tmp_path / "x.so").exists()
+    assert tvm_backend._cross_compiler(HOST) is None
