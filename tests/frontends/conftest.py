@@ -27,7 +27,7 @@ def mobilenet_keras(tmp_path_factory):
 def unsupported_files(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("unsupported")
     return {"savedmodel": tf_models.unsupported_savedmodel(out), "tflite": tf_models.custom_op_tflite(out),
-            "two-signatures": tf_models.several_signatures_savedmodel(out)}
+            "two-signatures": tf_models.several_signatures_savedmodel(out), "stateful": tf_models.stateful_tflite(out)}
 
 
 @pytest.fixture(scope="session")

@@ -238,6 +238,41 @@ def test_tflite_custom_ops_are_reported_together(unsupported_files, tmp_path):
     ]
 
 
+def test_stateful_tflite_is_refused_naming_the_state_ops(unsupported_files, tmp_path):
+    """Resource variables: refused before tf2onnx (which fails with an IndexError), each state op
+    and the subgraph it sits in named."""
+    path = unsupported_files["stateful"]
+    with pytest.raises(UserError) as e:
+        frontends.load(path, tmp_path)
+    assert e.value.code == "import.tflite-stateful"
+    assert e.value.message == (f"{path}: the TFLite model keeps state in resource variables: ops VAR_HANDLE, "
+                               "READ_VARIABLE, ASSIGN_VARIABLE, CALL_ONCE in 2 of its 2 subgraph(s); edgesdk "
+                               "converts stateless models only")
+    assert e.value.notes == ["subgraph 0 'main': VAR_HANDLE x1, READ_VARIABLE x2, ASSIGN_VARIABLE x1, CALL_ONCE x1",
+                             "subgraph 1 'NoOp': VAR_HANDLE x1, ASSIGN_VARIABLE x1"]
+    assert "without state" in e.value.hint and "as an input" in e.value.hint
+
+
+def test_stateful_tflite_through_the_cli_exits_1_and_leaves_nothing(unsupported_files, tmp_path):
+    import os
+    import subprocess
+
+    from tests.model_zoo import ROOT
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", str(unsupported_files["stateful"]),
+                           "--target", "x86", "-o", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")})
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert "keeps state in resource variables" in errors[0] and "VAR_HANDLE" in errors[0], proc.stderr
+    assert any(line.startswith("hint: export the model without state") for line in lines), proc.stderr
+    assert "Traceback" not in proc.stderr and "IndexError" not in proc.stderr
+    assert not out.exists()
+
+
 def test_savedmodel_with_several_signatures_and_no_default(unsupported_files, tmp_path):
     with pytest.raises(UserError) as e:
         frontends.load(unsupported_files["two-signatures"], tmp_path)

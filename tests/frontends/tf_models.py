@@ -147,6 +147,29 @@ def custom_op_tflite(out: Path) -> Path:
     return path
 
 
+def stateful_tflite(out: Path) -> Path:
+    """A counter: a tf.Variable that the converted function assigns (count += x, y = 2 * count).
+    TFLite keeps it as a resource variable: VAR_HANDLE, READ_VARIABLE and ASSIGN_VARIABLE in the
+    main subgraph, and CALL_ONCE of a second subgraph that initializes the variable."""
+    import tensorflow as tf
+
+    class Counter(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.count = tf.Variable(tf.zeros((1, 4)), name="count")
+
+        @tf.function(input_signature=[tf.TensorSpec((1, 4), tf.float32, name="x")])
+        def __call__(self, x):
+            self.count.assign_add(x)
+            return {"y": 2.0 * self.count}
+
+    counter = Counter()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([counter.__call__.get_concrete_function()], counter)
+    path = out / "counter.tflite"
+    path.write_bytes(converter.convert())
+    return path
+
+
 def several_signatures_savedmodel(out: Path) -> Path:
     import tensorflow as tf
 

@@ -153,3 +153,111 @@ def test_frozen_input_errors(tmp_path):
     r = subprocess.run(base + ["-o", str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1 and "If_0" in r.stderr and "--input-value" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+# Declared shapes that contradict the graph (issue 15, finding 9): exporters write them, onnxruntime
+# warns and runs the model, the import takes the shape the graph computes and names each one.
+
+def _sequence_model(output_dims, value_info_dims=None, input_dims=(1, 5, 4)):
+    """x [1, T=5, 4] -> Transpose -> [T, 1, 4] -> MatMul w [4, 3] -> logits [T, 1, 3], as a
+    recognizer's head computes; the output declares `output_dims`, `t` (the transposed x) declares
+    `value_info_dims` when given."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2], name="to_time_major"),
+         helper.make_node("MatMul", ["t", "w"], ["logits"], name="classes")],
+        "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(input_dims))],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, output_dims)],
+        initializer=[numpy_helper.from_array(w, "w")],
+        value_info=[helper.make_tensor_value_info("t", TensorProto.FLOAT, value_info_dims)]
+        if value_info_dims is not None else [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def _import_inline(model: onnx.ModelProto, tmp_path: Path):
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    record, stage = _import(path, tmp_path / "o")
+    return path, record, onnx.load(str(stage / "model.onnx"))
+
+
+def test_declared_shapes_that_contradict_the_graph_are_replaced_and_named(tmp_path):
+    path, record, model = _import_inline(_sequence_model([1, 5], value_info_dims=[5, 5]), tmp_path)
+    assert record["outputs"] == [{"name": "logits", "shape": [5, 1, 3], "dtype": "float32"}]
+    assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] == [5, 1, 3]
+    assert record["warnings"] == [
+        f"{path}: output 'logits' is declared [1, 5] but the graph computes [5, 1, 3]: "
+        "the inferred shape replaces the declared one",
+        f"{path}: value_info 't' is declared [5, 5] but the graph computes [5, 1, 4]: "
+        "the inferred shape replaces the declared one",
+    ]
+    x = np.random.default_rng(1).normal(size=(1, 5, 4)).astype(np.float32)
+    (ref,) = _session(path).run(None, {"x": x})
+    (got,) = _session(model).run(None, {"x": x})
+    assert got.shape == ref.shape == (5, 1, 3) and _rel(got, ref) < RTOL
+
+
+def test_a_wrong_dimension_of_the_right_rank_is_replaced_too(tmp_path):
+    path, record, _ = _import_inline(_sequence_model([5, 1, 40]), tmp_path)
+    assert record["outputs"][0]["shape"] == [5, 1, 3]
+    assert record["warnings"] == [f"{path}: output 'logits' is declared [5, 1, 40] but the graph computes "
+                                  "[5, 1, 3]: the inferred shape replaces the declared one"]
+
+
+@pytest.mark.parametrize("output_dims, value_info_dims", [
+    ([5, 1, 3], [5, 1, 4]),                    # agrees
+    (["T", "batch", 3], ["T", "batch", 4]),    # symbolic: merely more general
+    ([-1, 1, 3], [-1, -1, 4]),                 # -1, as Paddle writes a dynamic dimension
+    (["T", 1, 3], None),                       # partly symbolic, no value_info at all
+])
+def test_declared_shapes_that_agree_or_are_more_general_are_not_reported(tmp_path, output_dims, value_info_dims):
+    _, record, _ = _import_inline(_sequence_model(output_dims, value_info_dims), tmp_path)
+    assert record["outputs"][0]["shape"] == [5, 1, 3]
+    assert record["warnings"] == []
+
+
+def test_an_input_shape_that_contradicts_the_graph_stays_an_error(tmp_path):
+    """An input is what the user feeds: x declared [1, 5, 6] cannot meet w [4, 3]; the import does
+    not guess which side is wrong, even when the output is declared wrongly as well."""
+    from edgesdk.errors import UserError
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_sequence_model([1, 5], input_dims=(1, 5, 6)), path)
+    with pytest.raises(UserError) as e:
+        _import(path, tmp_path / "o")
+    assert e.value.code == "import.shape-inference" and "MatMul" in e.value.message
+    assert not (tmp_path / "o" / ".build" / "1-import").exists()
+
+
+def test_real_recognizer_with_a_wrongly_declared_output_imports_and_answers_as_onnxruntime(tmp_path):
+    """PP-OCRv4's recognizer (CNN + SVTR sequence head) declares its output [?, ?, 6625]. A copy that
+    declares it [1, 40] (the wrong rank, as the issue's CNN+LSTM model did) and a value_info entry of
+    the wrong shape: the import names both, takes the computed shapes, and answers as onnxruntime
+    does on the original model."""
+    from onnx import TensorProto, helper
+
+    from tests.model_zoo import PPOCR_REC, ppocr_rec
+
+    model = onnx.load(str(ppocr_rec()))
+    output = model.graph.output[0].name
+    middle = model.graph.node[len(model.graph.node) // 2].output[0]
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 40]))
+    model.graph.value_info.append(helper.make_tensor_value_info(middle, TensorProto.FLOAT, [7, 7]))
+    path = tmp_path / "rec_declared_wrong.onnx"
+    onnx.save(model, path)
+
+    record, stage = _import(path, tmp_path / "o", x=(1, 3, 48, 320))
+    assert record["outputs"] == [{"name": output, "shape": [1, 40, 6625], "dtype": "float32"}]
+    assert len(record["warnings"]) == 2, record["warnings"]
+    assert f"output '{output}' is declared [1, 40] but the graph computes [1, 40, 6625]" in record["warnings"][0]
+    assert f"value_info '{middle}' is declared [7, 7] but the graph computes [1, " in record["warnings"][1]
+
+    x = np.random.default_rng(0).uniform(-1, 1, (1, 3, 48, 320)).astype(np.float32)
+    (ref,) = _session(PPOCR_REC).run(None, {"x": x})
+    (got,) = _session(stage / "model.onnx").run(None, {"x": x})
+    assert got.shape == ref.shape == (1, 40, 6625)
+    assert _rel(got, ref) < RTOL

@@ -204,6 +204,7 @@ def _tflite(request: dict) -> dict:
     from . import tflite_custom
 
     flatbuffer = _reading("tflite", lambda: _read_tflite(request["source"]))
+    _refuse_state(flatbuffer["state"], flatbuffer["subgraphs"])
     done: dict[str, str] = {}
     refused: dict[str, str] = {}
     rewrite = tflite_custom.rewriter(flatbuffer["custom_ops"], done, refused)
@@ -222,24 +223,38 @@ def _tflite(request: dict) -> dict:
     return result
 
 
+# TFLite's resource-variable ops: a model that keeps state between invocations (a tf.Variable
+# assigned inside the converted function). CALL_ONCE runs the subgraph that initializes the
+# variables. tf2onnx 1.17 has no conversion for any of them and fails with an IndexError.
+STATE_OPS = ("VAR_HANDLE", "READ_VARIABLE", "ASSIGN_VARIABLE", "CALL_ONCE")
+
+
 def _read_tflite(path: str) -> dict:
     """From the flatbuffer: every custom op (code, output tensor, options), the main subgraph's
-    inputs (name, shape, shape_signature), and signature names for its input and output tensors
-    (what the user called them)."""
+    inputs (name, shape, shape_signature), signature names for its input and output tensors
+    (what the user called them), the number of subgraphs, and per subgraph the count of each
+    state op (STATE_OPS) it holds."""
     from tf2onnx.tflite.BuiltinOperator import BuiltinOperator
     from tf2onnx.tflite.Model import Model
 
     from .tflite_custom import CustomOp
 
     model = Model.GetRootAsModel(bytearray(Path(path).read_bytes()), 0)
-    custom_codes = {}
+    builtin_names = {v: k for k, v in vars(BuiltinOperator).items() if not k.startswith("_")}
+    custom_codes, op_names = {}, {}
     for i in range(model.OperatorCodesLength()):
         code = model.OperatorCodes(i)
-        if max(code.DeprecatedBuiltinCode(), code.BuiltinCode()) == BuiltinOperator.CUSTOM:
+        builtin = max(code.DeprecatedBuiltinCode(), code.BuiltinCode())
+        op_names[i] = builtin_names.get(builtin, str(builtin))
+        if builtin == BuiltinOperator.CUSTOM:
             custom_codes[i] = (code.CustomCode() or b"").decode(errors="replace")
     custom_ops = []
+    state = []
     for s in range(model.SubgraphsLength()):
         graph = model.Subgraphs(s)
+        ops = collections.Counter(op_names.get(graph.Operators(k).OpcodeIndex()) for k in range(graph.OperatorsLength()))
+        if any(ops[name] for name in STATE_OPS):
+            state.append((s, (graph.Name() or b"").decode(errors="replace"), {n: ops[n] for n in STATE_OPS if ops[n]}))
         for k in range(graph.OperatorsLength()):
             op = graph.Operators(k)
             if op.OpcodeIndex() in custom_codes and op.OutputsLength():
@@ -260,7 +275,25 @@ def _read_tflite(path: str) -> dict:
             for j in range(count):
                 t = tensors(j)
                 names[graph.Tensors(t.TensorIndex()).Name().decode(errors="replace")] = t.Name().decode(errors="replace")
-    return {"custom_ops": custom_ops, "signature_names": names, "inputs": inputs}
+    return {"custom_ops": custom_ops, "signature_names": names, "inputs": inputs,
+            "subgraphs": model.SubgraphsLength(), "state": state}
+
+
+def _refuse_state(state: list[tuple[int, str, dict[str, int]]], subgraphs: int) -> None:
+    """A model with resource variables is refused before tf2onnx sees it, naming the ops: the
+    compiled bundle is a function of its inputs, and tf2onnx would fail with an IndexError."""
+    if not state:
+        return
+    present = {op for _, _, ops in state for op in ops}
+    raise UserError(
+        "import.tflite-stateful",
+        f"the TFLite model keeps state in resource variables: ops {', '.join(n for n in STATE_OPS if n in present)} "
+        f"in {len(state)} of its {subgraphs} subgraph(s); edgesdk converts stateless models only",
+        "export the model without state: a function that only reads its variables converts with them frozen "
+        "into constants; one that assigns them must take the state as an input and return the new state as an "
+        "output (as an RNN cell does with h and c)",
+        notes=[f"subgraph {i} '{name}': " + ", ".join(f"{op} x{n}" for op, n in ops.items())
+               for i, name, ops in state])
 
 
 def _rename_values(graph, names: dict[str, str]) -> None:

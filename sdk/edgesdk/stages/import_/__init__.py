@@ -4,7 +4,8 @@ Needs: an .onnx file (opset 11 or newer, external data beside it), a TensorFlow 
 a Keras .keras/.h5 file, or a TFLite file (float32, float16, int8).
 Guarantees: `model.onnx` at opset >= 17 (`CANONICAL_OPSET`), every input's shape static (batch fixed
 to --batch, other dynamic dimensions from --input-shape), the graph-level optimizations of
-`edgesdk.passes` applied (each rule exact up to float rounding), shapes inferred for every node, IR
+`edgesdk.passes` applied (each rule exact up to float rounding), shapes inferred for every node (a
+declared output or value_info shape that contradicts the graph replaced, with a warning), IR
 version readable by onnxruntime. `import.json` names the inputs and outputs; the record counts nodes
 by op type before and after optimization and how often each rule fired. Converted formats also leave
 the converter's own output as `converted.onnx`, to compare in Netron.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -54,7 +56,7 @@ def run(model_path: Path, ctx) -> dict:
         ctx.log("import: frozen input(s) " + ", ".join(f"{k}={','.join(f'{x:g}' for x in v)}"
                                                      for k, v in ctx.options.input_values.items()))
     model = _canonical_opset(model, model_path, ctx)
-    model = _infer_shapes(model, model_path)
+    model = _infer_shapes(model, model_path, ctx.warn)
     model, optimized = passes.optimize(model)
     for rule, why in optimized.get("rule_errors", {}).items():
         ctx.warn(f"graph optimization '{rule}' was switched off for this model: {why}")
@@ -117,9 +119,21 @@ def _canonical_opset(model: onnx.ModelProto, path: Path, ctx) -> onnx.ModelProto
     return upgraded
 
 
-def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    # Shapes an exporter recorded for the dynamic graph (Paddle writes -1 for a dynamic batch) would
-    # contradict the ones inferred from the fixed inputs: inference starts from the inputs alone.
+def _infer_shapes(model: onnx.ModelProto, path: Path,
+                  warn: Callable[[str], None] | None = None) -> onnx.ModelProto:
+    """ONNX shape inference in strict mode, from the (fixed) input shapes.
+
+    Shapes an exporter recorded for the dynamic graph (Paddle writes -1 for a dynamic batch) would
+    contradict the ones inferred from the fixed inputs: value_info is dropped, and inference starts
+    from the inputs alone. Declared output shapes are kept where they agree with the graph (they
+    fill dimensions inference leaves open). Some exporters declare an output shape that the graph
+    does not compute (a CNN+LSTM recognizer declares [1, seqlen] and computes [T, 1, classes]);
+    onnxruntime warns and runs such a model, strict inference refuses it: an output whose declared
+    shape contradicts the graph gets the inferred shape instead (`_contradicted_outputs`). Graph
+    inputs are not second-guessed: they are what the user feeds, so a contradiction there stays an
+    error. `warn` (given on the first call, where the shapes are still the exporter's) gets one line
+    per declared output or value_info shape that contradicts the inferred one."""
+    declared = {vi.name: _dims(vi) for graph in irm.graphs(model.graph) for vi in graph.value_info}
     for graph in irm.graphs(model.graph):
         del graph.value_info[:]
     for out in model.graph.output:
@@ -127,15 +141,80 @@ def _infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
             if dim.HasField("dim_value") and dim.dim_value <= 0:
                 dim.Clear()
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = _strict_inference(model)
     except Exception as e:
-        first = str(e).splitlines()[0][:300]
-        hint = "check --input-shape; run `onnx.checker.check_model` on the file for details"
-        if "op_type:If" in first or "op_type:Loop" in first:
-            # with static shapes, a branch the given shapes never take can be ill-typed (a batch-size switch)
-            hint = ("a branch of an If or Loop does not fit the fixed shapes; if an input selects the branch "
-                    "(a sample rate, a mode), freeze it with --input-value NAME=VALUE; else " + hint)
-        raise UserError("import.shape-inference", f"{path}: shape inference failed: {first}", hint) from None
+        contradicted = _contradicted_outputs(model)
+        if not contradicted:
+            raise _shape_inference_error(e, path) from None
+        for out, computed in contradicted:
+            if warn:
+                warn(f"{path}: output '{out.name}' is declared {_shape(_dims(out))} but the graph computes "
+                     f"{_shape(computed)}: the inferred shape replaces the declared one")
+            out.type.tensor_type.ClearField("shape")  # the element type stays
+        try:
+            inferred = _strict_inference(model)
+        except Exception as e:
+            raise _shape_inference_error(e, path) from None
+    if warn:
+        computed = {vi.name: _dims(vi) for graph in irm.graphs(inferred.graph)
+                    for vi in [*graph.input, *graph.value_info, *graph.output]}
+        for name, dims in declared.items():
+            if _contradicts(dims, computed.get(name)):
+                warn(f"{path}: value_info '{name}' is declared {_shape(dims)} but the graph computes "
+                     f"{_shape(computed[name])}: the inferred shape replaces the declared one")
+    return inferred
+
+
+def _strict_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+
+
+def _contradicted_outputs(model: onnx.ModelProto) -> list[tuple[onnx.ValueInfoProto, list[int | None]]]:
+    """The graph outputs whose declared shape contradicts the one the graph computes (found by
+    inferring a copy whose outputs declare no shape), each with the computed shape; empty where
+    the graph does not infer even then (the failure is elsewhere)."""
+    free = onnx.ModelProto()
+    free.CopyFrom(model)
+    for out in free.graph.output:
+        out.type.tensor_type.ClearField("shape")
+    try:
+        computed = {out.name: _dims(out) for out in _strict_inference(free).graph.output}
+    except Exception:
+        return []
+    return [(out, computed[out.name]) for out in model.graph.output
+            if _contradicts(_dims(out), computed.get(out.name))]
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | None] | None:
+    """A declared shape: None where the rank is unknown, a None dimension where it is symbolic or
+    not positive (-1 is how some exporters write a dynamic dimension)."""
+    t = value.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim]
+
+
+def _contradicts(declared: list[int | None] | None, computed: list[int | None] | None) -> bool:
+    """A different rank, or a dimension known on both sides that differs. An unknown rank or
+    dimension on either side is no contradiction (a symbolic dimension is merely more general)."""
+    if declared is None or computed is None:
+        return False
+    return len(declared) != len(computed) or any(a is not None and b is not None and a != b
+                                                 for a, b in zip(declared, computed))
+
+
+def _shape(dims: list[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def _shape_inference_error(e: Exception, path: Path) -> UserError:
+    first = str(e).splitlines()[0][:300]
+    hint = "check --input-shape; run `onnx.checker.check_model` on the file for details"
+    if "op_type:If" in first or "op_type:Loop" in first:
+        # with static shapes, a branch the given shapes never take can be ill-typed (a batch-size switch)
+        hint = ("a branch of an If or Loop does not fit the fixed shapes; if an input selects the branch "
+                "(a sample rate, a mode), freeze it with --input-value NAME=VALUE; else " + hint)
+    return UserError("import.shape-inference", f"{path}: shape inference failed: {first}", hint)
 
 
 def _fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path,
