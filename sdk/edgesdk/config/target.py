@@ -4,6 +4,11 @@ Every cost parameter is a `Figure` that names its source (DESIGN §3, §8): a pu
 figure, a datasheet, or `edgesdk calibrate` on a named host. A target file with an
 unknown key, a wrong type or a missing field is refused with the file, the line and
 the field (exit 2).
+
+A target file is untrusted input, and everything it holds is bounded before it reaches a
+stage: its size, its nesting, what its YAML aliases expand to, every count, string and
+number (finite, within the range of real hardware), and `codegen`, a TVM target whose keys,
+`mcpu` (a CPU LLVM knows, `cpus.py`) and CUDA `arch` are checked here, not left to TVM.
 """
 
 from __future__ import annotations
@@ -12,43 +17,126 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo,
+                      field_validator, model_validator, with_config)
+from pydantic_core import PydanticCustomError
+from typing_extensions import Required, TypedDict
 
 from ..errors import UsageError
+from .cpus import COMMON_CPUS, LLVM_CPUS, NATIVE, close_cpus, cpu_arch
+
+# Bounds on a target file. A real one is a few KB with about 200 values nested 6 deep; each bound
+# is far above that and far below what makes loading or hashing a target slow.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32  # nested mappings and sequences
+MAX_VALUES = 10_000  # YAML nodes, with every alias counted as the nodes it stands for
+# (and aliases may not expand the text past MAX_FILE_BYTES characters either)
+MAX_NOTES = 20  # problems listed one per line; the message gives the total
+
+_Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+_Text = Annotated[str, StringConstraints(max_length=4096)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Figure(_Strict):
     """A cost parameter with its unit and where the number comes from."""
 
-    value: float = Field(gt=0)
-    unit: str
-    source: str = Field(min_length=3)
+    # every unit in use (GB/s, MB/s, GFLOP/s, TOP/s, us, MB) puts real hardware far below 1e9
+    value: float = Field(gt=0, le=1e9)
+    unit: str = Field(min_length=1, max_length=32)
+    source: _Text = Field(min_length=3)
 
 
 class Link(_Strict):
     """The link between an accelerator and the host; every tensor that crosses it pays it."""
 
-    name: str
+    name: _Name
     bandwidth: Figure  # MB/s
     latency: Figure  # us per transfer
 
 
+# --- codegen: a TVM target dict ----------------------------------------------------------------
+# The stages pass `codegen` to TVM as a plain dict, so it is validated as a TypedDict (the result is
+# a dict) with the keys of TVM's llvm and cuda target kinds that a build may set; TVM would take
+# others (cl-opt, libs, ...) that change the build in ways the records do not show.
+
+# x86_64 | aarch64 and their other spellings, then vendor, os, environment
+_TRIPLE = r"^(x86_64|amd64|aarch64|arm64)(-[A-Za-z0-9_.]{1,32}){1,3}$"
+_TRIPLE_ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+
+LlvmTarget = with_config(ConfigDict(extra="forbid"))(TypedDict("LlvmTarget", {
+    "kind": Required[Literal["llvm"]],
+    "mtriple": Annotated[str, StringConstraints(pattern=_TRIPLE)],  # absent: the build host's
+    "mcpu": Annotated[str, StringConstraints(max_length=64)],  # a name in cpus.py, or native
+    "mattr": Annotated[list[Annotated[str, StringConstraints(pattern=r"^[+-][A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]],
+                       Field(max_length=64)],  # ["+neon", "-avx512f"]
+    "mabi": Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,32}$")],
+    "mfloat-abi": Literal["soft", "softfp", "hard"],
+    "num-cores": Annotated[int, Field(ge=1, le=1024)],
+    "opt-level": Annotated[int, Field(ge=0, le=3)],
+    "vector-width": Annotated[int, Field(ge=1, le=4096)],
+    "fast-math": bool,
+}, total=False))
+
+CudaTarget = with_config(ConfigDict(extra="forbid"))(TypedDict("CudaTarget", {
+    "kind": Required[Literal["cuda"]],
+    "arch": Required[Annotated[str, StringConstraints(pattern=r"^sm_[1-9][0-9]{1,2}[a-z]?$")]],  # sm_86, sm_90a
+    "host": LlvmTarget,
+    "max_shared_memory_per_block": Annotated[int, Field(ge=1, le=1 << 24)],  # bytes
+    "max_threads_per_block": Annotated[int, Field(ge=1, le=4096)],
+    "max_num_threads": Annotated[int, Field(ge=1, le=4096)],
+    "thread_warp_size": Annotated[int, Field(ge=1, le=128)],
+    "registers_per_block": Annotated[int, Field(ge=1, le=1 << 20)],
+    "l2_cache_size_bytes": Annotated[int, Field(ge=1, le=1 << 34)],
+}, total=False))
+
+
+def _triple_arch(codegen: dict) -> str | None:
+    """The architecture `mtriple` names; None without one (the build host's)."""
+    return _TRIPLE_ARCH[codegen["mtriple"].split("-")[0]] if "mtriple" in codegen else None
+
+
+def _check_cpu(codegen: dict, arch: str | None, at: tuple[str, ...]) -> None:
+    """Refuse an `mcpu` that LLVM does not know for `arch` (for any architecture when None).
+
+    The error carries `at`, the key path under `codegen`, so the report names the line of `mcpu`
+    itself, and `suggest`, the names to offer in the hint.
+    """
+    cpu = codegen.get("mcpu")
+    tables = [LLVM_CPUS[arch]] if arch else LLVM_CPUS.values()
+    if cpu is None or cpu == NATIVE or any(cpu in names for names in tables):
+        return
+    other = cpu_arch(cpu)
+    close = close_cpus(cpu, arch)
+    if other is not None:  # a known cpu of the other architecture
+        message, suggest = "'{cpu}' is an {other} cpu, not {arch}", f"{arch} cpus: {', '.join(COMMON_CPUS[arch])}"
+    elif close:
+        message, suggest = "llvm knows no {arch} cpu '{cpu}'", f"the closest llvm knows: {', '.join(close)}"
+    else:
+        message = "llvm knows no {arch} cpu '{cpu}'"
+        suggest = "; ".join(f"{a} cpus: {', '.join(COMMON_CPUS[a])}" for a in ([arch] if arch else COMMON_CPUS))
+    raise PydanticCustomError("unknown_cpu", message, {"cpu": cpu, "arch": arch or "x86_64 or aarch64",
+                                                       "other": other, "at": at, "suggest": suggest})
+
+
 class CpuDevice(_Strict):
     kind: Literal["cpu"]
-    name: str
+    name: _Name
     arch: Literal["x86_64", "aarch64"]
-    cores: int = Field(ge=1)
+    # threads the runtime and the schedule use; the bound is real hardware's (a 2-socket server has
+    # fewer than 1024 hardware threads), not the schedule's: its thread splits grow as cores^(groups-1)
+    cores: int = Field(ge=1, le=1024)
     # A TVM target as a JSON dict, e.g. {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}.
-    codegen: dict[str, Any]
-    cross_compiler: str | None = None
+    codegen: LlvmTarget
+    cross_compiler: str | None = Field(default=None, min_length=1, max_length=1024)
     # float32_grouped (optional): the rate of grouped/depthwise convolutions, which reach a fraction of
     # the dense rate on CPUs (too little work per weight to fill the vector units)
     peak_gflops: dict[Literal["float32", "float32_grouped", "int8"], Figure]
@@ -64,6 +152,17 @@ class CpuDevice(_Strict):
     step_dispatch: Figure | None = None
     parallel_efficiency: Figure | None = None
 
+    @field_validator("codegen")
+    @classmethod
+    def _codegen_is_for_arch(cls, codegen: dict, info: ValidationInfo) -> dict:
+        arch = info.data.get("arch")
+        if arch is None:  # arch itself is wrong; that is the error to report
+            return codegen
+        if _triple_arch(codegen) not in (None, arch):
+            raise ValueError(f"mtriple {codegen['mtriple']} is for {_triple_arch(codegen)}, but arch is {arch}")
+        _check_cpu(codegen, arch, ("mcpu",))
+        return codegen
+
     @property
     def count(self) -> int:
         return 1
@@ -74,9 +173,9 @@ class CpuDevice(_Strict):
 
 class EdgeTpuDevice(_Strict):
     kind: Literal["edgetpu"]
-    name: str
+    name: _Name
     count: int = Field(ge=1, le=16)
-    physical: list[str]  # what the runtime opens: usb:0, pci:0
+    physical: list[_Name] = Field(max_length=16)  # what the runtime opens: usb:0, pci:0
     peak_tops_int8: Figure
     on_chip_memory: Figure  # MB of parameter cache; weights beyond it stream every inference
     kernel_overhead: Figure  # us per op
@@ -94,16 +193,23 @@ class EdgeTpuDevice(_Strict):
 
 class GpuDevice(_Strict):
     kind: Literal["gpu"]
-    name: str
+    name: _Name
     count: int = Field(ge=1, le=16)
-    physical: list[str]
-    codegen: dict[str, Any]
-    sm_count: int = Field(ge=1)
-    memory_gb: float = Field(gt=0)
+    physical: list[_Name] = Field(max_length=16)
+    codegen: CudaTarget
+    sm_count: int = Field(ge=1, le=1024)
+    memory_gb: float = Field(gt=0, le=4096)
     peak_tflops: dict[Literal["float32", "float16"], Figure]
     memory_bandwidth: Figure  # GB/s
     kernel_overhead: Figure  # us per kernel launch
     link: Link
+
+    @field_validator("codegen")
+    @classmethod
+    def _host_cpu_is_known(cls, codegen: dict) -> dict:
+        if "host" in codegen:
+            _check_cpu(codegen["host"], _triple_arch(codegen["host"]), ("host", "mcpu"))
+        return codegen
 
     @model_validator(mode="after")
     def _one_physical_per_device(self) -> "GpuDevice":
@@ -123,9 +229,9 @@ class LegalizePolicy(_Strict):
 
 
 class Target(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str
-    devices: list[Device] = Field(min_length=1)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: _Text
+    devices: list[Device] = Field(min_length=1, max_length=16)
     legalize: LegalizePolicy = LegalizePolicy()
 
     @model_validator(mode="after")
@@ -199,33 +305,164 @@ def resolve_target_path(name_or_path: str | Path) -> Path:
 def load_target(name_or_path: str | Path) -> tuple[Target, Path]:
     """Parse and validate a target file; errors name the file, the line and the field."""
     path = resolve_target_path(name_or_path)
-    text = path.read_text()
+    text = _read_text(path)
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        # the bounds first, over parser events: composing recurses once per level, so a 5,000-deep
+        # document overflows the stack, and an alias bomb blows up whatever walks the loaded data
+        _check_shape(path, yaml.parse(text, Loader=yaml.SafeLoader))
+        loader = _TargetLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UsageError("target.yaml", f"{where}: not valid YAML: {getattr(e, 'problem', e)}",
-                         "check the indentation and quoting near that line") from None
+        raise _yaml_error(path, text, e) from None
+    if loader.duplicates:
+        where = [f"{path}:{mark.line + 1}: duplicate key '{key}' (first given at line {first.line + 1})"
+                 for key, first, mark in sorted(loader.duplicates, key=lambda d: d[2].index)]
+        raise UsageError("target.duplicate-key", where[0],
+                         "a key appears once in a mapping; YAML would keep only the last value, so remove one",
+                         notes=where[1:])
     if not isinstance(data, dict):
         raise UsageError("target.yaml", f"{path}:1: a target file is a mapping of keys",
                          "see `edgesdk targets schema` for the expected keys")
     try:
         return Target.model_validate(data), path
     except ValidationError as e:
-        problems = [_describe(path, node, err) for err in e.errors()]
+        errors = e.errors()
+        problems = [_describe(path, node, err) for err in errors[:MAX_NOTES]]
+        if len(errors) > MAX_NOTES:
+            problems.append(f"{path}: and {len(errors) - MAX_NOTES} more")
+        hints = list(dict.fromkeys(f"for mcpu '{err['ctx']['cpu']}', {err['ctx']['suggest']}" for err in errors
+                                   if err["type"] == "unknown_cpu"))
+        if hints:
+            hints.append("`mcpu: native` builds for the build host's cpu")
         raise UsageError(
             "target.invalid",
-            f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''} in the target file",
-            "fix the fields above; `edgesdk targets schema` writes the JSON Schema for editor completion",
+            f"{path}: {len(errors)} problem{'s' if len(errors) > 1 else ''} in the target file",
+            "; ".join(hints + ["fix the fields above; `edgesdk targets schema` writes the JSON Schema for editor "
+                               "completion"]),
             notes=problems,
         ) from None
 
 
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text, read no further than MAX_FILE_BYTES."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise UsageError("target.unreadable", f"{path}: cannot read the target file: {str(e.strerror or e).lower()}",
+                         "check the path and its permissions") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError("target.too-large", f"{path}: the target file is over the {MAX_FILE_BYTES} byte limit",
+                         "a target file holds a few KB: the devices, their figures and the policy")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UsageError("target.encoding", f"{path}:{line}: not utf-8 text (byte 0x{data[e.start]:02x})",
+                         "save the target file as UTF-8") from None
+
+
+class _TargetLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but it records each key given twice in one mapping (YAML would keep the
+    last one without a word), and an integer too long for Python to convert is a YAML error at its
+    line, not a ValueError."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.duplicates: list[tuple[str, yaml.Mark, yaml.Mark]] = []  # key, its first mark, this mark
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`; keys after it override, as meant
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    seen = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if seen is not key_node:
+                    self.duplicates.append((str(key)[:80], seen.start_mark, key_node.start_mark))
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # over sys.get_int_max_str_digits() digits
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(node.value)} digits",
+                                                    node.start_mark) from None
+
+
+_TargetLoader.add_constructor("tag:yaml.org,2002:int", _TargetLoader.construct_yaml_int)
+
+
+def _check_shape(path: Path, events: Iterable[yaml.Event]) -> None:
+    """Refuse a document nested deeper than MAX_DEPTH or holding more than MAX_VALUES nodes, with
+    each alias counted as what it expands to: the nodes, the characters and the depth of the node
+    its anchor names, recorded when that node closes. An alias bomb (ten aliases of the level below
+    on each of ten levels: 10^10 nodes in 1 KB) is refused after MAX_VALUES nodes' worth of events,
+    before anything is expanded. PyYAML's parser is a state machine, so no depth recurses here.
+    """
+    expanded: dict[str, tuple[int, int, int]] = {}  # anchor -> (nodes, characters, levels) it expands to
+    # the collections being parsed, outermost first: [anchor, nodes and characters before it, deepest level in it]
+    enclosing: list[list[Any]] = []
+    nodes = chars = 0
+    for event in events:
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            if any(frame[0] == event.anchor for frame in enclosing):
+                raise UsageError("target.yaml", f"{path}:{line}: alias *{event.anchor} is inside the node it names",
+                                 "an alias repeats a node given before it; it cannot repeat an enclosing one")
+            n, c, d = expanded.get(event.anchor, (0, 0, 0))  # undefined: the composer reports it
+            nodes, chars, depth = nodes + n, chars + c, len(enclosing) + d
+        elif isinstance(event, yaml.ScalarEvent):
+            nodes, chars, depth = nodes + 1, chars + len(event.value), len(enclosing)
+            if event.anchor is not None:
+                expanded[event.anchor] = (1, len(event.value), 0)
+        elif isinstance(event, yaml.CollectionStartEvent):
+            enclosing.append([event.anchor, nodes, chars, 0])
+            nodes, depth = nodes + 1, len(enclosing)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, nodes0, chars0, inside = enclosing.pop()
+            if anchor is not None:
+                expanded[anchor] = (nodes - nodes0, chars - chars0, inside - len(enclosing))
+            depth = inside
+        else:
+            continue
+        if enclosing:
+            enclosing[-1][3] = max(enclosing[-1][3], depth)
+        if depth > MAX_DEPTH:
+            raise UsageError("target.too-deep", f"{path}:{line}: nested more than {MAX_DEPTH} levels deep",
+                             "a target nests 6 levels: devices, a device, a figure; see `edgesdk targets schema`")
+        if nodes > MAX_VALUES or chars > MAX_FILE_BYTES:
+            what = f"{MAX_VALUES} values" if nodes > MAX_VALUES else f"{MAX_FILE_BYTES} characters"
+            raise UsageError("target.too-large",
+                             f"{path}:{line}: the target holds more than {what}"
+                             + (" once its aliases are expanded" if expanded else ""),
+                             "a target holds a few hundred values; an alias counts as the node it repeats")
+
+
+def _yaml_error(path: Path, text: str, e: yaml.YAMLError) -> UsageError:
+    if isinstance(e, yaml.reader.ReaderError):  # a control character; its position counts characters
+        return UsageError("target.yaml",
+                          f"{path}:{text.count(chr(10), 0, e.position) + 1}: not valid YAML: "
+                          f"character #x{e.character:04x} is not allowed",
+                          "a target file is printable text; remove the control character")
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark else str(path)
+    return UsageError("target.yaml", f"{where}: not valid YAML: {getattr(e, 'problem', e)}",
+                      "check the indentation and quoting near that line")
+
+
 def _describe(path: Path, root: yaml.Node | None, err: dict[str, Any]) -> str:
-    # pydantic puts the discriminator tag into the location of union members; drop it
-    loc = _strip_tags(err["loc"])
+    # pydantic puts the discriminator tag into the location of union members; drop it. A codegen
+    # check names the key under codegen it is about (`at`), for that key's line.
+    loc = _strip_tags(err["loc"]) + list(err.get("ctx", {}).get("at", ()))
     line = _line_of(root, loc, missing=err["type"] == "missing")
     field = ".".join(str(x) for x in loc) or "(top level)"
     kind = err["type"]
