@@ -124,7 +124,7 @@ def host_target(fitted: dict, cores: int, dispatch: float, eff: dict) -> Path:
 
     cpu_name = str(codegen.llvm_get_system_cpu())
     cpu = next(d for d in fitted["devices"] if d["kind"] == "cpu")
-    cpu["codegen"]["mcpu"] = cpu_name
+    cpu["codegen"]["mcpu"] = "native"  # the host's name and its real features (backends/tvm.host_cpu)
     cpu["cores"] = cores
     cpu["step_dispatch"] = {"value": dispatch, "unit": "us",
                             "source": "measured by benchmarks/bench_parallel.py on this host"}

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.backends import qemu
 from edgesdk.errors import UserError
+from tests.numeric import assert_close
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "packaging" / "arm64_rootfs.sh"
@@ -168,7 +169,7 @@ np.save("y.npy", vm["main"](tvm.runtime.tensor(np.load("x.npy"), device)).numpy(
     (expected,) = session.run(None, {"x": x})
     assert got.shape == expected.shape == (1, 8, 16, 16)
     assert (expected > 0).mean() > 0.2  # the relu leaves real work to compare
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert_close(got, expected)
 
 
 # -- LiteRT: an int8 model computes the same integers in the guest as on the host ----------------

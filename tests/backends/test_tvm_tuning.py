@@ -180,6 +180,22 @@ def test_tuning_needs_a_machine_that_runs_the_code(tmp_path):
     assert err.value.code == "tvm.tune-foreign-cpu" and "--rpc-tracker" in err.value.hint
 
 
+def test_tuning_refuses_code_this_cpu_cannot_run(monkeypatch, tmp_path):
+    """On a host without AVX-512 (here a Zen 3's features, faked), tuning for znver4 would measure
+    candidates that die with SIGILL: refused before anything is built."""
+    import tvm
+    from tvm.target import codegen
+
+    real = tvm_backend._host_features()
+    zen3 = set(codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})))
+    monkeypatch.setattr(tvm_backend, "_host_features", lambda: {f: f in zen3 for f in real})
+    with pytest.raises(UserError) as err:
+        tvm_backend.tune_onnx(single_task_graph(), {"kind": "llvm", "mcpu": "znver4"}, tmp_path / "db", trials=8)
+    assert err.value.code == "tvm.tune-foreign-cpu" and "avx512f" in err.value.message
+    assert "SIGILL" in err.value.message and "native" in err.value.hint
+    assert not (tmp_path / "db").exists()
+
+
 def test_progress_reports_each_batch_with_the_best_so_far(resumed):
     (p,) = resumed["interrupt"].seen
     assert p.budget == 24 - 1 and p.measured == 8 and p.failed == 0

@@ -24,8 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 from edgesdk.backends import tvm as tvm_backend
 from edgesdk.runtime import manifest as mf
 from edgesdk.runtime.backends import open_runner
+from tests.numeric import assert_close as close_to_scale
 
-RTOL, ATOL = 1e-4, 1e-5
 RUNTIME_PACKAGE = Path(mf.__file__).parent
 
 
@@ -76,7 +76,7 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == np.float32
-        np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+        close_to_scale(got[name], want[name], name)
 
 
 def test_runs_by_onnx_name(bundle):

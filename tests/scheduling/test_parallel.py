@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgesdk.scheduling.parallel import Run, allotments, blocks, components, contract, exhaustive, schedule, stage_ms
+from edgesdk.scheduling.parallel import (MIN_GAIN, Run, allotments, blocks, components, contract, exhaustive, refusal,
+                                        schedule, stage_ms)
 
 TOL = 1e-9
 
@@ -122,6 +123,27 @@ def test_two_branches_that_scale_badly_run_at_once():
     assert not any(s.parallel for s in plan.stages) and plan.ms == pytest.approx(3.0)
 
 
+def test_a_plan_is_taken_only_for_a_gain_worth_its_segments():
+    # two branches of k unit-time nodes that gain nothing from a second thread: at once they save k - 0.1
+    # (the dispatch) of the sequential 2k + 2; a long chain after them dilutes the gain
+    def branches(k: int, tail: int) -> Run:
+        a, b = list(range(1, k + 1)), list(range(k + 1, 2 * k + 1))
+        join = 2 * k + 1
+        preds = {0: frozenset(), a[0]: frozenset({0}), b[0]: frozenset({0}), join: frozenset({a[-1], b[-1]})}
+        preds |= {n: frozenset({n - 1}) for chain in (a, b) for n in chain[1:]}
+        preds |= {join + i: frozenset({join + i - 1}) for i in range(1, tail + 1)}
+        return Run(tuple(range(join + tail + 1)), preds)
+
+    worth = schedule(branches(3, 0), lambda n, p: 1.0, 2, dispatch_ms=0.1)
+    assert worth.ms == pytest.approx(8 - 2.9) and refusal(worth) is None
+    tiny = schedule(branches(3, 200), lambda n, p: 1.0, 2, dispatch_ms=0.1)
+    gain = 1 - tiny.ms / tiny.sequential_ms
+    assert any(s.parallel for s in tiny.stages) and 0 < gain < MIN_GAIN
+    assert refusal(tiny) == f"predicted gain {100 * gain:.2f} % < 5 %"
+    chain = schedule(branches(3, 0), lambda n, p: 1.0 / p, 2, dispatch_ms=0.1)  # kernels that scale: no stage pays
+    assert refusal(chain) == "no stage of concurrent groups pays for its hand-off"
+
+
 def test_groups_share_the_memory_bandwidth():
     # two independent memory-bound nodes: at once they still move all their bytes through one memory
     run = Run((0, 1), {0: frozenset(), 1: frozenset()}, memory_ms={0: 1.0, 1: 1.0})
@@ -144,6 +166,19 @@ def test_components_and_allotments():
     assert components(run, [1, 2]) == ((1,), (2,))  # the edge 0->1 is outside the stage
     assert allotments(4, 2) == [(1, 3), (2, 2), (3, 1)]
     assert allotments(2, 3) == [] and allotments(3, 1) == [(3,)]
+
+
+def test_allotments_stay_bounded_for_many_cores():
+    """1,024 cores among 4 groups: C(1023, 3) = 178 million exact splits would stall the schedule stage
+    (a valid target); split in units instead, every split still using all cores, each group >= 1."""
+    from edgesdk.scheduling.parallel import MAX_ALLOTMENTS
+
+    assert len(allotments(16, 3)) == 105  # small: every split
+    for cores, k in ((1024, 4), (1024, 2), (256, 3), (64, 6), (1024, 16), (1024, 1024)):
+        splits = allotments(cores, k)
+        assert 1 <= len(splits) <= MAX_ALLOTMENTS, (cores, k, len(splits))
+        assert all(sum(t) == cores and len(t) == k and min(t) >= 1 for t in splits)
+        assert len(set(splits)) == len(splits)
 
 
 def test_nasnet_sized_graph_schedules_in_seconds():

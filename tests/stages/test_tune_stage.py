@@ -17,6 +17,7 @@ from edgesdk.ir.digest import tree_sha256
 from edgesdk.pipeline import BuildOptions, build
 from edgesdk.runtime import BundleModel, Manifest
 from tests.test_cli import assert_user_facing, edgesdk
+from tests.numeric import assert_close
 
 
 def _conv_model(path):
@@ -64,7 +65,7 @@ def test_records_are_applied_and_the_digest_is_in_the_manifest(tuned):
     assert m.tuning["segments"]["s0"]["tuned"] == m.tuning["segments"]["s0"]["tasks"] == 1
     x = np.random.default_rng(1).normal(size=(1, 8, 16, 16)).astype(np.float32)
     got = BundleModel(tuned["out"] / "bundle", log=lambda s: None).run({"x": x})["y"]
-    np.testing.assert_allclose(got, ort_backend.run(tuned["model"], {"x": x})["y"], rtol=1e-4, atol=1e-5)
+    assert_close(got, ort_backend.run(tuned["model"], {"x": x})["y"])
 
 
 def test_a_build_that_replays_a_database_is_the_same_bytes(tuned, tmp_path):

@@ -52,6 +52,14 @@ from typing import Callable, Sequence
 
 ThreadCost = Callable[[int, int], float]   # (node, threads) -> ms
 
+# The least predicted gain over the sequential run, relative to it, for which a plan with concurrent
+# groups is taken. Each group is a segment of its own (a TVM library, its tensors handed across segment
+# boundaries at run time), and the prediction is not exact to a few per cent: on x86, plans predicted
+# 0.1 % and 3 % faster measured 1.00x and 0.75x (benchmarks/RESULTS.md, inter-operator parallelism),
+# per-node cost errors of 20-50 % unbalancing the groups and a step costing about 500 us against the
+# 61 us measured on trivial segments. A smaller predicted gain is noise that the extra segments pay for.
+MIN_GAIN = 0.05
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -124,6 +132,16 @@ def schedule(run: Run, cost: ThreadCost, cores: int, *, dispatch_ms: float, bloc
     return ParallelPlan(tuple(stages), sum(s.ms for s in stages), sequential, count, splits, evaluations)
 
 
+def refusal(plan: ParallelPlan) -> str | None:
+    """Why `plan` is not worth its extra segments, or None when it is."""
+    if not any(st.parallel for st in plan.stages):
+        return "no stage of concurrent groups pays for its hand-off"
+    gain = 1 - plan.ms / plan.sequential_ms if plan.sequential_ms > 0 else 0.0
+    if gain < MIN_GAIN:
+        return f"predicted gain {100 * gain:.2f} % < {100 * MIN_GAIN:g} %"
+    return None
+
+
 def contract(run: Run) -> tuple[Run, dict[int, tuple[int, ...]]]:
     """The run with each linear cluster as one unit (named by its first node), and each unit's nodes.
     A unit's copy cost is its last node's (the others' outputs stay inside the group); its memory time
@@ -192,12 +210,25 @@ def components(run: Run, nodes: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: order[g[0]]))
 
 
+# The most thread splits tried for one stage of k groups. There are C(cores - 1, k - 1) ways to split
+# `cores` threads among k groups: 3 for 4 cores and 2 groups, but 178 million for 1,024 cores and 4
+# groups (a valid target), which stalled the schedule stage. Beyond this many, threads are split in
+# units of several (the first group also takes the remainder).
+MAX_ALLOTMENTS = 512
+
+
 def allotments(cores: int, k: int) -> list[tuple[int, ...]]:
-    """Every way to give k groups at least one thread each and at most `cores` in all, using them all."""
+    """The ways to give k groups at least one thread each, using all `cores`: every way while there are
+    at most MAX_ALLOTMENTS of them, else every way in units of the fewest threads that keeps them
+    within it."""
     if k > cores:
         return []
-    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, cores)))
-            for cuts in itertools.combinations(range(1, cores), k - 1)]
+    unit = 1
+    while math.comb(cores // unit - 1, k - 1) > MAX_ALLOTMENTS and cores // (unit + 1) >= k:
+        unit += 1
+    units, rest = cores // unit, cores % unit
+    return [tuple((b - a) * unit + (rest if i == 0 else 0) for i, (a, b) in enumerate(zip((0, *cuts), (*cuts, units))))
+            for cuts in itertools.combinations(range(1, units), k - 1)]
 
 
 def blocks(run: Run, size: int) -> list[tuple[int, ...]]:

@@ -575,7 +575,7 @@ def _check_measurable(target: dict, tvm_target: Any) -> None:
 
     import tvm
 
-    from . import _ARCHES, target_arch
+    from . import _ARCHES, missing_host_features, target_arch
 
     if tvm_target.kind.name == "cuda" and not tvm.cuda(0).exist:
         raise UserError(
@@ -589,6 +589,15 @@ def _check_measurable(target: dict, tvm_target: Any) -> None:
             "tvm.tune-foreign-cpu",
             f"tuning for {target_arch(target)} measures kernels on that cpu, and this host is {host}",
             hint="measure on the boards over RPC (--rpc-tracker HOST:PORT --rpc-key KEY), or build with --trials 0",
+        )
+    missing = missing_host_features(target) if tvm_target.kind.name == "llvm" else []
+    if missing:
+        raise UserError(
+            "tvm.tune-foreign-cpu",
+            f"tuning measures kernels on this host, and code for cpu {target.get('mcpu', 'generic')} uses "
+            f"{', '.join(missing)}, which this host's cpu lacks (it would die with SIGILL)",
+            hint="tune on a host with that cpu or on one over RPC (--rpc-tracker), set mcpu to native, "
+                 "or build with --trials 0",
         )
 
 

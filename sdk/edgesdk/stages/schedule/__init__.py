@@ -18,7 +18,9 @@ bytes, each accelerator's link. Then:
 - inter-operator parallelism (`--mode latency`, a CPU with more than one core and the target's
   `step_dispatch` figure): each CPU run is re-scheduled by the IOS-style DP of `scheduling.parallel`
   into stages whose independent groups run at once on worker threads; a stage of several groups
-  becomes one segment per group, listed in the plan's `parallel_steps`. `--no-inter-op` turns it off.
+  becomes one segment per group, listed in the plan's `parallel_steps`. A plan is taken only when its
+  predicted gain reaches `parallel.MIN_GAIN`; otherwise the run stays one segment and the plan's
+  `inter_op.not_taken` says why. `--no-inter-op` turns it off.
 
 The simulator (`scheduling.simulate`) plays the plan on the devices' queues and links (segments on
 different devices overlap where the graph allows) for the predicted latency and the stream's frames/s.
@@ -85,8 +87,8 @@ def run(artifact: Path, ctx) -> dict:
     placed = _split_by_backend(chosen, cpu_backend)
     decisions = _decisions(problem, chosen)
     t1 = time.perf_counter()
-    runs, steps, inter_op = _parallelize(placed, problem, model, ctx.target, shapes, consts,
-                                         ctx.options.mode == "latency" and ctx.options.inter_op)
+    runs, steps, inter_op, not_taken = _parallelize(placed, problem, model, ctx.target, shapes, consts,
+                                                    ctx.options.mode == "latency" and ctx.options.inter_op)
     scheduler_s += time.perf_counter() - t1
 
     graph_inputs = [i.name for i in g.input if i.name not in consts]
@@ -148,7 +150,7 @@ def run(artifact: Path, ctx) -> dict:
         "segments": segments,
         "pipeline_stages": stages,
         "parallel_steps": steps,
-        "inter_op": _inter_op_summary(inter_op, placed, problem),
+        "inter_op": _inter_op_summary(inter_op, not_taken, placed),
         "predicted": {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
                       "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
                           tuple(placement.Segment(*s) for s in plan_segments), 0.0)), 4)},
@@ -179,9 +181,14 @@ def run(artifact: Path, ctx) -> dict:
         ctx.log(f"schedule: inter-operator parallelism: {r['nodes']} cpu nodes in {r['stages']} stages, "
                 f"{r['parallel_stages']} of them concurrent groups: {r['sequential_ms']:.3f} -> "
                 f"{r['parallel_ms']:.3f} ms predicted")
+    for r in plan["inter_op"].get("not_taken", ()):
+        if r["parallel_stages"]:  # concurrent groups were found, and they were not worth it
+            ctx.log(f"schedule: {r['nodes']} cpu nodes stay one segment, {r['reason']} "
+                    f"({r['sequential_ms']:.3f} -> {r['parallel_ms']:.3f} ms predicted)")
     ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s")
     return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
-            "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions}
+            "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions,
+            "inter_op": {k: v for k, v in plan["inter_op"].items() if k != "search"}}
 
 
 def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
@@ -198,15 +205,17 @@ def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
 
 
 def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, target, shapes, consts,
-                 enabled: bool) -> tuple[list[Run], list[list[str]], dict[int, parallel.ParallelPlan]]:
+                 enabled: bool) -> tuple[list[Run], list[list[str]], dict[int, parallel.ParallelPlan],
+                                         dict[int, tuple[parallel.ParallelPlan, str]]]:
     """Re-schedule each CPU run into stages of concurrent groups (`scheduling.parallel`).
 
-    Returns the runs (a parallel stage's groups become runs of their own, next to each other), the
-    parallel steps as segment ids, and the parallel plan per placed run that has one."""
+    Returns the runs (a taken parallel stage's groups become runs of their own, next to each other),
+    the parallel steps as segment ids, the parallel plan per placed run that takes one, and per placed
+    run that the DP saw and that stays one segment, its best plan and why (`parallel.refusal`)."""
     cpu = next(d for d in target.devices if d.kind == "cpu")
     dispatch = cpu.step_dispatch
     if not enabled or cpu.cores < 2 or dispatch is None:
-        return placed, [], {}
+        return placed, [], {}, {}
     g = model.graph
     terms = [(node_flops(n, shapes), *node_bytes(n, shapes, consts), is_grouped(n)) for n in g.node]
     out_bytes = [sum(tensor_bytes(shapes.get(t)) for t in n.output if t) for n in g.node]
@@ -222,6 +231,7 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
     runs: list[Run] = []
     steps: list[list[str]] = []
     plans: dict[int, parallel.ParallelPlan] = {}
+    not_taken: dict[int, tuple[parallel.ParallelPlan, str]] = {}
     for i, r in enumerate(placed):
         if r.device != "cpu" or len(r.nodes) < 3:
             runs.append(r)
@@ -232,7 +242,9 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
                                                {n: out_bytes[n] * copy_ms_per_byte for n in r.nodes},
                                                {n: memory_ms[n] for n in r.nodes}),
                                   cost, cpu.cores, dispatch_ms=dispatch.value * 1e-3)
-        if not any(st.parallel for st in found.stages) or found.ms >= found.sequential_ms:
+        why = parallel.refusal(found)
+        if why is not None:
+            not_taken[i] = found, why
             runs.append(r)
             continue
         plans[i] = found
@@ -248,16 +260,23 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
             for group, threads in zip(st.groups, st.threads):
                 runs.append(Run("cpu", r.backend, list(group), threads,
                                 sum(cost(n, threads) for n in group)))
-    return runs, steps, plans
+    return runs, steps, plans, not_taken
 
 
-def _inter_op_summary(plans: dict[int, parallel.ParallelPlan], placed: list[Run], problem: Problem) -> dict:
-    if not plans:
+def _inter_op_summary(plans: dict[int, parallel.ParallelPlan], not_taken: dict[int, tuple[parallel.ParallelPlan, str]],
+                      placed: list[Run]) -> dict:
+    if not plans and not not_taken:
         return {}
-    return {"runs": [{"nodes": len(placed[i].nodes), "sequential_ms": round(p.sequential_ms, 4),
-                      "parallel_ms": round(p.ms, 4), "stages": len(p.stages),
-                      "parallel_stages": sum(st.parallel for st in p.stages), "blocks": p.blocks,
-                      "split_blocks": p.splits} for i, p in sorted(plans.items())],
+
+    def summary(i: int, p: parallel.ParallelPlan) -> dict:
+        return {"nodes": len(placed[i].nodes), "sequential_ms": round(p.sequential_ms, 4),
+                "parallel_ms": round(p.ms, 4), "stages": len(p.stages),
+                "parallel_stages": sum(st.parallel for st in p.stages), "blocks": p.blocks, "split_blocks": p.splits}
+
+    return {"runs": [summary(i, p) for i, p in sorted(plans.items())],
+            "not_taken": [{**summary(i, p), "reason": f"inter-op parallelism not taken: {why}"}
+                          for i, (p, why) in sorted(not_taken.items())],
+            "min_gain": parallel.MIN_GAIN,
             "search": "sequences of stages inside blocks of at most 14 units of the run's topological order "
                       "(cut where fewest edges cross), units being linear clusters or single nodes (both solved, "
                       "the better kept); a stage's groups are its weakly connected components, at most one per "
@@ -359,8 +378,8 @@ def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run
 
 
 def _inter_op_html(plan: dict) -> str:
-    runs = plan.get("inter_op", {}).get("runs", ())
-    if not runs:
+    inter_op = plan.get("inter_op", {})
+    if not inter_op:
         return ""
     by_id = {s["id"]: s for s in plan["segments"]}
     def describe(sid: str) -> str:
@@ -369,10 +388,13 @@ def _inter_op_html(plan: dict) -> str:
 
     steps = "".join(f"<li>{', '.join(describe(i) for i in step)}</li>" for step in plan["parallel_steps"])
     rows = "".join(f"<tr><td>{r['nodes']}</td><td>{r['stages']}</td><td>{r['parallel_stages']}</td>"
-                   f"<td>{r['sequential_ms']:.3f}</td><td>{r['parallel_ms']:.3f}</td></tr>" for r in runs)
-    return (f"<h2>Inter-operator parallelism</h2><p>Search: {html.escape(plan['inter_op']['search'])}.</p>"
+                   f"<td>{r['sequential_ms']:.3f}</td><td>{r['parallel_ms']:.3f}</td>"
+                   f"<td>{html.escape(r.get('reason', 'taken'))}</td></tr>"
+                   for r in [*inter_op["runs"], *inter_op["not_taken"]])
+    return (f"<h2>Inter-operator parallelism</h2><p>Search: {html.escape(inter_op['search'])}.</p>"
             "<table><tr><th>cpu nodes</th><th>stages</th><th>concurrent stages</th><th>one at a time ms</th>"
-            f"<th>with concurrent groups ms</th></tr>{rows}</table><p>Steps run at once:</p><ul>{steps}</ul>")
+            f"<th>with concurrent groups ms</th><th>decision</th></tr>{rows}</table>"
+            + (f"<p>Steps run at once:</p><ul>{steps}</ul>" if steps else ""))
 
 
 def _logit_probes(model: onnx.ModelProto) -> dict[str, str]:
