@@ -26,6 +26,7 @@ from edgesdk.ir.numeric import compare
 from edgesdk.runtime import BundleModel, Manifest
 from edgesdk.verify import verify
 from tests.model_zoo import PPOCR_CLS_SHAPE, ROOT, ppocr_cls
+from tests.numeric import assert_close
 
 
 def ort_run(model_path: Path, feeds: dict[str, np.ndarray], shapes: dict | None = None) -> dict[str, np.ndarray]:
@@ -115,7 +116,7 @@ def test_run_command_writes_outputs(x86_ppocr, tmp_path):
     assert proc.returncode == 0, proc.stderr
     y = np.load(tmp_path / "y.npy")
     ref = ort_run(_fixed(ppocr_cls(), tmp_path), {"x": x})
-    np.testing.assert_allclose(y, next(iter(ref.values())), rtol=1e-4, atol=1e-5)
+    assert_close(y, next(iter(ref.values())))
     proc = edgesdk("run", str(x86_ppocr.bundle), "--input", f"y={tmp_path / 'x.npy'}")
     assert proc.returncode == 2 and "has no input 'y'" in proc.stderr
     np.save(tmp_path / "bad.npy", x[:, :, :24])

@@ -1,7 +1,8 @@
 """The `edgesdk` command line. Logs go to stderr, data to stdout; heavy imports stay inside commands.
 
-Exit codes: 0 ok, 1 the model/bundle/data is at fault, 2 a wrong invocation or target file,
-3 an internal error (a bug: run again with --debug and report the traceback).
+Exit codes: 0 ok, 1 the model/bundle/data is at fault (a failed self-test too), 2 a wrong invocation
+or target file, 3 an internal error (a bug: run again with --debug and report the traceback), 130
+interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import EXIT_INTERNAL, EXIT_USAGE, EdgeSDKError, UsageError
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError
 
 app = typer.Typer(
     name="edgesdk",
@@ -316,23 +317,27 @@ def calibrate(
 
 @app.command("run")
 def run_bundle(
+    ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
     inputs: List[str] = typer.Option(..., "--input", "-i", help="FILE.npy for a single-input model, or NAME=FILE.npy per input."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write outputs: .npy for one output, .npz otherwise."),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Run inputs that hold NaN or inf (refused by default)."),
 ) -> None:
-    """Run a bundle on the given inputs (on this host)."""
+    """Run a bundle on the given inputs (on this host), once every file matches the manifest."""
     import platform
 
     import numpy as np
 
-    from .runtime import BundleModel, Manifest
-    from .verify import open_bundle
+    from .errors import UserError
+    from .runtime import BundleModel
+    from .runtime import InputError, ManifestError
+    from .verify import check_bundle, opened_bundle
 
-    root = open_bundle(bundle)
-    manifest = Manifest.load(root)
+    root = ctx.with_resource(opened_bundle(bundle))  # an unpacked archive is removed when the command ends
+    manifest = check_bundle(root, bundle)
     if manifest.arch != platform.machine():
         raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}",
-                         "run it on the device (python -m runtime), or `edgesdk verify` to self-test it under emulation")
+                         "run it on the device (python -B -m runtime), or `edgesdk verify` to self-test it under emulation")
     feeds = {}
     names = [t.name for t in manifest.inputs]
     for spec in inputs:
@@ -350,7 +355,12 @@ def run_bundle(
         except Exception as e:
             raise UsageError("run.bad-input-file", f"--input {spec}: cannot read {file} ({e})", "give a .npy file") from None
     try:
-        outputs = BundleModel(root).run(feeds)
+        outputs = BundleModel(root).run(feeds, allow_nonfinite=allow_nonfinite)
+    except InputError as e:  # the data is at fault (an index outside its table, NaN, a lossy dtype)
+        raise UserError("run.input-refused", str(e), e.hint) from None
+    except ManifestError as e:  # the manifest does not describe the artifacts it names
+        raise UserError("bundle.bad-manifest", f"{bundle}: {e}", "the bundle is damaged or was not written by "
+                        "this edgesdk; rebuild it") from None
     except ValueError as e:
         raise UsageError("run.bad-input", str(e), "preprocess inputs to the shapes in `edgesdk inspect`") from None
     if output is None:
@@ -402,17 +412,17 @@ def verify(
 
 @app.command()
 def inspect(
+    ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
 ) -> None:
     """What is inside a bundle: segments, devices, predicted latency, accuracy, warnings."""
     from .report.text import inspect_bundle
-    from .runtime import Manifest
-    from .verify import open_bundle
+    from .verify import load_manifest, opened_bundle
 
-    root = open_bundle(bundle)
-    manifest = Manifest.load(root)
-    print(manifest.to_json() if as_json else inspect_bundle(manifest, root))
+    root = ctx.with_resource(opened_bundle(bundle))
+    manifest = load_manifest(root, bundle)
+    print(manifest.to_json() if as_json else inspect_bundle(manifest, bundle))
 
 
 @targets_app.command("list")
@@ -479,8 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        app(args=argv, prog_name="edgesdk", standalone_mode=False)
-        return 0
+        # Outside standalone mode, click returns the code of a `typer.Exit` instead of raising it, and
+        # typer turns Ctrl-C (KeyboardInterrupt) into such an exit with code 130: both are returned here.
+        code = app(args=argv, prog_name="edgesdk", standalone_mode=False)
+        code = code if isinstance(code, int) else EXIT_OK
+        if code == EXIT_INTERRUPTED:
+            _err("error: interrupted")
+        return code
     except EdgeSDKError as e:
         if debug:
             import traceback
@@ -494,9 +509,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except typer.Exit as e:
         return e.exit_code
-    except typer.Abort:
-        _err("error: interrupted")
-        return 130
+    except typer.Abort as e:
+        # click raises Abort for an EOFError that escaped a command: a bug, not an interruption
+        cause = e.__cause__ or e
+        if debug:
+            raise cause from None
+        _err(f"error: internal error: {type(cause).__name__}: {str(cause)[:500]}")
+        _err("hint: this is a bug in edgesdk; run again with --debug and report the traceback")
+        return EXIT_INTERNAL
     except click_exc.ClickException as e:
         msg = e.format_message().rstrip(".")
         _err(f"error: {msg[:1].lower() + msg[1:]}")
@@ -505,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         _err("error: interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as e:  # a bug in edgesdk: say so, keep the traceback for --debug
         if debug:
             raise

@@ -13,6 +13,7 @@ EXIT_OK = 0
 EXIT_USER = 1  # the model, the bundle or the data is at fault
 EXIT_USAGE = 2  # a wrong invocation or a bad target/config file
 EXIT_INTERNAL = 3  # a bug in edgesdk
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 
 
 class EdgeSDKError(Exception):

@@ -206,14 +206,23 @@ def _sdk_digest() -> str:
 
 
 def _publish(package_dir: Path, out: Path) -> Path:
-    """Copy the package stage's bundle to DIR/bundle and DIR/bundle.tar.gz, each replaced atomically."""
-    tmp = out / ".bundle.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(package_dir / "bundle", tmp)
-    shutil.rmtree(out / "bundle", ignore_errors=True)
-    tmp.rename(out / "bundle")
-    shutil.copyfile(package_dir / "bundle.tar.gz", out / ".bundle.tar.gz.tmp")
-    (out / ".bundle.tar.gz.tmp").replace(out / "bundle.tar.gz")
+    """Copy the package stage's bundle to DIR/bundle and DIR/bundle.tar.gz.
+
+    Both are copied beside their places first; then the previous pair is removed, the tarball
+    before the directory, and the new pair renamed in, the directory before the tarball. A build
+    killed at any point (SIGKILL runs no cleanup) leaves the previous pair, a part of it, nothing,
+    the new directory alone, or the new pair: never a directory and a tarball of different builds."""
+    tmp_dir, tmp_tar = out / ".bundle.tmp", out / ".bundle.tar.gz.tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    shutil.copytree(package_dir / "bundle", tmp_dir)
+    shutil.copyfile(package_dir / "bundle.tar.gz", tmp_tar)
+    (out / "bundle.tar.gz").unlink(missing_ok=True)
+    if (out / "bundle").exists():  # renamed aside first: a rename is atomic, a tree removal is not
+        shutil.rmtree(out / ".bundle.old", ignore_errors=True)
+        (out / "bundle").rename(out / ".bundle.old")
+        shutil.rmtree(out / ".bundle.old")
+    tmp_dir.rename(out / "bundle")
+    tmp_tar.rename(out / "bundle.tar.gz")
     return out / "bundle"
 
 
@@ -226,10 +235,10 @@ def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target
                progress: Callable[[str | None], None] | None = None) -> dict[str, Any]:
     build_dir.mkdir(parents=True, exist_ok=True)
     tmp = build_dir / f".{dest.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress)
-    try:
+    try:  # from the first write on: a Ctrl-C anywhere leaves no temporary directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress)
         t0 = time.perf_counter()
         record = stage.run(artifact, ctx)
         record = {"stage": phase.name, "seconds": round(time.perf_counter() - t0, 3),

@@ -138,3 +138,21 @@ def test_bad_input_and_early_close_stop_the_workers(bundle):
     with pytest.raises(ValueError, match="shape"):
         list(model.stream([{"x": np.zeros((2, 2), np.float32)}]))
     assert not stream_threads()
+
+
+def test_a_malformed_frame_is_raised_after_the_good_frames_before_it(bundle):
+    """Frame 10 has the wrong shape: frames 0..9 are still yielded, in order, then the error."""
+    model = BundleModel(bundle, log=lambda s: None)
+
+    def with_bad_frame_10():
+        for i, f in enumerate(frames(12)):
+            yield {"x": np.zeros((2, 2), np.float32)} if i == 10 else f
+
+    got = []
+    with pytest.raises(ValueError, match="shape"):
+        for out in model.stream(with_bad_frame_10()):
+            got.append(out)
+    assert len(got) == 10
+    for i, out in enumerate(got):
+        np.testing.assert_array_equal(out["y"], expected(i))
+    assert not stream_threads()

@@ -43,10 +43,11 @@ def placement_summary(plan: dict[str, Any]) -> str:
 def inspect_bundle(manifest, bundle: Path) -> str:
     m = manifest
     out = [f"bundle      {bundle}",
-           f"model       {m.model['name']} (sha256 {m.model['sha256'][:16]}…, opset {m.model.get('opset')})",
+           f"model       {m.model['name']} (sha256 {m.model.get('sha256', '?')[:16]}…, opset {m.model.get('opset')})",
            f"target      {m.target['name']}: {m.target.get('description', '')}",
            f"arch        {m.arch}; edgesdk {m.sdk_version}; runtime >= {m.min_runtime_version}",
-           "inputs      " + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in m.inputs),
+           "inputs      " + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" + (
+               f" (indices, valid [{t.valid_range[0]}, {t.valid_range[1]}])" if t.valid_range else "") for t in m.inputs),
            "outputs     " + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" + (" (int8 segment)" if t.quant else "")
                                       for t in m.outputs),
            "",
@@ -70,7 +71,7 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for name, a in (m.accuracy.get("tensors") or {}).items():
         out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs fp32")
     if "top1_agreement" in m.accuracy:
-        out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy['samples']} samples")
+        out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy.get('samples', '?')} samples")
     size = sum(f["size"] for f in m.files.values())
     out.append(f"files       {len(m.files)} files, {size:,} bytes")
     for w in m.warnings:

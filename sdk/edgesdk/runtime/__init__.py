@@ -2,10 +2,11 @@
 
 Depends on numpy and, per segment backend, the TVM runtime, LiteRT (or tflite-runtime) or
 onnxruntime; nothing from the build side. Inside a bundle this package is `runtime`, so
-`python -m runtime selftest` works from the bundle directory.
+`python -B -m runtime selftest` works from the bundle directory.
 """
 
 from .executor import BundleModel
-from .manifest import Manifest
+from .inputs import InputError
+from .manifest import Manifest, ManifestError
 
-__all__ = ["BundleModel", "Manifest"]
+__all__ = ["BundleModel", "InputError", "Manifest", "ManifestError"]

@@ -32,7 +32,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .backends import open_runner
-from .manifest import Manifest
+from .inputs import check_feeds
+from .manifest import Manifest, check_paths
 
 
 class BundleModel:
@@ -46,6 +47,7 @@ class BundleModel:
                  log: Callable[[str], None] | None = None, parallel: bool | None = None):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
+        check_paths(self.bundle, self.manifest)  # nothing outside the bundle is ever loaded
         self.log = log if log is not None else (lambda s: print(s, file=sys.stderr))
         self.notes: list[str] = []
         self.runners = []
@@ -75,9 +77,11 @@ class BundleModel:
     def outputs(self):
         return self.manifest.outputs
 
-    def run(self, feeds: dict[str, np.ndarray], *, extra_outputs: Iterable[str] = ()) -> dict[str, np.ndarray]:
-        """Outputs by name; `extra_outputs` may name any tensor that crosses a segment boundary."""
-        self._check(feeds)
+    def run(self, feeds: dict[str, np.ndarray], *, extra_outputs: Iterable[str] = (),
+            allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+        """Outputs by name; `extra_outputs` may name any tensor that crosses a segment boundary.
+        The feeds are checked first (`inputs.py`); `allow_nonfinite` lets NaN and inf through."""
+        feeds = self._check(feeds, allow_nonfinite)
         env = {k: np.asarray(v) for k, v in feeds.items()}
         for step in self.steps:
             if len(step) == 1 or not self.parallel or self._pool is None:
@@ -94,8 +98,8 @@ class BundleModel:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def stream(self, frames: Iterable[dict[str, np.ndarray]], *, depth: int | None = None
-               ) -> Iterator[dict[str, np.ndarray]]:
+    def stream(self, frames: Iterable[dict[str, np.ndarray]], *, depth: int | None = None,
+               allow_nonfinite: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """Results of `frames`, in input order, pipelined over the devices (`streaming.py`): one worker
         per device, at most `depth` frames in flight (default: one per device, plus one). An error in
         any segment is raised here for its frame; closing the generator stops the workers."""
@@ -106,24 +110,21 @@ class BundleModel:
 
         def checked():
             for feeds in frames:
-                self._check(feeds)
-                yield feeds
+                yield self._check(feeds, allow_nonfinite)
 
         return stream(self.runners, _feeds, lambda runner, feeds: _call(runner, 0, feeds),
                       lambda env: {n: _host(env[n]) for n in names}, checked(),
                       depth if depth is not None else len(devices) + 1)
 
-    def _check(self, feeds: dict[str, np.ndarray]) -> None:
-        want = {t.name: t for t in self.manifest.inputs}
-        missing = sorted(set(want) - set(feeds))
-        extra = sorted(set(feeds) - set(want))
-        if missing or extra:
-            raise ValueError(f"inputs do not match the model: missing {missing}, unexpected {extra}; "
-                             f"the model takes {sorted(want)}")
-        for name, spec in want.items():
-            shape = tuple(np.shape(feeds[name]))
-            if shape != tuple(spec.shape):
-                raise ValueError(f"input '{name}' has shape {shape}, the model takes {tuple(spec.shape)}")
+    def _check(self, feeds: dict[str, np.ndarray], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+        """The feeds in the model's dtypes, checked before any segment runs (`inputs.py`: ValueError for
+        names and shapes, InputError for dtypes and values); each cast is noted once."""
+        checked, notes = check_feeds(self.manifest.inputs, feeds, allow_nonfinite=allow_nonfinite)
+        for note in notes:
+            if note not in self.notes:
+                self.notes.append(note)
+                self.log(f"runtime: {note}")
+        return checked
 
 
 

@@ -2,15 +2,26 @@
 
 Plain dataclasses and JSON, so the runtime stays free of build-side dependencies
 (the build side imports this module; this module imports nothing from the build side).
+
+A manifest is read through one validating schema (`MANIFEST` below): every field's type and range,
+every path relative and inside the bundle, every segment id a plan names defined, every tensor a
+segment takes produced before it. A manifest that does not follow it raises `ManifestError` naming
+the field (`manifest.segments[1].artifact`), so nothing is loaded from a bundle whose manifest is
+malformed, written for another schema (`schema_version`) or needing a newer runtime
+(`min_runtime_version`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SCHEMA_VERSION = 1
 RUNTIME_VERSION = "0.1.0"
@@ -31,6 +42,8 @@ class TensorSpec:
     `key` is the backend's name for it (a TFLite signature key, a position for TVM).
     `perm` says how the backend lays it out: onnx_tensor = transpose(backend_tensor, perm);
     None means the same layout. `quant` is set when the backend tensor is int8.
+    `valid_range` is set on a model input that indexes a table (token ids): the values [low, high]
+    it may take (`edgesdk.ir.index_ranges`); the runtime refuses others before any segment runs.
     """
 
     name: str
@@ -39,6 +52,8 @@ class TensorSpec:
     key: str = ""
     perm: tuple[int, ...] | None = None
     quant: QuantParams | None = None
+    # written only when set, so that a manifest without index inputs reads as before
+    valid_range: tuple[int, int] | None = field(default=None, metadata={"omit_if_none": True})
 
 
 @dataclass(frozen=True)
@@ -88,17 +103,31 @@ class Manifest:
         return json.dumps(_plain(self), indent=2, sort_keys=True) + "\n"
 
     @staticmethod
-    def from_json(text: str) -> "Manifest":
-        return manifest_from_dict(json.loads(text))
+    def from_json(text: str | bytes) -> "Manifest":
+        """Parse and validate; `ManifestError` names the first field at fault."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest.json is {len(text):,} bytes, more than {MAX_MANIFEST_BYTES:,}")
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ManifestError(f"manifest.json is not JSON ({str(e)[:200]})") from None
+        return manifest_from_dict(data)
 
     @staticmethod
     def load(bundle: Path) -> "Manifest":
-        return Manifest.from_json((Path(bundle) / "manifest.json").read_text())
+        path = Path(bundle) / "manifest.json"
+        try:
+            with open(path, "rb") as f:
+                text = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise ManifestError(f"manifest.json cannot be read ({e.strerror or e})") from None
+        return Manifest.from_json(text)
 
 
 def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if dataclasses.is_dataclass(obj):  # a field marked omit_if_none is written only when set
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_if_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [_plain(x) for x in obj]
     if isinstance(obj, dict):
@@ -115,6 +144,7 @@ def tensor_from_dict(d: dict[str, Any]) -> TensorSpec:
         key=d.get("key", ""),
         perm=tuple(d["perm"]) if d.get("perm") is not None else None,
         quant=QuantParams(float(q["scale"]), int(q["zero_point"])) if q else None,
+        valid_range=(int(d["valid_range"][0]), int(d["valid_range"][1])) if d.get("valid_range") is not None else None,
     )
 
 
@@ -133,9 +163,18 @@ def segment_from_dict(d: dict[str, Any]) -> Segment:
     )
 
 
-def manifest_from_dict(d: dict[str, Any]) -> Manifest:
+def manifest_from_dict(d: Any) -> Manifest:
+    """A validated manifest (`MANIFEST`, then the cross-references between its parts)."""
+    MANIFEST(d, "manifest")
+    if d["schema_version"] != SCHEMA_VERSION:
+        raise ManifestError(f"manifest.schema_version is {d['schema_version']}: this runtime reads schema version "
+                            f"{SCHEMA_VERSION} only (a bundle from another edgesdk release)")
+    if _version(d["min_runtime_version"]) > _version(RUNTIME_VERSION):
+        raise RuntimeTooOld(f"the bundle needs runtime {d['min_runtime_version']} or newer; this runtime is "
+                            f"{RUNTIME_VERSION}")
+    _check_references(d)
     return Manifest(
-        schema_version=int(d["schema_version"]),
+        schema_version=d["schema_version"],
         sdk_version=d["sdk_version"],
         min_runtime_version=d["min_runtime_version"],
         model=d["model"],
@@ -148,7 +187,7 @@ def manifest_from_dict(d: dict[str, Any]) -> Manifest:
         pipeline_stages=tuple(tuple(s) for s in d["pipeline_stages"]),
         predicted=d.get("predicted", {}),
         parallel_steps=tuple(tuple(s) for s in d.get("parallel_steps", ())),
-        cpu_threads=int(d.get("cpu_threads", 0)),
+        cpu_threads=d.get("cpu_threads", 0),
         toolchain=d.get("toolchain", {}),
         calibration=d.get("calibration", {}),
         edgetpu=d.get("edgetpu", {}),
@@ -157,3 +196,257 @@ def manifest_from_dict(d: dict[str, Any]) -> Manifest:
         warnings=tuple(d.get("warnings", ())),
         files=d.get("files", {}),
     )
+
+
+def check_paths(bundle: Path, manifest: Manifest) -> None:
+    """Every artifact the manifest names is a regular file inside `bundle`, reached without links.
+
+    The schema already refuses absolute paths and `..`; this catches a link planted in the bundle
+    (a segment, or a directory on its way, pointing elsewhere). Called before anything is loaded."""
+    for seg in manifest.segments:
+        for what, rel in (("artifact", seg.artifact), ("fallback_artifact", seg.fallback_artifact)):
+            if rel is not None:
+                problem = path_problem(bundle, rel)
+                if problem:
+                    raise ManifestError(f"segment {seg.id}: {what} {rel}: {problem}")
+
+
+def path_problem(bundle: Path, rel: str) -> str:
+    """Why `rel` is not a regular file inside `bundle` reached without links ('' when it is)."""
+    root = os.path.realpath(bundle)
+    path = os.path.join(root, *rel.split("/"))
+    if os.path.realpath(path) != path:
+        return "leads through a link (a bundle holds none)"
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "no such file in the bundle"
+    return "" if stat.S_ISREG(mode) else "not a regular file"
+
+
+# --- the schema ------------------------------------------------------------------------------
+# A spec is a function (value, where) that raises ManifestError naming `where` when the value does
+# not fit. The sizes bound what a hostile manifest can make the reader allocate or loop over.
+
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_ITEMS = 100_000  # segments, files, tensors per list
+MAX_TEXT = 65_536
+DTYPES = ("float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+          "uint64", "bool")
+BACKENDS = ("tvm", "tflite", "onnxruntime")
+ARCHES = ("x86_64", "aarch64")
+_DEVICE_ID = re.compile(r"^(cpu|[a-z][a-z0-9_]{0,31}:[0-9]{1,4})$")
+_VERSION = re.compile(r"^[0-9]{1,6}\.[0-9]{1,6}\.[0-9]{1,6}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+Spec = Callable[[Any, str], None]
+
+
+class ManifestError(ValueError):
+    """manifest.json is not a manifest this runtime can use; the message names the field at fault."""
+
+
+class RuntimeTooOld(ManifestError):
+    """The bundle needs a newer runtime than this one."""
+
+
+def _fail(where: str, problem: str) -> None:
+    raise ManifestError(f"{where}: {problem}")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _any(value: Any, where: str) -> None:
+    pass
+
+
+def _text(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        _fail(where, f"expected a string, got {_shown(value)}")
+    if len(value) > MAX_TEXT:
+        _fail(where, f"a string of {len(value):,} characters (at most {MAX_TEXT:,})")
+
+
+def _flag(value: Any, where: str) -> None:
+    if not isinstance(value, bool):
+        _fail(where, f"expected true or false, got {_shown(value)}")
+
+
+def _integer(lo: int, hi: int) -> Spec:
+    def check(value: Any, where: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(where, f"expected an integer, got {_shown(value)}")
+        if not lo <= value <= hi:
+            _fail(where, f"{value} is outside [{lo}, {hi}]")
+    return check
+
+
+def _number(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(where, f"expected a finite number, got {_shown(value)}")
+
+
+def _positive(value: Any, where: str) -> None:
+    _number(value, where)
+    if value <= 0:
+        _fail(where, f"expected a positive number, got {_shown(value)}")
+
+
+def _pattern(regex: re.Pattern, what: str) -> Spec:
+    def check(value: Any, where: str) -> None:
+        _text(value, where)
+        if not regex.match(value):
+            _fail(where, f"{_shown(value)} is not {what}")
+    return check
+
+
+def _literal(*allowed: Any) -> Spec:
+    def check(value: Any, where: str) -> None:
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            _fail(where, f"{_shown(value)} is not one of {', '.join(map(str, allowed))}")
+    return check
+
+
+def _path(value: Any, where: str) -> None:
+    """A path relative to the bundle root, '/'-separated, with no '.', '..' or empty part."""
+    _text(value, where)
+    parts = value.split("/")
+    if not value or len(value) > 1024 or "\\" in value or "\0" in value:
+        _fail(where, f"{_shown(value)} is not a bundle path")
+    if value.startswith("/"):
+        _fail(where, f"{_shown(value)} is absolute; every path in a bundle is relative to its root")
+    if any(part in ("", ".", "..") or len(part.encode()) > 255 for part in parts):
+        _fail(where, f"{_shown(value)} leaves the bundle or is not normalized ('..', '.' or an empty part)")
+
+
+def _nullable(spec: Spec) -> Spec:
+    def check(value: Any, where: str) -> None:
+        if value is not None:
+            spec(value, where)
+    return check
+
+
+def _list(item: Spec, *, min_len: int = 0, max_len: int = MAX_ITEMS) -> Spec:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, list):
+            _fail(where, f"expected a list, got {_shown(value)}")
+        if not min_len <= len(value) <= max_len:
+            _fail(where, f"{len(value)} items (expected {min_len} to {max_len})")
+        for i, x in enumerate(value):
+            item(x, f"{where}[{i}]")
+    return check
+
+
+def _map(value_spec: Spec, key_spec: Spec = _text) -> Spec:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            _fail(where, f"expected an object, got {_shown(value)}")
+        if len(value) > MAX_ITEMS:
+            _fail(where, f"{len(value)} entries (at most {MAX_ITEMS})")
+        for k, v in value.items():
+            key_spec(k, f"{where} key")
+            value_spec(v, f"{where}[{_shown(k)}]")
+    return check
+
+
+def _object(required: dict[str, Spec], optional: dict[str, Spec] | None = None, *, extra: bool = False) -> Spec:
+    """An object with these keys; `extra`: other keys are allowed and not read (informational parts)."""
+    optional = optional or {}
+
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            _fail(where, f"expected an object, got {_shown(value)}")
+        for key, spec in required.items():
+            if key not in value:
+                _fail(f"{where}.{key}", "missing")
+            spec(value[key], f"{where}.{key}")
+        for key, spec in optional.items():
+            if key in value:
+                spec(value[key], f"{where}.{key}")
+        if not extra:
+            unknown = sorted(set(value) - set(required) - set(optional))
+            if unknown:
+                _fail(where, f"unknown field {_shown(unknown[0])}")
+    return check
+
+
+_QUANT = _object({"scale": _positive, "zero_point": _integer(-(2**31), 2**31 - 1)})
+TENSOR = _object(
+    {"name": _text, "shape": _list(_integer(0, 2**31 - 1), max_len=32), "dtype": _literal(*DTYPES)},
+    {"key": _text, "perm": _nullable(_list(_integer(0, 31), max_len=32)), "quant": _nullable(_QUANT),
+     "valid_range": _nullable(_list(_integer(-(2**63), 2**63 - 1), min_len=2, max_len=2))},
+)
+SEGMENT = _object(
+    {"id": _text, "device": _pattern(_DEVICE_ID, "a logical device id (cpu, edgetpu:0, gpu:0)"),
+     "backend": _literal(*BACKENDS), "artifact": _path, "inputs": _list(TENSOR), "outputs": _list(TENSOR)},
+    {"fallback_artifact": _nullable(_path), "nodes": _integer(0, 2**31 - 1), "predicted_ms": _number,
+     "threads": _integer(0, 4096)},
+)
+_IDS = _list(_list(_text))
+# the informational parts: only what `edgesdk inspect` reads is typed; the rest is shown as it is
+_ACCURACY = _object({}, {"samples": _integer(0, 2**31 - 1), "top1_agreement": _number,
+                         "tensors": _map(_object({"cosine": _number, "max_abs_error": _number}, extra=True))},
+                    extra=True)
+_EDGETPU = _object({}, {
+    "edgetpu_compiled": _flag, "finish_command": _text,
+    "compiler": _map(_object({"on_chip_bytes": _number, "off_chip_bytes": _number,
+                              "ops_on_tpu": _integer(0, 2**31 - 1)}, extra=True)),
+    "corrections": _list(_object({"segment": _text, "ops": _integer(0, 2**31 - 1),
+                                  "ops_on_tpu": _integer(0, 2**31 - 1), "ops_on_cpu": _integer(0, 2**31 - 1),
+                                  "predicted_ms_before": _number, "predicted_ms_after": _number}, extra=True)),
+}, extra=True)
+MANIFEST = _object(
+    {"schema_version": _integer(0, 2**31 - 1), "sdk_version": _text,
+     "min_runtime_version": _pattern(_VERSION, "a version like 0.1.0"),
+     "model": _object({"name": _text}, {"sha256": _text}, extra=True),
+     "target": _object({"name": _text}, {"description": _text}, extra=True),
+     "arch": _literal(*ARCHES), "device_map": _map(_text),
+     "inputs": _list(TENSOR), "outputs": _list(TENSOR, min_len=1), "segments": _list(SEGMENT, min_len=1),
+     "pipeline_stages": _IDS},
+    {"predicted": _map(_number), "parallel_steps": _IDS, "cpu_threads": _integer(0, 4096),
+     "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
+     "accuracy": _ACCURACY, "tuning": _object({}, extra=True), "warnings": _list(_text),
+     "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
+                   key_spec=_path)},
+)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _check_references(d: dict[str, Any]) -> None:
+    """What the types cannot say: ids defined once and named where defined, tensors produced before
+    they are taken, layouts that are permutations, index ranges that are ranges."""
+    ids = [s["id"] for s in d["segments"]]
+    if len(set(ids)) != len(ids):
+        _fail("manifest.segments", f"segment id {_shown(next(i for i in ids if ids.count(i) > 1))} is used twice")
+    for field_name in ("pipeline_stages", "parallel_steps"):
+        for i, step in enumerate(d.get(field_name, ())):
+            for sid in step:
+                if sid not in ids:
+                    _fail(f"manifest.{field_name}[{i}]", f"names segment {_shown(sid)}, which the manifest does not define")
+    available = {t["name"] for t in d["inputs"]}
+    tensors = [(f"manifest.{part}[{i}]", t) for part in ("inputs", "outputs") for i, t in enumerate(d[part])]
+    for k, seg in enumerate(d["segments"]):
+        where = f"manifest.segments[{k}]"
+        for t in seg["inputs"]:
+            if t["name"] not in available:
+                _fail(f"{where}.inputs", f"takes {_shown(t['name'])}, which no model input or earlier segment gives")
+        if seg["backend"] == "tvm":  # the runner passes arguments in the order of their integer keys
+            keys = [t.get("key", "") for t in (*seg["inputs"], *seg["outputs"])]
+            if not all(re.fullmatch(r"[0-9]{1,4}", k) for k in keys):
+                _fail(where, "a TVM segment's tensors have integer keys (their argument positions)")
+        available |= {t["name"] for t in seg["outputs"]}
+        tensors += [(f"{where}.{part}[{i}]", t) for part in ("inputs", "outputs") for i, t in enumerate(seg[part])]
+    for i, t in enumerate(d["outputs"]):
+        if t["name"] not in available:
+            _fail(f"manifest.outputs[{i}]", f"{_shown(t['name'])} is produced by no segment")
+    for where, t in tensors:
+        if t.get("perm") is not None and sorted(t["perm"]) != list(range(len(t["shape"]))):
+            _fail(f"{where}.perm", f"{t['perm']} is not a permutation of the tensor's {len(t['shape'])} axes")
+        if t.get("valid_range") is not None and t["valid_range"][0] > t["valid_range"][1]:
+            _fail(f"{where}.valid_range", f"{t['valid_range']} is empty")

@@ -15,7 +15,8 @@ read only as results are taken. Results come out in input order.
 
 Errors: a segment that raises marks its frame failed; the frame's other segments are skipped (they
 are ready at once, so no worker waits on them), and the error is raised to the caller when that
-frame's turn comes. Closing the generator (or an error) stops the workers and joins them.
+frame's turn comes. A frame that the caller's iterator raises for (a malformed input refused by the
+model's checks) is raised after every frame before it has been yielded. Closing the generator (or an error) stops the workers and joins them.
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
     try:
         source = iter(frames)
         exhausted = False
+        refused: BaseException | None = None  # a frame the caller's iterator could not give (a bad input)
         while True:
             while not exhausted and len(in_flight) < depth:
                 try:
                     feeds = next(source)
                 except StopIteration:
                     exhausted = True
+                    break
+                except Exception as e:  # noqa: BLE001 -- raised after the good frames before it are yielded
+                    refused, exhausted = e, True
                     break
                 frame = _Frame({k: np.asarray(v) for k, v in feeds.items()},
                                {seg.id: threading.Event() for seg, _ in runners})
@@ -97,6 +102,8 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                         pending[seg.device].append((frame, seg, runner))
                     cond.notify_all()
             if not in_flight:
+                if refused is not None:
+                    raise refused
                 return
             frame = in_flight.pop(0)
             for event in frame.done.values():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import Segment
+from ..manifest import ManifestError, Segment
 
 
 class OrtRunner:
@@ -22,6 +22,11 @@ class OrtRunner:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
         self.outputs = [o.name for o in segment.outputs]
+        takes = sorted(i.name for i in self.session.get_inputs())
+        gives = {o.name for o in self.session.get_outputs()}
+        if takes != sorted(t.name for t in segment.inputs) or not gives.issuperset(self.outputs):
+            raise ManifestError(f"segment {segment.id}: its model takes {takes} and gives {sorted(gives)}; the manifest "
+                                f"lists {sorted(t.name for t in segment.inputs)} and {sorted(self.outputs)}")
         self.note = ""
         self._lock = threading.Lock()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..manifest import Segment, TensorSpec
+from ..manifest import ManifestError, Segment, TensorSpec
 
 
 def _interpreter_module() -> Any:
@@ -47,6 +47,11 @@ class TfliteRunner:
         self._runner = self._interpreter.get_signature_runner()
         self._inputs = self._runner.get_input_details()
         self._outputs = self._runner.get_output_details()
+        for specs, details, what in ((segment.inputs, self._inputs, "input"), (segment.outputs, self._outputs, "output")):
+            keys = sorted(spec.key for spec in specs)
+            if keys != sorted(details):
+                raise ManifestError(f"segment {segment.id}: its model's {what}s are {sorted(details)}; the manifest "
+                                    f"lists {keys}")
         self._lock = threading.Lock()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import Segment, TensorSpec
+from ..manifest import ManifestError, Segment, TensorSpec
 
 
 class TvmRunner:
@@ -36,6 +36,10 @@ class TvmRunner:
         self._tensor = tvm.runtime.tensor
         self._vm = VirtualMachine(tvm.runtime.load_module(str(library)), self._device)
         self._main = self._vm["main"]
+        arity = self._vm._get_function_arity("main")
+        if arity != len(self._inputs):
+            raise ManifestError(f"segment {segment.id}: its library's main takes {arity} inputs; the manifest lists "
+                                f"{len(self._inputs)}")
         # The VM keeps per-call state (registers, its memory pool): one call at a time.
         self._lock = threading.Lock()
 
@@ -57,7 +61,10 @@ class TvmRunner:
         args = [self._argument(feeds, spec) for spec in self._inputs]
         with self._lock:
             result = self._main(*args)
-            values = list(result) if len(self._outputs) > 1 else [result]
+            values = list(result) if _is_tuple(result) else [result]
+            if len(values) != len(self._outputs):
+                raise ManifestError(f"segment {self._segment.id}: its library returns {len(values)} outputs; the "
+                                    f"manifest lists {len(self._outputs)}")
             if native:
                 return {spec.name: value for spec, value in zip(self._outputs, values)}
             return {spec.name: value.numpy() for spec, value in zip(self._outputs, values)}
@@ -82,6 +89,10 @@ def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> 
     cuda-bindings package, or nvcc with `TVM_CUDA_COMPILE_MODE=nvcc`).
     """
     return TvmRunner(Path(bundle) / segment.artifact, segment, _device_index(physical_device or segment.device))
+
+
+def _is_tuple(value) -> bool:
+    return not hasattr(value, "numpy")  # a TVM array (an ffi Array of tensors) rather than one tensor
 
 
 def _device_index(name: str) -> int:

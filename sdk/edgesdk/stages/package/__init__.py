@@ -31,12 +31,15 @@ from ...backends import edgetpu_compiler
 from ...backends import onnxruntime as ort_backend
 from ...backends import tflite as tflite_backend
 from ...backends import tvm as tvm_backend
+from ...ir import index_ranges
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
 from ...ir.digest import file_sha256
 from ...ir.numeric import compare
 from ...runtime import manifest as mf
+from ...errors import UserError
 from ...runtime.executor import BundleModel
+from ...runtime.inputs import InputError, check_feeds
 from ...scheduling import placement
 from ...scheduling.graph import build_problem
 
@@ -118,7 +121,13 @@ def run(artifact: Path, ctx) -> dict:
     produced = {t.name: t for s in segments for t in s.outputs}
     outputs = tuple(mf.TensorSpec(name=o["name"], shape=tuple(o["shape"]), dtype=o["dtype"],
                                   quant=produced[o["name"]].quant) for o in imported["outputs"])
-    inputs = tuple(mf.TensorSpec(name=i["name"], shape=tuple(i["shape"]), dtype=i["dtype"]) for i in imported["inputs"])
+    # an input that indexes a table (token ids) carries the range the table allows; the runtime refuses others
+    ranges = index_ranges.infer(onnx.load(str(ctx.artifact("import") / "model.onnx")))
+    for r in ranges.values():
+        ctx.log(f"package: {r.describe()}")
+    inputs = tuple(mf.TensorSpec(name=i["name"], shape=tuple(i["shape"]), dtype=i["dtype"],
+                                 valid_range=ranges[i["name"]].valid_range if i["name"] in ranges else None)
+                   for i in imported["inputs"])
 
     calibration = compress.get("calibration") or {}
     manifest = mf.Manifest(
@@ -150,6 +159,12 @@ def run(artifact: Path, ctx) -> dict:
     # golden inputs, so a device whose int8 kernels round differently is judged segment by segment
     crossing = sorted({t.name for seg in manifest.segments for t in (*seg.inputs, *seg.outputs)}
                       - set(golden_in) - {t.name for t in manifest.outputs})
+    for k, sample in enumerate(samples):  # a --calib sample the bundle would refuse (an id beyond its table)
+        try:
+            check_feeds(manifest.inputs, sample)
+        except InputError as e:
+            raise UserError("package.bad-sample", f"calibration sample {k + 1} is not a valid input: {e}",
+                            "give --calib samples the deployed model accepts; " + e.hint) from None
     golden_all = host_model.run(golden_in, extra_outputs=crossing)
     golden_out = {t.name: golden_all[t.name] for t in manifest.outputs}
     (bundle / "golden").mkdir()
@@ -229,10 +244,11 @@ def _describe(codegen: dict) -> str:
 
 
 def _needs_twin(codegen: dict) -> bool:
-    """Code the build host cannot run: another architecture, or a GPU."""
+    """Code the build host cannot run: another architecture, a GPU, or instructions this host's CPU
+    lacks (an x86 target naming an AVX-512 CPU, built on an AVX2-only host)."""
     if codegen.get("kind") != "llvm":
         return True
-    return tvm_backend.target_arch(codegen) != platform.machine()
+    return tvm_backend.target_arch(codegen) != platform.machine() or bool(tvm_backend.missing_host_features(codegen))
 
 
 def _plain_spec(model: onnx.ModelProto, name: str) -> mf.TensorSpec:

@@ -1,0 +1,145 @@
+"""What the runtime checks in a model's inputs before any segment runs, and the casts it does.
+
+A compiled kernel trusts its inputs: an index outside its table reads other memory or crashes the
+process, a NaN in an input comes out as confident finite numbers, a cast changes the values without a
+word. So every feed is checked against the manifest's `TensorSpec` first:
+
+- names and shapes: exactly the model's (a plain ValueError, as before these checks);
+- dtype (the feed's -> the model's):
+  - the same dtype passes;
+  - a cast numpy calls safe (float16->float32, uint8/int8/int16->float32, int32->int64) is done and noted;
+  - a narrowing float cast (float64->float32) is done with a note when every finite value lies within
+    the narrower type's range, and refused otherwise;
+  - a narrowing integer cast (int64->int32) is done with a note when every value fits, and refused
+    naming the first that does not; so is an integer->float cast numpy does not call safe
+    (int64->float32) when every value is exactly representable (|v| <= 2^24 for float32);
+  - bool, complex, strings and objects, float->integer (token ids given as floats, even integral ones)
+    and anything->bool are refused: the values would not mean what the model means;
+- non-finite values (NaN, +-inf) in a float input are refused unless the caller allows them;
+- an index input (`TensorSpec.valid_range`, set at build time by `edgesdk.ir.index_ranges`) holds only
+  values in its range [-N, N-1]: N the size of the table it indexes.
+
+A refusal is an `InputError` (a ValueError) naming the input, what is wrong and the rule, with a hint;
+`edgesdk run` reports it as a user error.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from .manifest import TensorSpec
+
+NONFINITE_HINT = ("replace the NaN/inf values, or allow them: BundleModel.run(..., allow_nonfinite=True), "
+                  "edgesdk run --allow-nonfinite")
+
+
+class InputError(ValueError):
+    """A feed the model cannot take. `hint` says what the caller can do about it."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+def check_feeds(specs: Iterable[TensorSpec], feeds: dict, *, allow_nonfinite: bool = False
+                ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The feeds as arrays of the model's dtypes, and a note for each cast done; raises ValueError
+    (names, shapes) or InputError (dtypes, values)."""
+    want = {t.name: t for t in specs}
+    missing = sorted(set(want) - set(feeds))
+    extra = sorted(set(feeds) - set(want))
+    if missing or extra:
+        raise ValueError(f"inputs do not match the model: missing {missing}, unexpected {extra}; "
+                         f"the model takes {sorted(want)}")
+    out, notes = {}, []
+    for name, spec in want.items():
+        value = np.asarray(feeds[name])
+        if value.shape != tuple(spec.shape):
+            raise ValueError(f"input '{name}' has shape {value.shape}, the model takes {tuple(spec.shape)}")
+        value, note = cast(name, value, np.dtype(spec.dtype))
+        if note:
+            notes.append(note)
+        if value.dtype.kind == "f" and not allow_nonfinite:
+            _check_finite(name, value)
+        if spec.valid_range is not None:
+            _check_range(name, value, spec.valid_range)
+        out[name] = value
+    return out, notes
+
+
+def cast(name: str, value: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, str]:
+    """`value` as `dtype` by the rules in the module docstring, with a note when it was cast."""
+    got = value.dtype
+    if got == dtype:
+        return value, ""
+    head = f"input '{name}' is {got}, the model takes {dtype}"
+    if got.kind in "bcOUSVMm" or dtype.kind == "b":
+        raise InputError(f"{head}: {_kind_name(got)} values are not cast to {_kind_name(dtype)}",
+                         f"give {dtype} values")
+    if got.kind == "f" and dtype.kind in "iu":
+        raise InputError(f"{head}: float values are not cast to integers (indices such as token ids must "
+                         f"be given as integers, even when integral)",
+                         f"convert them yourself if they are indices: x.astype('{dtype}')")
+    if np.can_cast(got, dtype, "safe"):
+        return value.astype(dtype), f"{head}: cast to {dtype} (exact)"
+    if got.kind == "f" and dtype.kind == "f":
+        limit = np.finfo(dtype).max
+        finite = np.isfinite(value)
+        bad = finite & (np.abs(value) > limit)
+        if bad.any():
+            raise InputError(_first(f"{head}: a narrowing cast is done only when every finite value lies "
+                                    f"within {dtype}'s range (+-{limit:.4g})", value, bad, "outside it"),
+                             f"scale the values into {dtype}'s range, or give {dtype} values")
+        return value.astype(dtype), f"{head}: narrowed to {dtype} (every value within its range; {dtype} precision)"
+    if got.kind in "iu" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        bad = (value < info.min) | (value > info.max)
+        if bad.any():
+            raise InputError(_first(f"{head}: a narrowing cast is done only when every value fits "
+                                    f"[{info.min}, {info.max}]", value, bad, "outside it"),
+                             f"give values that fit {dtype}")
+        return value.astype(dtype), f"{head}: cast to {dtype} (every value fits)"
+    if got.kind in "iu" and dtype.kind == "f":
+        exact = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to 2^(mantissa bits + 1) is a float
+        bad = (value > exact) | (value < -exact)
+        if bad.any():
+            raise InputError(_first(f"{head}: an integer cast to {dtype} is done only when every value is "
+                                    f"exactly representable (|v| <= {exact})", value, bad, "beyond that"),
+                             f"give {dtype} values")
+        return value.astype(dtype), f"{head}: cast to {dtype} (every value exact)"
+    raise InputError(f"{head}: no rule casts {got} to {dtype}", f"give {dtype} values")
+
+
+def _check_finite(name: str, value: np.ndarray) -> None:
+    bad = ~np.isfinite(value)
+    if bad.any():
+        # a compiled kernel need not propagate NaN (a max or clamp may return its other operand, int8
+        # quantization makes some integer of it): the outputs would look valid
+        raise InputError(_first(f"input '{name}' holds NaN or inf, refused by default", value, bad, "not finite"),
+                         NONFINITE_HINT)
+
+
+def _check_range(name: str, value: np.ndarray, valid: tuple[int, int]) -> None:
+    low, high = valid
+    bad = (value < low) | (value > high)
+    if bad.any():
+        raise InputError(_first(f"input '{name}' is an index into a table, valid range [{low}, {high}]", value, bad,
+                                "outside it"),
+                         f"give indices in [{low}, {high}] (a negative one counts from the end of the table); "
+                         f"token ids must come from the model's own vocabulary")
+
+
+def _first(message: str, value: np.ndarray, bad: np.ndarray, what: str) -> str:
+    """`message`, then the first offending value, its position, and how many more offend."""
+    where = np.unravel_index(int(np.argmax(bad)), value.shape)
+    more = int(np.count_nonzero(bad)) - 1
+    tail = (f", and so {'is' if more == 1 else 'are'} {more} more of the {value.size} values" if more
+            else f" (the only one of the {value.size} values)")
+    return f"{message}: {value[where].item()!r} at position {tuple(int(i) for i in where)} is {what}{tail}"
+
+
+def _kind_name(dtype: np.dtype) -> str:
+    return {"b": "bool", "c": "complex", "f": "float", "i": "integer", "u": "integer",
+            "M": "datetime", "m": "timedelta"}.get(dtype.kind, "string or object")
