@@ -17,6 +17,12 @@ DEVICE_KEY = "edgesdk.device"
 CAPABLE_KEY = "edgesdk.capable"
 
 
+def infer_shapes(model: onnx.ModelProto, *, strict: bool = True) -> onnx.ModelProto:
+    """ONNX shape inference with data propagation (shapes computed from constant shape tensors);
+    `strict` raises where a declared shape contradicts the inferred one or an op cannot be inferred."""
+    return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+
+
 def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
     """Read an ONNX file (with its external data), or fail with a user error that says why.
 

@@ -91,12 +91,11 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 from onnxscript.rewriter import pattern
 
-from ..passes.rule import Rule, from_patterns
+from ..ir import model as irm
+from ..passes.rule import Rule, fixed_point, from_patterns
 from ..passes.values import FLOAT_TYPES, broadcast, constant, static_shape
 
 EXACT = "exact"
-IR_VERSION = 10  # onnxruntime 1.31 reads <= 13, the backends 10 (edgesdk.ir.model.IR_VERSION, one layer up)
-MAX_ROUNDS = 8  # no rule's output is another rule's input twice over: chains settle in 2-3 rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -699,21 +698,14 @@ def apply(model: onnx.ModelProto, only: Iterable[str] | None = None) -> tuple[on
         if unknown := sorted(only - set(names)):
             raise ValueError(f"unknown exact rules {unknown}; known: {names}")
     rules = [rule for rule in RULES if only is None or rule.name in only]
-    counts = {rule.name: 0 for rule in rules}
-    graph = ir.serde.deserialize_model(model)
-    for _ in range(MAX_ROUNDS):
-        fired = {rule.name: rule.rule.apply(graph) for rule in rules}
-        for name, n in fired.items():
-            counts[name] += n
-        if not any(fired.values()):
-            break
-        # The new values have no shapes yet; rules of the next round read them.
-        ShapeInferencePass()(graph)
+    # the new values have no shapes yet; rules of the next round read them
+    graph, run = fixed_point(ir.serde.deserialize_model(model), [rule.rule for rule in rules],
+                             between_rounds=ShapeInferencePass())
     RemoveUnusedNodesPass()(graph)
     result = ir.serde.serialize_model(graph)
-    result.ir_version = min(result.ir_version or IR_VERSION, IR_VERSION)
+    result.ir_version = min(result.ir_version or irm.IR_VERSION, irm.IR_VERSION)
     try:
-        result = onnx.shape_inference.infer_shapes(result, strict_mode=True, data_prop=True)
+        result = irm.infer_shapes(result)
     except Exception:  # noqa: BLE001 - a stale value_info must not lose the model; the caller checks it
         pass
-    return result, counts
+    return result, run.counts

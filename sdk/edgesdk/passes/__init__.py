@@ -36,12 +36,8 @@ import onnx_ir as ir
 from . import (batchnorm, constant_folding, conv_bias_activation, elementwise, identity, loops, redundancy, reshape,
                transpose)
 from ..ir import model as irm
-from .rule import Rule
+from .rule import MAX_ROUNDS, Rule, fixed_point  # noqa: F401 (MAX_ROUNDS: part of this package's API)
 
-# Rounds until nothing fires; real models settle in 2-3 (each rule already visits every node).
-MAX_ROUNDS = 8
-# onnxruntime 1.31 reads IR version <= 13, the backends 10 (edgesdk.ir.model.IR_VERSION, one layer up).
-IR_VERSION = 10
 
 RULES: tuple[Rule, ...] = (
     *identity.RULES,
@@ -65,33 +61,12 @@ def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
      "rounds": int}                            # fixed-point iterations, the last (quiet) one included
     plus "rule_errors": {rule_name: message} where a rule raised and was switched off.
     """
-    counts = {rule.name: 0 for rule in RULES}
-    errors: dict[str, str] = {}
-    graph = ir.serde.deserialize_model(model)
-    rounds = 0
-    while rounds < MAX_ROUNDS:
-        rounds += 1
-        snapshot = ir.serde.serialize_model(graph)
-        fired: dict[str, int] = {}
-        for rule in RULES:
-            if rule.name in errors:
-                continue
-            try:
-                fired[rule.name] = rule.apply(graph)
-            except Exception as e:  # noqa: BLE001 - any failure of one rule must not lose the model
-                errors[rule.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                log.warning("passes: rule %s raised %s; switched off", rule.name, errors[rule.name])
-                graph = ir.serde.deserialize_model(snapshot)
-                break
-        else:
-            for name, n in fired.items():
-                counts[name] += n
-            if not any(fired.values()):
-                break
+    graph, run = fixed_point(ir.serde.deserialize_model(model), RULES, isolate_errors=True)
+    counts, errors, rounds = run.counts, run.errors, run.rounds
 
     result = ir.serde.serialize_model(graph)
     counts["remove-dead-nodes"] += _drop_unused_initializers(result)
-    result.ir_version = min(result.ir_version or IR_VERSION, IR_VERSION)
+    result.ir_version = min(result.ir_version or irm.IR_VERSION, irm.IR_VERSION)
     result = _infer_shapes(result)
     try:
         onnx.checker.check_model(result)
@@ -120,11 +95,11 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Shapes for the values the rules created; the kept value_info must agree with inference, else
     (a stale annotation) it is dropped and inferred afresh."""
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        return irm.infer_shapes(model)
     except Exception:  # noqa: BLE001
         del model.graph.value_info[:]
         try:
-            return onnx.shape_inference.infer_shapes(model, data_prop=True)
+            return irm.infer_shapes(model, strict=False)
         except Exception:  # noqa: BLE001 - the checker below decides whether the model is usable
             return model
 

@@ -8,7 +8,8 @@ of any length has to be followed) count the nodes they removed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import logging
+from typing import Callable, Sequence
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
@@ -42,3 +43,58 @@ def from_pass(name: str, run: Callable[[ir.Model], object]) -> Rule:
         return max(before - count_nodes(model), 0)
 
     return Rule(name, apply)
+
+
+# Rounds until nothing fires; real models settle in 2-3 (each rule already visits every node).
+MAX_ROUNDS = 8
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FixedPoint:
+    """What `fixed_point` did: firings per rule (every rule, 0 included, in the order they ran), the
+    rounds run (the last, quiet one included), and the rules switched off because they raised."""
+
+    counts: dict[str, int]
+    rounds: int
+    errors: dict[str, str]
+
+
+def fixed_point(model: ir.Model, rules: Sequence[Rule], *, between_rounds: Callable[[ir.Model], object] | None = None,
+                isolate_errors: bool = False, max_rounds: int = MAX_ROUNDS) -> tuple[ir.Model, FixedPoint]:
+    """Apply `rules` in order, round after round, until a round fires none (at most `max_rounds`).
+
+    `between_rounds` runs after a round that fired, before the next (shape inference: the next
+    round's rules read the new values' shapes). With `isolate_errors`, a rule that raises is
+    switched off and its round is run again from the model as it was before that round, so one
+    broken rule never loses the model (the firings of an abandoned round are not counted);
+    otherwise the error propagates. Returns the model (a new object after a restored round) and
+    the record."""
+    counts = {rule.name: 0 for rule in rules}
+    errors: dict[str, str] = {}
+    rounds = 0
+    while rounds < max_rounds:
+        rounds += 1
+        snapshot = ir.serde.serialize_model(model) if isolate_errors else None
+        fired: dict[str, int] = {}
+        for rule in rules:
+            if rule.name in errors:
+                continue
+            try:
+                fired[rule.name] = rule.apply(model)
+            except Exception as e:  # noqa: BLE001 - re-raised unless isolated
+                if not isolate_errors:
+                    raise
+                errors[rule.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log.warning("passes: rule %s raised %s; switched off", rule.name, errors[rule.name])
+                model = ir.serde.deserialize_model(snapshot)
+                break
+        else:
+            for name, n in fired.items():
+                counts[name] += n
+            if not any(fired.values()):
+                break
+            if between_rounds is not None:
+                between_rounds(model)
+    return model, FixedPoint(counts, rounds, errors)

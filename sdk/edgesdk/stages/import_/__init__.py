@@ -166,7 +166,7 @@ def _infer_shapes(model: onnx.ModelProto, path: Path,
 
 
 def _strict_inference(model: onnx.ModelProto) -> onnx.ModelProto:
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    return irm.infer_shapes(model)
 
 
 def _contradicted_outputs(model: onnx.ModelProto) -> list[tuple[onnx.ValueInfoProto, list[int | None]]]:

@@ -216,7 +216,7 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.graph.value_info[:]
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    return irm.infer_shapes(model)
 
 
 def _ranges(model: onnx.ModelProto, feeds: list[dict], names: list[str]) -> dict[str, tuple[float, float]]:
