@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-field"
 
@@ -95,7 +96,7 @@ def held_out_top1(out: Path) -> dict:
 
 
 def twins(out: Path) -> dict[str, Path]:
-    return {p.stem: p for p in (out / ".build" / "6-package" / "twin").glob("*.so")}
+    return {p.stem: p for p in (stage_dir(out, "package") / "twin").glob("*.so")}
 
 
 def host(out: Path, frames: int) -> dict:
@@ -156,7 +157,7 @@ def measure(name: str, model: Path, frames: int, **kw) -> dict:
                                     for k, v in acc["tensors"].items()},
                         "top1_agreement": acc.get("top1_agreement")},
            "per_segment_cosine": {}}
-    compress = json.loads((out / ".build" / "5-compress" / "compress.json").read_text())
+    compress = json.loads((stage_dir(out, "compress") / "compress.json").read_text())
     for sid, seg in compress["segments"].items():
         row["per_segment_cosine"][sid] = round(min(a["cosine"] for a in seg["accuracy_vs_float"].values()), 5)
     row["host"] = host(out, frames)

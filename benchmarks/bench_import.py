@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 MODELS = ROOT / ".cache" / "models"
 CACHE = ROOT / ".cache" / "bench-import"
@@ -211,9 +212,9 @@ def measure(name: str, kind: str, source: Path, shapes: dict, runs: int, threads
                                     until="import"))
         seconds = time.perf_counter() - t0
         rec = result.stages[0].record
-        stage_dir = Path(tmp) / "out" / ".build" / "1-import"
-        optimized = stage_dir / "model.onnx"
-        original = stage_dir / "converted.onnx" if (stage_dir / "converted.onnx").exists() else source
+        imported = stage_dir(Path(tmp) / "out", "import")
+        optimized = imported / "model.onnx"
+        original = imported / "converted.onnx" if (imported / "converted.onnx").exists() else source
         model = onnx.load(str(optimized))
         feeds = random_feeds(model)
         full = {**feeds, **(fixed or {})}

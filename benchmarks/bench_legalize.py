@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-legalize"
 
@@ -104,7 +105,7 @@ def predicted_ms(model: Path, tmp: Path, rewrites: bool) -> tuple[float, dict]:
 
     out = tmp / ("with" if rewrites else "without")
     build(BuildOptions(model=model, target="arm_2tpu", out=out, until="schedule", legalize_rewrites=rewrites))
-    plan = json.loads((out / ".build" / "3-schedule" / "plan.json").read_text())
+    plan = json.loads((stage_dir(out, "schedule") / "plan.json").read_text())
     return plan["predicted"]["latency_ms"], plan["placement"]
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-parallel"
 FIT = ["ResNet50", "MobileNetV2"]
@@ -184,7 +185,7 @@ def main() -> None:
             log(f"building {name} ({variant}) ...")
             row[variant] = build(paths[name], target, CACHE / f"{name}-{variant}", **kw)
             log(f"  {row[variant]}")
-        onnx_path = CACHE / f"{name}-sequential" / ".build" / "1-import" / "model.onnx"
+        onnx_path = stage_dir(CACHE / f"{name}-sequential", "import") / "model.onnx"
         par = BundleModel(CACHE / f"{name}-parallel" / "bundle", log=lambda s: None)
         seq = BundleModel(CACHE / f"{name}-sequential" / "bundle", log=lambda s: None)
         feeds = {t.name: np.random.default_rng(0).uniform(-1, 1, t.shape).astype(t.dtype) for t in seq.inputs}

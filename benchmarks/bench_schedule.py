@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 MODELS = ["captioner", "MobileNetV2", "ResNet50", "InceptionV3", "NASNetMobile"]
 CACHE = ROOT / ".cache" / "bench-schedule"
@@ -66,7 +67,7 @@ def measure(name: str) -> dict:
     for mode in ("latency", "throughput"):
         t0 = time.perf_counter()
         result = build(BuildOptions(model=path, target="arm_2tpu", out=out, until="schedule", mode=mode))
-        plan = json.loads((out / ".build" / "3-schedule" / "plan.json").read_text())
+        plan = json.loads((stage_dir(out, "schedule") / "plan.json").read_text())
         row[mode] = {"predicted": plan["predicted"], "placement": plan["placement"],
                      "segments": len(plan["segments"]), "baselines": plan["baselines"],
                      "scheduler_s": result.stages[2].record["scheduler_s"],
@@ -95,7 +96,7 @@ def coral_pipelining() -> list[dict]:
     base, _ = load_target("arm_2tpu")
     rows = []
     for name, (segments, expected) in CORAL_PIPELINING.items():
-        model = onnx.load(str(CACHE / name / ".build" / "2-legalize" / "model.onnx"))
+        model = onnx.load(str(stage_dir(CACHE / name, "legalize") / "model.onnx"))
         shapes, consts = irm.static_shapes(model), irm.constant_names(model)
         fps = {}
         for n in (1, segments):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 CACHE = ROOT / ".cache" / "bench-tune"
 MODELS = ("MobileNetV2", "ResNet50", "InceptionV3", "PP-OCRv4-det")
 TRANSFER_MODELS = ("MobileNetV2", "ResNet50", "PP-OCRv4-det")
@@ -79,7 +80,7 @@ def build(model: Path, extra: list[str], target: Path, out: Path, db: Path, tria
     if done.returncode != 0:
         raise SystemExit(f"build of {model.name} failed, see {out.parent / f'{out.name}.log'}")
     summary = json.loads(done.stdout)
-    tune = json.loads((out / ".build" / "4-tune" / "tune.json").read_text())
+    tune = json.loads((stage_dir(out, "tune") / "tune.json").read_text())
     return {"wall_s": round(time.perf_counter() - t0, 1),
             "stages_s": {s["name"]: round(s["seconds"], 1) for s in summary["stages"]}, "tune": tune}
 
@@ -123,7 +124,7 @@ def latencies(name: str, tuned: Path, untuned: Path, threads: int, runs: int) ->
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    sess = ort.InferenceSession(str(untuned / ".build" / "1-import" / "model.onnx"), opts,
+    sess = ort.InferenceSession(str(stage_dir(untuned, "import") / "model.onnx"), opts,
                                 providers=["CPUExecutionProvider"])
     out_t, out_r = t.run(feeds), sess.run(None, feeds)
     first = next(iter(out_t.values()))
@@ -150,7 +151,7 @@ def transfer(name: str, kept: dict, target: Path, db_all: Path, trials: int) -> 
     chosen += [t for t in tasks if "matmul" in t["name"] or "dense" in t["name"]][:1]
     own = {t["workload"] for t in tasks}
     codegen = load_target(str(target))[0].devices[0].codegen
-    segment = kept[name]["out"] / ".build" / "3-schedule"
+    segment = stage_dir(kept[name]["out"], "schedule")
     models = [onnx.load(str(p)) for p in sorted(segment.glob("segments/*.onnx"))]
     rows = []
     for task in chosen:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-fit"
 SCRIPT = "benchmarks/fit_arm_2tpu.py"
@@ -170,7 +171,7 @@ def legalized(name: str):
 
     out = CACHE / "build" / name
     build(BuildOptions(model=keras_model(name), target="arm_2tpu", out=out, until="legalize"))
-    return onnx.load(str(out / ".build" / "2-legalize" / "model.onnx"))
+    return onnx.load(str(stage_dir(out, "legalize") / "model.onnx"))
 
 
 # --- targets ---------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def build(
     if bool(rpc_tracker) != bool(rpc_key):
         raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
                          "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
-    from .pipeline import PHASE_NAMES, BuildOptions, build as run_build
+    from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch,
@@ -227,7 +227,7 @@ def build(
                 _err(import_summary(s.record))
             if s.name == "legalize" and (text := legalize_summary(s.record)):
                 _err(text)
-        plan_path = out / ".build" / "3-schedule" / "plan.json"
+        plan_path = stage_dir(out, "schedule") / "plan.json"
         if plan_path.exists():
             _err(placement_summary(json.loads(plan_path.read_text())))
             _err(f"schedule report: {plan_path.with_name('schedule.html')}")

@@ -3,17 +3,21 @@
 Each stage is a module under `edgesdk.stages` with
 
     OPTIONS: tuple[str, ...]          # the BuildOptions fields its result depends on
+    READS: tuple[str, ...]            # the earlier stages whose outputs it reads (import: none, the model)
     def cache_inputs(options, target) -> dict   # optional: outside state it reads (a database)
     def run(artifact: Path, ctx: StageContext) -> dict   # writes into ctx.out, returns its record
 
-A stage reads the previous stage's directory (and, through `ctx.artifact(name)`, any earlier
-one) and writes its own, `DIR/.build/<n>-<stage>/`, which is immutable once written: the
-stage writes into a temporary directory that is renamed into place when it succeeds.
+`artifact` is the output of the last stage in READS (for import, the model file); `ctx.artifact(name)`
+gives any other stage in READS and refuses one that is not. A stage writes its own directory,
+`stage_dir(DIR, stage)` = `DIR/.build/<n>-<stage>/`, immutable once written: the stage writes into
+a temporary directory that is renamed into place when it succeeds.
 
-Cache key of stage n = sha256(key of stage n-1, digest of its output, the target, the values of
-the options stage n names, the sdk version). A stage whose key matches the one stored beside its
-output is a cache hit and does not run. `--from S` forces S and everything after it to run;
-`--until S` stops after S.
+Cache key of a stage = sha256(the digests of the outputs it READS (import: of the model file), the
+target (unless USES_TARGET is False), the values of the options it names, its outside state, the
+sdk's code). So a stage re-runs when what it reads changes, and only then: a new tuning database
+re-runs tune and package, not compress's int8 conversion, which never reads it. A stage whose key
+matches the one stored beside its output is a cache hit and does not run. `--from S` forces S and
+everything after it to run; `--until S` stops after S.
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ PHASES: tuple[Phase, ...] = (
     Phase("package", "edgesdk.stages.package", "compile every segment and write the verified bundle"),
 )
 PHASE_NAMES = tuple(p.name for p in PHASES)
+
+
+def stage_dir(out: Path, stage: str) -> Path:
+    """Where `stage` of a build into `out` keeps its output: DIR/.build/<n>-<stage>."""
+    return Path(out) / ".build" / f"{PHASE_NAMES.index(stage) + 1}-{stage}"
+
+
+def stage_reads(module: Any, stage: str) -> tuple[str, ...]:
+    """The earlier stages a stage module reads (READS; by default the one before it)."""
+    i = PHASE_NAMES.index(stage)
+    reads = tuple(getattr(module, "READS", PHASE_NAMES[i - 1:i]))
+    if any(r not in PHASE_NAMES[:i] for r in reads):
+        raise ValueError(f"stage {stage} READS {reads}: only earlier stages ({', '.join(PHASE_NAMES[:i])})")
+    return reads
 
 
 @dataclass(frozen=True)
@@ -97,11 +115,15 @@ class StageContext:
     warnings: list[str] = field(default_factory=list)
     # a progress line redrawn in place on a terminal (None ends it); None: progress goes to `log`
     progress: Callable[[str | None], None] | None = None
+    # the stages this one declared in READS (its cache key covers exactly those); None: not checked
+    reads: tuple[str, ...] | None = None
 
     def artifact(self, stage: str) -> Path:
-        """The output directory of an earlier stage."""
-        i = PHASE_NAMES.index(stage)
-        return self.build_dir / f"{i + 1}-{stage}"
+        """The output directory of an earlier stage, one this stage READS."""
+        if self.reads is not None and stage not in self.reads:
+            raise RuntimeError(f"a stage read the output of {stage} without naming it in READS, so its cache "
+                               f"key does not cover it")
+        return stage_dir(self.build_dir.parent, stage)
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -156,20 +178,23 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
 
     # a SavedModel is a directory: its digest covers every file in it
     sdk = _sdk_digest()
-    key = value_sha256({"model": tree_sha256(model) if model.is_dir() else file_sha256(model), "sdk": sdk})
-    artifact = model
+    model_digest = tree_sha256(model) if model.is_dir() else file_sha256(model)
+    digests: dict[str, str] = {}  # each stage's output digest, as the stages after it read them
     results: list[StageResult] = []
     try:
         for i, phase in enumerate(PHASES[: stop + 1]):
             stage = importlib.import_module(phase.module)
+            reads = stage_reads(stage, phase.name)
             opts = {name: options.value(name) for name in getattr(stage, "OPTIONS", ())}
             if hasattr(stage, "cache_inputs"):  # state outside the build dir the stage reads
                 opts["external"] = stage.cache_inputs(options, target)
             # a stage that never reads the target (import) keeps its cache when only the target changes
             uses_target = getattr(stage, "USES_TARGET", True)
-            key = value_sha256({"prev": key, "stage": phase.name, "target": target.digest() if uses_target else None,
-                                "options": opts, "sdk": sdk})
-            dest = build_dir / f"{i + 1}-{phase.name}"
+            key = value_sha256({"stage": phase.name, "reads": {r: digests[r] for r in reads},
+                                "model": None if reads else model_digest,
+                                "target": target.digest() if uses_target else None, "options": opts, "sdk": sdk})
+            dest = stage_dir(out, phase.name)
+            artifact = stage_dir(out, reads[-1]) if reads else model
             if i < force_from and _cache_hit(dest, key):
                 record = json.loads((dest / "record.json").read_text())
                 results.append(StageResult(phase.name, True, 0.0, record))
@@ -178,14 +203,13 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 on_stage(phase.name, "start", 0.0)
                 t0 = time.perf_counter()
                 record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log,
-                                    progress)
+                                    progress, reads)
                 secs = time.perf_counter() - t0
                 results.append(StageResult(phase.name, False, secs, record))
                 on_stage(phase.name, "done", secs)
-            # the next stage's key covers this stage's output, whatever produced it
-            key = value_sha256({"prev": key, "digest": (dest / "digest").read_text()})
-            artifact = dest
-        bundle = _publish(artifact, out) if stop == len(PHASES) - 1 else None
+            # the keys of the stages that read this one cover its output, whatever produced it
+            digests[phase.name] = (dest / "digest").read_text()
+        bundle = _publish(dest, out) if stop == len(PHASES) - 1 else None
     except BaseException:
         if created_out and not results:
             shutil.rmtree(out, ignore_errors=True)
@@ -232,13 +256,14 @@ def _cache_hit(dest: Path, key: str) -> bool:
 
 def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target: Target, target_path: Path,
                options: BuildOptions, build_dir: Path, log: Callable[[str], None],
-               progress: Callable[[str | None], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str | None], None] | None = None,
+               reads: tuple[str, ...] | None = None) -> dict[str, Any]:
     build_dir.mkdir(parents=True, exist_ok=True)
     tmp = build_dir / f".{dest.name}.tmp"
     try:  # from the first write on: a Ctrl-C anywhere leaves no temporary directory behind
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress)
+        ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress, reads=reads)
         t0 = time.perf_counter()
         record = stage.run(artifact, ctx)
         record = {"stage": phase.name, "seconds": round(time.perf_counter() - t0, 3),
@@ -268,9 +293,9 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
     target, target_path = load_target(options.target)
     with tempfile.TemporaryDirectory(prefix="edgesdk-check-") as tmp:
         result = build(dataclasses.replace(options, out=Path(tmp) / "out", until="import", start=None), log=log)
-        stage_dir = Path(tmp) / "out" / ".build" / "1-import"
-        model = onnx.load(str(stage_dir / "model.onnx"))
-        io = json.loads((stage_dir / "import.json").read_text())
+        imported = stage_dir(Path(tmp) / "out", "import")
+        model = onnx.load(str(imported / "model.onnx"))
+        io = json.loads((imported / "import.json").read_text())
         legalize = importlib.import_module(next(p.module for p in PHASES if p.name == "legalize"))
         ctx = StageContext(target, target_path, options, Path(tmp), Path(tmp), log)
         report = legalize.analyze(model, ctx, io["inputs"])
@@ -303,7 +328,7 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
                 out = Path(tmp) / f"{role}{i}"
                 build(BuildOptions(model=Path(path), target=target_name, out=out, until="import",
                                    input_shapes=shapes), log=log)
-                model = onnx.load(str(out / ".build" / "1-import" / "model.onnx"))
+                model = onnx.load(str(stage_dir(out, "import") / "model.onnx"))
                 log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
                     f"{threads} threads)")
                 samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)

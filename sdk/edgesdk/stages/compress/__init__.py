@@ -33,6 +33,7 @@ from ...ir.digest import tree_sha256
 from ...ir.numeric import compare
 
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
+READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
 def cache_inputs(options, target) -> dict:

@@ -27,6 +27,7 @@ from ...ir import model as irm
 from ...ir.digest import file_sha256, tree_sha256
 
 OPTIONS = ("input_shapes", "input_values", "batch")
+READS = ()  # the earlier stages whose outputs it reads (its cache key covers them)
 # import reads no target figure: its cache holds when only the target changes
 USES_TARGET = False
 

@@ -37,6 +37,7 @@ from ...ir.digest import tree_sha256
 from ...legalization import exact, regions, relu_sum, support
 
 OPTIONS = ("max_abs_error", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess", "seed")
+READS = ("import",)  # the earlier stages whose outputs it reads (its cache key covers them)
 
 RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on

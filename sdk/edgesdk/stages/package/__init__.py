@@ -44,6 +44,7 @@ from ...scheduling import placement
 from ...scheduling.graph import build_problem
 
 OPTIONS = ("calib", "calib_preprocess", "seed")
+READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 RUNTIME_DIR = Path(mf.__file__).parent
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
 HOST_CODEGEN = {"kind": "llvm"}

@@ -48,6 +48,7 @@ from ...scheduling.graph import build_problem
 from ...scheduling.problem import Problem
 
 OPTIONS = ("mode", "inter_op")
+READS = ("legalize",)  # the earlier stages whose outputs it reads (its cache key covers them)
 STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
 ACCELERATOR_BACKEND = {"edgetpu": "tflite", "gpu": "tvm"}
 

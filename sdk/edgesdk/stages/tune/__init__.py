@@ -28,6 +28,7 @@ from ...backends import tvm as tvm_backend
 from ...ir.digest import tree_sha256
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key")
+READS = ("schedule",)  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
 def default_tuning_db(target_name: str) -> Path:

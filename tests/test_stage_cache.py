@@ -1,0 +1,44 @@
+"""The stage cache: a stage's key covers the outputs it READS and nothing else (issue 16).
+
+A tiny model whose one segment is an Edge TPU segment on arm_2tpu, so compress really converts it to
+int8 with TensorFlow: when tune's output changes, tune's readers (package) run again, and compress,
+which never reads tune, is a cache hit."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgesdk.pipeline import PHASE_NAMES, BuildOptions, StageContext, build, stage_dir, stage_reads
+from tests.test_interrupted_build import tiny_model
+
+
+def _cached(result) -> dict[str, bool]:
+    return {s.name: s.cached for s in result.stages}
+
+
+def test_a_changed_tune_output_reruns_package_not_the_int8_conversion(tmp_path):
+    options = BuildOptions(model=tiny_model(tmp_path / "m.onnx", 0), target="arm_2tpu", out=tmp_path / "out",
+                           tuning_db=tmp_path / "db")
+    first = build(options)
+    assert first.stages[PHASE_NAMES.index("compress")].record["int8_segments"] == 1  # a real int8 conversion
+    assert not any(_cached(first).values())
+    build(options)  # the first build created the tuning database, which tune's key covers
+    assert all(_cached(build(options)).values())  # nothing changed: every stage a cache hit
+
+    # tune's output changes (as a new tuning database would change it): only its readers run again
+    (stage_dir(options.out, "tune") / "digest").write_text("0" * 64)
+    assert _cached(build(options)) == {"import": True, "legalize": True, "schedule": True, "tune": True,
+                                       "compress": True, "package": False}
+
+
+def test_every_stage_declares_what_it_reads_and_may_read_nothing_else(tmp_path):
+    import importlib
+
+    from edgesdk.pipeline import PHASES
+
+    reads = {p.name: stage_reads(importlib.import_module(p.module), p.name) for p in PHASES}
+    assert reads["import"] == () and reads["compress"] == ("import", "schedule")
+    ctx = StageContext(None, tmp_path, None, tmp_path / ".build", tmp_path, print, reads=("import", "schedule"))
+    assert ctx.artifact("schedule") == stage_dir(tmp_path, "schedule")
+    with pytest.raises(RuntimeError, match="READS"):
+        ctx.artifact("tune")
