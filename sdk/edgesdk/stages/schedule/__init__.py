@@ -31,8 +31,6 @@ backend (TVM, or onnxruntime for the ops TVM lacks).
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import time
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ import onnx
 from ...devices.cost import is_grouped, node_bytes, node_flops, node_ms, tensor_bytes
 from ...errors import UserError
 from ...ir import model as irm
+from ...report.html import schedule_page
 from ...scheduling import baselines, parallel, pipelining, placement, simulate
 from ...scheduling.graph import build_problem
 from ...scheduling.problem import Problem
@@ -339,12 +338,11 @@ def _placement_counts(runs: list[Run]) -> dict[str, int]:
 
 
 def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run], one, flow) -> None:
-    """The plan for people: predicted figures, baselines, the placement table and two Gantt charts."""
-    charts = []
-    for name, timeline, title in (("one", one, "one inference"), ("stream", flow, f"a stream of {STREAM_FRAMES} frames")):
-        png = simulate.gantt(timeline, path.with_name(f"gantt_{name}.png"), title)
-        charts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,"
-                      f"{base64.b64encode(png.read_bytes()).decode()}'>")
+    """The plan for people (`report.html.schedule_page`): the Gantt charts of one inference and of a
+    stream, and per node its device, why, its predicted time and the bytes its outputs move."""
+    charts = [(title, simulate.gantt(timeline, path.with_name(f"gantt_{name}.png"), title).read_bytes())
+              for name, timeline, title in (("one", one, "one inference"),
+                                            ("stream", flow, f"a stream of {STREAM_FRAMES} frames"))]
     device_of = {n: r.device for r in runs for n in r.nodes}
     moved = {}
     for t in problem.tensors:
@@ -356,46 +354,9 @@ def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run
         caps = irm.get_meta(node, irm.CAPABLE_KEY) or ""
         reason = ("only the cpu can run it" if all(c.startswith("cpu") for c in caps.split(",")) else
                   "cheapest in the plan" if dev != "cpu" else "accelerator-capable, cheaper on the cpu in the plan")
-        rows.append(f"<tr><td>{html.escape(problem.nodes[i])}</td><td>{node.op_type}</td><td>{dev}</td>"
-                    f"<td>{html.escape(reason)}</td><td>{problem.node_ms(i, dev):.4f}</td><td>{moved.get(i, 0):,}</td></tr>")
-    base = "".join(f"<tr><td>{html.escape(k)}</td><td>{v.get('latency_ms', '—')}</td><td>{v.get('throughput_fps', '—')}</td></tr>"
-                   for k, v in plan["baselines"].items())
-    p = plan["predicted"]
-    page = f"""<!doctype html><meta charset="utf-8"><title>edgesdk schedule: {html.escape(plan['target'])}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}</style>
-<h1>Schedule for {html.escape(plan['target'])} ({plan['mode']})</h1>
-<p>Predicted: {p['latency_ms']:.3f} ms per inference (simulated; {p['sequential_ms']:.3f} ms with no overlap),
-{p['throughput_fps']:.1f} frames/s on a stream. Search: {html.escape(plan['search'])}; {plan['scheduler_s']} s.</p>
-<p>Cost model: {html.escape(plan['cost_model'])}.</p>
-<h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
-<tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
-{_inter_op_html(plan)}
-<h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
-{''.join(charts)}
-<h2>Placement</h2><table><tr><th>node</th><th>op</th><th>device</th><th>reason</th><th>predicted ms</th><th>bytes moved</th></tr>
-{''.join(rows)}</table>
-"""
-    path.write_text(page)
-
-
-def _inter_op_html(plan: dict) -> str:
-    inter_op = plan.get("inter_op", {})
-    if not inter_op:
-        return ""
-    by_id = {s["id"]: s for s in plan["segments"]}
-    def describe(sid: str) -> str:
-        seg = by_id[sid]
-        return f"{sid} ({len(seg['nodes'])} nodes, {seg['threads']} thread(s), {seg['predicted_ms']:.3f} ms)"
-
-    steps = "".join(f"<li>{', '.join(describe(i) for i in step)}</li>" for step in plan["parallel_steps"])
-    rows = "".join(f"<tr><td>{r['nodes']}</td><td>{r['stages']}</td><td>{r['parallel_stages']}</td>"
-                   f"<td>{r['sequential_ms']:.3f}</td><td>{r['parallel_ms']:.3f}</td>"
-                   f"<td>{html.escape(r.get('reason', 'taken'))}</td></tr>"
-                   for r in [*inter_op["runs"], *inter_op["not_taken"]])
-    return (f"<h2>Inter-operator parallelism</h2><p>Search: {html.escape(inter_op['search'])}.</p>"
-            "<table><tr><th>cpu nodes</th><th>stages</th><th>concurrent stages</th><th>one at a time ms</th>"
-            f"<th>with concurrent groups ms</th><th>decision</th></tr>{rows}</table>"
-            + (f"<p>Steps run at once:</p><ul>{steps}</ul>" if steps else ""))
+        rows.append({"node": problem.nodes[i], "op": node.op_type, "device": dev, "reason": reason,
+                     "ms": problem.node_ms(i, dev), "bytes_moved": moved.get(i, 0)})
+    path.write_text(schedule_page(plan, rows, charts))
 
 
 def _logit_probes(model: onnx.ModelProto) -> dict[str, str]:

@@ -1,0 +1,55 @@
+"""HTML reports for people, rendered from what a stage computed (never recomputed here)."""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any
+
+
+def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list[tuple[str, bytes]]) -> str:
+    """The schedule stage's `schedule.html`: predicted figures, baselines on the same cost model,
+    inter-operator parallelism, utilization, the Gantt charts (title, PNG bytes) and the placement
+    table (`rows`: node, op, device, reason, ms, bytes_moved)."""
+    images = "".join(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+                     for title, png in charts)
+    placement = "".join(f"<tr><td>{html.escape(r['node'])}</td><td>{r['op']}</td><td>{r['device']}</td>"
+                        f"<td>{html.escape(r['reason'])}</td><td>{r['ms']:.4f}</td><td>{r['bytes_moved']:,}</td></tr>"
+                        for r in rows)
+    base = "".join(f"<tr><td>{html.escape(k)}</td><td>{v.get('latency_ms', '—')}</td><td>{v.get('throughput_fps', '—')}</td></tr>"
+                   for k, v in plan["baselines"].items())
+    p = plan["predicted"]
+    return f"""<!doctype html><meta charset="utf-8"><title>edgesdk schedule: {html.escape(plan['target'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}</style>
+<h1>Schedule for {html.escape(plan['target'])} ({plan['mode']})</h1>
+<p>Predicted: {p['latency_ms']:.3f} ms per inference (simulated; {p['sequential_ms']:.3f} ms with no overlap),
+{p['throughput_fps']:.1f} frames/s on a stream. Search: {html.escape(plan['search'])}; {plan['scheduler_s']} s.</p>
+<p>Cost model: {html.escape(plan['cost_model'])}.</p>
+<h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
+<tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
+{_inter_op(plan)}
+<h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
+{images}
+<h2>Placement</h2><table><tr><th>node</th><th>op</th><th>device</th><th>reason</th><th>predicted ms</th><th>bytes moved</th></tr>
+{placement}</table>
+"""
+
+
+def _inter_op(plan: dict[str, Any]) -> str:
+    inter_op = plan.get("inter_op", {})
+    if not inter_op:
+        return ""
+    by_id = {s["id"]: s for s in plan["segments"]}
+    def describe(sid: str) -> str:
+        seg = by_id[sid]
+        return f"{sid} ({len(seg['nodes'])} nodes, {seg['threads']} thread(s), {seg['predicted_ms']:.3f} ms)"
+
+    steps = "".join(f"<li>{', '.join(describe(i) for i in step)}</li>" for step in plan["parallel_steps"])
+    rows = "".join(f"<tr><td>{r['nodes']}</td><td>{r['stages']}</td><td>{r['parallel_stages']}</td>"
+                   f"<td>{r['sequential_ms']:.3f}</td><td>{r['parallel_ms']:.3f}</td>"
+                   f"<td>{html.escape(r.get('reason', 'taken'))}</td></tr>"
+                   for r in [*inter_op["runs"], *inter_op["not_taken"]])
+    return (f"<h2>Inter-operator parallelism</h2><p>Search: {html.escape(inter_op['search'])}.</p>"
+            "<table><tr><th>cpu nodes</th><th>stages</th><th>concurrent stages</th><th>one at a time ms</th>"
+            f"<th>with concurrent groups ms</th><th>decision</th></tr>{rows}</table>"
+            + (f"<p>Steps run at once:</p><ul>{steps}</ul>" if steps else ""))
