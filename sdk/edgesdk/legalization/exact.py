@@ -96,6 +96,8 @@ from ..passes.rule import Rule, fixed_point, from_patterns
 from ..passes.values import FLOAT_TYPES, broadcast, constant, static_shape
 
 EXACT = "exact"
+# a pseudo op type among a device's refusals: it refuses a tensor's rank, not an op (edgetpu.rank)
+RANK = "<rank>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,8 @@ class ExactRule:
     exactness: str  # EXACT, or "exact up to float rounding (bound)"
     replaces: tuple[str, ...]  # op types it removes (none: it rewrites an op into a form the device takes)
     description: str
+    # what makes a rule that removes no op type worth running: the refused op it reshapes, or RANK
+    triggers: tuple[str, ...] = ()
 
 
 # --- what the rewrites share ------------------------------------------------------------------
@@ -667,17 +671,18 @@ RULES: tuple[ExactRule, ...] = (
               ("Clip",), "Clip(x, 0) and Clip(x, 0, inf) -> Relu(x)"),
     ExactRule("gemm-to-fully-connected", from_patterns("gemm-to-fully-connected", _rule(GemmToFullyConnected)),
               _rounding("alpha and beta folded into B and C, rounded once; only B's layout changes when they are 1"),
-              (), "Gemm with constant B, C -> Gemm(A, alpha*B [N, K], beta*C [N], transB=1)"),
+              (), "Gemm with constant B, C -> Gemm(A, alpha*B [N, K], beta*C [N], transB=1)", triggers=("Gemm",)),
     ExactRule("gemm-computed-bias-to-add",
               from_patterns("gemm-computed-bias-to-add", _rule(GemmComputedBiasToAdd)),
               _rounding("the product is rounded before beta*C is added: ~2^-24 * (|alpha| |A| |B| + |beta C|)"),
-              (), "Gemm(A, constant B, computed C) -> Gemm(A, B) + beta*C"),
+              (), "Gemm(A, constant B, computed C) -> Gemm(A, B) + beta*C", triggers=("Gemm",)),
     ExactRule("matmul-to-fully-connected", from_patterns("matmul-to-fully-connected", _rule(MatMulToFullyConnected)),
               _rounding("the kernel's K-summation order only"),
               ("MatMul",), "MatMul(A [..., K], constant B [K, N]) -> Reshape, Gemm(transB=1), Reshape"),
     ExactRule("fold-rank-for-elementwise",
               from_patterns("fold-rank-for-elementwise", *(_rule(FoldRank, op) for op in ELEMENTWISE_INPUTS)), EXACT,
-              (), "elementwise op with more than 3 dims larger than 1 -> the same op on rank 3, reshaped around"),
+              (), "elementwise op with more than 3 dims larger than 1 -> the same op on rank 3, reshaped around",
+              triggers=(RANK,)),
     ExactRule("gather-constant-index-to-slice",
               from_patterns("gather-constant-index-to-slice", _rule(GatherConstantIndexToSlice)), EXACT,
               ("Gather",), "Gather(x, constant index k, axis a) -> Squeeze(Slice(x, [k], [k+1], [a]), [a])"),

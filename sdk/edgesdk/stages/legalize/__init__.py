@@ -41,10 +41,9 @@ READS = ("import",)  # the earlier stages whose outputs it reads (its cache key 
 
 RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on
-# what makes a rule that removes no op type worth running: the op it reshapes, or a rank refusal
-RANK = "<rank>"
-TRIGGERS = {"gemm-to-fully-connected": {"Gemm"}, "gemm-computed-bias-to-add": {"Gemm"},
-            "fold-rank-for-elementwise": {RANK}}
+RANK = exact.RANK
+# what makes a rule that removes no op type worth running (on the rule: ExactRule.triggers)
+TRIGGERS = {r.name: set(r.triggers) for r in exact.RULES if r.triggers}
 
 # refusals an approximation can cure: the op itself is missing (not a shape or type limit)
 APPROXIMABLE = frozenset({"edgetpu.unsupported-op", "edgetpu.no-lowering", "gpu.tvm-unsupported"})
@@ -119,7 +118,7 @@ def _rewrite(model: onnx.ModelProto, ctx, inputs: list[dict], tables: support.Ta
     refused_ops = {n.op for n in nodes for r in n.refusals if r["device"] in accelerators}
     if any(r["code"] == "edgetpu.rank" for n in nodes for r in n.refusals):
         refused_ops.add(RANK)
-    chosen = [r.name for r in exact.RULES if (set(r.replaces) or TRIGGERS.get(r.name, set())) & refused_ops]
+    chosen = [r.name for r in exact.RULES if (set(r.replaces) or set(r.triggers)) & refused_ops]
     if chosen:
         model, counts = exact.apply(model, only=chosen)
         onnx.checker.check_model(model)  # a rule that breaks the graph is a bug, not the user's problem
