@@ -21,7 +21,8 @@ from edgesdk.devices.cost import node_bytes, node_flops, node_ms, tensor_bytes
 from edgesdk.ir import model as irm
 from edgesdk.scheduling import placement
 from edgesdk.scheduling.graph import build_problem
-from edgesdk.stages.package import compile_for_edgetpu, corrected_prediction, edgetpu_correction
+from edgesdk.scheduling.correction import corrected_prediction, edgetpu_correction
+from edgesdk.stages.package import compile_for_edgetpu
 
 # Verbatim from Coral's issue tracker, google-coral/edgetpu issue #342 ("Operations not mapped to TPU",
 # 2021-03-21, https://github.com/google-coral/edgetpu/issues/342): `edgetpu_compiler -s` without -a on a

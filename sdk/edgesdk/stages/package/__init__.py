@@ -31,17 +31,16 @@ from ...backends import edgetpu_compiler
 from ...backends import onnxruntime as ort_backend
 from ...backends import tflite as tflite_backend
 from ...backends import tvm as tvm_backend
+from ...errors import UserError
 from ...ir import index_ranges
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
 from ...ir.digest import file_sha256
 from ...ir.numeric import compare
 from ...runtime import manifest as mf
-from ...errors import UserError
 from ...runtime.executor import BundleModel
 from ...runtime.inputs import InputError, check_feeds
-from ...scheduling import placement
-from ...scheduling.graph import build_problem
+from ...scheduling.correction import corrected_prediction, edgetpu_correction
 
 OPTIONS = ("calib", "calib_preprocess", "seed")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -209,35 +208,6 @@ def compile_for_edgetpu(bundle: Path, tflite: str, seg: dict, scheduled: Path, t
         compiled.unlink()
         return tflite, record, correction
     return f"segments/{compiled.name}", record, correction
-
-
-def edgetpu_correction(seg: dict, mapped: edgetpu_compiler.Mapping, scheduled: onnx.ModelProto, target) -> dict:
-    """The record of an Edge TPU segment (a plan segment) that the compiler maps only partly, with its
-    cost re-computed: the leading share of its nodes (`edgetpu_compiler.leading_nodes`, the share of its
-    TFLite ops the compiler maps) on its Edge TPU, the rest on the target's CPU. Each part is costed as
-    the schedule stage costs a segment (`placement.segment_ms` over the problem `build_problem` makes of
-    the scheduled model), so the Edge TPU part pays the link for what it hands to the CPU part."""
-    problem, _ = build_problem(scheduled, target, irm.static_shapes(scheduled), irm.constant_names(scheduled))
-    index = {name: i for i, name in enumerate(problem.nodes)}
-    start, stop = index[seg["nodes"][0]], index[seg["nodes"][-1]] + 1
-    assert [index[n] for n in seg["nodes"]] == list(range(start, stop)), f"{seg['id']} is not contiguous"
-    k = edgetpu_compiler.leading_nodes(stop - start, mapped)
-    head = placement.segment_ms(problem, start, start + k, seg["device"]) if k else 0.0
-    tail = placement.segment_ms(problem, start + k, stop, "cpu") if start + k < stop else 0.0
-    return {"segment": seg["id"], "ops": len(mapped.ops), "ops_on_tpu": mapped.on_tpu, "ops_on_cpu": mapped.on_cpu,
-            "first_unmapped": mapped.first_unmapped, "status": mapped.status,
-            "nodes_on_tpu": k, "nodes_on_cpu": stop - start - k, "first_cpu_node": seg["nodes"][k],
-            "predicted_ms_before": seg["predicted_ms"], "predicted_ms_after": round(head + tail, 4)}
-
-
-def corrected_prediction(predicted: dict, corrections: list[dict]) -> dict:
-    """The plan's predicted latency with the corrected segments. `sequential_ms` is the sum of the
-    segments' times along the plan, so it moves by the sum of their differences. The simulated
-    `latency_ms` is moved by the same sum: exact for a segment on the critical path of one inference
-    (every segment, when each depends on the one before); for a segment that overlaps another device's
-    work it overstates the change. `throughput_fps` stays the scheduler's simulation."""
-    delta = sum(c["predicted_ms_after"] - c["predicted_ms_before"] for c in corrections)
-    return {**predicted, **{k: round(predicted[k] + delta, 4) for k in ("latency_ms", "sequential_ms") if k in predicted}}
 
 
 def _describe(codegen: dict) -> str:
