@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ... import backends
 from ...backends import onnxruntime as ort_backend
 from ...backends import tflite as tflite_backend
 from ...ir.calibration import load_calibration
@@ -44,7 +45,7 @@ def run(artifact: Path, ctx) -> dict:
     # the tune stage's output is upstream of us, but what we quantize is the schedule's
     sched = ctx.artifact("schedule")
     plan = json.loads((sched / "plan.json").read_text())
-    tpu_segments = [s for s in plan["segments"] if s["backend"] == "tflite"]
+    tpu_segments = [s for s in plan["segments"] if backends.backend(s["backend"]).quantizes]
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
     record: dict = {"segments": {}, "calibration": {}}

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ... import __version__
+from ... import __version__, backends
 from ...backends import edgetpu_compiler
 from ...backends import onnxruntime as ort_backend
 from ...backends import tflite as tflite_backend
@@ -176,7 +176,7 @@ def run(artifact: Path, ctx) -> dict:
     for name, a in accuracy["tensors"].items():
         ctx.log(f"package: accuracy of {name} vs the fp32 model: cosine {a['cosine']:.5f}, "
                 f"max abs error {a['max_abs_error']:.4g}")
-        if not any(s.backend == "tflite" for s in segments) and a["cosine"] < 0.9999:
+        if not any(backends.backend(s.backend).quantizes for s in segments) and a["cosine"] < 0.9999:
             # nothing is quantized: a float plan that disagrees with the model has a wrong kernel
             ctx.warn(f"{name} differs from the fp32 model (cosine {a['cosine']:.5f}) although no segment is "
                      f"quantized: a compiled kernel computes wrong results; rebuild with --tuning-db pointing "
@@ -255,14 +255,8 @@ def _toolchain() -> dict[str, str]:
 
 
 def _requirements(segments: list[mf.Segment], arch: str) -> str:
-    backends = {s.backend for s in segments}
-    dists = ["numpy"]
-    if "tvm" in backends:
-        dists += ["apache-tvm", "apache-tvm-ffi"]
-    if "tflite" in backends:
-        dists += ["ai-edge-litert"]
-    if "onnxruntime" in backends:
-        dists += ["onnxruntime"]
+    used = {s.backend for s in segments}
+    dists = ["numpy", *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)]
     lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
     for d in dists:
         lines.append(f"{d}=={importlib.metadata.version(d)}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import onnx
 
+from ... import backends
 from ...backends import tvm as tvm_backend
 from ...ir.digest import tree_sha256
 
@@ -55,7 +56,7 @@ def run(artifact: Path, ctx) -> dict:
         boards = tvm_backend.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
     by_kind: dict[str, list[dict]] = {}
     for seg in plan["segments"]:
-        if seg["backend"] == "tvm":
+        if backends.backend(seg["backend"]).tunes:
             by_kind.setdefault(seg["device"].split(":")[0], []).append(seg)
     kinds: dict[str, dict] = {}
     start = time.monotonic()
