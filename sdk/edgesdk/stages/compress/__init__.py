@@ -14,7 +14,7 @@ and the build says so in its output and in the manifest: int8 ranges then do not
 
 `--calib-method minmax` (the default) takes each activation's range from the smallest and largest
 value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
-(backends/tflite.py). The method goes into `compress.json` and the manifest's `calibration`.
+(backends/tflite/narrowing.py). The method goes into `compress.json` and the manifest's `calibration`.
 """
 
 from __future__ import annotations

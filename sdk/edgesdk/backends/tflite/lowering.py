@@ -1,66 +1,26 @@
-"""Edge TPU segments as TFLite: our own ONNX → TF lowering in NHWC, then full-int8 conversion.
+"""The per-op lowering table: one lowering per ONNX op, from ONNX (NCHW) to TF ops (NHWC).
 
-An Edge TPU segment (an ONNX graph with static shapes and float32 inputs) is traced into one
-`tf.function` by `LOWERINGS`, one lowering per ONNX op, and converted by
-`tf.lite.TFLiteConverter.from_concrete_functions` to a full-int8 model (int8 weights per
-channel, int8 activations calibrated on the given feeds, int8 inputs and outputs).
-
-Layout. ONNX convolutions are NCHW, TFLite's are NHWC. Every ONNX tensor is held as a TF
-tensor `t` with a permutation `p` such that
-
-    onnx_tensor == transpose(t, p)          (p == (0, 3, 1, 2): t is the NHWC form of NCHW)
-
-so an ONNX Transpose only changes `p` and emits nothing; ops that need a layout (Conv, pools,
-Reshape, MatMul) ask for it with `_Ctx.layout`, which emits a TF transpose only when the
-layout differs, and a reshape when only unit axes move. Elementwise ops bring constants to
-the activation's layout (a constant is permuted at build time; an activation never is), and
-axis attributes (Concat, Pad, Softmax, reductions) are mapped through `p`. A 4-D segment input
-that feeds a layout-sensitive op is taken in NHWC; outputs keep whatever `p` they have and
-report it in `TensorSpec.perm` (the runtime transposes on the host).
-
-Heavy imports (TensorFlow, LiteRT) happen inside the functions that convert, so that
-`lowering_reason` can be asked by legalize without loading TensorFlow.
+`LOWERINGS` maps an ONNX op type to its `_Lowering`: `lower` emits the TF ops of one node into the
+trace (`_Ctx`, layout.py), `check` says in one lowercase sentence why a node cannot be lowered
+(None when it can). `lowering_reason` asks the table without loading TensorFlow, so legalize can
+use it. Elementwise ops bring constants to the activation's layout (a constant is permuted at
+build time; an activation never is), and axis attributes (Concat, Pad, Softmax, reductions) are
+mapped through the activation's `p`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import re
-import sys
-import tempfile
-import dataclasses
-import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from ..errors import UserError
-from ..runtime.manifest import QuantParams, TensorSpec
+from .layout import NHWC, _common_perm, _Ctx, _identity, _perm_without, _Value
 
 Shapes = dict[str, tuple[int, ...]]
-NHWC = (0, 3, 1, 2)  # the `p` of an NCHW ONNX tensor held as NHWC
-
-
-@dataclass(frozen=True)
-class TfliteResult:
-    inputs: tuple[TensorSpec, ...]  # ONNX order; key = signature key; perm; quant for int8
-    outputs: tuple[TensorSpec, ...]
-    op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
-    ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
-
-
-CALIBRATION_METHODS = ("minmax", "percentile")
-_HISTOGRAM_BINS = 2048
-
-
-# ---------------------------------------------------------------------------------------------
-# Public API
 
 
 def lowering_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
@@ -80,54 +40,6 @@ def lowering_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -
         if shape is None or any(not isinstance(d, (int, np.integer)) or d <= 0 for d in shape):
             return f"input {name} of {node.op_type} has no static shape"
     return lowering.check(node, shapes, constants)
-
-
-def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
-                 method: str = "minmax", percentile: float = 99.99) -> TfliteResult:
-    """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
-    rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
-    feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
-
-    `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
-    converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
-    percentiles of the values seen (from a 2,048-bin histogram over the min-max range, rounded
-    outwards to a bin edge), so that rare outliers do not widen the quantization step of
-    everything else. Weights are per-channel in both.
-    Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
-    if method not in CALIBRATION_METHODS:
-        raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
-                        f"choose one of {', '.join(CALIBRATION_METHODS)}")
-    if not 50.0 < percentile <= 100.0:
-        raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
-                        "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
-    lowered = _lower(model)
-    samples = [_to_tf_layout(lowered, feed) for feed in calibration]
-    if not samples:
-        raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
-                        "give calibration inputs (--calibration DIR) or let the build use random ones")
-    model_bytes, ranges = _convert_int8(lowered, samples, method, percentile)
-    result = _finish(lowered, model_bytes, Path(out_path))
-    return dataclasses.replace(result, ranges=ranges)
-
-
-def convert_float(model: onnx.ModelProto, out_path: Path) -> TfliteResult:
-    """Write an fp32 .tflite of `model` (same lowering, no quantization): for testing the
-    lowering itself against onnxruntime."""
-    lowered = _lower(model)
-    return _finish(lowered, _convert(lowered, None), Path(out_path))
-
-
-# ---------------------------------------------------------------------------------------------
-# Lowering machinery
-
-
-@dataclass
-class _Value:
-    """An ONNX activation as a TF tensor: onnx == transpose(tf, perm)."""
-
-    tf: Any
-    perm: tuple[int, ...]
-    nonneg: bool = False  # known >= 0 (after Relu & co.): lets max-pool pad with zeros
 
 
 @dataclass(frozen=True)
@@ -152,14 +64,6 @@ def _lowers(*op_types: str, check: Callable[[onnx.NodeProto, Shapes, set[str]], 
     return register
 
 
-def _inv(p: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argsort(p))
-
-
-def _identity(rank: int) -> tuple[int, ...]:
-    return tuple(range(rank))
-
-
 def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     for a in node.attribute:
         if a.name == name:
@@ -170,80 +74,6 @@ def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
 
 def _input(node: onnx.NodeProto, i: int) -> str:
     return node.input[i] if len(node.input) > i else ""
-
-
-class _Ctx:
-    """The state of one trace: ONNX name → `_Value` (activations) or np.ndarray (constants)."""
-
-    def __init__(self, tf: Any, opset: int, consts: dict[str, np.ndarray]):
-        self.tf = tf
-        self.opset = opset
-        self.consts = dict(consts)
-        self.values: dict[str, _Value] = {}
-        self.producer: dict[str, onnx.NodeProto] = {}  # ONNX tensor → the node that makes it
-        self.uses: dict[str, int] = {}  # ONNX tensor → number of consumers (graph outputs count)
-
-    def const(self, name: str) -> np.ndarray | None:
-        return self.consts.get(name) if name else None
-
-    def value(self, name: str) -> _Value:
-        if name in self.values:
-            return self.values[name]
-        c = self.consts[name]
-        return _Value(self.tf.constant(c), _identity(c.ndim))
-
-    def item(self, name: str) -> _Value | np.ndarray:
-        return self.values[name] if name in self.values else self.consts[name]
-
-    def set(self, name: str, value: _Value | np.ndarray) -> None:
-        if name:
-            if isinstance(value, np.ndarray):
-                self.consts[name] = value
-            else:
-                self.values[name] = value
-
-    def shape(self, v: _Value | np.ndarray) -> tuple[int, ...]:
-        """The ONNX shape of a value."""
-        if isinstance(v, np.ndarray):
-            return v.shape
-        tf_shape = [int(d) for d in v.tf.shape]
-        return tuple(tf_shape[i] for i in v.perm)
-
-    def layout(self, v: _Value, perm: tuple[int, ...]) -> Any:
-        """The TF tensor t with onnx == transpose(t, perm)."""
-        if v.perm == tuple(perm):
-            return v.tf
-        # t' = transpose(onnx, inv(q)) = transpose(t, p[inv(q)])
-        order = tuple(v.perm[i] for i in _inv(tuple(perm)))
-        tf_shape = [int(d) for d in v.tf.shape]
-        moved = [a for a in order if tf_shape[a] != 1]
-        if moved == sorted(moved):  # only unit axes move: a reshape, not a data transpose
-            return self.tf.reshape(v.tf, [tf_shape[a] for a in order])
-        return self.tf.transpose(v.tf, order)
-
-    def aligned(self, item: _Value | np.ndarray, perm: tuple[int, ...], dtype: Any = np.float32) -> Any:
-        """`item` broadcast (ONNX rules) to rank len(perm) and laid out with `perm`."""
-        rank = len(perm)
-        if not isinstance(item, _Value):
-            c = np.asarray(item, dtype)
-            if c.ndim == 0:
-                return c
-            c = c.reshape((1,) * (rank - c.ndim) + c.shape)
-            return np.ascontiguousarray(np.transpose(c, _inv(perm)))
-        if len(item.perm) < rank:
-            shape = self.shape(item)
-            t = self.tf.reshape(self.layout(item, _identity(len(shape))), (1,) * (rank - len(shape)) + shape)
-            item = _Value(t, _identity(rank))
-        return self.layout(item, perm)
-
-
-def _common_perm(cx: _Ctx, items: list[_Value | np.ndarray]) -> tuple[int, ...]:
-    """The layout an elementwise op computes in: that of its first full-rank activation."""
-    rank = max(len(cx.shape(i)) for i in items)
-    for i in items:
-        if isinstance(i, _Value) and len(i.perm) == rank:
-            return i.perm
-    return _identity(rank)
 
 
 def _spatial(node: onnx.NodeProto, in_hw: tuple[int, ...], kernel: tuple[int, ...], ceil: bool = False):
@@ -797,12 +627,6 @@ def _flatten(cx: _Ctx, node: onnx.NodeProto) -> None:
     cx.set(node.output[0], _Value(y, (0, 1), x.nonneg))
 
 
-def _perm_without(perm: tuple[int, ...], dropped: set[int]) -> tuple[int, ...]:
-    """The `p` left when ONNX axes `dropped` (and their TF axes) are removed."""
-    kept = [i for i in range(len(perm)) if i not in dropped]
-    order = sorted(perm[i] for i in kept)
-    return tuple(order.index(perm[i]) for i in kept)
-
 
 def _axes(cx: _Ctx, node: onnx.NodeProto, rank: int, input_index: int = 1) -> list[int] | None:
     axes = _attr(node, "axes")
@@ -969,36 +793,6 @@ def _split(cx: _Ctx, node: onnx.NodeProto) -> None:
         cx.set(name, _Value(part, x.perm, x.nonneg))
 
 
-# ---------------------------------------------------------------------------------------------
-# Tracing and conversion
-
-# Ops that want NHWC, and ops through which that wish reaches back to a segment input.
-_LAYOUT_SENSITIVE = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Resize"}
-_LAYOUT_TRANSPARENT = {"Add", "Sub", "Mul", "Div", "Max", "Min", "Relu", "Sigmoid", "Tanh", "HardSigmoid",
-                       "HardSwish", "Clip", "PRelu", "BatchNormalization", "Identity", "Dropout", "Pad", "Concat",
-                       "Slice", "Split"}
-
-
-def _input_perm(graph: onnx.GraphProto, name: str, rank: int) -> tuple[int, ...]:
-    """NHWC for a 4-d input that reaches a layout-sensitive op through layout-transparent ones."""
-    if rank != 4:
-        return _identity(rank)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for i in node.input:
-            consumers.setdefault(i, []).append(node)
-    todo, seen = [name], {name}
-    while todo:
-        for node in consumers.get(todo.pop(), []):
-            if node.op_type in _LAYOUT_SENSITIVE:
-                return NHWC
-            if node.op_type in _LAYOUT_TRANSPARENT:
-                for o in node.output:
-                    if o and o not in seen:
-                        seen.add(o)
-                        todo.append(o)
-    return _identity(rank)
-
 
 def _fold(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
     """Evaluate a node whose inputs are all constants (onnx.reference)."""
@@ -1012,313 +806,3 @@ def _fold(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> li
         [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     return [np.asarray(v) for v in ReferenceEvaluator(model).run(None, {n: inputs[n] for n in names})]
-
-
-def _signature_key(name: str, used: set[str]) -> str:
-    key = re.sub(r"[^0-9A-Za-z_]", "_", name)
-    if not key or not key[0].isalpha():
-        key = "t_" + key
-    key, base, n = key[:120], key[:120], 2
-    while key in used:
-        key, n = f"{base}_{n}", n + 1
-    used.add(key)
-    return key
-
-
-@dataclass
-class _Lowered:
-    function: Any  # tf.function
-    module: Any  # tf.Module holding it (the converter takes signatures from it)
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec] = field(default_factory=list)
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
-
-
-def _static_shapes(model: onnx.ModelProto) -> Shapes:
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    shapes: Shapes = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
-            shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
-    for init in model.graph.initializer:
-        shapes[init.name] = tuple(init.dims)
-    return shapes
-
-
-def _check_model(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Constants of the graph; raises UserError listing every input or node we cannot take."""
-    graph = model.graph
-    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    problems = []
-    for vi in graph.input:
-        if vi.name in consts:
-            continue
-        t = vi.type.tensor_type
-        if t.elem_type != onnx.TensorProto.FLOAT:
-            problems.append(f"input {vi.name} is {onnx.TensorProto.DataType.Name(t.elem_type).lower()}, not float32")
-        if not t.HasField("shape") or not all(d.HasField("dim_value") and d.dim_value > 0 for d in t.shape.dim):
-            problems.append(f"input {vi.name} has no static shape")
-    if problems:
-        raise UserError("tflite.bad-input", f"the segment's inputs cannot be lowered to tflite: {problems[0]}",
-                        "fix the input shapes (e.g. --input-shape x=1x3x224x224) and keep float32 inputs",
-                        notes=problems)
-    shapes = _static_shapes(model)
-    names = set(consts)
-    for node in graph.node:
-        if reason := lowering_reason(node, shapes, names):
-            problems.append(f"node {node.name or node.output[0]} ({node.op_type}): {reason}")
-        elif node.op_type in ("Constant", "Shape") or (node.input and all(n in names for n in node.input if n)):
-            names.update(o for o in node.output if o)
-    if problems:
-        raise UserError("tflite.unsupported-op", f"{len(problems)} node(s) of the segment cannot be lowered to tflite",
-                        "place these nodes on the cpu (legalize does so when the target allows it)", notes=problems)
-    return consts
-
-
-def _lower(model: onnx.ModelProto) -> _Lowered:
-    """Trace the segment into a tf.function whose signature keys name its ONNX tensors."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-
-    consts = _check_model(model)
-    graph = model.graph
-    opset = _opset(model)
-    used: set[str] = set()
-    inputs = []
-    for vi in graph.input:
-        if vi.name in consts:
-            continue
-        shape = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
-        perm = _input_perm(graph, vi.name, len(shape))
-        inputs.append(TensorSpec(vi.name, shape, "float32", key=_signature_key(vi.name, used),
-                                 perm=None if perm == _identity(len(shape)) else perm))
-    lowered = _Lowered(None, None, inputs)
-
-    def body(*args: Any) -> dict[str, Any]:
-        cx = _Ctx(tf, opset, consts)
-        out_used: set[str] = set()
-        for node in graph.node:
-            cx.producer.update((o, node) for o in node.output if o)
-            for n in node.input:
-                cx.uses[n] = cx.uses.get(n, 0) + 1
-        for vi in graph.output:
-            cx.uses[vi.name] = cx.uses.get(vi.name, 0) + 1
-        for spec, arg in zip(inputs, args):
-            cx.set(spec.name, _Value(arg, spec.perm or _identity(len(spec.shape))))
-        for node in graph.node:
-            names = [n for n in node.input if n]
-            if node.op_type != "Constant" and names and all(n in cx.consts for n in names):
-                for name, v in zip(node.output, _fold(node, {n: cx.consts[n] for n in names}, opset)):
-                    cx.set(name, v)
-            else:
-                LOWERINGS[node.op_type].lower(cx, node)
-        result, specs = {}, []
-        for vi in graph.output:
-            if vi.name not in cx.values:
-                raise UserError("tflite.constant-output", f"segment output {vi.name} is a constant",
-                                "a constant output needs no accelerator: keep it out of the segment")
-            v = cx.values[vi.name]
-            key = _signature_key(vi.name, out_used)
-            result[key] = tf.identity(v.tf, name=key)
-            dtype = tf.as_dtype(v.tf.dtype).name
-            specs.append(TensorSpec(vi.name, cx.shape(v), dtype, key=key,
-                                    perm=None if v.perm == _identity(len(v.perm)) else v.perm))
-        lowered.outputs = specs
-        return result
-
-    signature = [tf.TensorSpec([s.shape[i] for i in _inv(s.perm or _identity(len(s.shape)))], tf.float32,
-                               name=s.key) for s in inputs]
-    lowered.function = tf.function(body, input_signature=signature, autograph=False)
-    lowered.module = tf.Module()
-    lowered.module.f = lowered.function
-    lowered.function.get_concrete_function()  # trace now: lowering errors surface here
-    return lowered
-
-
-def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-    sample = []
-    for spec in lowered.inputs:
-        if spec.name not in feed:
-            raise UserError("compress.calibration-input", f"calibration sample lacks input {spec.name}",
-                            "give every segment input in each calibration sample")
-        x = np.asarray(feed[spec.name], np.float32)
-        if x.shape != spec.shape:
-            raise UserError("compress.calibration-shape",
-                            f"calibration input {spec.name} has shape {x.shape}, the segment wants {spec.shape}",
-                            "give calibration inputs in the model's own layout and shape")
-        sample.append(np.ascontiguousarray(np.transpose(x, _inv(spec.perm)) if spec.perm else x))
-    return sample
-
-
-def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any:
-    import tensorflow as tf
-
-    # the converter's calibrator builds a tf.lite.Interpreter internally and TF warns about its
-    # own deprecation on every conversion: noise for our users, who never see that interpreter
-    warnings.filterwarnings("ignore", message=r"\s*Warning: tf.lite.Interpreter is deprecated")
-
-    converter = tf.lite.TFLiteConverter.from_concrete_functions(
-        [lowered.function.get_concrete_function()], lowered.module)
-    if samples is not None:
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        # keyed by signature name: the converter's input order need not be ours
-        keys = [spec.key for spec in lowered.inputs]
-        converter.representative_dataset = lambda: (dict(zip(keys, sample)) for sample in samples)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        converter.inference_input_type = tf.int8
-        converter.inference_output_type = tf.int8
-    return converter
-
-
-def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
-    """The converter in one step: float when `samples` is None, else full int8 (min-max ranges)."""
-    converter = _converter(lowered, samples)
-    with _native_stderr_captured() as captured:
-        try:
-            return converter.convert()
-        except Exception:
-            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
-            raise
-
-
-def _convert_int8(lowered: _Lowered, samples: list[list[np.ndarray]], method: str,
-                  percentile: float) -> tuple[bytes, dict[str, Any]]:
-    """Full int8 in two steps, the converter's own: calibrate (a float model whose activation
-    tensors carry the min and max seen), then quantize from those ranges. Between the two the
-    percentile method narrows each range; with "minmax" the result is the converter's one-step
-    conversion (tested)."""
-    import tensorflow as tf
-    from tensorflow.lite.python import lite
-    from tensorflow.lite.tools import flatbuffer_utils
-
-    converter = _converter(lowered, samples)
-    converter._experimental_calibrate_only = True  # pylint: disable=protected-access
-    with _native_stderr_captured() as captured:
-        try:
-            calibrated = converter.convert()
-            ranges: dict[str, Any] = {"method": method}
-            if method == "percentile":
-                graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
-                ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
-                calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
-            # the converter's own second step, with the arguments its one-step path passes
-            quantized = lite._mlir_quantize(  # pylint: disable=protected-access
-                calibrated, converter._experimental_disable_per_channel,  # pylint: disable=protected-access
-                input_data_type=tf.int8, output_data_type=tf.int8)
-            return lite._deduplicate_readonly_buffers(quantized), ranges  # pylint: disable=protected-access
-        except Exception:
-            sys.stderr.write(captured())
-            raise
-
-
-def _narrow_to_percentile(model: Any, calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]],
-                          percentile: float) -> dict[str, Any]:
-    """Replace the min/max of every calibrated activation in `model` (the flatbuffer's object form)
-    by percentiles of the values the float model computes on `samples`."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    graph = model.subgraphs[0]
-    stats = {i: (float(t.quantization.min[0]), float(t.quantization.max[0])) for i, t in enumerate(graph.tensors)
-             if t.quantization is not None and t.quantization.min is not None and len(t.quantization.min) == 1}
-    with warnings.catch_warnings():  # "for debugging only": reading every activation is the point here
-        warnings.simplefilter("ignore")
-        interpreter = Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
-    runner = interpreter.get_signature_runner()
-    keys = [spec.key for spec in lowered.inputs]
-    hist = {i: np.zeros(_HISTOGRAM_BINS, np.int64) for i in stats}
-    for sample in samples:
-        runner(**dict(zip(keys, sample)))
-        for i, (lo, hi) in stats.items():
-            if hi > lo:
-                hist[i] += np.histogram(interpreter.get_tensor(i), _HISTOGRAM_BINS, (lo, hi))[0]
-    tail = (100.0 - percentile) / 100.0
-    kept = []
-    for i, (lo, hi) in stats.items():
-        counts = hist[i]
-        if hi <= lo or not counts.sum():
-            continue
-        cdf = np.cumsum(counts) / counts.sum()
-        edges = np.linspace(lo, hi, _HISTOGRAM_BINS + 1)
-        # outwards to bin edges: the first bin whose cumulative share passes the lower tail, the
-        # last bin still holding values inside the upper one
-        new_lo = float(edges[int(np.searchsorted(cdf, tail, side="right"))])
-        new_hi = float(edges[int(np.searchsorted(cdf, 1.0 - tail, side="left")) + 1])
-        new_lo, new_hi = max(new_lo, lo), min(new_hi, hi)
-        if new_hi > new_lo:
-            graph.tensors[i].quantization.min = [new_lo]
-            graph.tensors[i].quantization.max = [new_hi]
-            kept.append((new_hi - new_lo) / (hi - lo))
-    return {"percentile": percentile, "tensors": len(stats), "narrowed": int(sum(k < 1.0 for k in kept)),
-            "median_range_kept": round(float(np.median(kept)), 4) if kept else 1.0}
-
-
-@contextlib.contextmanager
-def _native_stderr_captured():
-    """Capture what native code writes to fd 2 (the converter prints `fully_quantize: ...` on every
-    conversion, which a `--quiet` build must not show). Yields a function returning the text."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace"))[1]
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def operators(model: bytes) -> tuple[tuple[str, ...], ...]:
-    """The operators of each subgraph of a .tflite flatbuffer (the main one first), in execution
-    order: builtin operators by their schema name (CONV_2D, ...), custom ops by their custom code."""
-    from ai_edge_litert import schema_py_generated as schema
-
-    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-    m = schema.Model.GetRootAs(model, 0)
-    codes = []
-    for i in range(m.OperatorCodesLength()):
-        c = m.OperatorCodes(i)
-        code = max(c.BuiltinCode(), c.DeprecatedBuiltinCode())
-        codes.append(c.CustomCode().decode() if code == schema.BuiltinOperator.CUSTOM else names[code])
-    return tuple(tuple(codes[g.Operators(i).OpcodeIndex()] for i in range(g.OperatorsLength()))
-                 for g in (m.Subgraphs(s) for s in range(m.SubgraphsLength())))
-
-
-def op_counts(model: bytes) -> dict[str, int]:
-    """Histogram of the operators of a .tflite flatbuffer, over all its subgraphs."""
-    counts: dict[str, int] = {}
-    for graph in operators(model):
-        for name in graph:
-            counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def _finish(lowered: _Lowered, model: bytes, out_path: Path) -> TfliteResult:
-    from ai_edge_litert.interpreter import Interpreter
-
-    runner = Interpreter(model_content=model).get_signature_runner()
-    details = {"in": runner.get_input_details(), "out": runner.get_output_details()}
-
-    def with_quant(specs: list[TensorSpec], side: str) -> tuple[TensorSpec, ...]:
-        out = []
-        for spec in specs:
-            d = details[side][spec.key]
-            scale, zero = d["quantization"]
-            quant = QuantParams(float(scale), int(zero)) if d["dtype"] in (np.int8, np.uint8) else None
-            out.append(TensorSpec(spec.name, spec.shape, spec.dtype, spec.key, spec.perm, quant))
-        return tuple(out)
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model))

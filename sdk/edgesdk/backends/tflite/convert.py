@@ -1,0 +1,176 @@
+"""Conversion of a traced segment by `tf.lite.TFLiteConverter`: full int8 (or fp32, for tests).
+
+Full int8 runs in the converter's own two steps (calibrate, then quantize from the calibrated
+ranges); between them the percentile method narrows each range (narrowing.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import onnx
+
+from ...errors import UserError
+from ...runtime.manifest import QuantParams, TensorSpec
+from .flatbuffer import op_counts
+from .narrowing import _narrow_to_percentile
+from .trace import _Lowered, _lower, _to_tf_layout
+
+
+@dataclass(frozen=True)
+class TfliteResult:
+    inputs: tuple[TensorSpec, ...]  # ONNX order; key = signature key; perm; quant for int8
+    outputs: tuple[TensorSpec, ...]
+    op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
+    ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
+
+
+CALIBRATION_METHODS = ("minmax", "percentile")
+
+
+def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
+                 method: str = "minmax", percentile: float = 99.99) -> TfliteResult:
+    """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
+    rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
+    feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
+
+    `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
+    converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
+    percentiles of the values seen (from a 2,048-bin histogram over the min-max range, rounded
+    outwards to a bin edge), so that rare outliers do not widen the quantization step of
+    everything else. Weights are per-channel in both.
+    Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
+    if method not in CALIBRATION_METHODS:
+        raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
+                        f"choose one of {', '.join(CALIBRATION_METHODS)}")
+    if not 50.0 < percentile <= 100.0:
+        raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
+                        "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
+    lowered = _lower(model)
+    samples = [_to_tf_layout(lowered, feed) for feed in calibration]
+    if not samples:
+        raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
+                        "give calibration inputs (--calibration DIR) or let the build use random ones")
+    model_bytes, ranges = _convert_int8(lowered, samples, method, percentile)
+    result = _finish(lowered, model_bytes, Path(out_path))
+    return dataclasses.replace(result, ranges=ranges)
+
+
+def convert_float(model: onnx.ModelProto, out_path: Path) -> TfliteResult:
+    """Write an fp32 .tflite of `model` (same lowering, no quantization): for testing the
+    lowering itself against onnxruntime."""
+    lowered = _lower(model)
+    return _finish(lowered, _convert(lowered, None), Path(out_path))
+
+
+def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any:
+    import tensorflow as tf
+
+    # the converter's calibrator builds a tf.lite.Interpreter internally and TF warns about its
+    # own deprecation on every conversion: noise for our users, who never see that interpreter
+    warnings.filterwarnings("ignore", message=r"\s*Warning: tf.lite.Interpreter is deprecated")
+
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [lowered.function.get_concrete_function()], lowered.module)
+    if samples is not None:
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        # keyed by signature name: the converter's input order need not be ours
+        keys = [spec.key for spec in lowered.inputs]
+        converter.representative_dataset = lambda: (dict(zip(keys, sample)) for sample in samples)
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        converter.inference_input_type = tf.int8
+        converter.inference_output_type = tf.int8
+    return converter
+
+
+def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
+    """The converter in one step: float when `samples` is None, else full int8 (min-max ranges)."""
+    converter = _converter(lowered, samples)
+    with _native_stderr_captured() as captured:
+        try:
+            return converter.convert()
+        except Exception:
+            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
+            raise
+
+
+def _convert_int8(lowered: _Lowered, samples: list[list[np.ndarray]], method: str,
+                  percentile: float) -> tuple[bytes, dict[str, Any]]:
+    """Full int8 in two steps, the converter's own: calibrate (a float model whose activation
+    tensors carry the min and max seen), then quantize from those ranges. Between the two the
+    percentile method narrows each range; with "minmax" the result is the converter's one-step
+    conversion (tested)."""
+    import tensorflow as tf
+    from tensorflow.lite.python import lite
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    converter = _converter(lowered, samples)
+    converter._experimental_calibrate_only = True  # pylint: disable=protected-access
+    with _native_stderr_captured() as captured:
+        try:
+            calibrated = converter.convert()
+            ranges: dict[str, Any] = {"method": method}
+            if method == "percentile":
+                graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+                ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
+                calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
+            # the converter's own second step, with the arguments its one-step path passes
+            quantized = lite._mlir_quantize(  # pylint: disable=protected-access
+                calibrated, converter._experimental_disable_per_channel,  # pylint: disable=protected-access
+                input_data_type=tf.int8, output_data_type=tf.int8)
+            return lite._deduplicate_readonly_buffers(quantized), ranges  # pylint: disable=protected-access
+        except Exception:
+            sys.stderr.write(captured())
+            raise
+
+
+@contextlib.contextmanager
+def _native_stderr_captured():
+    """Capture what native code writes to fd 2 (the converter prints `fully_quantize: ...` on every
+    conversion, which a `--quiet` build must not show). Yields a function returning the text."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace"))[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _finish(lowered: _Lowered, model: bytes, out_path: Path) -> TfliteResult:
+    from ai_edge_litert.interpreter import Interpreter
+
+    runner = Interpreter(model_content=model).get_signature_runner()
+    details = {"in": runner.get_input_details(), "out": runner.get_output_details()}
+
+    def with_quant(specs: list[TensorSpec], side: str) -> tuple[TensorSpec, ...]:
+        out = []
+        for spec in specs:
+            d = details[side][spec.key]
+            scale, zero = d["quantization"]
+            quant = QuantParams(float(scale), int(zero)) if d["dtype"] in (np.int8, np.uint8) else None
+            out.append(TensorSpec(spec.name, spec.shape, spec.dtype, spec.key, spec.perm, quant))
+        return tuple(out)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model)
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model))

@@ -1,0 +1,161 @@
+"""Tracing a segment into one `tf.function` by the lowering table, and its feeds into TF layout.
+
+The function's signature keys name the segment's ONNX tensors; constant subgraphs are folded at
+build time; a 4-d input that feeds a layout-sensitive op is taken in NHWC (`_input_perm`) and
+outputs keep their `p`, reported in `TensorSpec.perm` (the runtime transposes on the host).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ...errors import UserError
+from ...runtime.manifest import TensorSpec
+from .layout import _Ctx, _identity, _input_perm, _inv, _Value
+from .lowering import LOWERINGS, Shapes, _fold, lowering_reason
+
+def _signature_key(name: str, used: set[str]) -> str:
+    key = re.sub(r"[^0-9A-Za-z_]", "_", name)
+    if not key or not key[0].isalpha():
+        key = "t_" + key
+    key, base, n = key[:120], key[:120], 2
+    while key in used:
+        key, n = f"{base}_{n}", n + 1
+    used.add(key)
+    return key
+
+
+@dataclass
+class _Lowered:
+    function: Any  # tf.function
+    module: Any  # tf.Module holding it (the converter takes signatures from it)
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec] = field(default_factory=list)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+
+
+def _static_shapes(model: onnx.ModelProto) -> Shapes:
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    shapes: Shapes = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
+    for init in model.graph.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _check_model(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Constants of the graph; raises UserError listing every input or node we cannot take."""
+    graph = model.graph
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    problems = []
+    for vi in graph.input:
+        if vi.name in consts:
+            continue
+        t = vi.type.tensor_type
+        if t.elem_type != onnx.TensorProto.FLOAT:
+            problems.append(f"input {vi.name} is {onnx.TensorProto.DataType.Name(t.elem_type).lower()}, not float32")
+        if not t.HasField("shape") or not all(d.HasField("dim_value") and d.dim_value > 0 for d in t.shape.dim):
+            problems.append(f"input {vi.name} has no static shape")
+    if problems:
+        raise UserError("tflite.bad-input", f"the segment's inputs cannot be lowered to tflite: {problems[0]}",
+                        "fix the input shapes (e.g. --input-shape x=1x3x224x224) and keep float32 inputs",
+                        notes=problems)
+    shapes = _static_shapes(model)
+    names = set(consts)
+    for node in graph.node:
+        if reason := lowering_reason(node, shapes, names):
+            problems.append(f"node {node.name or node.output[0]} ({node.op_type}): {reason}")
+        elif node.op_type in ("Constant", "Shape") or (node.input and all(n in names for n in node.input if n)):
+            names.update(o for o in node.output if o)
+    if problems:
+        raise UserError("tflite.unsupported-op", f"{len(problems)} node(s) of the segment cannot be lowered to tflite",
+                        "place these nodes on the cpu (legalize does so when the target allows it)", notes=problems)
+    return consts
+
+
+def _lower(model: onnx.ModelProto) -> _Lowered:
+    """Trace the segment into a tf.function whose signature keys name its ONNX tensors."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    consts = _check_model(model)
+    graph = model.graph
+    opset = _opset(model)
+    used: set[str] = set()
+    inputs = []
+    for vi in graph.input:
+        if vi.name in consts:
+            continue
+        shape = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+        perm = _input_perm(graph, vi.name, len(shape))
+        inputs.append(TensorSpec(vi.name, shape, "float32", key=_signature_key(vi.name, used),
+                                 perm=None if perm == _identity(len(shape)) else perm))
+    lowered = _Lowered(None, None, inputs)
+
+    def body(*args: Any) -> dict[str, Any]:
+        cx = _Ctx(tf, opset, consts)
+        out_used: set[str] = set()
+        for node in graph.node:
+            cx.producer.update((o, node) for o in node.output if o)
+            for n in node.input:
+                cx.uses[n] = cx.uses.get(n, 0) + 1
+        for vi in graph.output:
+            cx.uses[vi.name] = cx.uses.get(vi.name, 0) + 1
+        for spec, arg in zip(inputs, args):
+            cx.set(spec.name, _Value(arg, spec.perm or _identity(len(spec.shape))))
+        for node in graph.node:
+            names = [n for n in node.input if n]
+            if node.op_type != "Constant" and names and all(n in cx.consts for n in names):
+                for name, v in zip(node.output, _fold(node, {n: cx.consts[n] for n in names}, opset)):
+                    cx.set(name, v)
+            else:
+                LOWERINGS[node.op_type].lower(cx, node)
+        result, specs = {}, []
+        for vi in graph.output:
+            if vi.name not in cx.values:
+                raise UserError("tflite.constant-output", f"segment output {vi.name} is a constant",
+                                "a constant output needs no accelerator: keep it out of the segment")
+            v = cx.values[vi.name]
+            key = _signature_key(vi.name, out_used)
+            result[key] = tf.identity(v.tf, name=key)
+            dtype = tf.as_dtype(v.tf.dtype).name
+            specs.append(TensorSpec(vi.name, cx.shape(v), dtype, key=key,
+                                    perm=None if v.perm == _identity(len(v.perm)) else v.perm))
+        lowered.outputs = specs
+        return result
+
+    signature = [tf.TensorSpec([s.shape[i] for i in _inv(s.perm or _identity(len(s.shape)))], tf.float32,
+                               name=s.key) for s in inputs]
+    lowered.function = tf.function(body, input_signature=signature, autograph=False)
+    lowered.module = tf.Module()
+    lowered.module.f = lowered.function
+    lowered.function.get_concrete_function()  # trace now: lowering errors surface here
+    return lowered
+
+
+def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    sample = []
+    for spec in lowered.inputs:
+        if spec.name not in feed:
+            raise UserError("compress.calibration-input", f"calibration sample lacks input {spec.name}",
+                            "give every segment input in each calibration sample")
+        x = np.asarray(feed[spec.name], np.float32)
+        if x.shape != spec.shape:
+            raise UserError("compress.calibration-shape",
+                            f"calibration input {spec.name} has shape {x.shape}, the segment wants {spec.shape}",
+                            "give calibration inputs in the model's own layout and shape")
+        sample.append(np.ascontiguousarray(np.transpose(x, _inv(spec.perm)) if spec.perm else x))
+    return sample
