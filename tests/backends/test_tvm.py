@@ -27,6 +27,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.backends import tvm as tvm_backend
+from edgesdk.backends.tvm import targets
 from edgesdk.errors import UserError
 from edgesdk.runtime.backends.tvm_runner import open_runner
 from edgesdk.runtime.manifest import Segment
@@ -193,7 +194,7 @@ def test_a_cpu_name_beyond_the_host_features_is_cut_down(monkeypatch):
 
     real = tvm_backend._host_features()
     zen3 = llvm_features({"kind": "llvm", "mcpu": "znver3"})
-    monkeypatch.setattr(tvm_backend, "_host_features", lambda: {f: f in zen3 for f in real})
+    monkeypatch.setattr(targets, "_host_features", lambda: {f: f in zen3 for f in real})
     monkeypatch.setattr(codegen, "llvm_get_system_cpu", lambda: "znver4")
     monkeypatch.delenv(tvm_backend.HOST_CPU_ENV, raising=False)
     name, mattr = tvm_backend.host_cpu()
@@ -306,7 +307,7 @@ def test_untuned_functions_get_the_default_schedule_deterministically(conv_x86, 
 
 def test_a_missing_cross_linker_is_named(monkeypatch, tmp_path):
     """Exported libraries and tuning candidates alike are linked by `_cross_compiler`'s choice."""
-    monkeypatch.setattr(tvm_backend.shutil, "which", lambda name: None)
+    monkeypatch.setattr(targets.shutil, "which", lambda name: None)
     with pytest.raises(UserError) as err:
         tvm_backend.compile_onnx(single_task_graph(), AARCH64, tmp_path / "x.so")
     assert err.value.code == "tvm.no-cross-compiler" and "aarch64-linux-gnu-gcc" in err.value.message

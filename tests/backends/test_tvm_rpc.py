@@ -43,7 +43,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _servers(port: int, key: str) -> int:
-    return tvm_backend.tuning._servers(tvm_backend.Boards("127.0.0.1", port, key))
+    return tvm_backend.runner._servers(tvm_backend.Boards("127.0.0.1", port, key))
 
 
 class Board:

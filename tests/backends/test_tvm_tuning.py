@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgesdk.backends import tvm as tvm_backend
-from edgesdk.backends.tvm import tuning
+from edgesdk.backends.tvm import builder, targets, tuning
 from edgesdk.errors import UserError
 from tests.backends.test_tvm import AARCH64, HOST, assert_matches_ort, conv_graph, single_task_graph
 
@@ -126,7 +126,7 @@ def test_a_candidate_that_fails_to_build_is_reported_and_the_search_goes_on(monk
     """Every third candidate of the search is swapped for a function bound to GPU threads, which
     TVM's LLVM code generator really refuses to build; the others are built and measured, and the
     database stays readable."""
-    real = tuning._build_jobs
+    real = builder._build_jobs
     calls = {"batches": 0, "n": 0}
 
     def jobs(build_inputs):
@@ -143,7 +143,7 @@ def test_a_candidate_that_fails_to_build_is_reported_and_the_search_goes_on(monk
             out.append((mod, target, params))
         return out
 
-    monkeypatch.setattr(tuning, "_build_jobs", jobs)
+    monkeypatch.setattr(builder, "_build_jobs", jobs)
     db = tmp_path / "db"
     summary = tvm_backend.tune_onnx(single_task_graph(), HOST, db, trials=16, batch=8)
     failures = summary["failures"]
@@ -188,7 +188,7 @@ def test_tuning_refuses_code_this_cpu_cannot_run(monkeypatch, tmp_path):
 
     real = tvm_backend._host_features()
     zen3 = set(codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})))
-    monkeypatch.setattr(tvm_backend, "_host_features", lambda: {f: f in zen3 for f in real})
+    monkeypatch.setattr(targets, "_host_features", lambda: {f: f in zen3 for f in real})
     with pytest.raises(UserError) as err:
         tvm_backend.tune_onnx(single_task_graph(), {"kind": "llvm", "mcpu": "znver4"}, tmp_path / "db", trials=8)
     assert err.value.code == "tvm.tune-foreign-cpu" and "avx512f" in err.value.message

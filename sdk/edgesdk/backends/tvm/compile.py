@@ -1,0 +1,239 @@
+"""Compilation: an ONNX segment imported into Relax, lowered to fused TIR functions, scheduled
+(tuning records first, then the default schedules) and built into a shared library.
+
+`_import` and `_lower` serve tuning too (tuning.py): MetaSchedule finds records by the structural
+hash of each fused TIR function, so the functions tuning measures must be those compilation
+looks up.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ...errors import UserError
+from ...runtime.manifest import TensorSpec
+from .database import _apply_database, _open_database
+from .schedules import _cpu_default_schedules, _gpu_default_schedules
+from .targets import _export, _resolve_target
+
+
+@dataclass(frozen=True)
+class TvmResult:
+    """What `compile_onnx` built: the VM's interface and how much of it is tuned."""
+
+    inputs: tuple[TensorSpec, ...]  # ONNX names, key = str(position in the VM's main function)
+    outputs: tuple[TensorSpec, ...]
+    tasks: int  # tunable TIR functions in the module
+    tuned: int  # how many of them got a schedule from the tuning database
+    target: dict  # the target as compiled (`mcpu: native` resolved to this host's CPU and features)
+    # untuned functions that got the fixed default schedule (CPU: `_cpu_default_schedules`)
+    default_scheduled: int = 0
+
+
+def importer_ops() -> frozenset[str]:
+    """The ONNX op types (default domain) that TVM's Relax ONNX importer converts.
+
+    An op in this set may still be refused for an attribute the converter lacks; one
+    outside it is refused for certain (the importer names all of them in one error).
+    """
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    # `If` and `Constant` are converted by the graph walker itself, not through the map.
+    return frozenset(onnx_frontend._get_convert_map()) | {"If", "Constant"}
+
+
+def compile_onnx(
+    model: onnx.ModelProto, target: dict, out_path: Path, *, tuning_db: Path | None = None
+) -> TvmResult:
+    """Compile an ONNX segment for `target` into the shared library `out_path`.
+
+    Needs: static input shapes, an opset the Relax importer reads (>= 11), ops it supports.
+    Guarantees: `out_path` is written atomically (a complete library or no file); the
+    library's VM function `main` takes the inputs in `TvmResult.inputs` order and returns
+    one tensor (one output) or a tuple (several), in `TvmResult.outputs` order. Functions
+    with a record in `tuning_db` (a database tuned for this same target) use the tuned
+    schedule; on CPU the others get a fixed heuristic schedule (parallel, vectorized,
+    register-blocked; see `_cpu_default_schedules`), on CUDA dlight's rule-based GPU
+    schedules. aarch64 targets are linked by `aarch64-linux-gnu-gcc`.
+    CUDA needs no GPU here: the library carries the kernels as CUDA source, which the GPU
+    host compiles when it loads the library (nvcc checks them here when installed).
+    """
+    import tvm
+    from tvm import relax
+
+    target, tvm_target = _resolve_target(target)
+    mod = _lower(_import(model), tvm_target)
+    inputs, outputs = _interface(model, mod)
+    tasks = _count_unscheduled(mod)
+    with tvm_target, tvm.transform.PassContext(opt_level=3):
+        if tuning_db is not None:
+            database = _open_database(Path(tuning_db), target, must_exist=True)
+            mod = _apply_database(mod, database)
+        tuned = tasks - _count_unscheduled(mod)
+        if "gpu" in tvm_target.keys:
+            mod = _gpu_default_schedules(mod)
+            default_scheduled = tasks - tuned - _count_unscheduled(mod)
+        else:
+            mod, default_scheduled = _cpu_default_schedules(mod, target)
+        backend = _backend_pipeline(tvm_target)
+        finish = tvm.transform.Sequential(
+            backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
+        )
+        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=finish)
+    if tvm_target.kind.name == "cuda":
+        _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
+    _export(executable, target, Path(out_path))
+    return TvmResult(
+        inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled
+    )
+
+
+def _import(model: onnx.ModelProto) -> Any:
+    """The Relax module of `model`, weights embedded as constants, inputs static."""
+    from tvm.error import OpNotImplemented
+    from tvm.relax.frontend.onnx import from_onnx
+
+    initializers = {t.name for t in model.graph.initializer}
+    shapes: dict[str, list[int]] = {}
+    dtypes: dict[str, str] = {}
+    dynamic = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor_type.shape.dim]
+        if not tensor_type.HasField("shape") or any(d <= 0 for d in dims):
+            dynamic.append(f"{value.name} {_dims_text(tensor_type)}")
+        shapes[value.name] = dims
+        dtypes[value.name] = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
+    if dynamic:
+        raise UserError(
+            "tvm.dynamic-shape",
+            f"tvm segments need static input shapes: {', '.join(dynamic)}",
+            hint="fix the input shapes at import, e.g. --input-shape x=1x3x224x224",
+        )
+    try:
+        with warnings.catch_warnings():
+            # the importer warns once per tensor name with a dot in it ("Renaming name ..."): noise
+            warnings.filterwarnings("ignore", message="Renaming name")
+            return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+    except OpNotImplemented as exc:
+        # The importer checks every node before converting and names all unsupported ops
+        # in this one error.
+        raise UserError(
+            "tvm.unsupported-op",
+            f"tvm's onnx importer cannot convert this segment: {exc}",
+            hint="place these ops on the onnxruntime backend",
+        ) from exc
+
+
+def _dims_text(tensor_type: onnx.TypeProto.Tensor) -> str:
+    if not tensor_type.HasField("shape"):
+        return "(unknown rank)"
+    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor_type.shape.dim]
+    return "[" + ",".join(dims) + "]"
+
+
+def _lower(mod: Any, tvm_target: Any) -> Any:
+    """Legalize and fuse `mod` into TIR functions, none of them scheduled yet.
+
+    The same function feeds task extraction and compilation, so the fused functions, and
+    with them the tuning database's workload keys, are identical in both.
+    """
+    import tvm
+    from tvm import relax
+
+    passes = [
+        # Inference form: batch norm becomes multiply-add that FoldConstant folds into
+        # the weights.
+        relax.transform.DecomposeOpsForInference(),
+        relax.transform.CanonicalizeBindings(),
+        *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ]
+    with tvm_target, tvm.transform.PassContext(opt_level=3):
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def _backend_pipeline(tvm_target: Any) -> Any:
+    """TVM's pass lists for the target's backend (its module; TVM 0.27's package
+    `__init__` does not re-export `dataflow_lower_passes`, so the module is imported)."""
+    if tvm_target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline
+    else:
+        from tvm.relax.backend.cpu_generic import pipeline
+    return pipeline
+
+
+def _count_unscheduled(mod: Any) -> int:
+    from tvm import tirx
+
+    return sum(
+        1
+        for func in mod.functions.values()
+        if isinstance(func, tirx.PrimFunc) and not bool(func.attrs.get("tirx.is_scheduled", False))
+    )
+
+
+def _interface(model: onnx.ModelProto, mod: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """TensorSpecs of the VM's `main`: parameters by position, results in ONNX output order."""
+    import tvm
+
+    main = mod["main"]
+    initializers = {t.name for t in model.graph.initializer}
+    input_names = [v.name for v in model.graph.input if v.name not in initializers]
+    inputs = tuple(
+        _spec(name, param.ty, str(i)) for i, (name, param) in enumerate(zip(input_names, main.params, strict=True))
+    )
+    ret = main.ret_ty  # TVM 0.27 calls struct_info `ty`
+    fields = list(ret.fields) if isinstance(ret, tvm.ir.TupleType) else [ret]
+    output_names = [v.name for v in model.graph.output]
+    outputs = tuple(_spec(name, info, str(i)) for i, (name, info) in enumerate(zip(output_names, fields)))
+    return inputs, outputs
+
+
+def _spec(name: str, info: Any, key: str) -> TensorSpec:
+    return TensorSpec(name=name, shape=tuple(int(d) for d in info.shape.values), dtype=str(info.dtype), key=key)
+
+
+def _check_cuda_kernels(executable: Any, arch: str) -> None:
+    """Compile the library's CUDA kernels with nvcc for `arch`, to fail at build time.
+
+    Without a CUDA driver, TVM 0.27 keeps the kernels as CUDA source in the library
+    (its "fallback" CUDA module); the GPU host compiles them when it loads the library
+    (TVM's `tvm_callback_cuda_compile`: NVRTC via cuda-bindings, or nvcc). Compiling
+    them here once catches codegen errors before the bundle ships; the result is not
+    kept. Skipped when nvcc is not installed.
+    """
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    sources = [m.inspect_source("cuda") for m in _module_tree(executable.mod) if m.kind == "cuda"]
+    sm = arch.removeprefix("sm_")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, source in enumerate(sources):
+            cu = Path(tmp) / f"kernels{i}.cu"
+            cu.write_text(source)
+            command = [nvcc, "--cubin", "-O3", f"-arch=sm_{sm}", "-o", str(cu.with_suffix(".cubin")), str(cu)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"nvcc rejects TVM's CUDA kernels for sm_{sm}:\n{done.stderr[-2000:]}")
+
+
+def _module_tree(module: Any):
+    yield module
+    for imported in module.imports:
+        yield from _module_tree(imported)

@@ -1,0 +1,226 @@
+"""Default schedules: what a TIR function without a tuning record gets.
+
+CPU: MetaSchedule's own design space for the function with every sampled decision fixed by a
+heuristic, nothing measured (`_cpu_default_schedules` for a module, `_cpu_default_schedule` for one
+function, with its trace: tuning commits it as the untuned baseline's record). GPU: dlight's
+rule-based schedules (`_gpu_default_schedules`). `_runs_every_instance` is the soundness check
+that default schedules, tuning records and tuning candidates all pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .tensor_intrin import _tensor_intrin_importer
+
+
+def _gpu_default_schedules(mod: Any) -> Any:
+    """Give every unscheduled function of `mod` dlight's rule-based GPU schedule.
+
+    A GPU kernel without thread bindings does not compile, so nothing may stay
+    unscheduled. Rules are tried per function, most specific first: a rule whose pattern
+    matches may still fail to schedule a fused function (dlight's Matmul asserts on a
+    conv2d fused with a clip, as in MobileNetV2), and then the next rule gets it;
+    `Fallback` schedules any function.
+    """
+    import tvm
+    from tvm import tirx
+    from tvm.s_tir import dlight as dl
+
+    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", False):
+            continue
+        for rule in rules:
+            try:
+                scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({gvar: func}))[gvar]
+            except Exception:  # noqa: BLE001 -- dlight asserts where a rule does not fit
+                continue
+            if scheduled.attrs.get("tirx.is_scheduled", False):
+                mod[gvar] = scheduled
+                break
+    return mod
+
+
+# MetaSchedule sizes parallel loops by the target's core count (16 jobs per core at most).
+# A target without `num-cores` gets this fixed count, not the build host's, so that the
+# same target builds the same library on any host.
+_DEFAULT_NUM_CORES = 4
+# The vector block of the innermost spatial loop and the register block of the output
+# channels (floats): 4 x 8 accumulators fill 4 AVX2 or 8 NEON registers.
+_VECTOR_BLOCK = 8
+_REGISTER_BLOCK = 4
+_UNROLL = 64
+
+
+def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
+    """Give every unscheduled function of `mod` a fixed, untuned CPU schedule.
+
+    The schedule is MetaSchedule's own design space for the function (its default LLVM
+    rules: inlining, multi-level tiling of reductions, parallel/vectorize/unroll) with
+    each sampled decision replaced by a fixed heuristic instead of a search: the outer
+    spatial tiles run in parallel, the reduction loops sit outside a register block of
+    `_REGISTER_BLOCK` x `_VECTOR_BLOCK` outputs (output channels x the last spatial axis
+    for a convolution, rows x columns for a matrix product), and the innermost spatial
+    tile is vectorized. Nothing is measured, so the same function and
+    target always give the same schedule. A function the rules fail on stays unscheduled
+    (TVM's default loop nest). Returns the module and how many functions got a schedule.
+    """
+    import tvm
+    from tvm import tirx
+    from tvm.s_tir import meta_schedule as ms
+
+    tvm_target = tvm.target.Target({**target, "num-cores": target.get("num-cores", _DEFAULT_NUM_CORES)})
+
+    todo = [
+        (gvar, func)
+        for gvar, func in mod.functions_items()
+        if isinstance(func, tirx.PrimFunc) and not func.attrs.get("tirx.is_scheduled", False)
+    ]
+    if todo:
+        _tensor_intrin_importer()()  # the default rules import it; this way costs ~4 s, not 20
+    scheduled = 0
+    for gvar, func in todo:
+        try:
+            sch = _cpu_default_schedule(func, tvm_target, _cpu_default_postprocs)
+            new = None if sch is None else sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        except Exception:  # noqa: BLE001 -- a rule that does not fit leaves the loop nest
+            new = None
+        if new is not None:
+            mod[gvar] = new
+            scheduled += 1
+    return mod, scheduled
+
+
+def _cpu_default_postprocs() -> list:
+    """Fresh postprocessors for one function: the tuning context initializes them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return [
+        ms.postproc.DisallowDynamicLoop(),
+        ms.postproc.RewriteParallelVectorizeUnroll(),
+        ms.postproc.RewriteReductionBlock(),
+    ]
+
+
+def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], list]) -> Any:
+    """`func` scheduled by `_cpu_default_schedules`' heuristic: the schedule, with its trace so
+    that it can be a tuning record too, or None."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    context = ms.TuneContext(
+        mod=tvm.IRModule({"main": func}),
+        target=tvm_target,
+        space_generator=ms.space_generator.PostOrderApply(postprocs=postprocs(), mutator_probs={}),
+        rand_state=1,
+    )
+    spaces = context.generate_design_space()
+    if not spaces:
+        return None
+    # MultiLevelTiling's variants: the epilogue a loop nest of its own (the first), or
+    # computed per output tile while it is in cache (the others; innermost first, ~25%
+    # faster on MobileNetV2). TVM 0.27 leaves the border of a padding epilogue (a conv2d
+    # fused with the next layer's pad) unwritten in the latter, so a schedule that does
+    # not run every block instance is refused for the next variant.
+    fused = [s for s in spaces if any(i.kind.name == "ReverseComputeAt" for i in s.trace.insts)]
+    for space in fused[:1] + spaces[:1]:
+        sch = _replay(func, space.trace)
+        if not _runs_every_instance(sch.copy()):  # a copy: its queries stay out of the trace
+            continue
+        # the marker MetaSchedule puts before postprocessing: a search that mutates this trace
+        # (it is a tuning record too) replays the decisions and postprocesses afresh
+        sch.enter_postproc()
+        if all(p.apply(sch) for p in context.space_generator.postprocs):
+            return sch
+    return None
+
+
+def _replay(func: Any, trace: Any) -> Any:
+    """`func` scheduled by `trace` with `_cpu_default_schedules`' fixed decisions."""
+    import tvm
+    from tvm import s_tir
+
+    roles = iter(_tile_roles(trace))
+
+    def decide(inst: Any, inputs: list, attrs: list, decision: Any) -> Any:
+        kind = inst.kind.name
+        if kind == "SamplePerfectTile":
+            return _tile(int(sch.get(inputs[0]).extent), int(attrs[0]), next(roles))
+        if kind == "SampleCategorical":  # the unroll limit
+            values = [int(v) for v in attrs[0]]
+            return values.index(_UNROLL) if _UNROLL in values else decision
+        if kind == "SampleComputeLocation":
+            return -1  # at the root: computed once, never recomputed per tile
+        return decision
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+    trace.apply_to_schedule(sch, remove_postproc=True, decision_provider=decide)
+    return sch
+
+
+def _runs_every_instance(sch: Any) -> bool:
+    """Whether the loops around each block of `sch` run at least its whole iteration domain."""
+    root = sch.get_sblock("root", func_name="main")
+    for block in sch.get_child_blocks(root):
+        runs = math.prod(int(sch.get(loop).extent) for loop in sch.get_loops(block))
+        domain = math.prod(int(v.dom.extent) for v in sch.get(block).iter_vars)
+        if runs < domain:
+            return False
+    return True
+
+
+def _tile_roles(trace: Any) -> list[str]:
+    """The role of each SamplePerfectTile of `trace`, in order: "vector" (a tiled block's
+    last spatial loop), "register" (the spatial loop blocked in registers), "spatial"
+    (other spatial loops), "reduction" (a tiled block's reduction loops) or "other".
+
+    MultiLevelTiling samples the tiles of one block back to back (each followed by its
+    split), spatial loops (4 tiles on CPU) before reduction loops (2 tiles).
+    """
+    groups: list[list[int]] = []  # the tile counts of each block's loops
+    previous = None
+    for inst in trace.insts:
+        kind = inst.kind.name
+        if kind == "SamplePerfectTile":
+            if previous != "Split" or not groups:
+                groups.append([])
+            groups[-1].append(int(inst.attrs[0]))
+        previous = kind
+    roles: list[str] = []
+    for group in groups:
+        spatial = [i for i, n in enumerate(group) if n == 4]
+        # The register block's axis: the output channel of a 2-D convolution (NCHW: the
+        # third from last of four or more), the row of a matrix product (the one before
+        # the last). Blocking channels reuses each input vector for `_REGISTER_BLOCK`
+        # outputs; blocking image rows reuses nothing (MobileNetV2 224: 2x slower).
+        register = spatial[-3] if len(spatial) >= 4 else spatial[-2] if len(spatial) >= 2 else None
+        for i, n in enumerate(group):
+            if n != 4:
+                roles.append("reduction" if spatial else "other")
+            elif i == spatial[-1]:
+                roles.append("vector")
+            elif i == register:
+                roles.append("register")
+            else:
+                roles.append("spatial")
+    return roles
+
+
+def _tile(extent: int, n: int, role: str) -> list[int]:
+    """Tile sizes (outermost first, product `extent`) of a loop split in `n` by `role`."""
+
+    def divisor(limit: int) -> int:
+        return max(d for d in range(1, min(limit, extent) + 1) if extent % d == 0)
+
+    if n == 4 and role == "vector":
+        inner = divisor(_VECTOR_BLOCK)
+        return [extent // inner, 1, 1, inner]
+    if n == 4 and role == "register":
+        inner = divisor(_REGISTER_BLOCK)
+        return [extent // inner, 1, inner, 1]
+    if n == 4:
+        return [extent, 1, 1, 1]
+    return [extent] + [1] * (n - 1)
