@@ -42,3 +42,20 @@ def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
     sess = session(m)
     names = [o.name for o in sess.get_outputs()]
     return [dict(zip(names, sess.run(names, f))) for f in feeds]
+
+
+def compile_segment(job):
+    """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph as it is, which the runtime's
+    onnxruntime runner executes."""
+    from ..ir import model as irm
+    from ..runtime.manifest import TensorSpec
+    from .registry import Compiled
+
+    artifact = f"segments/{job.segment['id']}.onnx"
+    irm.save(job.model, job.segments_dir.parent / artifact)
+    shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
+
+    def spec(name: str) -> TensorSpec:
+        return TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
+
+    return Compiled(artifact, tuple(spec(n) for n in job.segment["inputs"]), tuple(spec(n) for n in job.segment["outputs"]))

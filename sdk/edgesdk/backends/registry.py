@@ -2,17 +2,47 @@
 
 A plan segment names its backend (`plan.json`: "tvm", "tflite", "onnxruntime"); the stages ask the
 registry what that backend does instead of comparing names: the tune stage searches the segments of a
-backend that `tunes`, the compress stage converts those of one that `quantizes`, and a bundle's
-requirements.txt lists each used backend's `runtime_dists`, in `rank` order. MetaSchedule's
-string-keyed roles are the model. Registering here imports nothing heavy: a backend's compiler and
-runtime libraries stay imported inside the functions that use them.
+backend that `tunes`, the compress stage converts those of one that `quantizes`, the package stage has
+each segment compiled by its backend (`Backend.compile`: a `CompileJob` in, a `Compiled` out), and a
+bundle's requirements.txt lists each used backend's `runtime_dists`, in `rank` order. MetaSchedule's
+string-keyed roles are the model. Registering here imports nothing heavy: a backend's `compiler` is
+named as "module:function" and imported when a segment is compiled, and its compiler and runtime
+libraries stay imported inside the functions that use them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..runtime.manifest import TensorSpec
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """One plan segment for a backend to compile into a bundle."""
+
+    segment: dict  # the plan's segment: id, device, backend, nodes, inputs, outputs, predicted_ms, ...
+    model: Any  # its ONNX graph (onnx.ModelProto): the schedule stage's segments/<id>.onnx
+    device: Any  # the target's entry for the segment's device kind (a TVM backend reads its codegen)
+    segments_dir: Path  # bundle/segments: the artifact goes here
+    tuning_db: Path  # the tune stage's database for this device kind (it may hold no records)
+    compressed: dict | None  # the compress stage's entry for the segment, its "dir" added; None if none
+    twin_dir: Path  # a build of the segment for this host, when the bundle's cannot run here (never shipped)
+    log: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    artifact: str  # relative to the bundle root
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    fallback_artifact: str | None = None  # what the CPU runs when the accelerator is missing
+    twin: Path | None = None  # the twin for the build host's golden run
+    tuned: dict | None = None  # where the kernels' schedules came from (the manifest's tuning.segments)
 
 
 @dataclass(frozen=True)
@@ -23,6 +53,13 @@ class Backend:
     runtime_dists: tuple[str, ...]  # the PyPI distributions a device needs to run its artifacts
     tunes: bool = False  # the tune stage searches its segments' kernels
     quantizes: bool = False  # the compress stage converts its segments with calibration data
+    compiler: str = ""  # "module:function" taking a CompileJob, returning a Compiled
+
+    def compile(self, job: CompileJob) -> Compiled:
+        module, _, function = self.compiler.partition(":")
+        if not function:
+            raise ValueError(f"backend {self.name!r} names no compiler")
+        return getattr(importlib.import_module(module), function)(job)
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -18,7 +18,6 @@ import importlib.metadata
 import io
 import json
 import os
-import platform
 import shutil
 import tarfile
 from pathlib import Path
@@ -30,10 +29,8 @@ from ... import __version__, backends
 from ...backends import edgetpu_compiler
 from ...backends import onnxruntime as ort_backend
 from ...backends import tflite as tflite_backend
-from ...backends import tvm as tvm_backend
 from ...errors import UserError
 from ...ir import index_ranges
-from ...ir import model as irm
 from ...ir.calibration import load_calibration
 from ...ir.digest import file_sha256
 from ...ir.numeric import compare
@@ -45,8 +42,6 @@ from ...scheduling.correction import corrected_prediction, edgetpu_correction
 OPTIONS = ("calib", "calib_preprocess", "seed")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 RUNTIME_DIR = Path(mf.__file__).parent
-# The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
-HOST_CODEGEN = {"kind": "llvm"}
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -67,32 +62,19 @@ def run(artifact: Path, ctx) -> dict:
     compiler_logs: dict[str, dict] = {}
     corrections: list[dict] = []
     for seg in plan["segments"]:
-        sid, dev = seg["id"], seg["device"]
-        model = onnx.load(str(sched / seg["artifact"]))
-        fallback = None
-        if seg["backend"] == "tvm":
-            codegen = next(d for d in target.devices if d.kind == dev.split(":")[0]).codegen
-            ctx.log(f"package: {sid}: compiling {len(seg['nodes'])} nodes with TVM for {_describe(codegen)}")
-            kind_db = db / dev.split(":")[0]
-            kind_db = kind_db if (kind_db / "database_workload.json").exists() else None
-            res = tvm_backend.compile_onnx(model, codegen, bundle / "segments" / f"{sid}.so", tuning_db=kind_db)
-            tuned[sid] = {"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled}
-            ins, outs, art = res.inputs, res.outputs, f"segments/{sid}.so"
-            if _needs_twin(codegen):
-                twin_dir.mkdir(exist_ok=True)
-                tvm_backend.compile_onnx(model, HOST_CODEGEN, twin_dir / f"{sid}.so")
-                twins[sid] = twin_dir / f"{sid}.so"
-        elif seg["backend"] == "onnxruntime":
-            art = f"segments/{sid}.onnx"
-            irm.save(model, bundle / art)
-            ins = tuple(_plain_spec(model, n) for n in seg["inputs"])
-            outs = tuple(_plain_spec(model, n) for n in seg["outputs"])
-        else:  # tflite for an Edge TPU
-            info = compress["segments"][sid]
-            fallback = art = f"segments/{sid}.tflite"
-            shutil.copyfile(comp_dir / info["artifact"], bundle / art)
-            ins = tuple(mf.tensor_from_dict(t) for t in info["inputs"])
-            outs = tuple(mf.tensor_from_dict(t) for t in info["outputs"])
+        sid, kind = seg["id"], seg["device"].split(":")[0]
+        compressed = compress["segments"].get(sid)
+        compiled = backends.backend(seg["backend"]).compile(backends.CompileJob(
+            segment=seg, model=onnx.load(str(sched / seg["artifact"])),
+            device=next(d for d in target.devices if d.kind == kind), segments_dir=bundle / "segments",
+            tuning_db=db / kind, compressed={**compressed, "dir": str(comp_dir)} if compressed else None,
+            twin_dir=twin_dir, log=ctx.log))
+        art = compiled.artifact
+        if compiled.twin is not None:
+            twins[sid] = compiled.twin
+        if compiled.tuned is not None:
+            tuned[sid] = compiled.tuned
+        if compiled.fallback_artifact is not None:  # an accelerator's model, which its own compiler finishes
             if edgetpu_compiler.find():
                 art, compiler_logs[sid], correction = compile_for_edgetpu(bundle, art, seg, sched / "model.onnx",
                                                                           target)
@@ -101,12 +83,13 @@ def run(artifact: Path, ctx) -> dict:
                     ctx.warn(edgetpu_compiler.describe(correction))
             else:
                 unfinished.append(art)
-        segments.append(mf.Segment(id=sid, device=dev, backend=seg["backend"], artifact=art, inputs=ins,
-                                   outputs=outs, fallback_artifact=fallback, nodes=len(seg["nodes"]),
+        segments.append(mf.Segment(id=sid, device=seg["device"], backend=backends.backend(seg["backend"]).runner,
+                                   artifact=art, inputs=compiled.inputs, outputs=compiled.outputs,
+                                   fallback_artifact=compiled.fallback_artifact, nodes=len(seg["nodes"]),
                                    predicted_ms=seg["predicted_ms"], threads=seg.get("threads", 0)))
 
     edgetpu_info: dict = {}
-    if any(s.backend == "tflite" for s in segments):
+    if any(s.fallback_artifact is not None for s in segments):
         edgetpu_info = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs}
         if corrections:
             edgetpu_info["corrections"] = corrections
@@ -208,23 +191,6 @@ def compile_for_edgetpu(bundle: Path, tflite: str, seg: dict, scheduled: Path, t
         compiled.unlink()
         return tflite, record, correction
     return f"segments/{compiled.name}", record, correction
-
-
-def _describe(codegen: dict) -> str:
-    return " ".join(str(codegen.get(k)) for k in ("kind", "mtriple", "mcpu", "arch") if codegen.get(k))
-
-
-def _needs_twin(codegen: dict) -> bool:
-    """Code the build host cannot run: another architecture, a GPU, or instructions this host's CPU
-    lacks (an x86 target naming an AVX-512 CPU, built on an AVX2-only host)."""
-    if codegen.get("kind") != "llvm":
-        return True
-    return tvm_backend.target_arch(codegen) != platform.machine() or bool(tvm_backend.missing_host_features(codegen))
-
-
-def _plain_spec(model: onnx.ModelProto, name: str) -> mf.TensorSpec:
-    shapes, types = irm.static_shapes(model), irm.elem_types(model)
-    return mf.TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
 
 
 def _accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: dict, samples: list[dict]) -> dict:
