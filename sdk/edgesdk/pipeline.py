@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
-from .config import Target, load_target
+from .config import HOST, Target, load_target
 from .errors import UsageError
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 
@@ -317,7 +317,7 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
     from .devices import calibrate as cal
 
     target, _ = load_target(target_name)
-    cpu = next(d for d in target.devices if d.kind == "cpu")
+    cpu = target.host
     if cpu.arch != platform.machine():
         raise UsageError("calibrate.foreign-arch", f"target '{target.name}' has a {cpu.arch} CPU; this host is "
                          f"{platform.machine()}", "calibrate on the device itself, with a target of its architecture")
@@ -338,7 +338,7 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
               f"{threads} threads, per-op onnxruntime profiles of {names}")
     fitted = target.model_copy(deep=True)
     for i, d in enumerate(fitted.devices):
-        if d.kind == "cpu":
+        if d.kind == HOST:
             figures = fit.figures(source)
             peak = {**d.peak_gflops, **figures.pop("peak_gflops")}
             fitted.devices[i] = d.model_copy(update={**figures, "peak_gflops": peak})

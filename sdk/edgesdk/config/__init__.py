@@ -1,6 +1,7 @@
 """Target files and build options: schemas, YAML loading with file/line errors."""
 
 from .target import (
+    HOST,
     CpuDevice,
     EdgeTpuDevice,
     Figure,
@@ -13,6 +14,7 @@ from .target import (
 )
 
 __all__ = [
+    "HOST",
     "CpuDevice",
     "EdgeTpuDevice",
     "Figure",

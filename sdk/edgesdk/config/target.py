@@ -223,6 +223,9 @@ class GpuDevice(_Strict):
 
 Device = Annotated[Union[CpuDevice, EdgeTpuDevice, GpuDevice], Field(discriminator="kind")]
 
+# the kind of the host: the one device every target has, which runs what no accelerator takes
+HOST = "cpu"
+
 
 class LegalizePolicy(_Strict):
     max_abs_error: float = Field(default=0.01, gt=0)
@@ -236,18 +239,18 @@ class Target(_Strict):
 
     @model_validator(mode="after")
     def _exactly_one_host(self) -> "Target":
-        cpus = [d for d in self.devices if d.kind == "cpu"]
+        cpus = self.devices_of(HOST)
         if len(cpus) != 1:
             raise ValueError(f"a target has exactly one cpu device (the host), found {len(cpus)}")
         return self
 
     @property
     def host(self) -> CpuDevice:
-        return next(d for d in self.devices if isinstance(d, CpuDevice))
+        return self.device(HOST)
 
     @property
     def accelerators(self) -> list[EdgeTpuDevice | GpuDevice]:
-        return [d for d in self.devices if not isinstance(d, CpuDevice)]
+        return [d for d in self.devices if d.kind != HOST]
 
     def device_map(self) -> dict[str, str]:
         """Logical device id -> the physical device string the runtime opens."""
@@ -256,8 +259,21 @@ class Target(_Strict):
             out.update(zip(acc.logical_ids(), acc.physical))
         return out
 
+    def device(self, kind: str):
+        """The entry of `kind`."""
+        for d in self.devices:
+            if d.kind == kind:
+                return d
+        raise UsageError("target.no-device", f"target '{self.name}' has no {kind} device",
+                         f"its devices: {', '.join(d.kind for d in self.devices)}; add a {kind} entry under "
+                         "devices, or pick a target that has one (edgesdk targets list)")
+
+    def devices_of(self, kind: str) -> list:
+        """The entries of `kind`, in the file's order (none when the target has no such device)."""
+        return [d for d in self.devices if d.kind == kind]
+
     def logical_ids(self, kind: str) -> list[str]:
-        return [i for d in self.devices if d.kind == kind for i in d.logical_ids()]
+        return [i for d in self.devices_of(kind) for i in d.logical_ids()]
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

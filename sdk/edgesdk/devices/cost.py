@@ -66,7 +66,7 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
     On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
     (1 byte per float32 parameter's 4) comes over the link on every inference because the model's
     weights do not all fit the on-chip cache (see `streamed_fraction`)."""
-    dev = next(d for d in target.devices if d.kind == kind)
+    dev = target.device(kind)
     if isinstance(dev, CpuDevice):
         peak = dev.peak_gflops.get("float32_grouped") if grouped else None
         compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
@@ -109,7 +109,7 @@ def streamed_fraction(target: Target, tpu_param_bytes: int) -> float:
     """The share of the Edge TPU weights that do not fit the on-chip cache when `tpu_param_bytes`
     (float32) of parameters run there: Coral's compiler caches as much as fits and streams the rest
     every inference. Spread evenly over the nodes, so the DP's cost stays a sum over nodes."""
-    tpus = [d for d in target.devices if isinstance(d, EdgeTpuDevice)]
+    tpus = target.devices_of("edgetpu")
     if not tpus or tpu_param_bytes <= 0:
         return 0.0
     capacity = tpus[0].on_chip_memory.value * 1e6 * sum(d.count for d in tpus)
@@ -120,7 +120,7 @@ def streamed_fraction(target: Target, tpu_param_bytes: int) -> float:
 def link_ms_per_byte(target: Target, kind: str) -> tuple[float, float]:
     """(latency ms, ms per float32 byte) of the link between the host and an accelerator kind. An Edge
     TPU segment's inputs and outputs are int8: a quarter of the float32 bytes cross."""
-    dev = next(d for d in target.devices if d.kind == kind)
+    dev = target.device(kind)
     per_byte = 1e3 / (dev.link.bandwidth.value * 1e6)
     if isinstance(dev, EdgeTpuDevice):
         per_byte /= 4

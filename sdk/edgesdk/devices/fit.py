@@ -89,7 +89,7 @@ def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act
     """(fitted flops, memory floor ms, fixed ms, pays the fitted overhead) of one node, such that
     `cost.node_ms` equals max(flops * x, floor) + fixed + (o if it pays) at the target's own x and o."""
     _check_overhead(kind, overhead)
-    dev = next(d for d in target.devices if d.kind == kind)
+    dev = target.device(kind)
     if isinstance(dev, (CpuDevice, GpuDevice)):
         memory = 1e3 * (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
         fixed, pays = 0.0, True
@@ -128,7 +128,7 @@ def observation(target: Target, kind: str, name: str, measured_ms: float, nodes:
 def target_parameters(target: Target, kind: str, overhead: str = "node") -> tuple[float, float]:
     """(ms per flop, overhead ms) of `kind` as the target file states them (an absent overhead is 0)."""
     _check_overhead(kind, overhead)
-    dev = next(d for d in target.devices if d.kind == kind)
+    dev = target.device(kind)
     field, key, scale = RATE_FIELD[kind]
     figure = getattr(dev, field)
     figure = figure[key] if key else figure

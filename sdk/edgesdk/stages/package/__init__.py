@@ -66,7 +66,7 @@ def run(artifact: Path, ctx) -> dict:
         compressed = compress["segments"].get(sid)
         compiled = backends.backend(seg["backend"]).compile(backends.CompileJob(
             segment=seg, model=onnx.load(str(sched / seg["artifact"])),
-            device=next(d for d in target.devices if d.kind == kind), segments_dir=bundle / "segments",
+            device=target.device(kind), segments_dir=bundle / "segments",
             tuning_db=db / kind, compressed={**compressed, "dir": str(comp_dir)} if compressed else None,
             twin_dir=twin_dir, log=ctx.log))
         art = compiled.artifact
@@ -122,7 +122,7 @@ def run(artifact: Path, ctx) -> dict:
         arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
         segments=tuple(segments), pipeline_stages=tuple(tuple(s) for s in plan["pipeline_stages"]),
         parallel_steps=tuple(tuple(s) for s in plan.get("parallel_steps", ())),
-        cpu_threads=next(d.cores for d in target.devices if d.kind == "cpu"),
+        cpu_threads=target.host.cores,
         predicted=plan["predicted"], toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
         tuning=_tuning_provenance(json.loads((tune_dir / "tune.json").read_text()), tuned),
         warnings=tuple(_all_warnings(ctx)),

@@ -212,7 +212,7 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
     Returns the runs (a taken parallel stage's groups become runs of their own, next to each other),
     the parallel steps as segment ids, the parallel plan per placed run that takes one, and per placed
     run that the DP saw and that stays one segment, its best plan and why (`parallel.refusal`)."""
-    cpu = next(d for d in target.devices if d.kind == "cpu")
+    cpu = target.host
     dispatch = cpu.step_dispatch
     if not enabled or cpu.cores < 2 or dispatch is None:
         return placed, [], {}, {}

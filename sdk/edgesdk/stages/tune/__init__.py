@@ -67,7 +67,7 @@ def run(artifact: Path, ctx) -> dict:
             kinds[kind] = {"segments": ids, "trials": 0,
                            "note": "no search (--trials 0): records in the database are applied"}
             continue
-        device = next(d for d in ctx.target.devices if d.kind == kind)
+        device = ctx.target.device(kind)
         left = None
         if budget_s:  # what is left of the stage's time, shared by the kinds still to tune
             left = max(0.0, budget_s - (time.monotonic() - start)) / (len(by_kind) - n)
