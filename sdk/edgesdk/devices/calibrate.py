@@ -1,7 +1,7 @@
 """Calibrate a host CPU's cost figures from per-op latencies measured on that host.
 
 `edgesdk calibrate` replaces a target's estimated CPU figures with fitted ones. The model to fit is
-the one the scheduler uses for every node on the CPU (`cost.node_ms`):
+the one the scheduler uses for every node on the CPU (`cost.node_ms`, i.e. `terms.terms_ms`):
 
     ms = 1e3 * ( max(flops / (peak * 1e9), bytes / (bandwidth * 1e9)) + overhead * 1e-6 )
 
@@ -32,6 +32,7 @@ from ..config import Figure
 from ..errors import UserError
 from ..ir import model as irm
 from .cost import is_grouped, node_bytes, node_flops
+from .terms import NodeTerms, terms_ms
 
 WARMUP_RUNS = 2
 # onnxruntime's profiler stores whole microseconds: a kernel reported as 0 took less than 1 us,
@@ -76,8 +77,10 @@ class CpuFit:
     grouped_gflops: float | None = None  # the grouped-convolution rate, when the samples had some
 
     def predict_ms(self, flops: float, nbytes: float, grouped: bool = False) -> float:
-        peak = self.grouped_gflops if grouped and self.grouped_gflops else self.peak_gflops
-        return predict_ms(flops, nbytes, peak, self.bandwidth_gbps, self.overhead_us)
+        if grouped and self.grouped_gflops:
+            return predict_ms(flops, nbytes, self.grouped_gflops, self.bandwidth_gbps, self.overhead_us,
+                              rate="peak_gflops.float32_grouped")
+        return predict_ms(flops, nbytes, self.peak_gflops, self.bandwidth_gbps, self.overhead_us)
 
     def figures(self, source: str) -> dict:
         """The cpu device's cost fields of a target file, with `source` saying where they came from
@@ -95,9 +98,11 @@ class CpuFit:
         }
 
 
-def predict_ms(flops: float, nbytes: float, peak_gflops: float, bandwidth_gbps: float, overhead_us: float) -> float:
-    """`cost.node_ms` for a CPU, from bare figures."""
-    return 1e3 * (max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbps * 1e9)) + overhead_us * 1e-6)
+def predict_ms(flops: float, nbytes: float, peak_gflops: float, bandwidth_gbps: float, overhead_us: float, *,
+               rate: str = "peak_gflops.float32") -> float:
+    """`cost.node_ms` for a CPU, from bare figures: `terms.terms_ms` of its terms."""
+    return terms_ms(NodeTerms(flops, rate, flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbps * 1e9), 0.0,
+                              (("kernel_overhead", overhead_us),)))
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -277,7 +282,7 @@ def fit_cpu(samples: list[OpSample]) -> CpuFit:
     if np.any(meas <= 0):
         raise ValueError("every measured time must be positive")
 
-    def terms(u):
+    def terms(u):  # terms.terms_ms's compute, memory and overhead, in ms, for every sample at once
         peak, bw, over = np.exp(u[:3])
         rate = np.where(grouped, np.exp(u[3]), peak) if four else peak
         return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), 1e3 * over * 1e-6

@@ -16,6 +16,7 @@ import math
 import onnx
 
 from ..config import CpuDevice, EdgeTpuDevice, GpuDevice, Target
+from .terms import NodeTerms, terms_ms
 
 
 def node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> float:
@@ -52,16 +53,24 @@ def node_bytes(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], constan
 
 def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
             streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> float:
-    """One node on one device kind: the roofline term plus the device's per-op overhead.
+    """One node on one device kind: the roofline term plus the device's per-op overhead, i.e.
+    `terms.terms_ms` of the node's `node_terms`."""
+    return terms_ms(node_terms(target, kind, flops=flops, param_bytes=param_bytes, act_bytes=act_bytes,
+                               streamed_fraction=streamed_fraction, grouped=grouped, threads=threads))
+
+
+def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
+               streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:
+    """The terms of one node on one device kind (`terms.NodeTerms`).
 
     On a CPU, `threads` (default: all P cores) runs the node on fewer cores: the compute term scales
     by (1 + e (P - 1)) / (1 + e (threads - 1)) with the CPU's `parallel_efficiency` e (1 when absent:
     perfect scaling); the memory term does not (the bandwidth is shared), nor do the overheads.
 
-    On a CPU with a `layer_overhead`, a convolution or matrix product (`is_mac_layer`) pays it on top
-    of `kernel_overhead`: a fixed cost per layer (its kernel's setup, operand packing, the fork and
-    join of its threads) that elementwise ops, fused into the layer before them by CPU runtimes, do
-    not pay.
+    On a CPU, a convolution or matrix product (`is_mac_layer`) pays a `layer_overhead` on top of
+    `kernel_overhead` (listed at 0 us when the CPU has none): a fixed cost per layer (its kernel's setup,
+    operand packing, the fork and join of its threads) that elementwise ops, fused into the layer
+    before them by CPU runtimes, do not pay.
 
     On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
     (1 byte per float32 parameter's 4) comes over the link on every inference because the model's
@@ -69,23 +78,25 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
     dev = target.device(kind)
     if isinstance(dev, CpuDevice):
         peak = dev.peak_gflops.get("float32_grouped") if grouped else None
+        rate = "peak_gflops.float32_grouped" if peak is not None else "peak_gflops.float32"
         compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
         if threads is not None and threads < dev.cores:
             e = dev.parallel_efficiency.value if dev.parallel_efficiency is not None else 1.0
             compute *= (1 + e * (dev.cores - 1)) / (1 + e * (threads - 1))
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        overhead = dev.kernel_overhead.value
-        if dev.layer_overhead is not None and is_mac_layer(flops, act_bytes):
-            overhead += dev.layer_overhead.value
-        return 1e3 * (max(compute, memory) + overhead * 1e-6)
+        overheads = [("kernel_overhead", dev.kernel_overhead.value)]
+        if is_mac_layer(flops, act_bytes):
+            overheads.append(("layer_overhead", dev.layer_overhead.value if dev.layer_overhead is not None else 0.0))
+        return NodeTerms(flops, rate, compute, memory, 0.0, tuple(overheads))
     if isinstance(dev, EdgeTpuDevice):
         compute = flops / (dev.peak_tops_int8.value * 1e12)
         streamed = streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
-        return 1e3 * (compute + streamed + dev.kernel_overhead.value * 1e-6)
+        return NodeTerms(flops, "peak_tops_int8", compute, 0.0, streamed, (("kernel_overhead", dev.kernel_overhead.value),))
     if isinstance(dev, GpuDevice):
         compute = flops / (dev.peak_tflops["float32"].value * 1e12)
         memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        return 1e3 * (max(compute, memory) + dev.kernel_overhead.value * 1e-6)
+        return NodeTerms(flops, "peak_tflops.float32", compute, memory, 0.0,
+                         (("kernel_overhead", dev.kernel_overhead.value),))
     raise ValueError(kind)
 
 

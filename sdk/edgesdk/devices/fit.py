@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import CpuDevice, EdgeTpuDevice, GpuDevice, Target
-from .cost import is_mac_layer
+from ..config import Target
+from . import cost
+from .terms import NodeTerms
 
 # the field that carries each device kind's compute rate, and that field's unit in flop/s
 RATE_FIELD = {"cpu": ("peak_gflops", "float32", 1e9), "edgetpu": ("peak_tops_int8", None, 1e12),
@@ -89,24 +90,22 @@ def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act
     """(fitted flops, memory floor ms, fixed ms, pays the fitted overhead) of one node, such that
     `cost.node_ms` equals max(flops * x, floor) + fixed + (o if it pays) at the target's own x and o."""
     _check_overhead(kind, overhead)
-    dev = target.device(kind)
-    if isinstance(dev, (CpuDevice, GpuDevice)):
-        memory = 1e3 * (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        fixed, pays = 0.0, True
-        if isinstance(dev, CpuDevice):
-            layer = is_mac_layer(flops, act_bytes)
-            if overhead == "layer":
-                fixed, pays = dev.kernel_overhead.value * 1e-3, layer
-            elif dev.layer_overhead is not None and layer:
-                fixed = dev.layer_overhead.value * 1e-3
-            grouped_rate = dev.peak_gflops.get("float32_grouped") if grouped else None
-            if grouped_rate is not None:  # at its own rate, which the fit leaves alone
-                return 0.0, 0.0, fixed + max(1e3 * flops / (grouped_rate.value * 1e9), memory), pays
-        return flops, memory, fixed, pays
-    if isinstance(dev, EdgeTpuDevice):
-        # int8 weights (a quarter of the float32 bytes) that do not fit the cache cross the link
-        return flops, 0.0, 1e3 * streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6), True
-    raise ValueError(kind)
+    terms = cost.node_terms(target, kind, flops=flops, param_bytes=param_bytes, act_bytes=act_bytes,
+                            streamed_fraction=streamed_fraction, grouped=grouped)
+    field, key, _ = RATE_FIELD[kind]
+    return fit_terms(terms, f"{field}.{key}" if key else field, OVERHEADS[overhead][0])
+
+
+def fit_terms(t: NodeTerms, fitted_rate: str, fitted_overhead: str) -> tuple[float, float, float, bool]:
+    """`terms.terms_ms` split for a fit that frees the rate named `fitted_rate` (as x = ms per flop) and
+    the overhead named `fitted_overhead` (as o): (flops, floor ms, fixed ms, pays o) with
+    terms_ms(t) = max(flops * x, floor) + fixed + (o if pays) at the figures t was taken at. A node at
+    another rate (a CPU's grouped convolutions) keeps its whole roofline fixed; the link is fixed."""
+    others = sum(us for name, us in t.overheads if name != fitted_overhead) * 1e-3
+    pays = any(name == fitted_overhead for name, _ in t.overheads)
+    if t.rate != fitted_rate:  # at its own rate, which the fit leaves alone
+        return 0.0, 0.0, others + 1e3 * (max(t.compute, t.memory) + t.link), pays
+    return t.flops, 1e3 * t.memory, others + 1e3 * t.link, pays
 
 
 def observation(target: Target, kind: str, name: str, measured_ms: float, nodes: Iterable[tuple],
