@@ -15,7 +15,8 @@ import math
 
 import onnx
 
-from ..config import CpuDevice, EdgeTpuDevice, GpuDevice, Target
+from ..config import Target
+from .registry import model
 from .terms import NodeTerms, terms_ms
 
 
@@ -61,43 +62,11 @@ def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_by
 
 def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
                streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:
-    """The terms of one node on one device kind (`terms.NodeTerms`).
-
-    On a CPU, `threads` (default: all P cores) runs the node on fewer cores: the compute term scales
-    by (1 + e (P - 1)) / (1 + e (threads - 1)) with the CPU's `parallel_efficiency` e (1 when absent:
-    perfect scaling); the memory term does not (the bandwidth is shared), nor do the overheads.
-
-    On a CPU, a convolution or matrix product (`is_mac_layer`) pays a `layer_overhead` on top of
-    `kernel_overhead` (listed at 0 us when the CPU has none): a fixed cost per layer (its kernel's setup,
-    operand packing, the fork and join of its threads) that elementwise ops, fused into the layer
-    before them by CPU runtimes, do not pay.
-
-    On an Edge TPU, compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights
-    (1 byte per float32 parameter's 4) comes over the link on every inference because the model's
-    weights do not all fit the on-chip cache (see `streamed_fraction`)."""
-    dev = target.device(kind)
-    if isinstance(dev, CpuDevice):
-        peak = dev.peak_gflops.get("float32_grouped") if grouped else None
-        rate = "peak_gflops.float32_grouped" if peak is not None else "peak_gflops.float32"
-        compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
-        if threads is not None and threads < dev.cores:
-            e = dev.parallel_efficiency.value if dev.parallel_efficiency is not None else 1.0
-            compute *= (1 + e * (dev.cores - 1)) / (1 + e * (threads - 1))
-        memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        overheads = [("kernel_overhead", dev.kernel_overhead.value)]
-        if is_mac_layer(flops, act_bytes):
-            overheads.append(("layer_overhead", dev.layer_overhead.value if dev.layer_overhead is not None else 0.0))
-        return NodeTerms(flops, rate, compute, memory, 0.0, tuple(overheads))
-    if isinstance(dev, EdgeTpuDevice):
-        compute = flops / (dev.peak_tops_int8.value * 1e12)
-        streamed = streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
-        return NodeTerms(flops, "peak_tops_int8", compute, 0.0, streamed, (("kernel_overhead", dev.kernel_overhead.value),))
-    if isinstance(dev, GpuDevice):
-        compute = flops / (dev.peak_tflops["float32"].value * 1e12)
-        memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
-        return NodeTerms(flops, "peak_tflops.float32", compute, memory, 0.0,
-                         (("kernel_overhead", dev.kernel_overhead.value),))
-    raise ValueError(kind)
+    """The terms of one node on the target's device of `kind` (`terms.NodeTerms`), as the kind's device
+    model gives them (`devices/<kind>.py`): `threads` matters on a CPU, `streamed_fraction` (see
+    `streamed_fraction`) on an Edge TPU, `grouped` where the device has a grouped-convolution rate."""
+    return model(kind).node_terms(target.device(kind), flops=flops, param_bytes=param_bytes, act_bytes=act_bytes,
+                                  streamed_fraction=streamed_fraction, grouped=grouped, threads=threads)
 
 
 def is_mac_layer(flops: float, act_bytes: int) -> bool:
@@ -116,23 +85,14 @@ def is_grouped(node: onnx.NodeProto) -> bool:
         a.name == "group" and a.i > 1 for a in node.attribute)
 
 
-def streamed_fraction(target: Target, tpu_param_bytes: int) -> float:
-    """The share of the Edge TPU weights that do not fit the on-chip cache when `tpu_param_bytes`
-    (float32) of parameters run there: Coral's compiler caches as much as fits and streams the rest
-    every inference. Spread evenly over the nodes, so the DP's cost stays a sum over nodes."""
-    tpus = target.devices_of("edgetpu")
-    if not tpus or tpu_param_bytes <= 0:
-        return 0.0
-    capacity = tpus[0].on_chip_memory.value * 1e6 * sum(d.count for d in tpus)
-    int8 = tpu_param_bytes / 4
-    return max(0.0, 1.0 - capacity / int8)
+def streamed_fraction(target: Target, tpu_param_bytes: int, kind: str = "edgetpu") -> float:
+    """The share of the weights that cross the link on every inference when `tpu_param_bytes` (float32)
+    of parameters run on the target's `kind` devices (the Edge TPU's: what does not fit the on-chip
+    cache; `devices/edgetpu.py`)."""
+    return model(kind).streamed_fraction(target.devices_of(kind), tpu_param_bytes)
 
 
 def link_ms_per_byte(target: Target, kind: str) -> tuple[float, float]:
-    """(latency ms, ms per float32 byte) of the link between the host and an accelerator kind. An Edge
-    TPU segment's inputs and outputs are int8: a quarter of the float32 bytes cross."""
-    dev = target.device(kind)
-    per_byte = 1e3 / (dev.link.bandwidth.value * 1e6)
-    if isinstance(dev, EdgeTpuDevice):
-        per_byte /= 4
-    return dev.link.latency.value * 1e-3, per_byte
+    """(latency ms, ms per float32 byte) of the link between the host and an accelerator kind, as the
+    kind's device model gives it (an Edge TPU's inputs and outputs cross as int8)."""
+    return model(kind).link(target.device(kind))

@@ -14,16 +14,24 @@ unsupported data type", "Tensor has unsupported rank (up to 3 innermost dimensio
 
 This says what the Edge TPU accepts; whether our lowering can produce it is asked separately
 (`backends.tflite.lowering_reason`); legalize combines both.
+
+`MODEL` is the Edge TPU's device model (`devices/model.py`): int8 compute at the peak rate, no
+memory roofline, weights beyond the on-chip cache streamed over the link; backend: TFLite (then
+`edgetpu_compiler` where it is installed).
 """
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import onnx
 from onnx import helper
+
+from ..config import EdgeTpuDevice
+from .terms import NodeTerms
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -227,3 +235,43 @@ def unsupported_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]
         if sum(d > 1 for d in shape) > 3:
             return Refusal("edgetpu.rank", f"tensor {name} {list(shape)} has more than 3 dimensions larger than 1")
     return rule.check(node, shapes, constants)
+
+
+# --- the device model -----------------------------------------------------------------------------
+
+
+class EdgeTpuModel:
+    kind = "edgetpu"
+    schema = EdgeTpuDevice
+    preference = 0
+    backends = ("tflite",)
+    rate_figure = ("peak_tops_int8", None, 1e12)
+    fittable_overheads = {"node": "kernel_overhead"}
+
+    def node_terms(self, dev: EdgeTpuDevice, *, flops: float, param_bytes: int, act_bytes: int,
+                   streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:
+        """Compute is int8 at the peak rate; `streamed_fraction` of the node's int8 weights (1 byte per
+        float32 parameter's 4) comes over the link on every inference because the model's weights do
+        not all fit the on-chip cache (`streamed_fraction`)."""
+        compute = flops / (dev.peak_tops_int8.value * 1e12)
+        streamed = streamed_fraction * param_bytes / 4 / (dev.link.bandwidth.value * 1e6)
+        return NodeTerms(flops, "peak_tops_int8", compute, 0.0, streamed, (("kernel_overhead", dev.kernel_overhead.value),))
+
+    def link(self, dev: EdgeTpuDevice) -> tuple[float, float]:
+        """An Edge TPU segment's inputs and outputs are int8: a quarter of the float32 bytes cross."""
+        per_byte = 1e3 / (dev.link.bandwidth.value * 1e6)
+        per_byte /= 4
+        return dev.link.latency.value * 1e-3, per_byte
+
+    def streamed_fraction(self, specs: Sequence[EdgeTpuDevice], param_bytes: int) -> float:
+        """The share of the Edge TPU weights that do not fit the on-chip cache when `param_bytes` (float32)
+        of parameters run there: Coral's compiler caches as much as fits and streams the rest every
+        inference. Spread evenly over the nodes, so the DP's cost stays a sum over nodes."""
+        if not specs or param_bytes <= 0:
+            return 0.0
+        capacity = specs[0].on_chip_memory.value * 1e6 * sum(d.count for d in specs)
+        int8 = param_bytes / 4
+        return max(0.0, 1.0 - capacity / int8)
+
+
+MODEL = EdgeTpuModel()

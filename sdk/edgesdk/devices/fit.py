@@ -26,21 +26,62 @@ exact: no iteration, no starting point, no tolerance.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import Target
-from . import cost
+from . import cost, registry
 from .terms import NodeTerms
 
+
+class _RateFields(Mapping):
+    """kind -> (field, key or None, flop/s per unit) of the rate a fit frees: the device models' `rate_figure`."""
+
+    def __getitem__(self, kind: str) -> tuple[str, str | None, float]:
+        if kind not in self:
+            raise KeyError(kind)
+        return registry.model(kind).rate_figure
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([m.kind for m in registry.models()])
+
+    def __len__(self) -> int:
+        return len(registry.models())
+
+    def __contains__(self, kind: object) -> bool:
+        return any(m.kind == kind for m in registry.models())
+
+
+class _Overheads(Mapping):
+    """overhead -> (its target field, the kinds that have it): the device models' `fittable_overheads`."""
+
+    def _table(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        table: dict[str, tuple[str, tuple[str, ...]]] = {}
+        for m in registry.models():
+            for name, field in m.fittable_overheads.items():
+                if name in table and table[name][0] != field:
+                    raise ValueError(f"the {m.kind} model frees the {name!r} overhead as {field}, "
+                                     f"others as {table[name][0]}")
+                table[name] = (field, (*table.get(name, (field, ()))[1], m.kind))
+        return table
+
+    def __getitem__(self, overhead: str) -> tuple[str, tuple[str, ...]]:
+        return self._table()[overhead]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 # the field that carries each device kind's compute rate, and that field's unit in flop/s
-RATE_FIELD = {"cpu": ("peak_gflops", "float32", 1e9), "edgetpu": ("peak_tops_int8", None, 1e12),
-              "gpu": ("peak_tflops", "float32", 1e12)}
+RATE_FIELD: Mapping[str, tuple[str, str | None, float]] = _RateFields()
 PARAMETERS = 2  # ms per flop and one overhead
 # which overhead a fit frees: the target field, and the devices that have it
-OVERHEADS = {"node": ("kernel_overhead", ("cpu", "edgetpu", "gpu")), "layer": ("layer_overhead", ("cpu",))}
+OVERHEADS: Mapping[str, tuple[str, tuple[str, ...]]] = _Overheads()
 
 
 @dataclass(frozen=True)

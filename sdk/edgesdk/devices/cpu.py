@@ -1,0 +1,53 @@
+"""The host CPU: a roofline with per-kernel and per-layer overheads, scaled to the threads a node gets.
+
+Backends: TVM (LLVM) for every op its ONNX importer converts, onnxruntime for the other standard ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import HOST, CpuDevice
+from .cost import is_mac_layer
+from .terms import NodeTerms
+
+
+class CpuModel:
+    kind = HOST
+    schema = CpuDevice
+    preference = 0  # the host is never an accelerator; it runs what none takes
+    backends = ("tvm", "onnxruntime")
+    rate_figure = ("peak_gflops", "float32", 1e9)
+    fittable_overheads = {"node": "kernel_overhead", "layer": "layer_overhead"}
+
+    def node_terms(self, dev: CpuDevice, *, flops: float, param_bytes: int, act_bytes: int,
+                   streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:
+        """`threads` (default: all P cores) runs the node on fewer cores: the compute term scales by
+        (1 + e (P - 1)) / (1 + e (threads - 1)) with the CPU's `parallel_efficiency` e (1 when absent:
+        perfect scaling); the memory term does not (the bandwidth is shared), nor do the overheads.
+
+        A convolution or matrix product (`cost.is_mac_layer`) pays a `layer_overhead` on top of
+        `kernel_overhead` (listed at 0 us when the CPU has none): a fixed cost per layer (its kernel's
+        setup, operand packing, the fork and join of its threads) that elementwise ops, fused into the
+        layer before them by CPU runtimes, do not pay. A grouped convolution runs at `float32_grouped`
+        where the target gives it."""
+        peak = dev.peak_gflops.get("float32_grouped") if grouped else None
+        rate = "peak_gflops.float32_grouped" if peak is not None else "peak_gflops.float32"
+        compute = flops / ((peak or dev.peak_gflops["float32"]).value * 1e9)
+        if threads is not None and threads < dev.cores:
+            e = dev.parallel_efficiency.value if dev.parallel_efficiency is not None else 1.0
+            compute *= (1 + e * (dev.cores - 1)) / (1 + e * (threads - 1))
+        memory = (param_bytes + act_bytes) / (dev.memory_bandwidth.value * 1e9)
+        overheads = [("kernel_overhead", dev.kernel_overhead.value)]
+        if is_mac_layer(flops, act_bytes):
+            overheads.append(("layer_overhead", dev.layer_overhead.value if dev.layer_overhead is not None else 0.0))
+        return NodeTerms(flops, rate, compute, memory, 0.0, tuple(overheads))
+
+    def link(self, dev: CpuDevice) -> None:
+        return None  # the host: tensors stay in its memory
+
+    def streamed_fraction(self, specs: Sequence[CpuDevice], param_bytes: int) -> float:
+        return 0.0
+
+
+MODEL = CpuModel()

@@ -1,0 +1,34 @@
+"""What a device kind is to the compiler: the protocol each `devices/<kind>.py` implements.
+
+A model knows one kind's cost (the terms of a node, its link, what of its weights streams) and the
+facts about the kind the rest of the toolchain reads (the backends that generate code for it, which
+figures a fit may free). It names backends by string: `devices` sits beside `backends` in the layers
+and imports none of it. The target entry it reads (`spec`) is the kind's schema in `config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from .terms import NodeTerms
+
+
+class DeviceModel(Protocol):
+    kind: str                                   # the YAML `kind` and the prefix of its logical ids
+    schema: type                                # its target entry (config.CpuDevice, ...)
+    preference: int                             # accelerators: lower is preferred over the CPU (edgetpu 0, gpu 1)
+    backends: tuple[str, ...]                   # backend names that generate code for it, preferred first
+    rate_figure: tuple[str, str | None, float]  # the rate a fit frees: (field, key or None, flop/s per unit)
+    fittable_overheads: Mapping[str, str]       # fit's overhead name -> the target field ("node": "kernel_overhead")
+
+    def node_terms(self, spec, *, flops: float, param_bytes: int, act_bytes: int, streamed_fraction: float = 0.0,
+                   grouped: bool = False, threads: int | None = None) -> NodeTerms:
+        """One node on this device, term by term (`terms.terms_ms` adds them up)."""
+
+    def link(self, spec) -> tuple[float, float] | None:
+        """(latency ms, ms per float32 byte) between the host and this device; None on the host."""
+
+    def streamed_fraction(self, specs: Sequence, param_bytes: int) -> float:
+        """The share of `param_bytes` (float32) of weights placed on the target's entries `specs` of this kind
+        that crosses the link on every inference (0 where the weights stay on the device)."""
