@@ -19,6 +19,14 @@ class CpuModel:
     backends = ("tvm", "onnxruntime")
     rate_figure = ("peak_gflops", "float32", 1e9)
     fittable_overheads = {"node": "kernel_overhead", "layer": "layer_overhead"}
+    reasons = {"cpu.tvm-unsupported": "TVM's ONNX importer has no converter for this op: onnxruntime runs it on the CPU"}
+    unlowerable = {"tvm": ("cpu.tvm-unsupported", reasons["cpu.tvm-unsupported"])}
+    approximable = frozenset()
+    rewrite_triggers: dict[str, str] = {}
+    int8 = False
+
+    def refusal(self, node, shapes, consts, types) -> None:
+        return None  # the host takes whatever one of its backends lowers
 
     def node_terms(self, dev: CpuDevice, *, flops: float, param_bytes: int, act_bytes: int,
                    streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:

@@ -25,20 +25,16 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import onnx
 from onnx import helper
 
 from ..config import EdgeTpuDevice
+from .model import Refusal
 from .terms import NodeTerms
 
 Shapes = dict[str, tuple[int, ...]]
-
-
-class Refusal(NamedTuple):
-    code: str
-    reason: str
 
 
 Check = Callable[[onnx.NodeProto, Shapes, set[str]], "Refusal | None"]
@@ -247,6 +243,20 @@ class EdgeTpuModel:
     backends = ("tflite",)
     rate_figure = ("peak_tops_int8", None, 1e12)
     fittable_overheads = {"node": "kernel_overhead"}
+    reasons = REASONS
+    unlowerable = {"tflite": ("edgetpu.no-lowering", None)}
+    approximable = frozenset({"edgetpu.unsupported-op", "edgetpu.no-lowering"})
+    rewrite_triggers = {"edgetpu.rank": "<rank>"}  # fold-rank-for-elementwise can cure it
+    int8 = True
+
+    def refusal(self, node: onnx.NodeProto, shapes: Shapes, consts: set[str], types) -> Refusal | None:
+        """A tensor that is not float32 (only float32 is quantized to int8), then Coral's limits."""
+        floats = [t for t in list(node.input) + list(node.output)
+                  if t and t not in consts and types.get(t, onnx.TensorProto.FLOAT) != onnx.TensorProto.FLOAT]
+        if floats:
+            return Refusal("edgetpu.data-type", f"tensor '{floats[0]}' is not float32, and only float32 tensors "
+                                                "are quantized to the edge tpu's int8")
+        return unsupported_reason(node, shapes, consts)
 
     def node_terms(self, dev: EdgeTpuDevice, *, flops: float, param_bytes: int, act_bytes: int,
                    streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:

@@ -18,6 +18,14 @@ class GpuModel:
     backends = ("tvm",)
     rate_figure = ("peak_tflops", "float32", 1e12)
     fittable_overheads = {"node": "kernel_overhead"}
+    reasons = {"gpu.tvm-unsupported": "TVM's ONNX importer has no converter for this op, so no GPU kernel is generated"}
+    unlowerable = {"tvm": ("gpu.tvm-unsupported", reasons["gpu.tvm-unsupported"])}
+    approximable = frozenset({"gpu.tvm-unsupported"})
+    rewrite_triggers: dict[str, str] = {}
+    int8 = False
+
+    def refusal(self, node, shapes, consts, types) -> None:
+        return None  # no limits of its own: what TVM's CUDA backend lowers, it runs
 
     def node_terms(self, dev: GpuDevice, *, flops: float, param_bytes: int, act_bytes: int,
                    streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:

@@ -9,9 +9,18 @@ and imports none of it. The target entry it reads (`spec`) is the kind's schema 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+import onnx
 
 from .terms import NodeTerms
+
+
+class Refusal(NamedTuple):
+    """Why a device does not take a node: a stable code (`edgetpu.rank`) and one lowercase sentence."""
+
+    code: str
+    reason: str
 
 
 class DeviceModel(Protocol):
@@ -21,6 +30,16 @@ class DeviceModel(Protocol):
     backends: tuple[str, ...]                   # backend names that generate code for it, preferred first
     rate_figure: tuple[str, str | None, float]  # the rate a fit frees: (field, key or None, flop/s per unit)
     fittable_overheads: Mapping[str, str]       # fit's overhead name -> the target field ("node": "kernel_overhead")
+    reasons: Mapping[str, str]                  # every refusal code it gives -> what it means
+    # backend -> (refusal code, fixed sentence or None for the backend's own why) recorded when that backend
+    # cannot lower a node the device itself takes; a backend not listed fails silently (onnxruntime on the CPU)
+    unlowerable: Mapping[str, tuple[str, str | None]]
+    approximable: frozenset[str]                # refusal codes a ReLU-sum approximation can cure (the op is missing)
+    rewrite_triggers: Mapping[str, str]         # refusal code -> the exact-rewrite trigger it sets (legalize.TRIGGERS)
+    int8: bool                                  # runs int8 only: legalize measures approximations after int8
+
+    def refusal(self, node: onnx.NodeProto, shapes, consts: set[str], types) -> Refusal | None:
+        """The device's own limits on `node`, whatever backend would lower it; None where it takes it."""
 
     def node_terms(self, spec, *, flops: float, param_bytes: int, act_bytes: int, streamed_fraction: float = 0.0,
                    grouped: bool = False, threads: int | None = None) -> NodeTerms:

@@ -50,7 +50,7 @@ def models() -> list[DeviceModel]:
     return sorted(_MODELS.values(), key=lambda m: (m.kind != HOST, m.preference, m.kind))
 
 
-def accelerators(kinds: Iterable[str]) -> list[DeviceModel]:
-    """The models of the accelerator kinds among `kinds`, by preference."""
-    present = set(kinds)
+def accelerators(kinds: Iterable[str] | None = None) -> list[DeviceModel]:
+    """The models of the accelerator kinds among `kinds` (default: every registered one), by preference."""
+    present = set(kinds) if kinds is not None else set(_MODELS)
     return [m for m in models() if m.kind != HOST and m.kind in present]

@@ -1,35 +1,50 @@
 """Which of a target's devices can run each node, why the others cannot, and what that adds up to.
 
-The tables themselves are data elsewhere: the Edge TPU's is `devices.edgetpu.OPS` (Coral's published
-list and limits) combined with what our TFLite lowering can express (`backends.tflite.LOWERINGS`);
-the CPU's and GPU's are the op types TVM's ONNX importer converts (`backends.tvm.importer_ops`), with
-onnxruntime taking, on the CPU, every standard op TVM lacks. This module asks them per node and sums
-up: coverage of each accelerator by op count and by FLOPs, and the tensors that cross between the CPU
-and an accelerator when every node runs where it can (the most preferred capable device).
+The tables themselves are data elsewhere: each device kind's own limits are its device model's
+`refusal` (`devices/<kind>.py`; the Edge TPU's is `devices.edgetpu.OPS`, Coral's published list and
+limits), and what each backend can lower is asked of the backend (`Tables.lowerings`: our TFLite lowering,
+`backends.tflite.LOWERINGS`; the op types TVM's ONNX importer converts, `backends.tvm.importer_ops`;
+every standard op for onnxruntime). A kind's backends are tried in its model's order, so on the CPU
+onnxruntime takes every standard op TVM lacks. This module asks them per node and sums up: coverage
+of each accelerator by op count and by FLOPs, and the tensors that cross between the CPU and an
+accelerator when every node runs where it can (the most preferred capable device).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnx
 
 from ..backends import tflite as tflite_backend
 from ..backends import tvm as tvm_backend
-from ..devices import edgetpu
+from ..config import HOST
+from ..devices import registry
 from ..devices.cost import node_flops
-from ..devices.edgetpu import Refusal
 from ..ir import model as irm
 
-ACCELERATORS = ("edgetpu", "gpu")  # in order of preference over the CPU
+# backend -> why it cannot lower a node (None: it can); the TVM one is bound to the importer's op set
+Lowering = Callable[[onnx.NodeProto, dict, set], "str | None"]
 
-# codes of the non-Edge-TPU refusals (the Edge TPU's are edgetpu.REASONS)
-REASONS: dict[str, str] = {
-    **edgetpu.REASONS,
-    "gpu.tvm-unsupported": "TVM's ONNX importer has no converter for this op, so no GPU kernel is generated",
-    "cpu.tvm-unsupported": "TVM's ONNX importer has no converter for this op: onnxruntime runs it on the CPU",
-}
+
+def _onnxruntime_lowering(node: onnx.NodeProto, shapes, consts) -> str | None:
+    return None if not node.domain or node.domain == "ai.onnx" else f"onnxruntime has no kernel for domain {node.domain}"
+
+
+def _tvm_lowering(ops: frozenset[str] | set[str]) -> Lowering:
+    return lambda node, shapes, consts: None if node.op_type in ops else "TVM's ONNX importer has no converter for it"
+
+
+def label(kind: str, backend: str, backends: tuple[str, ...]) -> str:
+    """A capability as `edgesdk.capable` spells it: the kind alone when one backend serves it (`edgetpu`),
+    else kind/backend (`cpu/tvm`)."""
+    return kind if len(backends) == 1 else f"{kind}/{backend}"
+
+
+def kind_of(capability: str) -> str:
+    return capability.split("/")[0]
 
 
 @dataclass
@@ -51,39 +66,36 @@ class Tables:
     def __init__(self, kinds: list[str]):
         self.kinds = kinds
         self._tvm_ops = tvm_backend.importer_ops()
-
-    def refusal(self, kind: str, node: onnx.NodeProto, shapes, consts, types) -> Refusal | None:
-        if kind == "edgetpu":
-            floats = [t for t in list(node.input) + list(node.output)
-                      if t and t not in consts and types.get(t, onnx.TensorProto.FLOAT) != onnx.TensorProto.FLOAT]
-            if floats:
-                return Refusal("edgetpu.data-type", f"tensor '{floats[0]}' is not float32, and only float32 tensors "
-                                                    "are quantized to the edge tpu's int8")
-            if r := edgetpu.unsupported_reason(node, shapes, consts):
-                return r
-            if why := tflite_backend.lowering_reason(node, shapes, consts):
-                return Refusal("edgetpu.no-lowering", why)
-            return None
-        if kind == "gpu":
-            return None if node.op_type in self._tvm_ops else Refusal("gpu.tvm-unsupported", REASONS["gpu.tvm-unsupported"])
-        return None
+        self.lowerings: dict[str, Lowering] = {"tflite": tflite_backend.lowering_reason,
+                                               "tvm": _tvm_lowering(self._tvm_ops),
+                                               "onnxruntime": _onnxruntime_lowering}
+        # the accelerators by preference, then the host, which takes what none of them does
+        self.models = [*registry.accelerators(kinds), registry.model(HOST)]
 
     def node(self, node: onnx.NodeProto, index: int, shapes, consts, types) -> NodeSupport:
+        """Each kind in turn: its own refusal, else its first backend that lowers the node. A backend that
+        fails is recorded (under its model's `unlowerable` code) when a later backend takes the node, or
+        when it was the kind's last resort."""
         support = NodeSupport(irm.node_name(node, index), node.op_type, [], flops=node_flops(node, shapes))
-        for kind in ACCELERATORS:
-            if kind not in self.kinds:
+        for m in self.models:
+            r = m.refusal(node, shapes, consts, types)
+            if r is not None:
+                support.refusals.append({"device": m.kind, "code": r.code, "reason": r.reason})
                 continue
-            r = self.refusal(kind, node, shapes, consts, types)
-            if r is None:
-                support.capable.append(kind)
+            failed = []
+            for backend in m.backends:
+                why = self.lowerings[backend](node, shapes, consts)
+                if why is None:
+                    support.capable.append(label(m.kind, backend, m.backends))
+                    break
+                failed.append((backend, why))
             else:
-                support.refusals.append({"device": kind, "code": r.code, "reason": r.reason})
-        if node.op_type in self._tvm_ops:
-            support.capable.append("cpu/tvm")
-        elif not node.domain or node.domain == "ai.onnx":
-            support.capable.append("cpu/onnxruntime")
-            support.refusals.append({"device": "cpu/tvm", "code": "cpu.tvm-unsupported",
-                                     "reason": REASONS["cpu.tvm-unsupported"]})
+                failed = failed[-1:]
+            for backend, why in failed:
+                if backend in m.unlowerable:
+                    code, sentence = m.unlowerable[backend]
+                    support.refusals.append({"device": label(m.kind, backend, m.backends), "code": code,
+                                             "reason": sentence or why})
         return support
 
     def model(self, model: onnx.ModelProto) -> list[NodeSupport]:
@@ -96,7 +108,8 @@ def summarize(model: onnx.ModelProto, nodes: list[NodeSupport]) -> dict:
     when each node runs on its most preferred capable device."""
     total_ops, total_flops = len(nodes), sum(n.flops for n in nodes) or 1.0
     coverage = {}
-    for kind in ACCELERATORS:
+    accelerators = [m.kind for m in registry.accelerators()]
+    for kind in accelerators:
         if not any(kind in n.capable or any(r["device"] == kind for r in n.refusals) for n in nodes):
             continue
         on = [n for n in nodes if kind in n.capable]
@@ -116,6 +129,6 @@ def summarize(model: onnx.ModelProto, nodes: list[NodeSupport]) -> dict:
         if support.device != last:
             runs, last = runs + 1, support.device
     refused = collections.Counter((r["device"], r["code"], n.op) for n in nodes for r in n.refusals
-                                  if r["device"] in ACCELERATORS)
+                                  if kind_of(r["device"]) in accelerators)
     return {"coverage": coverage, "transitions": len(crossing), "segments_in_order": runs,
             "refused": [{"device": d, "code": c, "op": op, "count": k} for (d, c, op), k in sorted(refused.items())]}

@@ -30,6 +30,7 @@ import onnx
 
 from ... import passes
 from ...backends import onnxruntime as ort_backend
+from ...devices import registry
 from ...errors import UserError
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
@@ -41,12 +42,11 @@ READS = ("import",)  # the earlier stages whose outputs it reads (its cache key 
 
 RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on
+# a rank refusal is the pseudo op RANK (a device model's `rewrite_triggers` maps its rank refusal codes to
+# it); what makes a rule that removes no op type worth running is on the rule (ExactRule.triggers)
 RANK = exact.RANK
-# what makes a rule that removes no op type worth running (on the rule: ExactRule.triggers)
 TRIGGERS = {r.name: set(r.triggers) for r in exact.RULES if r.triggers}
 
-# refusals an approximation can cure: the op itself is missing (not a shape or type limit)
-APPROXIMABLE = frozenset({"edgetpu.unsupported-op", "edgetpu.no-lowering", "gpu.tvm-unsupported"})
 
 
 def cache_inputs(options, target) -> dict:
@@ -110,14 +110,17 @@ def _rewrite(model: onnx.ModelProto, ctx, inputs: list[dict], tables: support.Ta
     eps = ctx.options.max_abs_error or ctx.target.legalize.max_abs_error
     result = {"model": model, "before": before, "nodes": [_node_json(n) for n in nodes], "rewrites": {},
               "approximations": [], "fallbacks": [], "max_abs_error": eps, "end_to_end": None, "optimized": None}
-    accelerators = [k for k in support.ACCELERATORS if k in kinds]
+    models = registry.accelerators(kinds)
+    accelerators = [m.kind for m in models]
     if not accelerators or not ctx.options.legalize_rewrites:
         return result
+    triggers = {code: trigger for m in models for code, trigger in m.rewrite_triggers.items()}
+    # refusals an approximation can cure: the op itself is missing (not a shape or type limit)
+    approximable = frozenset(code for m in models for code in m.approximable)
 
     # 1. exact rewrites of the op types an accelerator refuses
     refused_ops = {n.op for n in nodes for r in n.refusals if r["device"] in accelerators}
-    if any(r["code"] == "edgetpu.rank" for n in nodes for r in n.refusals):
-        refused_ops.add(RANK)
+    refused_ops |= {triggers[r["code"]] for n in nodes for r in n.refusals if r["code"] in triggers}
     chosen = [r.name for r in exact.RULES if (set(r.replaces) or set(r.triggers)) & refused_ops]
     if chosen:
         model, counts = exact.apply(model, only=chosen)
@@ -132,7 +135,7 @@ def _rewrite(model: onnx.ModelProto, ctx, inputs: list[dict], tables: support.Ta
 
     # 2. ReLU-sum approximations of the unary functions an accelerator lacks
     nodes = tables.model(model)
-    refused = {n.name for n in nodes for r in n.refusals if r["device"] in accelerators and r["code"] in APPROXIMABLE}
+    refused = {n.name for n in nodes for r in n.refusals if r["device"] in accelerators and r["code"] in approximable}
     found = regions.find(model, refused) if refused else []
     feeds = []
     if found:
@@ -164,7 +167,7 @@ def _rewrite(model: onnx.ModelProto, ctx, inputs: list[dict], tables: support.Ta
         for region, entry, why in failures:
             result["fallbacks"].append({**entry, "reason": why})
             ctx.warn(f"{', '.join(region.refused)}: kept on the CPU ({why})")
-        if fitted and "edgetpu" in accelerators:
+        if fitted and any(m.int8 for m in models):  # an int8 device: the error after int8 too
             for (_, _, _, entry), err in zip(fitted, relu_sum.int8_errors([(a, f) for _, a, f, _ in fitted])):
                 entry["int8_error"] = err
         if fitted:
