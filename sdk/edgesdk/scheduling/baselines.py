@@ -5,11 +5,13 @@ tiling 0..n. These are our readings of the documentation, not the vendors' code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate, groupby
 
 from .problem import Problem
 
 TPU = "edgetpu:0"
+Rule = Callable[[Problem], list[tuple[int, int, str]]]
 
 
 def all_cpu(problem: Problem) -> list[tuple[int, int, str]]:
@@ -57,6 +59,22 @@ def coral_segments(problem: Problem, n: int) -> list[tuple[int, int, str]]:
         cuts.append(min(range(cuts[-1] + 1, m - (n - k) + 1), key=lambda i: abs(w[i] - k * w[m] / n)))
     cuts.append(m)
     return _with_cpu_tail(problem, [(a, b, f"edgetpu:{s}") for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+
+
+def _coral(ids: list[str]) -> dict[str, Rule]:
+    rules: dict[str, Rule] = {"coral default (first unsupported op onwards on the cpu)": coral_default}
+    if len(ids) > 1:
+        rules[f"coral --num_segments {len(ids)} (parameter-count split)"] = lambda p: coral_segments(p, len(ids))
+    return rules
+
+
+# a device kind's vendor rules, by the kind's instance ids in the target -> {name shown in the plan: rule}
+VENDOR_RULES: dict[str, Callable[[list[str]], dict[str, Rule]]] = {"edgetpu": _coral}
+
+
+def vendor_rules(kind: str, ids: list[str]) -> dict[str, Rule]:
+    """The documented placement rules of `kind`'s vendor for a target with the instances `ids` of it."""
+    return VENDOR_RULES[kind](ids) if kind in VENDOR_RULES and ids else {}
 
 
 def greedy(problem: Problem) -> list[tuple[int, int, str]]:

@@ -10,38 +10,43 @@ from __future__ import annotations
 
 import onnx
 
-from ..devices.cost import (is_grouped, link_ms_per_byte, node_bytes, node_flops, node_ms, streamed_fraction,
-                            tensor_bytes)
+from ..config import HOST
+from ..devices import registry
+from ..devices.cost import is_grouped, link_ms_per_byte, node_bytes, node_flops, node_ms, tensor_bytes
 from ..ir import model as irm
 from .problem import Link, Problem, Tensor
 
 
 def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Problem, list[str]]:
-    """The numeric problem of `model` on `target`, and each node's CPU backend."""
+    """The numeric problem of `model` on `target`, and each node's CPU backend. Devices: the host, then
+    each accelerator kind's instances, kinds by preference (`devices.registry.accelerators`)."""
     g = model.graph
-    kinds = {d.kind for d in target.devices}
-    devices = ["cpu"] + [i for kind in ("edgetpu", "gpu") if kind in kinds for i in target.logical_ids(kind)]
+    accelerators = registry.accelerators({d.kind for d in target.devices})
+    devices = [HOST] + [i for m in accelerators for i in target.logical_ids(m.kind)]
     producer = {t: i for i, n in enumerate(g.node) for t in n.output if t}
     consumers: dict[str, list[int]] = {}
     for i, n in enumerate(g.node):
         for t in dict.fromkeys(n.input):
             if t and t not in consts:
                 consumers.setdefault(t, []).append(i)
-    caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or "cpu/onnxruntime").split(",") for n in g.node]
+    caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or f"{HOST}/onnxruntime").split(",") for n in g.node]
+    kinds_of = [{x.split("/")[0] for x in c} for c in caps]
     weights, acts = zip(*(node_bytes(n, shapes, consts) for n in g.node)) if g.node else ((), ())
-    tpu_weights = sum(w for w, c in zip(weights, caps) if "edgetpu" in c)
-    streamed = streamed_fraction(target, tpu_weights)
+    # per kind: the share of the weights its capable nodes hold that streams over its link every inference
+    streamed = {m.kind: m.streamed_fraction(target.devices_of(m.kind),
+                                            sum(w for w, k in zip(weights, kinds_of) if m.kind in k))
+                for m in accelerators}
     cost, cpu_backend = [], []
-    for n, c, w, act in zip(g.node, caps, weights, acts):
-        flops = node_flops(n, shapes)
-        per = {"cpu": node_ms(target, "cpu", flops=flops, param_bytes=w, act_bytes=act, grouped=is_grouped(n))}
-        for kind in ("edgetpu", "gpu"):
-            if kind in c and kind in kinds:
-                ms = node_ms(target, kind, flops=flops, param_bytes=w, act_bytes=act,
-                             streamed_fraction=streamed if kind == "edgetpu" else 0.0)
-                per.update({dev: ms for dev in target.logical_ids(kind)})
+    for n, c, k, w, act in zip(g.node, caps, kinds_of, weights, acts):
+        flops, grouped = node_flops(n, shapes), is_grouped(n)
+        per = {HOST: node_ms(target, HOST, flops=flops, param_bytes=w, act_bytes=act, grouped=grouped)}
+        for m in accelerators:
+            if m.kind in k:
+                ms = node_ms(target, m.kind, flops=flops, param_bytes=w, act_bytes=act,
+                             streamed_fraction=streamed[m.kind], grouped=grouped)
+                per.update({dev: ms for dev in target.logical_ids(m.kind)})
         cost.append(per)
-        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith("cpu/")), "onnxruntime"))
+        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith(f"{HOST}/")), "onnxruntime"))
     outputs = {o.name for o in g.output}
     tensors = [Tensor(t, tensor_bytes(shapes.get(t)), producer.get(t), tuple(consumers.get(t, ())), t in outputs)
                for t in dict.fromkeys([*consumers, *outputs])]

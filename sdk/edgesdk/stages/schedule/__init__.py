@@ -38,6 +38,8 @@ from pathlib import Path
 
 import onnx
 
+from ...config import HOST
+from ...devices import registry
 from ...devices.cost import is_grouped, node_bytes, node_flops, node_ms, tensor_bytes
 from ...errors import UserError
 from ...ir import model as irm
@@ -49,7 +51,6 @@ from ...scheduling.problem import Problem
 OPTIONS = ("mode", "inter_op")
 READS = ("legalize",)  # the earlier stages whose outputs it reads (its cache key covers them)
 STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
-ACCELERATOR_BACKEND = {"edgetpu": "tflite", "gpu": "tvm"}
 
 
 @dataclass
@@ -196,7 +197,8 @@ def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
     for start, stop, device in segments:
         kind = device.split(":")[0]
         for n in range(start, stop):
-            backend = cpu_backend[n] if kind == "cpu" else ACCELERATOR_BACKEND[kind]
+            # the host's backend is chosen per node by legalize; an accelerator's is its model's first
+            backend = cpu_backend[n] if kind == HOST else registry.model(kind).backends[0]
             if runs and runs[-1].device == device and runs[-1].backend == backend and runs[-1].nodes[-1] == n - 1:
                 runs[-1].nodes.append(n)
             else:
@@ -309,12 +311,8 @@ def _decisions(problem: Problem, segments) -> list[str]:
 
 def _baselines(problem: Problem, target) -> dict[str, dict]:
     rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy}
-    tpus = target.logical_ids("edgetpu")
-    if tpus:
-        rules["coral default (first unsupported op onwards on the cpu)"] = baselines.coral_default
-        if len(tpus) > 1:
-            rules[f"coral --num_segments {len(tpus)} (parameter-count split)"] = (
-                lambda p: baselines.coral_segments(p, len(tpus)))
+    for m in registry.accelerators({d.kind for d in target.devices}):  # each vendor's documented rules
+        rules.update(baselines.vendor_rules(m.kind, target.logical_ids(m.kind)))
     out = {}
     for name, rule in rules.items():
         try:
