@@ -76,3 +76,10 @@ def test_the_fit_tables_are_the_models():
                                     "gpu": ("peak_tflops", "float32", 1e12)}
     assert dict(fit.OVERHEADS) == {"node": ("kernel_overhead", ("cpu", "edgetpu", "gpu")),
                                    "layer": ("layer_overhead", ("cpu",))}
+
+
+def test_every_schema_has_a_model_of_its_kind():
+    from edgesdk.config.target import DEVICE_KINDS, DEVICE_SCHEMAS
+
+    assert [(registry.model(k).kind, registry.model(k).schema) for k in DEVICE_KINDS] == list(
+        zip(DEVICE_KINDS, DEVICE_SCHEMAS))

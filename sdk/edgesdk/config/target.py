@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo,
@@ -221,7 +221,11 @@ class GpuDevice(_Strict):
         return [f"gpu:{i}" for i in range(self.count)]
 
 
-Device = Annotated[Union[CpuDevice, EdgeTpuDevice, GpuDevice], Field(discriminator="kind")]
+# the target entry of each device kind, in the order the JSON Schema lists them (devices/<kind>.py is
+# each kind's model; the schemas stay here, so that `edgesdk targets schema` needs only config)
+DEVICE_SCHEMAS = (CpuDevice, EdgeTpuDevice, GpuDevice)
+DEVICE_KINDS = tuple(get_args(s.model_fields["kind"].annotation)[0] for s in DEVICE_SCHEMAS)
+Device = Annotated[Union[DEVICE_SCHEMAS], Field(discriminator="kind")]
 
 # the kind of the host: the one device every target has, which runs what no accelerator takes
 HOST = "cpu"
@@ -495,7 +499,7 @@ def _strip_tags(loc: tuple[Any, ...]) -> list[Any]:
     out: list[Any] = []
     for i, x in enumerate(loc):
         # devices.0.edgetpu.count -> devices.0.count (the tag follows a list index)
-        if isinstance(x, str) and x in ("cpu", "edgetpu", "gpu") and i > 0 and isinstance(loc[i - 1], int):
+        if isinstance(x, str) and x in DEVICE_KINDS and i > 0 and isinstance(loc[i - 1], int):
             continue
         out.append(x)
     return out
