@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgesdk.scheduling.placement import Segment, place, segment_ms
+from edgesdk.scheduling.placement import Span as Segment, place, segment_ms
 from edgesdk.scheduling.problem import Link, Problem
 from edgesdk.scheduling.pipelining import Pipeline, pipeline
 from tests.scheduling.graphs import random_problem

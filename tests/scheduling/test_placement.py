@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from edgesdk.scheduling.placement import (
     Plan,
-    Segment,
     SegmentCosts,
+    Span as Segment,
     exhaustive_assignments,
     exhaustive_segments,
     gap_to_unrestricted,

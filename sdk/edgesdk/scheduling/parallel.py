@@ -62,7 +62,10 @@ MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
-class Stage:
+class Step:
+    """Groups of nodes that run at once, each on its own threads (a parallel step of the plan; not a
+    build stage, nor a pipeline stage)."""
+
     groups: tuple[tuple[int, ...], ...]     # node ids, each group in topological order
     threads: tuple[int, ...]                # per group
     ms: float
@@ -74,7 +77,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    stages: tuple[Stage, ...]
+    stages: tuple[Step, ...]
     ms: float                               # sum of the stages' ms
     sequential_ms: float                    # every node alone, all threads
     blocks: int
@@ -107,11 +110,11 @@ def schedule(run: Run, cost: ThreadCost, cores: int, *, dispatch_ms: float, bloc
         if nodes.ms <= plan.ms:
             return nodes
         expand = lambda unit_group: tuple(n for u in unit_group for n in members[u])  # noqa: E731
-        stages = tuple(Stage(tuple(expand(g) for g in st.groups), st.threads, st.ms) for st in plan.stages)
+        stages = tuple(Step(tuple(expand(g) for g in st.groups), st.threads, st.ms) for st in plan.stages)
         return ParallelPlan(stages, plan.ms, nodes.sequential_ms, plan.blocks, plan.splits,
                             plan.evaluations + nodes.evaluations)
     sequential = sum(cost(n, cores) for n in run.nodes)
-    stages: list[Stage] = []
+    stages: list[Step] = []
     evaluations = splits = 0
     pending = list(blocks(run, block))
     count = 0
@@ -297,13 +300,13 @@ class _BlockDP:
         self.best: dict[int, tuple[float, int]] = {self.full: (0.0, 0)}
         self.stage_cache: dict[int, tuple[float, tuple, tuple]] = {}
 
-    def solve(self) -> list[Stage]:
+    def solve(self) -> list[Step]:
         self._f(0)
         stages, done = [], 0
         while done != self.full:
             _, s = self.best[done]
             ms, groups, threads = self.stage_cache[s]
-            stages.append(Stage(groups, threads, ms))
+            stages.append(Step(groups, threads, ms))
             done |= s
         return stages
 

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .placement import Segment, SegmentCosts, check_feasible
+from .placement import SegmentCosts, Span, check_feasible
 from .problem import Problem
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    stages: tuple[Segment, ...]         # cover 0..n-1 in order, devices distinct
+    stages: tuple[Span, ...]            # cover 0..n-1 in order, devices distinct
     bottleneck_ms: float                # the slowest stage: one frame leaves every bottleneck_ms
     latency_ms: float                   # one frame through all stages
 
@@ -96,6 +96,6 @@ def pipeline(problem: Problem, max_stages: int | None = None) -> Pipeline:
     total = float(latency[s, n])
     while j > 0:
         i, k = int(came_from[s, j]), int(via[s, j])
-        stages.append(Segment(i, j, devices[k]))
+        stages.append(Span(i, j, devices[k]))
         j, s = i, s & ~(1 << k)
     return Pipeline(tuple(reversed(stages)), bottleneck, total)

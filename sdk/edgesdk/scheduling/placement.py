@@ -50,7 +50,10 @@ import numpy as np
 from .problem import Problem
 
 
-class Segment(NamedTuple):
+class Span(NamedTuple):
+    """A segment of the plan as the DP sees it: a contiguous span of the node order on one device
+    (`runtime.manifest.Segment` is the bundle's, with its artifact and tensors)."""
+
     start: int          # first node
     stop: int           # one past the last node
     device: str
@@ -58,7 +61,7 @@ class Segment(NamedTuple):
 
 @dataclass(frozen=True)
 class Plan:
-    segments: tuple[Segment, ...]       # cover 0..n-1 in order
+    segments: tuple[Span, ...]          # cover 0..n-1 in order
     cost_ms: float                      # sequential_ms of the segments
 
     def assignment(self) -> tuple[str, ...]:
@@ -191,7 +194,7 @@ def place(problem: Problem) -> Plan:
     segments, j = [], n
     representative = list(classes)
     while j > 0:
-        segments.append(Segment(int(came_from[j]), j, representative[on_class[j]]))
+        segments.append(Span(int(came_from[j]), j, representative[on_class[j]]))
         j = int(came_from[j])
     segments.reverse()
     dealt = dict.fromkeys(classes, 0)
@@ -215,19 +218,19 @@ def exhaustive_segments(problem: Problem) -> Plan:
         segments, total = [], 0.0
         for a, b in itertools.pairwise(bounds):
             ms, d = min((segment_ms(problem, a, b, d), d) for d in problem.devices)
-            segments.append(Segment(a, b, d))
+            segments.append(Span(a, b, d))
             total += ms
         if total < best.cost_ms:
             best = Plan(tuple(segments), total)
     return best
 
 
-def runs(assignment: tuple[str, ...]) -> tuple[Segment, ...]:
+def runs(assignment: tuple[str, ...]) -> tuple[Span, ...]:
     """The segments an assignment induces: its maximal runs of equal devices."""
     segments, start = [], 0
     for k in range(1, len(assignment) + 1):
         if k == len(assignment) or assignment[k] != assignment[start]:
-            segments.append(Segment(start, k, assignment[start]))
+            segments.append(Span(start, k, assignment[start]))
             start = k
     return tuple(segments)
 
@@ -236,7 +239,7 @@ def exhaustive_assignments(problem: Problem, objective: Objective = sequential_m
                            ) -> tuple[tuple[str, ...], float]:
     """The best of all |D|^n per-node assignments under `objective(problem, plan)` (n <= ~10),
     each assignment played as the plan of its maximal runs."""
-    cache: dict[Segment, float] = {}
+    cache: dict[Span, float] = {}
     best: tuple[tuple[str, ...], float] = ((), math.inf)
     for assignment in itertools.product(problem.devices, repeat=len(problem.nodes)):
         segments = runs(assignment)

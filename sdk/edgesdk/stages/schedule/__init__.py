@@ -54,7 +54,10 @@ STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state
 
 
 @dataclass
-class Run:
+class PlannedSegment:
+    """A segment the plan will cut: nodes of one device and backend (a parallel step's group carries its
+    threads and time)."""
+
     device: str  # logical id
     backend: str
     nodes: list[int] = field(default_factory=list)
@@ -154,7 +157,7 @@ def run(artifact: Path, ctx) -> dict:
         "inter_op": _inter_op_summary(inter_op, not_taken, placed),
         "predicted": {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
                       "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
-                          tuple(placement.Segment(*s) for s in plan_segments), 0.0)), 4)},
+                          tuple(placement.Span(*s) for s in plan_segments), 0.0)), 4)},
         "utilization": {k: round(v, 4) for k, v in flow.utilization.items()},
         "cost_model": "per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
                       "device: the link (devices/cost.py); every figure names its source in the target file",
@@ -192,8 +195,8 @@ def run(artifact: Path, ctx) -> dict:
             "inter_op": {k: v for k, v in plan["inter_op"].items() if k != "search"}}
 
 
-def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
-    runs: list[Run] = []
+def _split_by_backend(segments, cpu_backend: list[str]) -> list[PlannedSegment]:
+    runs: list[PlannedSegment] = []
     for start, stop, device in segments:
         kind = device.split(":")[0]
         for n in range(start, stop):
@@ -202,12 +205,12 @@ def _split_by_backend(segments, cpu_backend: list[str]) -> list[Run]:
             if runs and runs[-1].device == device and runs[-1].backend == backend and runs[-1].nodes[-1] == n - 1:
                 runs[-1].nodes.append(n)
             else:
-                runs.append(Run(device, backend, [n]))
+                runs.append(PlannedSegment(device, backend, [n]))
     return runs
 
 
-def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, target, shapes, consts,
-                 enabled: bool) -> tuple[list[Run], list[list[str]], dict[int, parallel.ParallelPlan],
+def _parallelize(placed: list[PlannedSegment], problem: Problem, model: onnx.ModelProto, target, shapes, consts,
+                 enabled: bool) -> tuple[list[PlannedSegment], list[list[str]], dict[int, parallel.ParallelPlan],
                                          dict[int, tuple[parallel.ParallelPlan, str]]]:
     """Re-schedule each CPU run into stages of concurrent groups (`scheduling.parallel`).
 
@@ -230,7 +233,7 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
 
     copy_ms_per_byte = 2e3 / (cpu.memory_bandwidth.value * 1e9)  # out of one segment, into the next
     memory_ms = [1e3 * (params + acts) / (cpu.memory_bandwidth.value * 1e9) for _, params, acts, _ in terms]
-    runs: list[Run] = []
+    runs: list[PlannedSegment] = []
     steps: list[list[str]] = []
     plans: dict[int, parallel.ParallelPlan] = {}
     not_taken: dict[int, tuple[parallel.ParallelPlan, str]] = {}
@@ -256,17 +259,17 @@ def _parallelize(placed: list[Run], problem: Problem, model: onnx.ModelProto, ta
                         and runs[-1].nodes and runs[-1].nodes[-1] in inside:
                     runs[-1].nodes.extend(st.groups[0])
                 else:
-                    runs.append(Run("cpu", r.backend, list(st.groups[0])))
+                    runs.append(PlannedSegment("cpu", r.backend, list(st.groups[0])))
                 continue
             steps.append([f"s{len(runs) + k}" for k in range(len(st.groups))])
             for group, threads in zip(st.groups, st.threads):
-                runs.append(Run("cpu", r.backend, list(group), threads,
+                runs.append(PlannedSegment("cpu", r.backend, list(group), threads,
                                 sum(cost(n, threads) for n in group)))
     return runs, steps, plans, not_taken
 
 
 def _inter_op_summary(plans: dict[int, parallel.ParallelPlan], not_taken: dict[int, tuple[parallel.ParallelPlan, str]],
-                      placed: list[Run]) -> dict:
+                      placed: list[PlannedSegment]) -> dict:
     if not plans and not not_taken:
         return {}
 
@@ -328,14 +331,14 @@ def _baselines(problem: Problem, target) -> dict[str, dict]:
     return out
 
 
-def _placement_counts(runs: list[Run]) -> dict[str, int]:
+def _placement_counts(runs: list[PlannedSegment]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in runs:
         counts[r.device] = counts.get(r.device, 0) + len(r.nodes)
     return counts
 
 
-def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[Run], one, flow) -> None:
+def _html_report(path: Path, plan: dict, model, problem: Problem, runs: list[PlannedSegment], one, flow) -> None:
     """The plan for people (`report.html.schedule_page`): the Gantt charts of one inference and of a
     stream, and per node its device, why, its predicted time and the bytes its outputs move."""
     charts = [(title, simulate.gantt(timeline, path.with_name(f"gantt_{name}.png"), title).read_bytes())
