@@ -54,12 +54,22 @@ class Backend:
     tunes: bool = False  # the tune stage searches its segments' kernels
     quantizes: bool = False  # the compress stage converts its segments with calibration data
     compiler: str = ""  # "module:function" taking a CompileJob, returning a Compiled
+    # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None; the shipped
+    # backends' checks are legalization/support.Tables' own (they share caches of their compilers)
+    lowering: str = ""
 
     def compile(self, job: CompileJob) -> Compiled:
-        module, _, function = self.compiler.partition(":")
-        if not function:
-            raise ValueError(f"backend {self.name!r} names no compiler")
-        return getattr(importlib.import_module(module), function)(job)
+        return _function(self.compiler, f"backend {self.name!r} names no compiler")(job)
+
+    def lowering_check(self) -> Callable[..., str | None]:
+        return _function(self.lowering, f"backend {self.name!r} names no lowering check")
+
+
+def _function(path: str, missing: str) -> Callable:
+    module, _, function = path.partition(":")
+    if not function:
+        raise ValueError(missing)
+    return getattr(importlib.import_module(module), function)
 
 
 _BACKENDS: dict[str, Backend] = {}

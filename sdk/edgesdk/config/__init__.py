@@ -10,7 +10,9 @@ from .target import (
     Target,
     builtin_targets,
     load_target,
+    register_device_schema,
     target_schema,
+    unregister_device_schema,
 )
 
 __all__ = [
@@ -23,5 +25,7 @@ __all__ = [
     "Target",
     "builtin_targets",
     "load_target",
+    "register_device_schema",
+    "unregister_device_schema",
     "target_schema",
 ]

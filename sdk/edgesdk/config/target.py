@@ -283,6 +283,30 @@ class Target(_Strict):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
+def register_device_schema(schema: type) -> None:
+    """Add a device kind's target entry (a model with `kind: Literal["..."]`, `count`, `physical` and
+    `logical_ids()` for an accelerator) to what target files may list; `devices/` registers the kind's
+    model beside it. The shipped kinds come first, so their JSON Schema and error lines do not move."""
+    kind = get_args(schema.model_fields["kind"].annotation)[0]
+    if kind in DEVICE_KINDS:
+        raise ValueError(f"a device kind {kind!r} is already registered")
+    _set_device_schemas((*DEVICE_SCHEMAS, schema))
+
+
+def unregister_device_schema(kind: str) -> None:
+    _set_device_schemas(tuple(s for s in DEVICE_SCHEMAS if get_args(s.model_fields["kind"].annotation)[0] != kind))
+
+
+def _set_device_schemas(schemas: tuple[type, ...]) -> None:
+    global DEVICE_SCHEMAS, DEVICE_KINDS, Device
+    DEVICE_SCHEMAS = schemas
+    DEVICE_KINDS = tuple(get_args(s.model_fields["kind"].annotation)[0] for s in schemas)
+    Device = Annotated[Union[schemas], Field(discriminator="kind")]
+    # the field keeps its constraints (1 to 16 entries); only the union of entries changes
+    Target.model_fields["devices"].annotation = list[Device]
+    Target.model_rebuild(force=True)
+
+
 # --- loading --------------------------------------------------------------------------------
 
 

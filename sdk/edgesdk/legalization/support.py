@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from .. import backends
 from ..backends import tflite as tflite_backend
 from ..backends import tvm as tvm_backend
 from ..config import HOST
@@ -84,6 +85,8 @@ class Tables:
                 continue
             failed = []
             for backend in m.backends:
+                if backend not in self.lowerings:  # a registered backend brings its own check
+                    self.lowerings[backend] = backends.backend(backend).lowering_check()
                 why = self.lowerings[backend](node, shapes, consts)
                 if why is None:
                     support.capable.append(label(m.kind, backend, m.backends))
