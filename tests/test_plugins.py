@@ -79,12 +79,12 @@ compiled_segments: list[str] = []
 
 def compile_fake(job) -> Compiled:
     """The fake backend's compiler: the segment's graph as it is."""
-    compiled_segments.append(job.segment["id"])
-    artifact = f"segments/{job.segment['id']}.fake.onnx"
+    compiled_segments.append(job.segment.id)
+    artifact = f"segments/{job.segment.id}.fake.onnx"
     irm.save(job.model, job.segments_dir.parent / artifact)
     shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
     spec = lambda n: TensorSpec(n, shapes[n], irm.dtype_name(types[n]))  # noqa: E731
-    return Compiled(artifact, tuple(map(spec, job.segment["inputs"])), tuple(map(spec, job.segment["outputs"])))
+    return Compiled(artifact, tuple(map(spec, job.segment.inputs)), tuple(map(spec, job.segment.outputs)))
 
 
 def fake_lowering(node, shapes, consts) -> str | None:

@@ -51,11 +51,11 @@ def compile_segment(job):
     from ..runtime.manifest import TensorSpec
     from .registry import Compiled
 
-    artifact = f"segments/{job.segment['id']}.onnx"
+    artifact = f"segments/{job.segment.id}.onnx"
     irm.save(job.model, job.segments_dir.parent / artifact)
     shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
 
     def spec(name: str) -> TensorSpec:
         return TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
 
-    return Compiled(artifact, tuple(spec(n) for n in job.segment["inputs"]), tuple(spec(n) for n in job.segment["outputs"]))
+    return Compiled(artifact, tuple(spec(n) for n in job.segment.inputs), tuple(spec(n) for n in job.segment.outputs))

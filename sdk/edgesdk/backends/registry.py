@@ -25,7 +25,7 @@ from ..runtime.manifest import TensorSpec
 class CompileJob:
     """One plan segment for a backend to compile into a bundle."""
 
-    segment: dict  # the plan's segment: id, device, backend, nodes, inputs, outputs, predicted_ms, ...
+    segment: Any  # the plan's segment (scheduling.plan.PlanSegment: id, device, backend, nodes, inputs, outputs)
     model: Any  # its ONNX graph (onnx.ModelProto): the schedule stage's segments/<id>.onnx
     device: Any  # the target's entry for the segment's device kind (a TVM backend reads its codegen)
     segments_dir: Path  # bundle/segments: the artifact goes here

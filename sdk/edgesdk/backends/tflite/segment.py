@@ -12,7 +12,7 @@ from ..registry import CompileJob, Compiled
 
 def compile_segment(job: CompileJob) -> Compiled:
     info = job.compressed
-    artifact = f"segments/{job.segment['id']}.tflite"
+    artifact = f"segments/{job.segment.id}.tflite"
     shutil.copyfile(Path(info["dir"]) / info["artifact"], job.segments_dir.parent / artifact)
     return Compiled(artifact, tuple(tensor_from_dict(t) for t in info["inputs"]),
                     tuple(tensor_from_dict(t) for t in info["outputs"]), fallback_artifact=artifact)

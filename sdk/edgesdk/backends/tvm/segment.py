@@ -15,8 +15,8 @@ HOST_CODEGEN = {"kind": "llvm"}
 
 def compile_segment(job: CompileJob) -> Compiled:
     seg, codegen = job.segment, job.device.codegen
-    sid = seg["id"]
-    job.log(f"package: {sid}: compiling {len(seg['nodes'])} nodes with TVM for {describe(codegen)}")
+    sid = seg.id
+    job.log(f"package: {sid}: compiling {len(seg.nodes)} nodes with TVM for {describe(codegen)}")
     db = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
     res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db)
     twin = None

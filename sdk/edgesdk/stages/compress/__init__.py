@@ -32,6 +32,7 @@ from ...backends import tflite as tflite_backend
 from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
 from ...ir.numeric import compare
+from ...scheduling.plan import Plan
 
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -44,8 +45,8 @@ def cache_inputs(options, target) -> dict:
 def run(artifact: Path, ctx) -> dict:
     # the tune stage's output is upstream of us, but what we quantize is the schedule's
     sched = ctx.artifact("schedule")
-    plan = json.loads((sched / "plan.json").read_text())
-    tpu_segments = [s for s in plan["segments"] if backends.backend(s["backend"]).quantizes]
+    plan = Plan.load(sched)
+    tpu_segments = [s for s in plan.segments if backends.backend(s.backend).quantizes]
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
     record: dict = {"segments": {}, "calibration": {}}
@@ -63,7 +64,7 @@ def run(artifact: Path, ctx) -> dict:
                  "accuracy on real inputs may be worse")
 
     full = onnx.load(str(sched / "model.onnx"))
-    wanted = sorted({t for s in tpu_segments for t in s["inputs"] + s["outputs"]})
+    wanted = sorted({t for s in tpu_segments for t in s.inputs + s.outputs})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
 
@@ -71,25 +72,25 @@ def run(artifact: Path, ctx) -> dict:
     from ...runtime.manifest import Segment
 
     for seg in tpu_segments:
-        model = onnx.load(str(sched / seg["artifact"]))
-        out_path = ctx.out / "segments" / f"{seg['id']}.tflite"
-        ctx.log(f"compress: {seg['id']}: {len(seg['nodes'])} nodes -> full-int8 TFLite")
-        feeds = [{k: a[k] for k in seg["inputs"]} for a in acts]
+        model = onnx.load(str(sched / seg.artifact))
+        out_path = ctx.out / "segments" / f"{seg.id}.tflite"
+        ctx.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> full-int8 TFLite")
+        feeds = [{k: a[k] for k in seg.inputs} for a in acts]
         result = tflite_backend.convert_int8(model, feeds, out_path, method=ctx.options.calib_method,
                                              percentile=ctx.options.calib_percentile)
         # accuracy of this segment alone: int8 TFLite vs the float segment, on the calibration inputs
         runner = tflite_runner.open_runner(ctx.out, Segment(
-            id=seg["id"], device="cpu", backend="tflite", artifact=f"segments/{seg['id']}.tflite",
-            fallback_artifact=f"segments/{seg['id']}.tflite", inputs=result.inputs, outputs=result.outputs), None)
+            id=seg.id, device="cpu", backend="tflite", artifact=f"segments/{seg.id}.tflite",
+            fallback_artifact=f"segments/{seg.id}.tflite", inputs=result.inputs, outputs=result.outputs), None)
         got = [runner.run(f) for f in feeds[:8]]
-        acc = {o: compare(np.stack([g[o] for g in got]), np.stack([a[o] for a in acts[:8]])) for o in seg["outputs"]}
-        record["segments"][seg["id"]] = {
-            "artifact": f"segments/{seg['id']}.tflite",
+        acc = {o: compare(np.stack([g[o] for g in got]), np.stack([a[o] for a in acts[:8]])) for o in seg.outputs}
+        record["segments"][seg.id] = {
+            "artifact": f"segments/{seg.id}.tflite",
             "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
             "tflite_ops": result.op_counts, "ranges": result.ranges, "accuracy_vs_float": acc,
         }
         worst = min(a["cosine"] for a in acc.values())
-        ctx.log(f"compress: {seg['id']}: cosine similarity to float {worst:.5f}")
+        ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
     return {"int8_segments": len(tpu_segments), "calibration": calib_info,
             "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}

@@ -38,6 +38,7 @@ from ...runtime import manifest as mf
 from ...runtime.executor import BundleModel
 from ...runtime.inputs import InputError, check_feeds
 from ...scheduling.correction import corrected_prediction, edgetpu_correction
+from ...scheduling.plan import Plan, PlanSegment
 
 OPTIONS = ("calib", "calib_preprocess", "seed")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -46,7 +47,7 @@ RUNTIME_DIR = Path(mf.__file__).parent
 
 def run(artifact: Path, ctx) -> dict:
     sched, tune_dir, comp_dir = ctx.artifact("schedule"), ctx.artifact("tune"), ctx.artifact("compress")
-    plan = json.loads((sched / "plan.json").read_text())
+    plan = Plan.load(sched)
     compress = json.loads((comp_dir / "compress.json").read_text())
     imported = json.loads((ctx.artifact("import") / "import.json").read_text())
     target = ctx.target
@@ -61,11 +62,12 @@ def run(artifact: Path, ctx) -> dict:
     unfinished: list[str] = []
     compiler_logs: dict[str, dict] = {}
     corrections: list[dict] = []
-    for seg in plan["segments"]:
-        sid, kind = seg["id"], seg["device"].split(":")[0]
+    planned: list[PlanSegment] = []  # the plan's segments as shipped: artifact and corrected prediction
+    for seg in plan.segments:
+        sid, kind = seg.id, seg.device.split(":")[0]
         compressed = compress["segments"].get(sid)
-        compiled = backends.backend(seg["backend"]).compile(backends.CompileJob(
-            segment=seg, model=onnx.load(str(sched / seg["artifact"])),
+        compiled = backends.backend(seg.backend).compile(backends.CompileJob(
+            segment=seg, model=onnx.load(str(sched / seg.artifact)),
             device=target.device(kind), segments_dir=bundle / "segments",
             tuning_db=db / kind, compressed={**compressed, "dir": str(comp_dir)} if compressed else None,
             twin_dir=twin_dir, log=ctx.log))
@@ -76,24 +78,26 @@ def run(artifact: Path, ctx) -> dict:
             tuned[sid] = compiled.tuned
         if compiled.fallback_artifact is not None:  # an accelerator's model, which its own compiler finishes
             if edgetpu_compiler.find():
-                art, compiler_logs[sid], correction = compile_for_edgetpu(bundle, art, seg, sched / "model.onnx",
-                                                                          target)
+                art, compiler_logs[sid], correction = compile_for_edgetpu(bundle, art, seg.to_json(),
+                                                                          sched / "model.onnx", target)
                 if correction:
                     corrections.append(correction)
+                    seg = dataclasses.replace(seg, predicted_ms=correction["predicted_ms_after"])
                     ctx.warn(edgetpu_compiler.describe(correction))
             else:
                 unfinished.append(art)
-        segments.append(mf.Segment(id=sid, device=seg["device"], backend=backends.backend(seg["backend"]).runner,
+        planned.append(dataclasses.replace(seg, artifact=art))
+        segments.append(mf.Segment(id=sid, device=seg.device, backend=backends.backend(seg.backend).runner,
                                    artifact=art, inputs=compiled.inputs, outputs=compiled.outputs,
-                                   fallback_artifact=compiled.fallback_artifact, nodes=len(seg["nodes"]),
-                                   predicted_ms=seg["predicted_ms"], threads=seg.get("threads", 0)))
+                                   fallback_artifact=compiled.fallback_artifact, nodes=len(seg.nodes),
+                                   predicted_ms=seg.predicted_ms, threads=seg.threads))
 
     edgetpu_info: dict = {}
     if any(s.fallback_artifact is not None for s in segments):
         edgetpu_info = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs}
         if corrections:
             edgetpu_info["corrections"] = corrections
-            plan["predicted"] = corrected_prediction(plan["predicted"], corrections)
+            plan = dataclasses.replace(plan, predicted=corrected_prediction(plan.predicted, corrections))
         if unfinished:
             cmd = edgetpu_compiler.finish_command(unfinished)
             edgetpu_info["finish_command"] = f"cd bundle && {cmd}"
@@ -120,18 +124,16 @@ def run(artifact: Path, ctx) -> dict:
                "opset": imported["source"]["opset"]},
         target={"name": target.name, "sha256": target.digest(), "description": target.description},
         arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
-        segments=tuple(segments), pipeline_stages=tuple(tuple(s) for s in plan["pipeline_stages"]),
-        parallel_steps=tuple(tuple(s) for s in plan.get("parallel_steps", ())),
+        segments=tuple(segments), pipeline_stages=plan.pipeline_stages, parallel_steps=plan.parallel_steps,
         cpu_threads=target.host.cores,
-        predicted=plan["predicted"], toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
+        predicted=plan.predicted, toolchain=_toolchain(), calibration=calibration, edgetpu=edgetpu_info,
         tuning=_tuning_provenance(json.loads((tune_dir / "tune.json").read_text()), tuned),
         warnings=tuple(_all_warnings(ctx)),
     )
     (bundle / "manifest.json").write_text(manifest.to_json())
     shutil.copytree(RUNTIME_DIR, bundle / "runtime", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (bundle / "requirements.txt").write_text(_requirements(segments, target.host.arch))
-    (bundle / "plan.json").write_text(json.dumps({**plan, "segments": [
-        {**p, "artifact": s.artifact} for p, s in zip(plan["segments"], segments)]}, indent=2) + "\n")
+    (bundle / "plan.json").write_text(dataclasses.replace(plan, segments=tuple(planned)).to_json())
 
     # golden input/output: this plan, on this host (twins for foreign CPU/GPU code)
     ctx.log("package: running the bundle's plan on the build host for the golden output")
@@ -195,7 +197,7 @@ def compile_for_edgetpu(bundle: Path, tflite: str, seg: dict, scheduled: Path, t
 
 def _accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: dict, samples: list[dict]) -> dict:
     """The bundle against the fp32 model, on logits where a trailing softmax would hide errors."""
-    probes = {o: p for o, p in plan["probes"].items()
+    probes = {o: p for o, p in plan.probes.items()
               if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
     names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
     got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]

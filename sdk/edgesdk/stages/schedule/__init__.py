@@ -46,6 +46,7 @@ from ...ir import model as irm
 from ...report.html import schedule_page
 from ...scheduling import baselines, parallel, pipelining, placement, simulate
 from ...scheduling.graph import build_problem
+from ...scheduling.plan import Plan, PlanSegment
 from ...scheduling.problem import Problem
 
 OPTIONS = ("mode", "inter_op")
@@ -124,12 +125,10 @@ def run(artifact: Path, ctx) -> dict:
         irm.save(seg, ctx.out / "segments" / f"{seg_id}.onnx")
         ms = (placement.segment_ms(problem, r.nodes[0], r.nodes[-1] + 1, r.device) if r.threads == 0 else
               r.predicted_ms)
-        segments.append({
-            "id": seg_id, "device": r.device, "backend": r.backend, "artifact": f"segments/{seg_id}.onnx",
-            "nodes": [irm.node_name(g.node[n], n) for n in r.nodes], "inputs": inputs, "outputs": outputs,
-            "flops": sum(node_flops(g.node[n], shapes) for n in r.nodes), "param_bytes": irm.param_bytes(seg),
-            "predicted_ms": round(ms, 4), **({"threads": r.threads} if r.threads else {}),
-        })
+        segments.append(PlanSegment(
+            seg_id, r.device, r.backend, f"segments/{seg_id}.onnx", tuple(irm.node_name(g.node[n], n) for n in r.nodes),
+            tuple(inputs), tuple(outputs), sum(node_flops(g.node[n], shapes) for n in r.nodes), irm.param_bytes(seg),
+            round(ms, 4), r.threads))
     device_of = {n: r.device for r in runs for n in r.nodes}
     for node_i, node in enumerate(g.node):
         irm.set_meta(node, irm.DEVICE_KEY, device_of[node_i])
@@ -143,56 +142,57 @@ def run(artifact: Path, ctx) -> dict:
     flow = simulate.stream(problem, plan_segments, STREAM_FRAMES, durations=durations)
     if ctx.options.mode == "throughput":
         # a stage is a device's contiguous range: its CPU backend pieces run as one stage
-        ids = iter(s["id"] for s in segments)
+        ids = iter(s.id for s in segments)
         stages = [[next(ids) for r in _split_by_backend([stage], cpu_backend)] for stage in chosen]
     else:
-        stages = [[s["id"]] for s in segments]
+        stages = [[s.id] for s in segments]
     compared = _baselines(problem, ctx.target)
-    plan = {
-        "target": ctx.target.name, "mode": ctx.options.mode,
-        "inputs": graph_inputs, "outputs": graph_outputs, "probes": probes,
-        "segments": segments,
-        "pipeline_stages": stages,
-        "parallel_steps": steps,
-        "inter_op": _inter_op_summary(inter_op, not_taken, placed),
-        "predicted": {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
-                      "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
-                          tuple(placement.Span(*s) for s in plan_segments), 0.0)), 4)},
-        "utilization": {k: round(v, 4) for k, v in flow.utilization.items()},
-        "cost_model": "per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
-                      "device: the link (devices/cost.py); every figure names its source in the target file",
-        "search": ("contiguous segments of the graph's topological order, one device each; optimal for the "
-                   "sequential latency (placement DP)" if ctx.options.mode == "latency" else
-                   "the latency plan streamed (each device running its segments in turn): its simulated "
-                   "frames/s beat the pipelining DP's (contiguous stages on distinct devices)" if streamed else
-                   "contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
-                   "faster in the simulated stream than the latency plan"),
-        "baselines": compared,
-        "placement": _placement_counts(runs),
-        "decisions": decisions,
-    }
-    (ctx.out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    plan = Plan(
+        target=ctx.target.name, mode=ctx.options.mode,
+        inputs=tuple(graph_inputs), outputs=tuple(graph_outputs), probes=probes,
+        segments=tuple(segments),
+        pipeline_stages=tuple(tuple(st) for st in stages),
+        parallel_steps=tuple(tuple(st) for st in steps),
+        inter_op=_inter_op_summary(inter_op, not_taken, placed),
+        predicted={"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+                   "sequential_ms": round(placement.sequential_ms(problem, placement.Plan(
+                       tuple(placement.Span(*s) for s in plan_segments), 0.0)), 4)},
+        utilization={k: round(v, 4) for k, v in flow.utilization.items()},
+        cost_model="per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
+                   "device: the link (devices/cost.py); every figure names its source in the target file",
+        search=("contiguous segments of the graph's topological order, one device each; optimal for the "
+                "sequential latency (placement DP)" if ctx.options.mode == "latency" else
+                "the latency plan streamed (each device running its segments in turn): its simulated "
+                "frames/s beat the pipelining DP's (contiguous stages on distinct devices)" if streamed else
+                "contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
+                "faster in the simulated stream than the latency plan"),
+        baselines=compared,
+        placement=_placement_counts(runs),
+        decisions=tuple(decisions),
+    )
+    text = plan.to_json()
+    (ctx.out / "plan.json").write_text(text)
     # the scheduler's run time is a measurement, not part of the plan: the bundle stays byte-reproducible
-    _html_report(ctx.out / "schedule.html", {**plan, "scheduler_s": round(scheduler_s, 4)}, model, problem,
-                 runs, one, flow)
+    _html_report(ctx.out / "schedule.html", {**json.loads(text), "scheduler_s": round(scheduler_s, 4)}, model,
+                 problem, runs, one, flow)
     for s in segments:
-        ctx.log(f"schedule: {s['id']} {s['device']:<10} {s['backend']:<11} {len(s['nodes']):4d} nodes "
-                f"{s['predicted_ms']:8.3f} ms predicted")
+        ctx.log(f"schedule: {s.id} {s.device:<10} {s.backend:<11} {len(s.nodes):4d} nodes "
+                f"{s.predicted_ms:8.3f} ms predicted")
     for name, b in compared.items():
         ctx.log(f"schedule: baseline {name}: " + (f"{b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s"
                                                  if "error" not in b else f"not applicable ({b['error']})"))
-    for r in plan["inter_op"].get("runs", ()):
+    for r in plan.inter_op.get("runs", ()):
         ctx.log(f"schedule: inter-operator parallelism: {r['nodes']} cpu nodes in {r['stages']} stages, "
                 f"{r['parallel_stages']} of them concurrent groups: {r['sequential_ms']:.3f} -> "
                 f"{r['parallel_ms']:.3f} ms predicted")
-    for r in plan["inter_op"].get("not_taken", ()):
+    for r in plan.inter_op.get("not_taken", ()):
         if r["parallel_stages"]:  # concurrent groups were found, and they were not worth it
             ctx.log(f"schedule: {r['nodes']} cpu nodes stay one segment, {r['reason']} "
                     f"({r['sequential_ms']:.3f} -> {r['parallel_ms']:.3f} ms predicted)")
     ctx.log(f"schedule: placed {len(g.node)} nodes in {scheduler_s:.3f} s")
-    return {"segments": len(segments), "placement": plan["placement"], "predicted": plan["predicted"],
+    return {"segments": len(segments), "placement": plan.placement, "predicted": plan.predicted,
             "baselines": compared, "scheduler_s": round(scheduler_s, 4), "decisions": decisions,
-            "inter_op": {k: v for k, v in plan["inter_op"].items() if k != "search"}}
+            "inter_op": {k: v for k, v in plan.inter_op.items() if k != "search"}}
 
 
 def _split_by_backend(segments, cpu_backend: list[str]) -> list[PlannedSegment]:

@@ -27,6 +27,7 @@ import onnx
 from ... import backends
 from ...backends import tvm as tvm_backend
 from ...ir.digest import tree_sha256
+from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key")
 READS = ("schedule",)  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -48,21 +49,21 @@ def cache_inputs(options, target) -> dict:
 
 
 def run(artifact: Path, ctx) -> dict:
-    plan = json.loads((artifact / "plan.json").read_text())
+    plan = Plan.load(artifact)
     db = _db_path(ctx.options, ctx.target)
     db.mkdir(parents=True, exist_ok=True)
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = tvm_backend.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
     by_kind: dict[str, list[dict]] = {}
-    for seg in plan["segments"]:
-        if backends.backend(seg["backend"]).tunes:
-            by_kind.setdefault(seg["device"].split(":")[0], []).append(seg)
+    for seg in plan.segments:
+        if backends.backend(seg.backend).tunes:
+            by_kind.setdefault(seg.device.split(":")[0], []).append(seg)
     kinds: dict[str, dict] = {}
     start = time.monotonic()
     budget_s = ctx.options.time_budget
     for n, (kind, segments) in enumerate(by_kind.items()):
-        ids = [s["id"] for s in segments]
+        ids = [s.id for s in segments]
         if ctx.options.trials <= 0:
             kinds[kind] = {"segments": ids, "trials": 0,
                            "note": "no search (--trials 0): records in the database are applied"}
@@ -76,7 +77,7 @@ def run(artifact: Path, ctx) -> dict:
                 + (f" or {_duration(left)}" if left is not None else "") + f", measured {where}")
         bar = _Bar(ctx, kind)
         summary = tvm_backend.tune_onnx(
-            [onnx.load(str(artifact / s["artifact"])) for s in segments],
+            [onnx.load(str(artifact / s.artifact)) for s in segments],
             device.codegen,
             db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
             trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed,

@@ -1,0 +1,85 @@
+"""The schedule's output as data: `plan.json` read into frozen dataclasses and written back.
+
+The schedule stage writes a `Plan`; tune, compress and package read it with `Plan.load`. A plan is
+never changed in place: a stage that corrects it (the package stage, after the Edge TPU compiler) makes
+a new one with `dataclasses.replace`. `to_json` writes the keys in one fixed order, so a plan read and
+written again is the same bytes (plan.json is in every bundle, which must be reproducible).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlanSegment:
+    """A segment as the schedule cut it: its nodes on one device, compiled by one backend."""
+
+    id: str
+    device: str  # logical id: cpu, edgetpu:0, gpu:0
+    backend: str  # a registered backend's name (backends/registry.py)
+    artifact: str  # its ONNX graph, relative to the schedule stage's directory (segments/<id>.onnx)
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    flops: float
+    param_bytes: int
+    predicted_ms: float
+    threads: int = 0  # a group of a parallel step: its worker's threads (0: not one; not written)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "threads"}
+        return {**out, "threads": self.threads} if self.threads else out
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "PlanSegment":
+        return PlanSegment(d["id"], d["device"], d["backend"], d["artifact"], tuple(d["nodes"]), tuple(d["inputs"]),
+                           tuple(d["outputs"]), d["flops"], d["param_bytes"], d["predicted_ms"], d.get("threads", 0))
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: str
+    mode: str  # latency | throughput
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    probes: dict[str, str]  # model output -> the logits tensor before its softmax
+    segments: tuple[PlanSegment, ...]
+    pipeline_stages: tuple[tuple[str, ...], ...]  # segment ids per stage of a stream
+    parallel_steps: tuple[tuple[str, ...], ...]  # segment ids that run at once
+    inter_op: dict[str, Any]
+    predicted: dict[str, float]
+    utilization: dict[str, float]
+    cost_model: str
+    search: str
+    baselines: dict[str, dict]
+    placement: dict[str, int]
+    decisions: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)}, indent=2) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        return Plan(d["target"], d["mode"], tuple(d["inputs"]), tuple(d["outputs"]), d["probes"],
+                    tuple(PlanSegment.from_json(s) for s in d["segments"]),
+                    tuple(tuple(s) for s in d["pipeline_stages"]), tuple(tuple(s) for s in d.get("parallel_steps", ())),
+                    d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
+                    d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())))
+
+    @staticmethod
+    def load(directory: Path) -> "Plan":
+        """The plan in a schedule stage's output directory."""
+        return Plan.from_json((Path(directory) / "plan.json").read_text())
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, PlanSegment):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
