@@ -127,8 +127,8 @@ def _unpack(path: Path, dest: Path) -> Path:
             tar.extractall(dest, members=list(members.values()), filter="data")
             return dest / prefix.rstrip("/") if prefix else dest
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        if isinstance(e, OSError) and not isinstance(e, (tarfile.TarError, EOFError, gzip.BadGzipFile)) \
-                and e.errno is not None:  # the disk, not the archive: full, read-only, ...
+        if isinstance(e, OSError) and not isinstance(e, gzip.BadGzipFile) and e.errno is not None:
+            # the disk, not the archive: full, read-only, ...
             raise UserError("bundle.unpack-failed", f"{path}: cannot be unpacked into {dest} ({e.strerror})",
                             "free space in the temporary directory (TMPDIR) and try again") from None
         raise refuse("bundle.bad-archive", f"not a complete bundle archive ({type(e).__name__}: "

@@ -492,3 +492,12 @@ def test_tflite_lowering_of_the_results(tmp_path):
     hard_swish_in_two = [node("HardSigmoid", ["x"], ["h"], alpha=SIXTH, beta=0.5), node("Mul", ["x", "h"], ["y"])]
     assert "HARD_SWISH" not in lowered(hard_swish_in_two)
     assert lowered([node("LeakyRelu", ["x"], ["y"], alpha=0.1)]) == {"MAXIMUM": 1, "MUL": 1}
+
+
+def test_device_rank_triggers_name_the_rules_rank_pseudo_op():
+    """A device model (which may not import legalization) spells exact.RANK itself: the two must agree,
+    or a rank refusal never runs fold-rank-for-elementwise."""
+    from edgesdk.devices import registry
+
+    triggers = {t for m in registry.models() for t in m.rewrite_triggers.values()}
+    assert triggers and triggers <= {exact.RANK} | {op for r in exact.RULES for op in r.replaces}

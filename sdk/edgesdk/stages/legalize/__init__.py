@@ -42,9 +42,8 @@ READS = ("import",)  # the earlier stages whose outputs it reads (its cache key 
 
 RULES = {r.name: r for r in exact.RULES}
 E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on
-# a rank refusal is the pseudo op RANK (a device model's `rewrite_triggers` maps its rank refusal codes to
-# it); what makes a rule that removes no op type worth running is on the rule (ExactRule.triggers)
-RANK = exact.RANK
+# a device model's `rewrite_triggers` maps its rank refusal codes to the pseudo op exact.RANK; what makes
+# a rule that removes no op type worth running is on the rule (ExactRule.triggers)
 TRIGGERS = {r.name: set(r.triggers) for r in exact.RULES if r.triggers}
 
 
