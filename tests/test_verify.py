@@ -31,7 +31,7 @@ from edgesdk.errors import UserError
 from edgesdk.ir.digest import file_sha256
 from edgesdk.runtime import BundleModel
 from edgesdk.runtime.manifest import ManifestError
-from edgesdk.stages.package import write_tarball
+from edgesdk.bundling import write_tarball
 from edgesdk.verify import verify
 from tests.test_cli import assert_user_facing, edgesdk
 

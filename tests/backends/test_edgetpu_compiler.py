@@ -22,7 +22,9 @@ from edgesdk.ir import model as irm
 from edgesdk.scheduling import placement
 from edgesdk.scheduling.graph import build_problem
 from edgesdk.scheduling.correction import corrected_prediction, edgetpu_correction
-from edgesdk.stages.package import compile_for_edgetpu
+from edgesdk import backends
+from edgesdk.bundling.bundle import finish_segment
+from edgesdk.scheduling.plan import PlanSegment
 
 # Verbatim from Coral's issue tracker, google-coral/edgetpu issue #342 ("Operations not mapped to TPU",
 # 2021-03-21, https://github.com/google-coral/edgetpu/issues/342): `edgetpu_compiler -s` without -a on a
@@ -324,10 +326,12 @@ def test_compile_for_edgetpu_ships_what_the_compiler_mapped(tiny, tmp_path, monk
                       f'cat "{tmp_path / "log.txt"}"\n')
     double.chmod(0o755)
     monkeypatch.setenv("PATH", f"{double.parent}{os.pathsep}{os.environ['PATH']}")
-    plan_seg = dict(seg)
+    planned = PlanSegment(seg["id"], seg["device"], "tflite", "segments/s0.onnx", tuple(seg["nodes"]), ("x",), ("y",),
+                          0.0, 0, seg["predicted_ms"])
 
-    art, record, correction = compile_for_edgetpu(bundle, "segments/s0.tflite", plan_seg, tmp_path / "model.onnx",
-                                                  target)
+    art, record, correction, shipped = finish_segment(backends.finisher("edgetpu"), bundle, "segments/s0.tflite",
+                                                      planned, tmp_path / "model.onnx", target)
+    plan_seg = shipped.to_json()  # the segment as shipped: the plan itself is never changed
     assert "text" not in record and record["ops_on_tpu"] == {"partly": 2, "nothing": 0, "all": 4}[case]
     compiled = bundle / "segments" / "s0_edgetpu.tflite"
     if case == "all":

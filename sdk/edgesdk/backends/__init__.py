@@ -1,15 +1,23 @@
 """Backends: code generation and execution per device kind (TVM, TFLite, onnxruntime, edgetpu_compiler, qemu).
 
-The three that compile segments are registered by name (`registry.py`).
+The three that compile segments are registered by name, and Coral's compiler as the Edge TPU's
+finisher (`registry.py`).
 """
 
-from .registry import Backend, CompileJob, Compiled, backend, backends, register, registered, unregister
+from .registry import (Backend, Boards, CompileJob, Compiled, FinishJob, Finished, Finisher, QuantizeJob, TuneJob,
+                       backend, backends, finisher, register, register_finisher, registered, unregister,
+                       unregister_finisher)
 
-register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"), tunes=True,
-                 compiler="edgesdk.backends.tvm.segment:compile_segment"))
-register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",), quantizes=True,
-                 compiler="edgesdk.backends.tflite.segment:compile_segment"))
+register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
+                 compiler="edgesdk.backends.tvm.segment:compile_segment",
+                 tuner="edgesdk.backends.tvm.segment:tune_segments"))
+register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
+                 compiler="edgesdk.backends.tflite.segment:compile_segment",
+                 quantizer="edgesdk.backends.tflite.segment:quantize_segment"))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment"))
+register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
-__all__ = ["Backend", "CompileJob", "Compiled", "backend", "backends", "register", "registered", "unregister"]
+__all__ = ["Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher", "QuantizeJob",
+           "TuneJob", "backend", "backends", "finisher", "register", "register_finisher", "registered",
+           "unregister", "unregister_finisher"]

@@ -25,6 +25,7 @@ first op in the uncompiled model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shutil
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from .registry import Finished, FinishJob
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 MAPPED = "Mapped to Edge TPU"
@@ -97,6 +99,31 @@ def find() -> str | None:
 
 def finish_command(tflite_files: list[str]) -> str:
     return "edgetpu_compiler -s -o segments " + " ".join(tflite_files)
+
+
+def unfinished_warning(tflite_files: list[str]) -> str:
+    return (f"edgetpu_compiler is not installed: {len(tflite_files)} Edge TPU segment(s) ship uncompiled and run "
+            f"their int8 model on the CPU until compiled; to finish: cd bundle && {finish_command(tflite_files)}")
+
+
+def finish(job: FinishJob) -> Finished:
+    """The Edge TPU's finisher (`registry.Finisher`): compile one segment's int8 model (`job.artifact`,
+    relative to `job.bundle`) and say what ships. A model the compiler maps all of ships compiled; one it
+    maps part of ships compiled, with the mapping (`Finished.partial`) for re-costing; one it maps
+    nothing of ships uncompiled, the compiled one removed: it would only add the delegate's overhead to
+    a model that runs on the CPU anyway."""
+    from .tflite import operators
+
+    tflite = job.bundle / job.artifact
+    compiled, log = compile_segment(tflite, job.bundle / "segments")
+    record = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
+    mapped = mapping(operators(tflite.read_bytes())[0], log)
+    if not mapped.on_cpu:
+        return Finished(f"segments/{compiled.name}", record)
+    if not mapped.on_tpu:
+        compiled.unlink()
+        return Finished(job.artifact, record, mapped)
+    return Finished(f"segments/{compiled.name}", record, mapped)
 
 
 def compile_segment(tflite: Path, out_dir: Path, *, num_segments: int = 1) -> tuple[Path, CompileLog]:

@@ -1,13 +1,15 @@
 """The build side's backends by name: what a stage needs to know of one without importing it.
 
 A plan segment names its backend (`plan.json`: "tvm", "tflite", "onnxruntime"); the stages ask the
-registry what that backend does instead of comparing names: the tune stage searches the segments of a
-backend that `tunes`, the compress stage converts those of one that `quantizes`, the package stage has
-each segment compiled by its backend (`Backend.compile`: a `CompileJob` in, a `Compiled` out), and a
-bundle's requirements.txt lists each used backend's `runtime_dists`, in `rank` order. MetaSchedule's
-string-keyed roles are the model. Registering here imports nothing heavy: a backend's `compiler` is
-named as "module:function" and imported when a segment is compiled, and its compiler and runtime
-libraries stay imported inside the functions that use them.
+registry what that backend does instead of comparing names: the tune stage has the segments of a
+backend that `tunes` searched by it (`Backend.tune`: a `TuneJob` per device kind), the compress stage
+has those of one that `quantizes` converted by it (`Backend.quantize`: a `QuantizeJob` per segment),
+the package stage has each segment compiled by its backend (`Backend.compile`: a `CompileJob` in, a
+`Compiled` out) and then finished by its device kind's `Finisher`, where one is registered (Coral's
+`edgetpu_compiler` for the Edge TPU); a bundle's requirements.txt lists each used backend's
+`runtime_dists`, in `rank` order. MetaSchedule's string-keyed roles are the model. Registering here
+imports nothing heavy: every entry point is named as "module:function" and imported when it is
+first called, and compiler and runtime libraries stay imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..errors import UsageError
 from ..runtime.manifest import TensorSpec
 
 
@@ -46,20 +49,142 @@ class Compiled:
 
 
 @dataclass(frozen=True)
+class Boards:
+    """The boards registered with a TVM RPC tracker under `key`, where a tuning backend measures its
+    candidates instead of on this host (`--rpc-tracker HOST:PORT --rpc-key KEY`)."""
+
+    host: str
+    port: int
+    key: str
+    session_timeout_s: float = 60.0  # one candidate's upload, run and cleanup on a board
+
+    @staticmethod
+    def parse(tracker: str, key: str) -> "Boards":
+        """`HOST:PORT` and a key; a malformed address is a usage error."""
+        host, sep, port = tracker.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(
+                "tune.rpc-address", f"--rpc-tracker {tracker!r} is not HOST:PORT", hint="e.g. --rpc-tracker 127.0.0.1:9190"
+            )
+        if not key:
+            raise UsageError("tune.rpc-key", "--rpc-tracker needs --rpc-key, the key the boards registered with",
+                             hint="the key given to `python -m tvm.exec.rpc_server --key KEY` on each board")
+        return Boards(host, int(port), key)
+
+    def __str__(self) -> str:
+        return f"{self.key}@{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    """The segments of one device kind for a backend to search kernels for, within a budget."""
+
+    kind: str  # the device kind (its database and logs are its own)
+    models: tuple  # the segments' ONNX graphs (onnx.ModelProto), in plan order
+    device: Any  # the target's entry for the kind (a TVM backend reads its codegen)
+    tuning_db: Path  # the kind's database directory; records are appended as they are measured
+    trials: int  # the budget over the kind's segments
+    time_budget_s: float | None  # wall time left for this kind, None for no limit
+    seed: int
+    boards: Boards | None  # measure on these boards instead of this host
+    log_dir: Path
+    progress: Callable[[Any], None] | None
+    log: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """One plan segment for a backend to convert to a quantized model with calibration samples."""
+
+    segment: Any  # the plan's segment
+    model: Any  # its float ONNX graph
+    samples: list  # per calibration sample, the segment's inputs and the float model's values of its outputs
+    out_dir: Path  # the compress stage's segments/ directory: the artifact goes here
+    method: str  # "minmax" or "percentile" (--calib-method)
+    percentile: float
+    log: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FinishJob:
+    """A compiled segment for its device kind's own compiler to finish, inside the bundle."""
+
+    bundle: Path
+    artifact: str  # relative to the bundle: what the backend compiled
+    segment: Any  # the plan's segment
+
+
+@dataclass(frozen=True)
+class Finished:
+    artifact: str  # what ships, relative to the bundle
+    record: dict  # what the compiler said (the manifest keeps it)
+    partial: Any = None  # the compiler's mapping where it maps only part of the segment, for re-costing
+
+
+@dataclass(frozen=True)
+class Finisher:
+    """A device kind's own compiler, run on its segments' artifacts after their backend compiled them.
+    Without it installed, the bundle ships the artifacts unfinished and the build says how to finish them.
+
+    `module` implements it: `finish(FinishJob) -> Finished`; `find()`, the tool's path or None where it
+    is not installed; `unfinished_warning(artifacts)`, the build's warning when it is not, with the command
+    that finishes them later; `finish_command(artifacts)`, that command; `describe(correction)`, the
+    build's warning for a segment it maps only in part (`scheduling.correction`)."""
+
+    kind: str  # the device kind whose segments it finishes
+    name: str  # the tool
+    module: str  # the module implementing it
+
+    def _call(self, function: str, *args):
+        return getattr(importlib.import_module(self.module), function)(*args)
+
+    def run(self, job: FinishJob) -> Finished:
+        return self._call("finish", job)
+
+    def available(self) -> bool:
+        return self._call("find") is not None
+
+    def finish_command(self, artifacts: list[str]) -> str:
+        return self._call("finish_command", artifacts)
+
+    def unfinished_warning(self, artifacts: list[str]) -> str:
+        return self._call("unfinished_warning", artifacts)
+
+    def describe(self, correction: dict) -> str:
+        return self._call("describe", correction)
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str  # what plan.json's segments say
     runner: str  # the runtime's runner of its artifacts (runtime/backends), what the manifest says
     rank: int  # the order of its lines in a bundle's requirements.txt
     runtime_dists: tuple[str, ...]  # the PyPI distributions a device needs to run its artifacts
-    tunes: bool = False  # the tune stage searches its segments' kernels
-    quantizes: bool = False  # the compress stage converts its segments with calibration data
     compiler: str = ""  # "module:function" taking a CompileJob, returning a Compiled
+    tuner: str = ""  # "module:function" taking a TuneJob, returning its summary; "" where it does not tune
+    quantizer: str = ""  # "module:function" taking a QuantizeJob, returning its record; "" where it does not
     # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None; the shipped
     # backends' checks are legalization/support.Tables' own (they share caches of their compilers)
     lowering: str = ""
 
+    @property
+    def tunes(self) -> bool:
+        """The tune stage searches its segments' kernels."""
+        return bool(self.tuner)
+
+    @property
+    def quantizes(self) -> bool:
+        """The compress stage converts its segments with calibration data."""
+        return bool(self.quantizer)
+
     def compile(self, job: CompileJob) -> Compiled:
         return _function(self.compiler, f"backend {self.name!r} names no compiler")(job)
+
+    def tune(self, job: TuneJob) -> dict:
+        return _function(self.tuner, f"backend {self.name!r} names no tuner")(job)
+
+    def quantize(self, job: QuantizeJob) -> dict:
+        return _function(self.quantizer, f"backend {self.name!r} names no quantizer")(job)
 
     def lowering_check(self) -> Callable[..., str | None]:
         return _function(self.lowering, f"backend {self.name!r} names no lowering check")
@@ -106,3 +231,23 @@ def backend(name: str) -> Backend:
 def backends() -> list[Backend]:
     """Every registered backend, in `rank` order."""
     return sorted(_BACKENDS.values(), key=lambda b: (b.rank, b.name))
+
+
+_FINISHERS: dict[str, Finisher] = {}
+
+
+def register_finisher(finisher: Finisher) -> Finisher:
+    if finisher.kind in _FINISHERS:
+        raise ValueError(f"device kind {finisher.kind!r} already has a finisher ({_FINISHERS[finisher.kind].name})")
+    _FINISHERS[finisher.kind] = finisher
+    return finisher
+
+
+def unregister_finisher(kind: str) -> None:
+    _FINISHERS.pop(kind, None)
+
+
+def finisher(kind: str) -> Finisher | None:
+    """The compiler that finishes the segments of device kind `kind`, or None where its backend's
+    artifacts ship as they are."""
+    return _FINISHERS.get(kind)

@@ -1,13 +1,48 @@
-"""A plan segment for a bundle: the compress stage's full-int8 model, which the CPU interpreter also
-runs when the Edge TPU is missing (`edgetpu_compiler`, when installed, compiles it afterwards)."""
+"""The TFLite backend's entry points in the registry: a plan segment quantized to a full-int8 model
+(the compress stage), and that model put into a bundle, which the CPU interpreter also runs when the
+Edge TPU is missing (`edgetpu_compiler`, when installed, finishes it afterwards)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 
-from ...runtime.manifest import tensor_from_dict
-from ..registry import CompileJob, Compiled
+import numpy as np
+
+from ...ir.numeric import compare
+from ...runtime.manifest import Segment, tensor_from_dict
+from ..registry import CompileJob, Compiled, QuantizeJob
+from .convert import convert_int8
+
+ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the float one on
+
+
+def quantize_segment(job: QuantizeJob) -> dict:
+    """The segment as a full-int8 TFLite model, and its accuracy against the float segment on the
+    calibration samples: the compress stage's record of it."""
+    from ...runtime.backends import tflite_runner
+
+    seg = job.segment
+    artifact = f"segments/{seg.id}.tflite"
+    job.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> full-int8 TFLite")
+    feeds = [{k: s[k] for k in seg.inputs} for s in job.samples]
+    result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile)
+    runner = tflite_runner.open_runner(job.out_dir.parent, Segment(
+        id=seg.id, device="cpu", backend="tflite", artifact=artifact, fallback_artifact=artifact,
+        inputs=result.inputs, outputs=result.outputs), None)
+    got = [runner.run(f) for f in feeds[:ACCURACY_SAMPLES]]
+    want = job.samples[:ACCURACY_SAMPLES]
+    return {"artifact": artifact,
+            "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
+            "tflite_ops": result.op_counts, "ranges": result.ranges,
+            "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
+                                  for o in seg.outputs}}
+
+
+def _spec(t) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(t)))
 
 
 def compile_segment(job: CompileJob) -> Compiled:

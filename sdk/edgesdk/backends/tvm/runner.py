@@ -5,37 +5,11 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from ...errors import UsageError, UserError
+from ...errors import UserError
+from ..registry import Boards
 from .targets import _ARCHES, missing_host_features, target_arch
-
-
-@dataclass(frozen=True)
-class Boards:
-    """Boards registered with a TVM RPC tracker under `key`, which measure the candidates."""
-
-    host: str
-    port: int
-    key: str
-    session_timeout_s: float = 60.0  # one candidate's upload, run and cleanup on a board
-
-    @staticmethod
-    def parse(tracker: str, key: str) -> "Boards":
-        """`HOST:PORT` and a key; a malformed address is a usage error."""
-        host, sep, port = tracker.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(
-                "tune.rpc-address", f"--rpc-tracker {tracker!r} is not HOST:PORT", hint="e.g. --rpc-tracker 127.0.0.1:9190"
-            )
-        if not key:
-            raise UsageError("tune.rpc-key", "--rpc-tracker needs --rpc-key, the key the boards registered with",
-                             hint="the key given to `python -m tvm.exec.rpc_server --key KEY` on each board")
-        return Boards(host, int(port), key)
-
-    def __str__(self) -> str:
-        return f"{self.key}@{self.host}:{self.port}"
 
 
 def _evaluator(ms) -> Any:

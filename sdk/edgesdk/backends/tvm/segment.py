@@ -1,13 +1,15 @@
-"""A plan segment compiled for a bundle: a TVM library for the segment's device, with the tuning
-database's records applied, and a twin for the build host when the bundle's library cannot run here."""
+"""The TVM backend's entry points in the registry: a plan segment compiled for a bundle (a TVM library
+for the segment's device, with the tuning database's records applied, and a twin for the build host
+when the bundle's library cannot run here), and the segments of one device kind tuned."""
 
 from __future__ import annotations
 
 import platform
 
-from ..registry import CompileJob, Compiled
+from ..registry import CompileJob, Compiled, TuneJob
 from .compile import compile_onnx
 from .targets import missing_host_features, target_arch
+from .tuning import tune_onnx
 
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
 HOST_CODEGEN = {"kind": "llvm"}
@@ -26,6 +28,18 @@ def compile_segment(job: CompileJob) -> Compiled:
         compile_onnx(job.model, HOST_CODEGEN, twin)
     return Compiled(f"segments/{sid}.so", res.inputs, res.outputs, twin=twin,
                     tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled})
+
+
+def tune_segments(job: TuneJob) -> dict:
+    """MetaSchedule over the segments' fused functions together (`tune_onnx`): the summary per task."""
+    return tune_onnx(
+        list(job.models), job.device.codegen, job.tuning_db,
+        trials=job.trials, time_budget_s=job.time_budget_s, seed=job.seed,
+        progress=job.progress, log=job.log, boards=job.boards,
+        # a board's cores bound the builders that feed it; a GPU entry has none (its boards' CPUs build)
+        num_cores=getattr(job.device, "cores", None) if job.boards else None,
+        log_dir=job.log_dir,
+    )
 
 
 def describe(codegen: dict) -> str:

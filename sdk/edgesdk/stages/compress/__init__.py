@@ -19,19 +19,15 @@ value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clip
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 
 from ... import backends
 from ...backends import onnxruntime as ort_backend
-from ...backends import tflite as tflite_backend
 from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
-from ...ir.numeric import compare
 from ...scheduling.plan import Plan
 
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
@@ -46,11 +42,11 @@ def run(artifact: Path, ctx) -> dict:
     # the tune stage's output is upstream of us, but what we quantize is the schedule's
     sched = ctx.artifact("schedule")
     plan = Plan.load(sched)
-    tpu_segments = [s for s in plan.segments if backends.backend(s.backend).quantizes]
+    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
     record: dict = {"segments": {}, "calibration": {}}
-    if not tpu_segments:
+    if not quantized:
         (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
         return {"int8_segments": 0}
 
@@ -64,37 +60,17 @@ def run(artifact: Path, ctx) -> dict:
                  "accuracy on real inputs may be worse")
 
     full = onnx.load(str(sched / "model.onnx"))
-    wanted = sorted({t for s in tpu_segments for t in s.inputs + s.outputs})
+    wanted = sorted({t for s in quantized for t in s.inputs + s.outputs})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
-
-    from ...runtime.backends import tflite_runner
-    from ...runtime.manifest import Segment
-
-    for seg in tpu_segments:
-        model = onnx.load(str(sched / seg.artifact))
-        out_path = ctx.out / "segments" / f"{seg.id}.tflite"
-        ctx.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> full-int8 TFLite")
-        feeds = [{k: a[k] for k in seg.inputs} for a in acts]
-        result = tflite_backend.convert_int8(model, feeds, out_path, method=ctx.options.calib_method,
-                                             percentile=ctx.options.calib_percentile)
-        # accuracy of this segment alone: int8 TFLite vs the float segment, on the calibration inputs
-        runner = tflite_runner.open_runner(ctx.out, Segment(
-            id=seg.id, device="cpu", backend="tflite", artifact=f"segments/{seg.id}.tflite",
-            fallback_artifact=f"segments/{seg.id}.tflite", inputs=result.inputs, outputs=result.outputs), None)
-        got = [runner.run(f) for f in feeds[:8]]
-        acc = {o: compare(np.stack([g[o] for g in got]), np.stack([a[o] for a in acts[:8]])) for o in seg.outputs}
-        record["segments"][seg.id] = {
-            "artifact": f"segments/{seg.id}.tflite",
-            "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
-            "tflite_ops": result.op_counts, "ranges": result.ranges, "accuracy_vs_float": acc,
-        }
-        worst = min(a["cosine"] for a in acc.values())
+    for seg in quantized:
+        entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
+            segment=seg, model=onnx.load(str(sched / seg.artifact)),
+            samples=[{k: a[k] for k in seg.inputs + seg.outputs} for a in acts], out_dir=ctx.out / "segments",
+            method=ctx.options.calib_method, percentile=ctx.options.calib_percentile, log=ctx.log))
+        record["segments"][seg.id] = entry
+        worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
-    return {"int8_segments": len(tpu_segments), "calibration": calib_info,
+    return {"int8_segments": len(quantized), "calibration": calib_info,
             "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
-
-
-def _spec(t) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(t)))

@@ -1,4 +1,5 @@
-"""tune: search tensor programs for the TVM segments (CPU and GPU) with MetaSchedule.
+"""tune: search tensor programs for the segments of every backend that tunes (TVM, for the CPU and GPU:
+MetaSchedule), through the backend registry (`Backend.tune`).
 
 Needs: the plan and its segment models.
 Guarantees: `tuning_db/`, a copy of the tuning database as the package stage will apply it
@@ -25,7 +26,6 @@ from pathlib import Path
 import onnx
 
 from ... import backends
-from ...backends import tvm as tvm_backend
 from ...ir.digest import tree_sha256
 from ...scheduling.plan import Plan
 
@@ -54,8 +54,8 @@ def run(artifact: Path, ctx) -> dict:
     db.mkdir(parents=True, exist_ok=True)
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
-        boards = tvm_backend.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
-    by_kind: dict[str, list[dict]] = {}
+        boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
+    by_kind: dict[str, list] = {}  # the segments of a tuning backend, per device kind
     for seg in plan.segments:
         if backends.backend(seg.backend).tunes:
             by_kind.setdefault(seg.device.split(":")[0], []).append(seg)
@@ -76,15 +76,11 @@ def run(artifact: Path, ctx) -> dict:
         ctx.log(f"tune: {kind}: segments {', '.join(ids)}: up to {ctx.options.trials} trials"
                 + (f" or {_duration(left)}" if left is not None else "") + f", measured {where}")
         bar = _Bar(ctx, kind)
-        summary = tvm_backend.tune_onnx(
-            [onnx.load(str(artifact / s.artifact)) for s in segments],
-            device.codegen,
-            db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
-            trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed,
-            progress=bar, log=ctx.log, boards=boards,
-            num_cores=device.cores if boards else None,
-            log_dir=ctx.out / "logs" / kind,
-        )
+        summary = backends.backend(segments[0].backend).tune(backends.TuneJob(
+            kind=kind, models=tuple(onnx.load(str(artifact / s.artifact)) for s in segments), device=device,
+            tuning_db=db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
+            trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed, boards=boards,
+            log_dir=ctx.out / "logs" / kind, progress=bar, log=ctx.log))
         bar.close()
         summary["segments"] = ids
         kinds[kind] = summary
