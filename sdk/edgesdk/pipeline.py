@@ -290,15 +290,16 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
 
     import onnx
 
+    from .legalization.legalize import analyze
+
     target, target_path = load_target(options.target)
     with tempfile.TemporaryDirectory(prefix="edgesdk-check-") as tmp:
         result = build(dataclasses.replace(options, out=Path(tmp) / "out", until="import", start=None), log=log)
         imported = stage_dir(Path(tmp) / "out", "import")
         model = onnx.load(str(imported / "model.onnx"))
         io = json.loads((imported / "import.json").read_text())
-        legalize = importlib.import_module(next(p.module for p in PHASES if p.name == "legalize"))
         ctx = StageContext(target, target_path, options, Path(tmp), Path(tmp), log)
-        report = legalize.analyze(model, ctx, io["inputs"])
+        report = analyze(model, target, options, io["inputs"], log=ctx.log, warn=ctx.warn)
     return {"model": str(options.model), "target": target.name, "import": result.stages[0].record,
             "warnings": ctx.warnings, **report}
 

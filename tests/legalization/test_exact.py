@@ -10,7 +10,7 @@ from onnx import TensorProto
 
 from edgesdk.devices import edgetpu
 from edgesdk.legalization import exact
-from edgesdk.stages import legalize as legalize_stage
+from edgesdk.legalization import legalize as legalization
 from tests.legalization.harness import BITWISE, ONE_ULP, REASSOCIATED, check_does_not_fire, check_fires, legalized
 from tests.passes.harness import assert_same, f32, model, node, ops, random_feeds, run
 
@@ -42,7 +42,7 @@ def test_every_rule_is_marked_and_named_once():
         assert r.description
         # A rule removes op types, or puts one into the form the device takes (replaces nothing): then
         # legalize needs to know which refusal makes it worth running, or it never runs.
-        assert r.replaces or r.name in legalize_stage.TRIGGERS, r.name
+        assert r.replaces or r.name in legalization.TRIGGERS, r.name
 
 
 def test_unknown_rule_name_is_refused():

@@ -196,17 +196,16 @@ def _lstm_step() -> onnx.ModelProto:
 
 
 def _stage_legalize(m: onnx.ModelProto, tmp_path) -> dict:
-    """The legalize stage's own path (what `edgesdk build` and `edgesdk check` run) on arm_2tpu."""
+    """The legalize stage's own path (`legalization.legalize`, what `edgesdk build` runs) on arm_2tpu."""
     from edgesdk.config.target import load_target
-    from edgesdk.pipeline import BuildOptions, StageContext
-    from edgesdk.stages import legalize as legalize_stage
+    from edgesdk.legalization.legalize import legalize
+    from edgesdk.pipeline import BuildOptions
 
-    target, path = load_target("arm_2tpu")
-    ctx = StageContext(target, path, BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=tmp_path),
-                       tmp_path, tmp_path, lambda s: None)
+    target, _ = load_target("arm_2tpu")
+    options = BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=tmp_path)
     inputs = [{"name": vi.name, "shape": [d.dim_value for d in vi.type.tensor_type.shape.dim], "dtype": "float32"}
               for vi in m.graph.input]
-    return legalize_stage.legalize(m, ctx, inputs)
+    return legalize(m, target, options, inputs)
 
 
 def test_lstm_step_is_refused_on_the_edge_tpu_until_legalized(tmp_path):

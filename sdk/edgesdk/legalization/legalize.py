@@ -1,0 +1,264 @@
+"""Legalization of a whole model for a target: the rewrites its accelerators need (exact rules, then
+ReLU-sum approximations, then the graph optimizations again), and which devices can run each node after.
+
+`legalize` is what the legalize stage runs; `analyze` is the same on a copy, for `edgesdk check`.
+`options` is any object with the attributes read here and by `ir.calibration.load_calibration`:
+max_abs_error, legalize_rewrites, allow_cpu_fallback, calib, calib_samples, calib_preprocess, seed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+
+from .. import passes
+from ..backends import onnxruntime as ort_backend
+from ..config import Target
+from ..devices import registry
+from ..devices.model import DeviceModel
+from ..errors import UserError
+from ..ir import model as irm
+from ..ir.calibration import load_calibration
+from . import exact, regions, relu_sum, support
+
+RULES = {r.name: r for r in exact.RULES}
+E2E_SAMPLES = 8  # calibration inputs the end-to-end deviations are measured on
+# a device model's `rewrite_triggers` maps its rank refusal codes to the pseudo op exact.RANK; what makes
+# a rule that removes no op type worth running is on the rule (ExactRule.triggers)
+TRIGGERS = {r.name: set(r.triggers) for r in exact.RULES if r.triggers}
+
+Log = Callable[[str], None]
+# a fitted region: the region, its approximation, the function it approximates, its report entry
+Fitted = tuple[regions.Region, relu_sum.Approximation, Any, dict]
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def legalize(model: onnx.ModelProto, target: Target, options: Any, inputs: list[dict], *,
+             log: Log = _quiet, warn: Log = _quiet) -> dict:
+    """The legalized model (`model`, each node marked `edgesdk.capable`), its support (`support`), the
+    report (`legalize.json`: what was done, `before`/`after`, every refusal) and the nodes each device
+    is preferred for (`preferred_device`). Nodes no device can run fail, all listed in one error."""
+    result = _legalized(model, target, options, inputs, log, warn)
+    refusals, impossible, counts = [], [], collections.Counter()
+    for node, s in zip(result["model"].graph.node, result["support"]):
+        refusals += [{"node": s.name, "op": s.op, **r} for r in s.refusals]
+        if not s.capable:
+            impossible.append(f"node '{s.name}' ({s.op}): no device of target '{target.name}' can run it")
+        irm.set_meta(node, irm.CAPABLE_KEY, ",".join(s.capable))
+        counts[s.capable[0] if s.capable else "none"] += 1
+    if impossible:
+        raise UserError("legalize.unsupported-op", f"{len(impossible)} node(s) cannot run on any device of the target",
+                        "replace these ops before export, or choose a target whose devices support them",
+                        notes=impossible)
+    result["refusals"] = refusals
+    result["preferred_device"] = dict(counts)
+    return result
+
+
+def analyze(model: onnx.ModelProto, target: Target, options: Any, inputs: list[dict], *,
+            log: Log = _quiet, warn: Log = _quiet) -> dict:
+    """`edgesdk check`: everything legalize would do and what it would leave, on a copy."""
+    result = _legalized(_copy(model), target, options, inputs, log, warn)
+    del result["model"], result["support"]
+    return result
+
+
+def _legalized(model: onnx.ModelProto, target: Target, options: Any, inputs: list[dict], log: Log,
+               warn: Log) -> dict:
+    """The rewritten model, what was done to it, and its final support: `support` (per node) and
+    `after` (coverage and transitions)."""
+    tables = support.Tables([d.kind for d in target.devices])
+    result = _rewrite(model, target, options, inputs, tables, log, warn)
+    result["support"] = tables.model(result["model"])
+    result["after"] = support.summarize(result["model"], result["support"])
+    return result
+
+
+def _rewrite(model: onnx.ModelProto, target: Target, options: Any, inputs: list[dict], tables: support.Tables,
+             log: Log, warn: Log) -> dict:
+    """The rewritten model and the report of what was done, each step only where an accelerator refuses."""
+    original = model
+    nodes = tables.model(model)
+    eps = options.max_abs_error or target.legalize.max_abs_error
+    result = {"model": model, "before": support.summarize(model, nodes), "nodes": [_node_json(n) for n in nodes],
+              "rewrites": {}, "approximations": [], "fallbacks": [], "max_abs_error": eps, "end_to_end": None,
+              "optimized": None}
+    models = registry.accelerators(tables.kinds)
+    if not models or not options.legalize_rewrites:
+        return result
+    # 1. exact rewrites of the op types an accelerator refuses
+    model, chosen, result["rewrites"] = _exact_rewrites(model, nodes, models, log)
+    # 2. ReLU-sum approximations of the unary functions an accelerator lacks, on their calibration ranges
+    model, feeds, approximated = _approximations(model, tables.model(model), models, options, inputs, eps, log, warn)
+    result.update(approximated)
+    # 3. the import stage's graph optimizations, on what the rewrites left; how far the outputs moved
+    if chosen or result["approximations"]:
+        model, result["optimized"], result["end_to_end"] = _optimize(
+            original, model, feeds, result["rewrites"], result["approximations"], options, inputs)
+    result["model"] = model
+    return result
+
+
+def _exact_rewrites(model: onnx.ModelProto, nodes: list[support.NodeSupport], models: list[DeviceModel],
+                    log: Log) -> tuple[onnx.ModelProto, list[str], dict]:
+    """Step 1: the exact rules an accelerator's refusals call for, applied: the model, rules chosen, rewrites."""
+    accelerators = [m.kind for m in models]
+    triggers = {code: trigger for m in models for code, trigger in m.rewrite_triggers.items()}
+    refused_ops = {n.op for n in nodes for r in n.refusals if r["device"] in accelerators}
+    refused_ops |= {triggers[r["code"]] for n in nodes for r in n.refusals if r["code"] in triggers}
+    chosen = [r.name for r in exact.RULES if (set(r.replaces) or set(r.triggers)) & refused_ops]
+    if not chosen:
+        return model, chosen, {}
+    original = model
+    model, counts = exact.apply(model, only=chosen)
+    onnx.checker.check_model(model)  # a rule that breaks the graph is a bug, not the user's problem
+    model = _infer(model)
+    rewrites = {name: {"count": n, "exactness": RULES[name].exactness} for name, n in counts.items() if n}
+    if not rewrites:
+        model = original
+    for name, r in rewrites.items():
+        log(f"legalize: {name} x{r['count']} ({r['exactness']})")
+    return model, chosen, rewrites
+
+
+def _approximations(model: onnx.ModelProto, nodes: list[support.NodeSupport], models: list[DeviceModel],
+                    options: Any, inputs: list[dict], eps: float, log: Log,
+                    warn: Log) -> tuple[onnx.ModelProto, list[dict], dict]:
+    """Step 2: ReLU sums in place of the refused unary regions: the model, calibration feeds, report keys."""
+    accelerators = [m.kind for m in models]
+    # refusals an approximation can cure: the op itself is missing (not a shape or type limit)
+    approximable = frozenset(code for m in models for code in m.approximable)
+    refused = {n.name for n in nodes for r in n.refusals if r["device"] in accelerators and r["code"] in approximable}
+    found = regions.find(model, refused) if refused else []
+    if not found:
+        return model, [], {}
+    feeds, calib = load_calibration(options, inputs)
+    ranges = _ranges(model, feeds, sorted({r.input for r in found}))
+    fitted, fallbacks = _fit(model, found, ranges, eps, options, warn)
+    if fitted:
+        model = _substitute(model, fitted, feeds[:E2E_SAMPLES], int8=any(m.int8 for m in models))
+    approximations = [entry for *_, entry in fitted]
+    for e in approximations:
+        log(f"legalize: {', '.join(e['nodes'])} ({' -> '.join(e['ops'])}) ~ {len(e['knots'])} ReLUs on "
+            f"[{e['range'][0]:.3g}, {e['range'][1]:.3g}], max error {e['grid_error']:.2e}"
+            + (f", after int8 {e['int8_error']:.2e}" if "int8_error" in e else ""))
+    return model, feeds, {"approximations": approximations, "fallbacks": fallbacks, "calibration": calib}
+
+
+def _fit(model: onnx.ModelProto, found: list[regions.Region], ranges: dict[str, tuple[float, float]], eps: float,
+         options: Any, warn: Log) -> tuple[list[Fitted], list[dict]]:
+    """Each region's ReLU sum within `eps` on its range, and the regions kept on the CPU (or an error)."""
+    fitted, failures = [], []
+    for region in found:
+        lo, hi = ranges[region.input]
+        f = region.function(model)
+        ops = [model.graph.node[j].op_type for j in region.nodes]
+        entry = {"output": region.output, "input": region.input, "nodes": list(region.refused), "ops": ops,
+                 "range": [lo, hi], "range_from": "calibration data" if options.calib else
+                 "synthetic calibration samples (uniform(-1, 1) inputs)"}
+        try:
+            approx = relu_sum.fit(f, lo, hi, eps)
+        except relu_sum.ApproximationError as e:
+            failures.append((region, entry, str(e)))
+            continue
+        entry.update(approx.to_json())
+        fitted.append((region, approx, f, entry))
+    if failures and not options.allow_cpu_fallback:
+        raise UserError("legalize.approximation-bound",
+                        f"{len(failures)} function(s) cannot be approximated within {eps:g} on their range",
+                        "raise legalize.max_abs_error in the target (or --max-abs-error), or keep them on the "
+                        "CPU with --allow-cpu-fallback",
+                        notes=[f"{', '.join(r.refused)} ({' -> '.join(e['ops'])}) on [{e['range'][0]:.4g}, "
+                               f"{e['range'][1]:.4g}]: {why}" for r, e, why in failures])
+    fallbacks = []
+    for region, entry, why in failures:
+        fallbacks.append({**entry, "reason": why})
+        warn(f"{', '.join(region.refused)}: kept on the CPU ({why})")
+    return fitted, fallbacks
+
+
+def _substitute(model: onnx.ModelProto, fitted: list[Fitted], sample: list[dict], *, int8: bool) -> onnx.ModelProto:
+    """A copy of `model` with every approximation in place; each entry gets its int8 and end-to-end error."""
+    if int8:  # an int8 device: the error after int8 too
+        for (_, _, _, entry), err in zip(fitted, relu_sum.int8_errors([(a, f) for _, a, f, _ in fitted])):
+            entry["int8_error"] = err
+    # each approximation alone: how far it moves the model's outputs on calibration inputs
+    exact_outputs = ort_backend.run_many(model, sample)
+    for k, (region, approx, _, entry) in enumerate(fitted):
+        single = _copy(model)
+        _approximate(single, region, approx, k)
+        entry["end_to_end"] = _deviation_of(exact_outputs, ort_backend.run_many(single, sample))
+    model = _copy(model)
+    # the last exit first: earlier exits rename their consumers, the later approximations included
+    for k, (region, approx, _, entry) in enumerate(sorted(fitted, key=lambda t: -max(t[0].nodes))):
+        _approximate(model, region, approx, k)
+    return model
+
+
+def _optimize(original: onnx.ModelProto, model: onnx.ModelProto, feeds: list[dict], rewrites: dict,
+              approximations: list[dict], options: Any,
+              inputs: list[dict]) -> tuple[onnx.ModelProto, dict, dict | None]:
+    """Step 3: the graph optimized, the rules that fired, and how far inexact rewrites moved the outputs."""
+    model, optimized = passes.optimize(model)
+    fired = {k: v for k, v in optimized["rules"].items() if v}
+    model = _infer(model)
+    end_to_end = None
+    if approximations or any(r["exactness"] != "exact" for r in rewrites.values()):
+        feeds = feeds or load_calibration(options, inputs)[0]
+        end_to_end = _deviation(original, model, feeds[:E2E_SAMPLES])
+    return model, fired, end_to_end
+
+
+def _approximate(model: onnx.ModelProto, region: regions.Region, approx: relu_sum.Approximation, k: int) -> None:
+    """Put approximation number `k` in place of `region`'s exit, in `model`."""
+    new_output = f"{region.output}__relu_sum"
+    new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, f"relu_sum{k}_")
+    regions.replace(model, region, new_nodes, inits, new_output)
+
+
+def _node_json(n: support.NodeSupport) -> dict:
+    return {"node": n.name, "op": n.op, "devices": n.capable, "refusals": n.refusals, "flops": n.flops}
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    del model.graph.value_info[:]
+    return irm.infer_shapes(model)
+
+
+def _ranges(model: onnx.ModelProto, feeds: list[dict], names: list[str]) -> dict[str, tuple[float, float]]:
+    """Min and max of each named tensor over the calibration feeds (a constant tensor gets +-1 around it)."""
+    lo = {n: np.inf for n in names}
+    hi = {n: -np.inf for n in names}
+    for values in ort_backend.run_many(model, feeds, names):
+        for n in names:
+            lo[n] = min(lo[n], float(np.min(values[n])))
+            hi[n] = max(hi[n], float(np.max(values[n])))
+    return {n: (lo[n], hi[n]) if hi[n] > lo[n] else (lo[n] - 1.0, hi[n] + 1.0) for n in names}
+
+
+def _deviation(a: onnx.ModelProto, b: onnx.ModelProto, feeds: list[dict]) -> dict:
+    """How far the legalized model's outputs move, on calibration inputs."""
+    return _deviation_of(ort_backend.run_many(a, feeds), ort_backend.run_many(b, feeds))
+
+
+def _deviation_of(reference: list[dict], other: list[dict]) -> dict:
+    """Max abs difference over all outputs and samples, and the same relative to each output's range."""
+    worst_abs, worst_rel = 0.0, 0.0
+    for ra, rb in zip(reference, other):
+        for name, va in ra.items():
+            d = float(np.max(np.abs(va.astype(np.float64) - rb[name].astype(np.float64))))
+            worst_abs = max(worst_abs, d)
+            worst_rel = max(worst_rel, d / max(float(np.ptp(va)), 1e-12))
+    return {"samples": len(reference), "max_abs_error": worst_abs, "max_error_of_range": worst_rel}
