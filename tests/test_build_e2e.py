@@ -406,6 +406,16 @@ def test_gpu_bundle_has_cuda_library(gpu_ppocr):
     assert m.device_map["gpu:0"] == "cuda:0"
 
 
+def test_gpu_bundle_says_the_device_needs_a_cuda_compiler(gpu_ppocr, x86_ppocr):
+    """The TVM backend's CUDA libraries compile their kernels when loaded: requirements.txt says so,
+    once, as comments after the pinned packages; the same model's CPU bundle says nothing of CUDA."""
+    lines = (gpu_ppocr.bundle / "requirements.txt").read_text().splitlines()
+    assert lines[-2:] == ["# CUDA segments carry CUDA source that TVM compiles when the library is loaded: the device",
+                          "# needs the CUDA toolkit's nvcc (TVM_CUDA_COMPILE_MODE=nvcc) or NVRTC, and an NVIDIA driver"]
+    assert "apache-tvm==" in lines[2] or "apache-tvm==" in "\n".join(lines[1:-2])
+    assert "CUDA" not in (x86_ppocr.bundle / "requirements.txt").read_text()
+
+
 @pytest.mark.gpu
 def test_gpu_bundle_selftest_on_a_gpu(gpu_ppocr):
     if shutil.which("nvidia-smi") is None:

@@ -46,6 +46,7 @@ class Compiled:
     fallback_artifact: str | None = None  # what the CPU runs when the accelerator is missing
     twin: Path | None = None  # the twin for the build host's golden run
     tuned: dict | None = None  # where the kernels' schedules came from (the manifest's tuning.segments)
+    device_needs: tuple[str, ...] = ()  # comment lines for requirements.txt: what else the device must have
 
 
 @dataclass(frozen=True)

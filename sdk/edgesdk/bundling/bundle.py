@@ -48,6 +48,7 @@ class _Shipped:
     twins: dict[str, Path]
     tuned: dict[str, dict]
     finishing: dict  # the manifest's `edgetpu` record: compiled or not, the compilers' logs, corrections
+    device_needs: tuple[str, ...]  # what the device needs beyond the runtime's packages, each line once
 
 
 def package(src: Sources, target, options, out: Path, *, log: Callable[[str], None],
@@ -63,7 +64,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     manifest = _manifest(shipped, src, target, imported, log, warnings)
     (bundle / "manifest.json").write_text(manifest.to_json())
     shutil.copytree(RUNTIME_DIR, bundle / "runtime", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (bundle / "requirements.txt").write_text(requirements(manifest.segments, target.host.arch))
+    (bundle / "requirements.txt").write_text(requirements(manifest.segments, target.host.arch, shipped.device_needs))
     (bundle / "plan.json").write_text(shipped.plan.to_json())
     # 3. the golden self-test and the accuracy: this plan, on this host (twins for foreign CPU/GPU code)
     log("package: running the bundle's plan on the build host for the golden output")
@@ -92,6 +93,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     compiler_logs: dict[str, dict] = {}
     corrections: list[dict] = []
     planned: list[PlanSegment] = []  # the plan's segments as shipped: artifact and corrected prediction
+    needs: dict[str, None] = {}
     for seg in plan.segments:
         sid, kind = seg.id, seg.device.split(":")[0]
         compressed = compress["segments"].get(sid)
@@ -106,6 +108,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             twins[sid] = compiled.twin
         if compiled.tuned is not None:
             tuned[sid] = compiled.tuned
+        needs.update(dict.fromkeys(compiled.device_needs))
         finisher = backends.finisher(kind)
         if finisher is not None and finisher.available():
             art, compiler_logs[sid], correction, seg = finish_segment(finisher, bundle, art, seg,
@@ -130,7 +133,8 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             arts = [a for g, a in unfinished if g is f]
             finishing["finish_command"] = f"cd bundle && {f.finish_command(arts)}"
             warn(f.unfinished_warning(arts))
-    return _Shipped(dataclasses.replace(plan, segments=tuple(planned)), tuple(segments), twins, tuned, finishing)
+    return _Shipped(dataclasses.replace(plan, segments=tuple(planned)), tuple(segments), twins, tuned, finishing,
+                    tuple(needs))
 
 
 def finish_segment(finisher: backends.Finisher, bundle: Path, artifact: str, seg: PlanSegment, scheduled: Path,
@@ -200,17 +204,15 @@ def toolchain() -> dict[str, str]:
     return out
 
 
-def requirements(segments, arch: str) -> str:
-    """requirements.txt: numpy and the runtime distributions of the backends the segments use, pinned."""
+def requirements(segments, arch: str, needs: tuple[str, ...] = ()) -> str:
+    """requirements.txt: numpy and the runtime distributions of the backends the segments use, pinned,
+    then as comments what else the device needs (`Compiled.device_needs`)."""
     used = {s.backend for s in segments}
     dists = ["numpy", *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)]
     lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
     for d in dists:
         lines.append(f"{d}=={importlib.metadata.version(d)}")
-    if any(s.device.startswith("gpu") for s in segments):
-        lines.append("# CUDA segments carry CUDA source that TVM compiles when the library is loaded: the device")
-        lines.append("# needs the CUDA toolkit's nvcc (TVM_CUDA_COMPILE_MODE=nvcc) or NVRTC, and an NVIDIA driver")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [f"# {line}" for line in needs]) + "\n"
 
 
 def tuning_provenance(tune: dict, tuned: dict) -> dict:

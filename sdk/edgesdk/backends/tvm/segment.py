@@ -13,6 +13,8 @@ from .tuning import tune_onnx
 
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
 HOST_CODEGEN = {"kind": "llvm"}
+CUDA_NEEDS = ("CUDA segments carry CUDA source that TVM compiles when the library is loaded: the device",
+              "needs the CUDA toolkit's nvcc (TVM_CUDA_COMPILE_MODE=nvcc) or NVRTC, and an NVIDIA driver")
 
 
 def compile_segment(job: CompileJob) -> Compiled:
@@ -27,7 +29,8 @@ def compile_segment(job: CompileJob) -> Compiled:
         twin = job.twin_dir / f"{sid}.so"
         compile_onnx(job.model, HOST_CODEGEN, twin)
     return Compiled(f"segments/{sid}.so", res.inputs, res.outputs, twin=twin,
-                    tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled})
+                    tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled},
+                    device_needs=CUDA_NEEDS if codegen.get("kind") == "cuda" else ())
 
 
 def tune_segments(job: TuneJob) -> dict:
