@@ -91,7 +91,8 @@ def coral_pipelining() -> list[dict]:
     from edgesdk.config.target import load_target
     from edgesdk.ir import model as irm
     from edgesdk.scheduling import baselines, simulate
-    from edgesdk.stages.schedule import STREAM_FRAMES, build_problem
+    from edgesdk.scheduling.graph import build_problem
+    from edgesdk.scheduling.planner import STREAM_FRAMES
 
     base, _ = load_target("arm_2tpu")
     rows = []

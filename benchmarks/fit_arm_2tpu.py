@@ -34,7 +34,7 @@ Models, with weights=None (cost depends on shapes, not on weights), cached as .k
 TF-slim's inception_v1 (the architecture of Coral's model) and the TensorFlow segmentation tutorial's
 U-Net (MobileNetV2 encoder, pix2pix decoder), both written here. Each is built through the pipeline up
 to legalize for arm_2tpu (build directories under .cache/bench-fit/build/, reused through the stage
-cache), and its Problem comes from `stages.schedule.build_problem`, the schedule stage's own code.
+cache), and its Problem comes from `scheduling.graph.build_problem`, the schedule stage's own code.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class Graph:
             self.ops[n.op_type] = self.ops.get(n.op_type, 0) + 1
 
     def problem(self, target):
-        from edgesdk.stages.schedule import build_problem
+        from edgesdk.scheduling.graph import build_problem
 
         return build_problem(self.model, target, self.shapes, self.consts)[0]
 

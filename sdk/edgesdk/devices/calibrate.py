@@ -117,7 +117,7 @@ def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int 
     node's body, whose kernels add up to its time), `threads` intra-op threads,
     spinning off (an idle spinning pool would steal the cores the next kernel needs), on random
     inputs drawn with `seed`. Flops and bytes are counted as the scheduler counts them
-    (`stages/schedule.build_problem`). Constant nodes run no kernel and have no sample."""
+    (`scheduling/graph.build_problem`). Constant nodes run no kernel and have no sample."""
     import onnxruntime as ort
 
     if threads < 1 or runs < 1 or warmup < 0:

@@ -1,0 +1,175 @@
+"""The schedule as one function: a legalized model and a target in, a `Plan` and its segments out.
+
+`make_plan` builds the numeric problem (`graph.build_problem`), places the nodes (the placement DP
+for latency; for throughput the pipelining DP or the latency plan streamed, whichever the simulated
+stream runs faster), splits CPU runs by backend, re-schedules CPU runs for inter-operator parallelism
+(`interop`), cuts the segments (`segments`), simulates one inference and a stream of `STREAM_FRAMES`
+frames (`simulate`), costs the documented baselines (`baselines`), and assembles the frozen `Plan`.
+It reads and writes no file: the schedule stage writes what it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import onnx
+
+from ..devices import registry
+from ..errors import UserError
+from ..ir import model as irm
+from . import baselines, interop, pipelining, placement, simulate
+from .graph import build_problem
+from .plan import Plan, PlanSegment
+from .problem import Problem
+from .segments import PlannedSegment, annotate, cut, logit_probes, placement_counts, split_by_backend
+
+STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
+COST_MODEL = ("per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
+              "device: the link (devices/cost.py); every figure names its source in the target file")
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    plan: Plan
+    segments: dict[str, onnx.ModelProto]  # segment id -> its standalone model, nodes annotated with the device
+    model: onnx.ModelProto  # the whole model, every node annotated with its device
+    problem: Problem
+    runs: tuple[PlannedSegment, ...]  # the segments' nodes (graph indices), in the plan's order
+    one: simulate.Timeline  # one inference
+    flow: simulate.Timeline  # a stream of STREAM_FRAMES frames
+    scheduler_s: float  # the placement's and the inter-op DP's run time: a measurement, not part of the plan
+
+
+def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool) -> Scheduled:
+    """Place every node of `model` (legalized: each node annotated with the devices that can run it)
+    on a device of `target` by cost, for `mode` latency or throughput, and cut the segments."""
+    shapes, consts = irm.static_shapes(model), irm.constant_names(model)
+    problem, cpu_backend = build_problem(model, target, shapes, consts)
+    t0 = time.perf_counter()
+    chosen, streamed = _place(problem, mode)
+    scheduler_s = time.perf_counter() - t0
+    placed = split_by_backend(chosen, cpu_backend)
+    t1 = time.perf_counter()
+    par = interop.parallelize(placed, problem, model, target, shapes, consts, mode == "latency" and inter_op)
+    scheduler_s += time.perf_counter() - t1
+    probes = logit_probes(model)
+    segments, models = cut(model, par.runs, problem, shapes, consts, probes)
+    one, flow = _simulate(problem, placed, par)
+    plan = Plan(
+        target=target.name, mode=mode,
+        inputs=tuple(i.name for i in model.graph.input if i.name not in consts),
+        outputs=tuple(o.name for o in model.graph.output), probes=probes,
+        segments=segments,
+        pipeline_stages=_pipeline_stages(mode, chosen, segments, cpu_backend),
+        parallel_steps=tuple(tuple(st) for st in par.steps),
+        inter_op=interop.summary(par, placed),
+        predicted=_predicted(problem, placed, one, flow),
+        utilization={k: round(v, 4) for k, v in flow.utilization.items()},
+        cost_model=COST_MODEL, search=_search(mode, streamed),
+        baselines=_baselines(problem, target),
+        placement=placement_counts(par.runs),
+        decisions=tuple(_decisions(problem, chosen)),
+    )
+    return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, flow, scheduler_s)
+
+
+def _place(problem: Problem, mode: str) -> tuple[list, bool]:
+    """The chosen (start, stop, device) spans, and whether they are the latency plan streamed."""
+    try:
+        latency_plan = list(placement.place(problem).segments)
+        if mode != "throughput":
+            return latency_plan, False
+        stages = list(pipelining.pipeline(problem).stages)
+        # The pipelining DP gives each device one contiguous stage. A graph whose CPU-only ops are spread
+        # out (a captioner's frame split, RepeatVector and vocabulary Dense) then puts almost everything
+        # on the CPU; the latency plan, streamed (devices holding several segments), can do better. Keep
+        # whichever the simulated stream runs faster.
+        fps = [simulate.stream(problem, plan, STREAM_FRAMES).throughput_fps for plan in (stages, latency_plan)]
+    except ValueError as e:  # a node no device can run: legalize refuses these first, so a bug here
+        raise UserError("schedule.infeasible", str(e), "run `edgesdk check` to see which device can run what") from None
+    return (latency_plan, True) if fps[1] > fps[0] else (stages, False)
+
+
+def _spans(placed: list[PlannedSegment]) -> list[tuple[int, int, str]]:
+    return [(r.nodes[0], r.nodes[-1] + 1, r.device) for r in placed]
+
+
+def _simulate(problem: Problem, placed: list[PlannedSegment], par: interop.InterOp):
+    """One inference and a stream, played on the placement's runs; a CPU run scheduled for
+    inter-operator parallelism takes its parallel plan's time."""
+    durations = {i: p.ms for i, p in par.plans.items()}
+    spans = _spans(placed)
+    return (simulate.one_inference(problem, spans, durations),
+            simulate.stream(problem, spans, STREAM_FRAMES, durations=durations))
+
+
+def _predicted(problem: Problem, placed: list[PlannedSegment], one, flow) -> dict[str, float]:
+    sequential = placement.sequential_ms(problem, placement.Plan(tuple(placement.Span(*s) for s in _spans(placed)), 0.0))
+    return {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+            "sequential_ms": round(sequential, 4)}
+
+
+def _pipeline_stages(mode: str, chosen, segments: tuple[PlanSegment, ...], cpu_backend: list[str]):
+    """Segment ids per stage of a stream: in throughput mode a stage is a device's contiguous range (its
+    CPU backend pieces run as one stage); in latency mode each segment is a stage."""
+    if mode != "throughput":
+        return tuple((s.id,) for s in segments)
+    ids = iter(s.id for s in segments)
+    return tuple(tuple(next(ids) for _ in split_by_backend([stage], cpu_backend)) for stage in chosen)
+
+
+def _search(mode: str, streamed: bool) -> str:
+    if mode == "latency":
+        return ("contiguous segments of the graph's topological order, one device each; optimal for the "
+                "sequential latency (placement DP)")
+    if streamed:
+        return ("the latency plan streamed (each device running its segments in turn): its simulated "
+                "frames/s beat the pipelining DP's (contiguous stages on distinct devices)")
+    return ("contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
+            "faster in the simulated stream than the latency plan")
+
+
+def _decisions(problem: Problem, segments) -> list[str]:
+    """Accelerator-capable runs the plan leaves on the CPU, and why: the cost both ways."""
+    out = []
+    for start, stop, device in segments:
+        if device != "cpu":
+            continue
+        n = start
+        while n < stop:
+            accel = next((d for d in problem.devices[1:] if problem.can(n, d)), None)
+            if accel is None:
+                n += 1
+                continue
+            end = n
+            while end < stop and problem.can(end, accel):
+                end += 1
+            cpu = placement.segment_ms(problem, n, end, "cpu")
+            acc = placement.segment_ms(problem, n, end, accel)
+            out.append(f"{end - n} node(s) ({problem.nodes[n]}..{problem.nodes[end - 1]}) stay on the cpu: "
+                       f"{cpu:.3f} ms there, {acc:.3f} ms on {accel} with its link transfers, "
+                       "or the plan around them is cheaper so")
+            n = end
+    return out
+
+
+def _baselines(problem: Problem, target) -> dict[str, dict]:
+    """The documented rules (all on the CPU, greedy, each accelerator vendor's), costed and simulated on
+    the same cost model; a rule that cannot place the graph says why."""
+    rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy}
+    for m in registry.accelerators({d.kind for d in target.devices}):  # each vendor's documented rules
+        rules.update(baselines.vendor_rules(m.kind, target.logical_ids(m.kind)))
+    out = {}
+    for name, rule in rules.items():
+        try:
+            segs = rule(problem)
+        except ValueError as e:
+            out[name] = {"error": str(e)}
+            continue
+        one = simulate.one_inference(problem, segs)
+        flow = simulate.stream(problem, segs, STREAM_FRAMES)
+        sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
+        out[name] = {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+                     "sequential_ms": round(sequential, 4), "segments": len(segs)}
+    return out
