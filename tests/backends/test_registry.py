@@ -23,3 +23,36 @@ def test_a_backend_registered_for_a_test_is_forgotten_after_it():
             backends.register(fake)
     with pytest.raises(ValueError, match="no backend named 'fake'; known: onnxruntime, tflite, tvm"):
         backends.backend("fake")
+
+
+def test_only_the_edge_tpu_has_a_finisher_and_it_says_how_to_finish():
+    f = backends.finisher("edgetpu")
+    assert f is not None and f.name == "edgetpu_compiler"
+    assert backends.finisher("cpu") is None and backends.finisher("gpu") is None
+    assert f.finish_command(["segments/s0.tflite"]) == "edgetpu_compiler -s -o segments segments/s0.tflite"
+    warning = f.unfinished_warning(["segments/s0.tflite", "segments/s2.tflite"])
+    assert warning.startswith("edgetpu_compiler is not installed: 2 Edge TPU segment(s) ship uncompiled")
+    assert warning.endswith("cd bundle && edgetpu_compiler -s -o segments segments/s0.tflite segments/s2.tflite")
+    with pytest.raises(ValueError, match="already has a finisher"):
+        backends.register_finisher(f)
+
+
+@pytest.mark.parametrize("target", ["x86", "rtx3090"])
+def test_tvm_tuning_over_rpc_bounds_builders_by_a_cpu_entry_only(monkeypatch, tmp_path, target):
+    """The TVM tuner hands MetaSchedule the cores of the boards' CPU entry; a GPU entry has no cores
+    (tuning for the RTX 3090 over RPC once failed reading them)."""
+    from edgesdk.backends.tvm import segment
+    from edgesdk.config import load_target
+
+    seen = {}
+    monkeypatch.setattr(segment, "tune_onnx", lambda models, codegen, db, **kw: seen.update(kw, codegen=codegen) or {})
+    t, _ = load_target(target)
+    kind = "gpu" if target == "rtx3090" else "cpu"
+    device = t.device(kind)
+    job = backends.TuneJob(kind=kind, models=(), device=device, tuning_db=tmp_path, trials=8, time_budget_s=None,
+                           seed=0, boards=backends.Boards.parse("127.0.0.1:9190", "k"), log_dir=tmp_path,
+                           progress=None, log=lambda s: None)
+    backends.backend("tvm").tune(job)
+    assert seen["codegen"] == device.codegen
+    assert seen["num_cores"] == (t.host.cores if kind == "cpu" else None)
+    assert seen["boards"] == backends.Boards("127.0.0.1", 9190, "k")
