@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -125,6 +126,11 @@ def graphs(graph: onnx.GraphProto):
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from graphs(g)
+
+
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Nodes by op type, sorted by op type; those in If/Loop/Scan bodies included."""
+    return dict(sorted(collections.Counter(n.op_type for g in graphs(model.graph) for n in g.node).items()))
 
 
 def node_name(node: onnx.NodeProto, index: int) -> str:

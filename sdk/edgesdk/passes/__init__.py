@@ -27,7 +27,6 @@ says which rule and why. If the result fails the ONNX checker the input model is
 
 from __future__ import annotations
 
-import collections
 import logging
 
 import onnx
@@ -36,6 +35,7 @@ import onnx_ir as ir
 from . import (batchnorm, constant_folding, conv_bias_activation, elementwise, identity, loops, redundancy, reshape,
                transpose)
 from ..ir import model as irm
+from ..ir.model import op_counts
 from .rule import MAX_ROUNDS, Rule, fixed_point  # noqa: F401 (MAX_ROUNDS: part of this package's API)
 
 
@@ -102,10 +102,6 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return irm.infer_shapes(model, strict=False)
         except Exception:  # noqa: BLE001 - the checker below decides whether the model is usable
             return model
-
-
-def op_counts(model: onnx.ModelProto) -> dict[str, int]:
-    return dict(sorted(collections.Counter(n.op_type for n in _all_nodes(model.graph)).items()))
 
 
 def _all_nodes(graph: onnx.GraphProto):
