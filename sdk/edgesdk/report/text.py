@@ -18,7 +18,7 @@ def import_summary(record: dict[str, Any], top: int = 8) -> str:
     fired = sorted(((n, c) for n, c in record["rules"].items() if c), key=lambda nc: (-nc[1], nc[0]))
     lines.append("  rules fired: " + (", ".join(f"{n} x{c}" for n, c in fired) if fired else "none"))
     changed = sorted((op for op in set(before) | set(after) if before.get(op, 0) != after.get(op, 0)),
-                     key=lambda op: -abs(before.get(op, 0) - after.get(op, 0)))
+                     key=lambda op: (-abs(before.get(op, 0) - after.get(op, 0)), op))  # ties by name: stable output
     if changed:
         shown = ", ".join(f"{op} {before.get(op, 0)}->{after.get(op, 0)}" for op in changed[:top])
         lines.append("  ops changed: " + shown + (f", and {len(changed) - top} more" if len(changed) > top else ""))
