@@ -110,6 +110,15 @@ def _servers(boards: Boards, timeout_s: float = 5.0) -> int:
     return sum(1 for s in summary.get("server_info", []) if s.get("key") == "server:" + boards.key)
 
 
+def _measured_on(target: dict, tvm_target: Any, boards: Boards | None) -> str:
+    """Where tuning measures candidates, checked: `boards` with a free server, or this host if it runs the code."""
+    if boards is not None:
+        servers = check_boards(boards)
+        return f"{servers} board(s) {boards}"
+    _check_measurable(target, tvm_target)
+    return "this host"
+
+
 def _check_measurable(target: dict, tvm_target: Any) -> None:
     """Tuning measures candidates on this machine: it must be able to run them."""
     import platform

@@ -34,7 +34,7 @@ import onnx
 from .builder import _pooled_builder, _remove
 from .compile import _import, _lower
 from .database import _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
-from .runner import Boards, _check_measurable, _runner, check_boards
+from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
 from .search import Progress, _interrupt_after_batch, _search, _Watch
 from .targets import _cross_compiler, _resolve_target
@@ -89,87 +89,43 @@ def tune_onnx(
                                "per_task": [], "failures": {"build": 0, "run": 0, "messages": []}}
     if trials <= 0:
         return summary
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
     say = log or (lambda s: None)
+    # the target, and where its candidates are measured: on boards over RPC, or here if this host runs them
     target, tvm_target = _resolve_target(target)
-    if boards is not None:
-        servers = check_boards(boards)
-        summary["measured_on"] = f"{servers} board(s) {boards}"
-    else:
-        _check_measurable(target, tvm_target)
-        summary["measured_on"] = "this host"
-    cores = num_cores or target.get("num-cores") or ms.utils.cpu_count(logical=False)
-    # MetaSchedule sizes parallel loops by the target's core count; the database keeps the
-    # target as given, so that compiling for it finds these records.
-    tvm_target = tvm.target.Target({**target, "num-cores": int(cores)})
+    summary["measured_on"] = _measured_on(target, tvm_target, boards)
+    cores, tvm_target = _with_cores(target, num_cores)
+    # the tasks: the segments' fused TIR functions (lowered as compilation does), one per workload
     tasks = _extract_tasks(models, tvm_target)
     if only_tasks is not None:
         tasks = [t for t in tasks if t.name in set(only_tasks)]
     summary["tasks"] = len(tasks)
+    # reuse: a task whose finished search had this budget costs no trials; the others share what is left
     path = Path(tuning_db)
-    dropped = repair_database(path)
-    if dropped:
-        say(f"tune: dropped {dropped} incomplete line(s) at the end of the database (an interrupted write)")
-    database = _open_database(path, target, must_exist=False)
-    # the budget counts candidates that were measured: those lost with a board are measured again
-    counts = _record_counts(database, valid_only=True)
-    searched, baseline = _read(path, "searched.json"), _read(path, "baseline.json")
-    todo = [t for t in tasks if searched.get(t.key, 0) < trials]
-    remaining = trials - sum(counts.get(t.key, 0) for t in todo)
-    if todo and remaining <= 0:  # an earlier, interrupted run with this budget measured it all
-        _merge(path, "searched.json", dict.fromkeys((t.key for t in todo), trials), max)
-        todo = []
+    database = _open_repaired(path, target, say)
+    todo, remaining = _tasks_to_search(tasks, path, database, trials)
     summary["reused"], summary["searched"] = len(tasks) - len(todo), len(todo)
-    records_before = _record_counts(database)
-    deadline = start + time_budget_s if time_budget_s else math.inf
-    stop = {"why": "budget" if todo else "done"}
+    baseline, records_before = _read(path, "baseline.json"), _record_counts(database)
+    # the search: the untuned baseline, the cost model's transfer, then the budgeted and timed search
+    stop = {"why": "done"}
     if todo:
-        runner = _runner(ms, boards)
-        builder = _pooled_builder(max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)),
-                                  _cross_compiler(target))
-        try:
-            new = [t for t in todo if baseline.get(t.key) is None]
-            if new:
-                say(f"tune: measuring the untuned default schedule of {len(new)} task(s)")
-                measured = {k: v for k, v in _measure_defaults(new, tvm_target, builder, runner, database).items()
-                            if v is not None}
-                baseline.update(measured)
-                _merge(path, "baseline.json", measured, lambda old, new_: new_)
-                remaining -= len(measured)
-            cost_model = ms.cost_model.XGBModel(num_tuning_cores=int(cores), tree_method="auto")
-            if transfer and len(database):
-                summary["transfer"] = _pretrain(cost_model, database, tvm_target, int(cores))
-                say(f"tune: cost model trained on {summary['transfer']['records']} records of "
-                    f"{summary['transfer']['workloads']} workloads already in the database")
-            if remaining > 0:  # the time budget is checked after each batch: at least one is measured
-                watch = _Watch(progress, [t.name for t in todo], remaining, start, deadline, boards is not None,
-                               summary["failures"], stop)
-                with _interrupt_after_batch(watch, say):
-                    _search(ms, todo, tvm_target, log_dir, remaining, batch, seed, builder, runner, database,
-                            cost_model, watch)
-        finally:
-            builder.shutdown()
-        if stop["why"] == "interrupted":
-            raise KeyboardInterrupt
-        if stop["why"] == "budget":  # finished: these workloads cost no trials with this budget again
-            _merge(path, "searched.json", dict.fromkeys((t.key for t in todo), trials), max)
-    after = _record_counts(database)
-    summary["trials"] = sum(after.values()) - sum(records_before.values())
-    summary["stopped"] = stop["why"]
-    if stop.get("message"):
-        summary["stop_message"] = stop["message"]
-    for t in tasks:
-        best, untuned = _best_ms(database, t.mod), baseline.get(t.key)
-        summary["per_task"].append({
-            "name": t.name, "workload": t.key, "weight": t.weight, "searched": t in todo,
-            "trials": after.get(t.key, 0) - records_before.get(t.key, 0), "records": after.get(t.key, 0),
-            "untuned_ms": untuned, "best_ms": best,
-            "speedup": round(untuned / best, 3) if untuned and best else None,
-        })
+        stop = _tune_tasks(todo, remaining, trials, target, tvm_target, cores, path, database, baseline, summary,
+                           say, boards=boards, transfer=transfer, progress=progress, log_dir=log_dir, batch=batch,
+                           seed=seed, start=start, time_budget_s=time_budget_s)
+    # the summary: the trials measured now, why the search stopped, and per task its records and speedup
+    _summarize(summary, tasks, todo, database, baseline, records_before, stop)
     summary["wall_s"] = round(time.monotonic() - start, 2)
     return summary
+
+
+def _with_cores(target: dict, num_cores: int | None) -> tuple[int, Any]:
+    """The core count tuning assumes (`num_cores`, the target's, or this host's) and the tvm Target with it."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    cores = int(num_cores or target.get("num-cores") or ms.utils.cpu_count(logical=False))
+    # MetaSchedule sizes parallel loops by the target's core count; the database keeps the
+    # target as given, so that compiling for it finds these records.
+    return cores, tvm.target.Target({**target, "num-cores": cores})
 
 
 @dataclass
@@ -196,6 +152,70 @@ def _extract_tasks(models: list[onnx.ModelProto], tvm_target: Any) -> list[_Task
     for t in merged.values():
         t.extracted = ms.ExtractedTask(t.name, t.extracted.mod, tvm_target, [t.mod], t.weight)
     return list(merged.values())
+
+
+def _open_repaired(path: Path, target: dict, say: Callable[[str], None]) -> Any:
+    """The database in `path` (created if new), its last line dropped first if a write was interrupted."""
+    dropped = repair_database(path)
+    if dropped:
+        say(f"tune: dropped {dropped} incomplete line(s) at the end of the database (an interrupted write)")
+    return _open_database(path, target, must_exist=False)
+
+
+def _tasks_to_search(tasks: list[_Task], path: Path, database: Any, trials: int) -> tuple[list[_Task], int]:
+    """The tasks without a finished search of `trials` candidates, and what is left of the budget for them."""
+    # the budget counts candidates that were measured: those lost with a board are measured again
+    counts = _record_counts(database, valid_only=True)
+    searched = _read(path, "searched.json")
+    todo = [t for t in tasks if searched.get(t.key, 0) < trials]
+    remaining = trials - sum(counts.get(t.key, 0) for t in todo)
+    if todo and remaining <= 0:  # an earlier, interrupted run with this budget measured it all
+        _merge(path, "searched.json", dict.fromkeys((t.key for t in todo), trials), max)
+        todo = []
+    return todo, remaining
+
+
+def _tune_tasks(todo, remaining, trials, target, tvm_target, cores, path, database, baseline, summary, say, *,
+                boards, transfer, progress, log_dir, batch, seed, start, time_budget_s) -> dict:
+    """Search `todo` with `remaining` trials: the untuned baseline, transfer, the search; how it stopped."""
+    from tvm.s_tir import meta_schedule as ms
+
+    deadline = start + time_budget_s if time_budget_s else math.inf
+    stop = {"why": "budget"}
+    runner = _runner(ms, boards)
+    builder = _pooled_builder(max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)), _cross_compiler(target))
+    try:
+        # the untuned baseline: each new task's default schedule measured (on CPU, a record too)
+        remaining -= _measure_baseline(todo, baseline, path, tvm_target, builder, runner, database, say)
+        # transfer: the cost model trained on every record already in the database
+        cost_model = _cost_model(database, tvm_target, cores, transfer, summary, say)
+        # the search: batches until the budget, the time budget, Ctrl-C or lost boards end it
+        if remaining > 0:  # the time budget is checked after each batch: at least one is measured
+            watch = _Watch(progress, [t.name for t in todo], remaining, start, deadline, boards is not None,
+                           summary["failures"], stop)
+            with _interrupt_after_batch(watch, say):
+                _search(ms, todo, tvm_target, log_dir, remaining, batch, seed, builder, runner, database,
+                        cost_model, watch)
+    finally:
+        builder.shutdown()
+    if stop["why"] == "interrupted":
+        raise KeyboardInterrupt
+    if stop["why"] == "budget":  # finished: these workloads cost no trials with this budget again
+        _merge(path, "searched.json", dict.fromkeys((t.key for t in todo), trials), max)
+    return stop
+
+
+def _measure_baseline(todo, baseline, path, tvm_target, builder, runner, database, say) -> int:
+    """The untuned latency of each task in `todo` without one yet, kept in `baseline.json`; how many were measured."""
+    new = [t for t in todo if baseline.get(t.key) is None]
+    if not new:
+        return 0
+    say(f"tune: measuring the untuned default schedule of {len(new)} task(s)")
+    measured = {k: v for k, v in _measure_defaults(new, tvm_target, builder, runner, database).items()
+                if v is not None}
+    baseline.update(measured)
+    _merge(path, "baseline.json", measured, lambda old, new_: new_)
+    return len(measured)
 
 
 def _measure_defaults(tasks: list[_Task], tvm_target: Any, builder, runner, database) -> dict[str, float | None]:
@@ -244,6 +264,18 @@ def _measure_defaults(tasks: list[_Task], tvm_target: Any, builder, runner, data
     return out
 
 
+def _cost_model(database, tvm_target, cores, transfer, summary, say) -> Any:
+    """MetaSchedule's XGBoost cost model, with `transfer` first trained on every record in `database`."""
+    from tvm.s_tir import meta_schedule as ms
+
+    cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores, tree_method="auto")
+    if transfer and len(database):
+        summary["transfer"] = _pretrain(cost_model, database, tvm_target, cores)
+        say(f"tune: cost model trained on {summary['transfer']['records']} records of "
+            f"{summary['transfer']['workloads']} workloads already in the database")
+    return cost_model
+
+
 def _pretrain(cost_model: Any, database: Any, tvm_target: Any, cores: int) -> dict:
     """Train `cost_model` on every record in `database`, grouped by workload (the model scores
     a candidate relative to the best of its own workload, so workloads mix).
@@ -270,3 +302,20 @@ def _pretrain(cost_model: Any, database: Any, tvm_target: Any, cores: int) -> di
             cost_model.update(context, candidates, results)
             used += len(candidates)
     return {"records": used, "workloads": len(groups)}
+
+
+def _summarize(summary, tasks, todo, database, baseline, records_before, stop) -> None:
+    """Fill `summary` with the trials measured now, why the search stopped, and each task's records and speedup."""
+    after = _record_counts(database)
+    summary["trials"] = sum(after.values()) - sum(records_before.values())
+    summary["stopped"] = stop["why"]
+    if stop.get("message"):
+        summary["stop_message"] = stop["message"]
+    for t in tasks:
+        best, untuned = _best_ms(database, t.mod), baseline.get(t.key)
+        summary["per_task"].append({
+            "name": t.name, "workload": t.key, "weight": t.weight, "searched": t in todo,
+            "trials": after.get(t.key, 0) - records_before.get(t.key, 0), "records": after.get(t.key, 0),
+            "untuned_ms": untuned, "best_ms": best,
+            "speedup": round(untuned / best, 3) if untuned and best else None,
+        })
