@@ -150,3 +150,13 @@ def test_bundle_commands_on_non_bundles(tmp_path):
     junk = tmp_path / "b.tar.gz"
     junk.write_bytes(b"\x1f\x8b not really")
     assert_user_facing(edgesdk("verify", str(junk)), 1, "not a bundle archive")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("tvm,cuda", "--cpu-backends 'tvm,cuda': unknown backend 'cuda'"),
+    (",", "--cpu-backends ',': names no backend"),
+])
+def test_cpu_backends_are_checked_before_anything_runs(tmp_path, value, message):
+    proc = edgesdk("build", str(PPOCR_CLS), "-t", "x86", "-o", str(tmp_path / "o"), "--cpu-backends", value)
+    assert_user_facing(proc, 2, message, "choose among tvm,onnxruntime,litert")
+    assert not (tmp_path / "o").exists()

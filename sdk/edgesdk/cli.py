@@ -115,6 +115,20 @@ def _native_stderr_silenced(active: bool):
         os.close(devnull)
 
 
+def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    from .scheduling.selection import CPU_BACKENDS, PLANNED
+
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in (PLANNED, *CPU_BACKENDS)]
+    if unknown or not names:
+        raise UsageError("cli.bad-cpu-backends", f"--cpu-backends {value!r}: " + (
+            f"unknown backend {', '.join(repr(n) for n in unknown)}" if unknown else "names no backend"),
+            f"choose among {','.join(CPU_BACKENDS)}, or {PLANNED} alone for the schedule's own cut, unmeasured")
+    return names
+
+
 def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for v in values:
@@ -168,6 +182,7 @@ def build(
     no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
     no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
+    cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert [default: all]; 'planned': the schedule's cut, nothing measured."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -186,6 +201,7 @@ def build(
     if bool(rpc_tracker) != bool(rpc_key):
         raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
                          "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
+    chosen_backends = _parse_cpu_backends(cpu_backends)
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
@@ -196,7 +212,7 @@ def build(
                            calib_method=calib_method, calib_percentile=calib_percentile,
                            calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
-                           seed=seed, until=until, start=start)
+                           cpu_backends=chosen_backends, seed=seed, until=until, start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)
 
@@ -227,10 +243,12 @@ def build(
                 _err(import_summary(s.record))
             if s.name == "legalize" and (text := legalize_summary(s.record)):
                 _err(text)
-        plan_path = stage_dir(out, "schedule") / "plan.json"
-        if plan_path.exists():
+        # the tune stage's plan (each CPU span on its measured backend) where the build got that far
+        plan_path = next((p for p in (stage_dir(out, "tune") / "plan.json", stage_dir(out, "schedule") / "plan.json")
+                          if p.exists()), None)
+        if plan_path is not None:
             _err(placement_summary(json.loads(plan_path.read_text())))
-            _err(f"schedule report: {plan_path.with_name('schedule.html')}")
+            _err(f"schedule report: {stage_dir(out, 'schedule') / 'schedule.html'}")
         for s in result.stages:
             for w in s.record.get("warnings", []) if s.cached else []:
                 _err(f"warning: {w}")

@@ -93,6 +93,8 @@ class BuildOptions:
     legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)
     mode: str = "latency"
     inter_op: bool = True  # False: no inter-operator parallelism on the CPU (--no-inter-op, to compare)
+    # the backends a whole CPU span is measured on beside the plan's cut (--cpu-backends); None: all; ("planned",): none
+    cpu_backends: tuple[str, ...] | None = None
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from

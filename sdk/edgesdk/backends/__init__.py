@@ -10,12 +10,19 @@ from .registry import (Backend, Boards, CompileJob, Compiled, FinishJob, Finishe
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
-                 tuner="edgesdk.backends.tvm.segment:tune_segments"))
+                 tuner="edgesdk.backends.tvm.segment:tune_segments",
+                 lowering="edgesdk.backends.tvm.segment:lowering_reason"))
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
-                 quantizer="edgesdk.backends.tflite.segment:quantize_segment"))
+                 quantizer="edgesdk.backends.tflite.segment:quantize_segment",
+                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
-                 compiler="edgesdk.backends.onnxruntime:compile_segment"))
+                 compiler="edgesdk.backends.onnxruntime:compile_segment",
+                 lowering="edgesdk.backends.onnxruntime:lowering_reason"))
+# fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
+register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
+                 compiler="edgesdk.backends.tflite.segment:compile_float_segment",
+                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher", "QuantizeJob",

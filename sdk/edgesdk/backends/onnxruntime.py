@@ -44,6 +44,11 @@ def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
     return [dict(zip(names, sess.run(names, f))) for f in feeds]
 
 
+def lowering_reason(node, shapes, consts) -> str | None:
+    """onnxruntime runs every standard op; another domain's it does not know."""
+    return None if not node.domain or node.domain == "ai.onnx" else f"onnxruntime has no kernel for domain {node.domain}"
+
+
 def compile_segment(job):
     """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph as it is, which the runtime's
     onnxruntime runner executes."""

@@ -164,8 +164,8 @@ class Backend:
     compiler: str = ""  # "module:function" taking a CompileJob, returning a Compiled
     tuner: str = ""  # "module:function" taking a TuneJob, returning its summary; "" where it does not tune
     quantizer: str = ""  # "module:function" taking a QuantizeJob, returning its record; "" where it does not
-    # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None; the shipped
-    # backends' checks are legalization/support.Tables' own (they share caches of their compilers)
+    # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None: what legalize asks
+    # of a device's backends, and which backends the tune stage may measure for a CPU span
     lowering: str = ""
 
     @property

@@ -34,7 +34,7 @@ class Sources:
     """The earlier stages' outputs a bundle is made of."""
 
     imported: Path  # model.onnx (the fp32 reference), import.json (the model's inputs and outputs)
-    scheduled: Path  # plan.json, segments/*.onnx, model.onnx
+    scheduled: Path  # plan.json, segments/*.onnx, model.onnx (the tune stage's: the plan with its CPU backends)
     tuned: Path  # tuning_db/ (one database per device kind), tune.json
     compressed: Path  # compress.json and its segments/
 
@@ -176,7 +176,8 @@ def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warn
         cpu_threads=target.host.cores,
         predicted=plan.predicted, toolchain=toolchain(), calibration=compress.get("calibration") or {},
         edgetpu=shipped.finishing,
-        tuning=tuning_provenance(json.loads((src.tuned / "tune.json").read_text()), shipped.tuned),
+        tuning=tuning_provenance(json.loads((src.tuned / "tune.json").read_text()), shipped.tuned,
+                                 plan.cpu_selection),
         warnings=tuple(warnings()),
     )
 
@@ -208,16 +209,16 @@ def requirements(segments, arch: str, needs: tuple[str, ...] = ()) -> str:
     """requirements.txt: numpy and the runtime distributions of the backends the segments use, pinned,
     then as comments what else the device needs (`Compiled.device_needs`)."""
     used = {s.backend for s in segments}
-    dists = ["numpy", *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)]
+    dists = dict.fromkeys(["numpy", *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)])
     lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
     for d in dists:
         lines.append(f"{d}=={importlib.metadata.version(d)}")
     return "\n".join(lines + [f"# {line}" for line in needs]) + "\n"
 
 
-def tuning_provenance(tune: dict, tuned: dict) -> dict:
+def tuning_provenance(tune: dict, tuned: dict, cpu_selection: dict) -> dict:
     """Where the kernels' schedules come from: the digest and size of the database the package
-    stage applied (a build that replays it is the same bytes), and per segment how many of its
-    functions got a record."""
+    stage applied (a build that replays it is the same bytes), per segment how many of its
+    functions got a record, and the CPU backends' measured times and the choice (when measured)."""
     return {"database_sha256": tune["database_sha256"], "database_records": tune.get("database_records", 0),
-            "segments": tuned}
+            "segments": tuned, **({"cpu_selection": cpu_selection} if cpu_selection else {})}

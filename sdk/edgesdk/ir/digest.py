@@ -16,10 +16,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def tree_sha256(root: Path) -> str:
-    """Digest of every file under `root` (relative path and content), in sorted order."""
+def tree_sha256(root: Path, exclude: tuple[str, ...] = ()) -> str:
+    """Digest of every file under `root` (relative path and content), in sorted order; `exclude` names
+    files (paths relative to `root`) left out."""
     h = hashlib.sha256()
-    for p in sorted(q for q in Path(root).rglob("*") if q.is_file()):
+    for p in sorted(q for q in Path(root).rglob("*") if q.is_file() and q.relative_to(root).as_posix() not in exclude):
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
         h.update(file_sha256(p).encode())
     return h.hexdigest()

@@ -2,7 +2,7 @@
 
 The tables themselves are data elsewhere: each device kind's own limits are its device model's
 `refusal` (`devices/<kind>.py`; the Edge TPU's is `devices.edgetpu.OPS`, Coral's published list and
-limits), and what each backend can lower is asked of the backend (`Tables.lowerings`: our TFLite lowering,
+limits), and what each backend can lower is asked of the backend (`Backend.lowering`: our TFLite lowering,
 `backends.tflite.LOWERINGS`; the op types TVM's ONNX importer converts, `backends.tvm.importer_ops`;
 every standard op for onnxruntime). A kind's backends are tried in its model's order, so on the CPU
 onnxruntime takes every standard op TVM lacks. This module asks them per node and sums up: coverage
@@ -19,23 +19,13 @@ from dataclasses import dataclass, field
 import onnx
 
 from .. import backends
-from ..backends import tflite as tflite_backend
-from ..backends import tvm as tvm_backend
 from ..config import HOST
 from ..devices import registry
 from ..devices.cost import node_flops
 from ..ir import model as irm
 
-# backend -> why it cannot lower a node (None: it can); the TVM one is bound to the importer's op set
+# backend -> why it cannot lower a node (None: it can)
 Lowering = Callable[[onnx.NodeProto, dict, set], "str | None"]
-
-
-def _onnxruntime_lowering(node: onnx.NodeProto, shapes, consts) -> str | None:
-    return None if not node.domain or node.domain == "ai.onnx" else f"onnxruntime has no kernel for domain {node.domain}"
-
-
-def _tvm_lowering(ops: frozenset[str] | set[str]) -> Lowering:
-    return lambda node, shapes, consts: None if node.op_type in ops else "TVM's ONNX importer has no converter for it"
 
 
 def label(kind: str, backend: str, backends: tuple[str, ...]) -> str:
@@ -66,10 +56,7 @@ class Tables:
 
     def __init__(self, kinds: list[str]):
         self.kinds = kinds
-        self._tvm_ops = tvm_backend.importer_ops()
-        self.lowerings: dict[str, Lowering] = {"tflite": tflite_backend.lowering_reason,
-                                               "tvm": _tvm_lowering(self._tvm_ops),
-                                               "onnxruntime": _onnxruntime_lowering}
+        self.lowerings: dict[str, Lowering] = {}  # each backend's own check (Backend.lowering), asked once
         # the accelerators by preference, then the host, which takes what none of them does
         self.models = [*registry.accelerators(kinds), registry.model(HOST)]
 
@@ -85,7 +72,7 @@ class Tables:
                 continue
             failed = []
             for backend in m.backends:
-                if backend not in self.lowerings:  # a registered backend brings its own check
+                if backend not in self.lowerings:
                     self.lowerings[backend] = backends.backend(backend).lowering_check()
                 why = self.lowerings[backend](node, shapes, consts)
                 if why is None:

@@ -37,7 +37,25 @@ def placement_summary(plan: dict[str, Any]) -> str:
     for name, b in (plan.get("baselines") or {}).items():
         if "error" not in b:
             lines.append(f"  vs {name}: {b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s")
+    lines += cpu_selection_summary(plan.get("cpu_selection") or {})
     return "\n".join(lines)
+
+
+def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
+    """The tune stage's choice of each CPU span's backend: what was measured, where, and what won."""
+    if not selection:
+        return []
+    if selection.get("measured_on") is None:
+        return [f"cpu backends: {selection.get('note', 'not measured')}"]
+    lines = [f"cpu backends measured on {selection['measured_on']} (median of interleaved runs):"]
+    for span in selection.get("spans", []):
+        ids = span["segments"]
+        times = ", ".join(f"{name} {c['ms']:.3f} ms" for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
+                          if "ms" in c)
+        skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
+        lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span['nodes']} nodes): "
+                     f"{span['chosen']} chosen; {times}" + (f"; {skipped}" if skipped else ""))
+    return lines
 
 
 def inspect_bundle(manifest, bundle: Path) -> str:
@@ -65,6 +83,7 @@ def inspect_bundle(manifest, bundle: Path) -> str:
         if m.edgetpu.get("finish_command"):
             out.append(f"            finish with: {m.edgetpu['finish_command']}")
         out += [f"            {line}" for line in edgetpu_mapping(m.edgetpu)]
+    out += cpu_selection_summary(m.tuning.get("cpu_selection") or {})
     if m.calibration:
         out.append(f"calibration {'SYNTHETIC' if m.calibration.get('synthetic') else 'from ' + str(m.calibration.get('source'))}"
                    f", {m.calibration.get('samples')} samples")

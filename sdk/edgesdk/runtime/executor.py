@@ -172,8 +172,10 @@ def _host(value):
 
 
 def _configure_threads(manifest: Manifest) -> None:
-    if manifest.cpu_threads:
-        os.environ.setdefault("TVM_NUM_THREADS", str(min(manifest.cpu_threads, os.cpu_count() or 1)))
+    if manifest.cpu_threads:  # TVM's pool and LiteRT's interpreters (EDGESDK_NUM_THREADS) on the target's cores
+        threads = str(min(manifest.cpu_threads, os.cpu_count() or 1))
+        os.environ.setdefault("TVM_NUM_THREADS", threads)
+        os.environ.setdefault("EDGESDK_NUM_THREADS", threads)
     os.environ.setdefault("TVM_BIND_THREADS", "0")
     if manifest.parallel_steps:
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "3000")

@@ -1,15 +1,16 @@
 """The schedule's output as data: `plan.json` read into frozen dataclasses and written back.
 
-The schedule stage writes a `Plan`; tune, compress and package read it with `Plan.load`. A plan is
-never changed in place: a stage that corrects it (the package stage, after the Edge TPU compiler) makes
-a new one with `dataclasses.replace`. `to_json` writes the keys in one fixed order, so a plan read and
+The schedule stage writes a `Plan`; the tune stage writes it again with each CPU span on the backend it
+measured fastest (`selection.py`); compress reads the schedule's, package the tune stage's, with
+`Plan.load`. A plan is never changed in place: a stage that corrects it (tune; package, after the Edge
+TPU compiler) makes a new one with `dataclasses.replace`. `to_json` writes the keys in one fixed order, so a plan read and
 written again is the same bytes (plan.json is in every bundle, which must be reproducible).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,12 @@ class Plan:
     baselines: dict[str, dict]
     placement: dict[str, int]
     decisions: tuple[str, ...]
+    # the tune stage's choice of each CPU span's backend by measurement (scheduling/selection.py)
+    cpu_selection: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)}, indent=2) + "\n"
+        return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                           if f.name != "cpu_selection" or self.cpu_selection}, indent=2) + "\n"
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -69,11 +73,12 @@ class Plan:
                     tuple(PlanSegment.from_json(s) for s in d["segments"]),
                     tuple(tuple(s) for s in d["pipeline_stages"]), tuple(tuple(s) for s in d.get("parallel_steps", ())),
                     d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
-                    d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())))
+                    d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())),
+                    d.get("cpu_selection", {}))
 
     @staticmethod
     def load(directory: Path) -> "Plan":
-        """The plan in a schedule stage's output directory."""
+        """The plan in a schedule or tune stage's output directory."""
         return Plan.from_json((Path(directory) / "plan.json").read_text())
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from ...ir.numeric import compare
 from ...runtime.manifest import Segment, tensor_from_dict
 from ..registry import CompileJob, Compiled, QuantizeJob
-from .convert import convert_int8
+from .convert import convert_float, convert_int8
 
 ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the float one on
 
@@ -39,6 +39,15 @@ def quantize_segment(job: QuantizeJob) -> dict:
             "tflite_ops": result.op_counts, "ranges": result.ranges,
             "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
                                   for o in seg.outputs}}
+
+
+def compile_float_segment(job: CompileJob) -> Compiled:
+    """The `litert` backend: the segment as an fp32 TFLite model (our NHWC lowering), which LiteRT runs
+    on the CPU with its XNNPACK kernels."""
+    artifact = f"segments/{job.segment.id}.tflite"
+    job.log(f"package: {job.segment.id}: converting {len(job.segment.nodes)} nodes to an fp32 TFLite model (LiteRT)")
+    result = convert_float(job.model, job.segments_dir.parent / artifact)
+    return Compiled(artifact, result.inputs, result.outputs)
 
 
 def _spec(t) -> dict:

@@ -4,10 +4,11 @@ when the bundle's library cannot run here), and the segments of one device kind 
 
 from __future__ import annotations
 
+import functools
 import platform
 
 from ..registry import CompileJob, Compiled, TuneJob
-from .compile import compile_onnx
+from .compile import compile_onnx, importer_ops
 from .targets import missing_host_features, target_arch
 from .tuning import tune_onnx
 
@@ -31,6 +32,16 @@ def compile_segment(job: CompileJob) -> Compiled:
     return Compiled(f"segments/{sid}.so", res.inputs, res.outputs, twin=twin,
                     tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled},
                     device_needs=CUDA_NEEDS if codegen.get("kind") == "cuda" else ())
+
+
+def lowering_reason(node, shapes, consts) -> str | None:
+    """Why TVM cannot compile `node`: its ONNX importer has no converter for the op type."""
+    return None if node.op_type in _importer_ops() else "TVM's ONNX importer has no converter for it"
+
+
+@functools.cache
+def _importer_ops() -> frozenset[str]:
+    return importer_ops()
 
 
 def tune_segments(job: TuneJob) -> dict:

@@ -1,6 +1,6 @@
 """package: compile every segment with its backend and write the bundle.
 
-Needs: the plan (schedule), the tuning database copy (tune), the int8 segments (compress).
+Needs: the plan with its CPU backends and the tuning database copy (tune), the int8 segments (compress).
 Guarantees: `bundle/` as DESIGN §5 lays it out — manifest.json with the sha256 and size of every
 other file, plan.json, segments/, runtime/, golden/, requirements.txt — and a reproducible
 `bundle.tar.gz` (sorted members, fixed mtime/uid/gid). It decides nothing new.
@@ -26,7 +26,8 @@ READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier st
 def run(artifact: Path, ctx) -> dict:
     earlier = [w for stage in READS if (rec := ctx.artifact(stage) / "record.json").exists()
                for w in json.loads(rec.read_text()).get("warnings", [])]
-    sources = Sources(imported=ctx.artifact("import"), scheduled=ctx.artifact("schedule"),
+    # the plan as the tune stage left it: every CPU span on the backend measured fastest
+    sources = Sources(imported=ctx.artifact("import"), scheduled=ctx.artifact("tune"),
                       tuned=ctx.artifact("tune"), compressed=ctx.artifact("compress"))
     return package(sources, ctx.target, ctx.options, ctx.out, log=ctx.log, warn=ctx.warn,
                    warnings=lambda: earlier + ctx.warnings)

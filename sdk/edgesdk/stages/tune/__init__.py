@@ -1,11 +1,16 @@
 """tune: search tensor programs for the segments of every backend that tunes (TVM, for the CPU and GPU:
-MetaSchedule), through the backend registry (`Backend.tune`).
+MetaSchedule), through the backend registry (`Backend.tune`); then put every CPU span on the backend
+measured fastest (`scheduling.selection`: the plan's cut, TVM, onnxruntime or LiteRT fp32 for the
+whole span, each checked against onnxruntime and timed on this host when it runs the target's CPU code).
 
-Needs: the plan and its segment models.
-Guarantees: `tuning_db/`, a copy of the tuning database as the package stage will apply it
-(so a rebuild replays exactly these records), `tune.json` with a summary per device kind
-and per task (trials, untuned and best latency, speedup), and MetaSchedule's logs in `logs/`.
+Needs: the plan and its segment models; the imported model's inputs (for calibration samples).
+Guarantees: `plan.json`, the plan with the chosen backends (its `cpu_selection` says what was measured,
+what was chosen and why), `segments/` and `model.onnx` for it; `tuning_db/`, a copy of the tuning
+database (with its timing cache) as the package stage will apply it (so a rebuild replays exactly
+these records and measurements), `tune.json` with a summary per device kind and per task (trials,
+untuned and best latency, speedup), and MetaSchedule's logs in `logs/`.
 With `--trials 0` (the default) nothing is searched: records already in the database are used.
+`--cpu-backends` restricts the CPU candidates.
 The database (`--tuning-db`, default under the user's cache directory, one per target) is
 persisted between builds and shared between models: a workload searched before with at least
 this budget costs no trials, and every record trains the cost model before a new search
@@ -26,11 +31,16 @@ from pathlib import Path
 import onnx
 
 from ... import backends
+from ...ir import model as irm
+from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
+from ...scheduling import selection
 from ...scheduling.plan import Plan
 
-OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key")
-READS = ("schedule",)  # the earlier stages whose outputs it reads (its cache key covers them)
+OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends",
+           "calib", "calib_samples", "calib_preprocess")
+READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
+TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
 
 def default_tuning_db(target_name: str) -> Path:
@@ -43,9 +53,12 @@ def _db_path(options, target) -> Path:
 
 
 def cache_inputs(options, target) -> dict:
-    """The database's content decides what the package stage compiles: a changed database is a miss."""
+    """The database's content decides what the package stage compiles: a changed database is a miss.
+    Its timing cache is left out: it only replays what this stage measured (a rebuild that measures
+    nothing new chooses the same), and a build's own measurements must not make the next one a miss."""
     db = _db_path(options, target)
-    return {"tuning_db_sha256": tree_sha256(db) if db.is_dir() else None}
+    # a database not made yet is an empty one: the build makes it
+    return {"tuning_db_sha256": tree_sha256(db, exclude=(TIMING_CACHE,))}
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -55,7 +68,22 @@ def run(artifact: Path, ctx) -> dict:
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
-    by_kind: dict[str, list] = {}  # the segments of a tuning backend, per device kind
+    kinds = _search(plan, artifact, db, boards, ctx)
+    selected = _select(plan, artifact, db, ctx)
+    _write_plan(selected, artifact, ctx.out)
+    shutil.copytree(db, ctx.out / "tuning_db", ignore=shutil.ignore_patterns("*.tmp"))
+    record = {"database": str(db), "database_sha256": tree_sha256(ctx.out / "tuning_db"),
+              "database_records": _records(ctx.out / "tuning_db"),
+              "trials": ctx.options.trials, "time_budget_s": ctx.options.time_budget, "seed": ctx.options.seed,
+              "measured_on": str(boards) if boards else "this host", "kinds": kinds,
+              "cpu_selection": selected.record}
+    (ctx.out / "tune.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def _search(plan: Plan, artifact: Path, db: Path, boards, ctx) -> dict[str, dict]:
+    """Each tuning backend's search over its segments, one device kind at a time: the summary per kind."""
+    by_kind: dict[str, list] = {}  # the segments of a tuning backend, per device kind (one such backend today)
     for seg in plan.segments:
         if backends.backend(seg.backend).tunes:
             by_kind.setdefault(seg.device.split(":")[0], []).append(seg)
@@ -84,24 +112,47 @@ def run(artifact: Path, ctx) -> dict:
         bar.close()
         summary["segments"] = ids
         kinds[kind] = summary
-        for line in describe(kind, summary):
-            ctx.log(line)
-        if summary["failures"]["build"] or summary["failures"]["run"]:
-            f = summary["failures"]
-            ctx.warn(f"tune: {kind}: {f['build']} candidate(s) failed to build and {f['run']} to run; "
-                     f"the search went on with the rest; first: {f['messages'][0]}")
-        if summary["stopped"] == "boards-lost":
-            ctx.warn(f"tune: {kind}: search stopped early: {summary.get('stop_message', '')}; the records measured "
-                     f"are kept, and the next build with the same --trials resumes the search")
-        elif summary["stopped"] == "time":
-            ctx.log(f"tune: {kind}: --time-budget reached; the next build with the same --trials resumes the search")
-    shutil.copytree(db, ctx.out / "tuning_db", ignore=shutil.ignore_patterns("*.tmp"))
-    record = {"database": str(db), "database_sha256": tree_sha256(ctx.out / "tuning_db"),
-              "database_records": _records(ctx.out / "tuning_db"),
-              "trials": ctx.options.trials, "time_budget_s": budget_s, "seed": ctx.options.seed,
-              "measured_on": str(boards) if boards else "this host", "kinds": kinds}
-    (ctx.out / "tune.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return record
+        _report(kind, summary, ctx)
+    return kinds
+
+
+def _report(kind: str, summary: dict, ctx) -> None:
+    for line in describe(kind, summary):
+        ctx.log(line)
+    if summary["failures"]["build"] or summary["failures"]["run"]:
+        f = summary["failures"]
+        ctx.warn(f"tune: {kind}: {f['build']} candidate(s) failed to build and {f['run']} to run; "
+                 f"the search went on with the rest; first: {f['messages'][0]}")
+    if summary["stopped"] == "boards-lost":
+        ctx.warn(f"tune: {kind}: search stopped early: {summary.get('stop_message', '')}; the records measured "
+                 f"are kept, and the next build with the same --trials resumes the search")
+    elif summary["stopped"] == "time":
+        ctx.log(f"tune: {kind}: --time-budget reached; the next build with the same --trials resumes the search")
+
+
+def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
+    """Every CPU span on the backend measured fastest (`scheduling.selection`)."""
+    io = json.loads((ctx.artifact("import") / "import.json").read_text())
+    # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
+    allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    return selection.select(
+        plan, onnx.load(str(artifact / "model.onnx")), lambda s: onnx.load(str(artifact / s.artifact)), ctx.target,
+        load_calibration(ctx.options, io["inputs"])[0], allowed=allowed, tuning_db=db / "cpu",
+        cache=selection.TimingCache(db / TIMING_CACHE), measurable=selection.unmeasurable(ctx.target),
+        host=selection.host_name(), log=ctx.log)
+
+
+def _write_plan(selected: selection.Selected, scheduled: Path, out: Path) -> None:
+    """plan.json, segments/ and model.onnx as the package stage reads them: the schedule's files linked,
+    the segments the selection cut anew written."""
+    (out / "segments").mkdir()
+    for s in selected.plan.segments:
+        if s.id in selected.models:
+            irm.save(selected.models[s.id], out / s.artifact)
+        else:
+            selection.copy_file(scheduled / s.artifact, out / s.artifact)
+    selection.copy_file(scheduled / "model.onnx", out / "model.onnx")
+    (out / "plan.json").write_text(selected.plan.to_json())
 
 
 def describe(kind: str, summary: dict) -> list[str]:

@@ -1,0 +1,205 @@
+"""x86 bundles against onnxruntime, with each CPU span on its measured backend (issue 17).
+
+    .venv/bin/python benchmarks/bench_cpu.py [--models A,B] [--runs 30] [--threads 2] [--no-build]
+
+For each model, two builds for `targets/x86.yaml` (as shipped: haswell code, 4 cores; the bundle's
+runtime runs on min(4, this host's) cores), into one tuning database kept in .cache/bench-cpu/db
+(--trials 0: the records already there, none at first):
+  - the default: every CPU span on the backend the tune stage measured fastest on this host (the
+    plan's own TVM/onnxruntime cut, or the whole span on TVM, onnxruntime or LiteRT fp32);
+  - `--cpu-backends tvm`: TVM alone, the bundle before this issue.
+Build time of each (the tune stage's share: the measurement) is recorded.
+
+Then, in one process, interleaved round by round after 5 warm-up rounds, median of `--runs`:
+  - the default bundle and the TVM bundle (`BundleModel.run`, the runtime a device runs),
+  - onnxruntime 1.x with all graph optimizations on `--threads` intra-op threads, on the ONNX file a
+    user has (the model file; for a Keras model, the converter's output from the import stage),
+  - LiteRT fp32 (XNNPACK, `--threads` threads) on the fp32 TFLite of the whole model where our
+    lowering converts it (the `litert` candidate's artifact, else none).
+Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/cpu.json and prints
+the table for RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+CACHE = ROOT / ".cache" / "bench-cpu"
+MODELS = {  # name -> (file or Keras application, build arguments)
+    "MobileNetV2": ("keras:MobileNetV2", []),
+    "ResNet50": ("keras:ResNet50", []),
+    "InceptionV3": ("keras:InceptionV3", []),
+    "EfficientNetB0": ("keras:EfficientNetB0", []),
+    "PP-OCRv4-det": (".cache/models/ch_PP-OCRv4_det_infer.onnx", ["--input-shape", "x=1x3x480x480"]),
+    "PP-OCRv4-rec": (".cache/models/ch_PP-OCRv4_rec_infer.onnx", ["--input-shape", "x=1x3x48x320"]),
+    "silero-vad": (".cache/models/silero_vad.onnx", ["--input-shape", "input=1x512", "--input-shape", "state=2x1x128",
+                                                     "--input-value", "sr=16000"]),
+    "transformer-encoder": ("keras:TransformerEncoder", []),
+}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def model_file(name: str) -> Path:
+    source, _ = MODELS[name]
+    if not source.startswith("keras:"):
+        return ROOT / source
+    app = source.split(":", 1)[1]
+    if app == "TransformerEncoder":
+        return transformer_encoder()
+    from bench_import import keras_app
+
+    return keras_app(app)[0]
+
+
+def transformer_encoder() -> Path:
+    """Two post-norm encoder layers (d 256, 4 heads, feed-forward 1024) over 128 tokens of 256
+    features: tf.keras layers with random weights (weights=None), as a sentence encoder's body."""
+    path = CACHE / "transformer_encoder.keras"
+    if path.exists():
+        return path
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(0)
+    x = inp = tf.keras.Input((128, 256), batch_size=1)
+    for _ in range(2):
+        a = tf.keras.layers.MultiHeadAttention(num_heads=4, key_dim=64)(x, x)
+        x = tf.keras.layers.LayerNormalization(epsilon=1e-6)(x + a)
+        f = tf.keras.layers.Dense(1024, activation="gelu")(x)
+        x = tf.keras.layers.LayerNormalization(epsilon=1e-6)(x + tf.keras.layers.Dense(256)(f))
+    model = tf.keras.Model(inp, tf.keras.layers.GlobalAveragePooling1D()(x))
+    CACHE.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    return path
+
+
+def build(name: str, out: Path, extra: list[str]) -> dict:
+    _, args = MODELS[name]
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model_file(name)), *args, "--target", "x86",
+           "-o", str(out), "--tuning-db", str(CACHE / "db"), "--json", *extra]
+    t0 = time.perf_counter()
+    with open(out.parent / f"{out.name}.log", "w") as err:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")})
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: see {out.parent / f'{out.name}.log'}")
+    summary = json.loads(done.stdout)
+    stages = {s["name"]: s["seconds"] for s in summary["stages"]}
+    return {"seconds": round(time.perf_counter() - t0, 1), "tune_s": stages.get("tune"), "out": str(out)}
+
+
+def reference_onnx(name: str, out: Path) -> Path:
+    """The ONNX file a user would give onnxruntime: the model file, or the converter's output."""
+    source, _ = MODELS[name]
+    if source.endswith(".onnx"):
+        return ROOT / source
+    return out / ".build" / "1-import" / "converted.onnx"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-build", action="store_true", help="time the bundles the last run built")
+    args = ap.parse_args()
+    names = [n for n in args.models.split(",") if n]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    results_path = ROOT / "benchmarks" / "cpu.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results.setdefault("models", {})
+    for name in names:
+        entry = results["models"].setdefault(name, {})
+        if not args.no_build:
+            log(f"{name}: building (measured CPU backends)")
+            entry["build_selected"] = build(name, CACHE / f"{name}-selected", [])
+            log(f"{name}: building (TVM alone)")
+            entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "tvm"])
+        log(f"{name}: timing")
+        entry.update(measure(name, args.runs, args.threads))
+        log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
+    results["host"] = host()
+    results["command"] = " ".join(["benchmarks/bench_cpu.py", *sys.argv[1:]])
+    results_path.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results, names))
+
+
+def measure(name: str, runs: int, threads: int) -> dict:
+    import onnxruntime as ort
+
+    from edgesdk.runtime import BundleModel
+    from edgesdk.runtime.manifest import Manifest
+
+    os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(threads)
+    selected, tvm = CACHE / f"{name}-selected" / "bundle", CACHE / f"{name}-tvm" / "bundle"
+    manifest = Manifest.load(selected)
+    rng = np.random.default_rng(0)
+    feeds = {t.name: (rng.integers(0, (t.valid_range or (0, 2))[1], t.shape).astype(t.dtype) if "int" in t.dtype
+                      else rng.uniform(-1, 1, t.shape).astype(t.dtype)) for t in manifest.inputs}
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    ref_path = reference_onnx(name, CACHE / f"{name}-selected")
+    session = ort.InferenceSession(str(ref_path), opts, providers=["CPUExecutionProvider"])
+    # the reference file still has the inputs the build froze (silero's sr): give them their value
+    frozen = {"sr": np.array(16000, np.int64)} if name == "silero-vad" else {}
+    ort_feeds = {i.name: (feeds[i.name] if i.name in feeds else frozen[i.name]) for i in session.get_inputs()}
+    runners = {"bundle": BundleModel(selected, log=lambda s: None), "tvm bundle": BundleModel(tvm, log=lambda s: None)}
+    want = session.run(None, ort_feeds)[0]
+    agree = {}
+    for label, m in runners.items():
+        got = next(iter(m.run(feeds).values()))
+        agree[label] = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-12))
+    calls = {"onnxruntime": lambda: session.run(None, ort_feeds),
+             **{label: (lambda m=m: m.run(feeds)) for label, m in runners.items()}}
+    laps: dict[str, list[float]] = {k: [] for k in calls}
+    for r in range(5 + runs):
+        for label, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if r >= 5:
+                laps[label].append((time.perf_counter() - t0) * 1e3)
+    med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
+    plan = json.loads((selected / "plan.json").read_text())
+    chosen = [f"{s['segments'][0]}: {s['chosen']}" for s in plan.get("cpu_selection", {}).get("spans", [])]
+    return {"bundle_ms": med["bundle"], "tvm_bundle_ms": med["tvm bundle"], "onnxruntime_ms": med["onnxruntime"],
+            "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
+            "tvm_over_ort": round(med["tvm bundle"] / med["onnxruntime"], 3),
+            "predicted_ms": plan["predicted"]["latency_ms"], "chosen": chosen,
+            "max_error_of_scale": agree, "runs": runs, "threads": threads}
+
+
+def host() -> str:
+    from edgesdk.scheduling.selection import host_name
+
+    return f"{host_name()}, {platform.system()} {platform.release()}"
+
+
+def table(results: dict, names: list[str]) -> str:
+    rows = ["| model | bundle (measured backends) | onnxruntime | bundle / onnxruntime | TVM alone | TVM / onnxruntime | "
+            "chosen | build: measured / TVM alone (tune stage) |", "|---|---|---|---|---|---|---|---|"]
+    for n in names:
+        e = results["models"][n]
+        b, t = e.get("build_selected", {}), e.get("build_tvm", {})
+        rows.append(f"| {n} | {e['bundle_ms']:.2f} ms | {e['onnxruntime_ms']:.2f} ms | **{e['bundle_over_ort']:.2f}** | "
+                    f"{e['tvm_bundle_ms']:.2f} ms | {e['tvm_over_ort']:.2f} | {'; '.join(e['chosen'])} | "
+                    f"{b.get('seconds', '-')} s ({b.get('tune_s', '-')} s) / {t.get('seconds', '-')} s |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""Each CPU span of a plan on the fastest backend measured, as TensorRT times its tactics and Collage
+chooses among backends.
+
+A span is a run of consecutive plan segments on the host (the groups of its parallel steps included;
+in a throughput plan, inside one pipeline stage): the schedule cut it by backend (TVM, onnxruntime for the ops TVM lacks) by the cost model, which
+costs every CPU backend alike. Its candidates are the plan's own cut, and the whole span as one segment
+on each CPU backend that lowers every node of it (`Backend.lowering`; TVM with the tuning database's
+records, onnxruntime, LiteRT/XNNPACK fp32) among those `--cpu-backends` allows. Each candidate is
+made a bundle of its own (its segments compiled by their backends, its parallel steps) and run by the
+runtime's executor, as a device runs it; checked against onnxruntime on the float model (`TOLERANCE`
+of each output's scale; a candidate that fails is skipped, with why); and timed, the candidates
+interleaved round by round, `ROUNDS` rounds after `WARMUP`: the median decides.
+
+Timing happens on the build host when it runs the target's CPU code (the same architecture, no
+instruction the host lacks); otherwise the plan is kept and says why (the cost model decided). A
+measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
+bytes, the backend, the database's records it compiles with, the host CPU and the threads), so a
+rebuild replays it: the same choice, the same bundle bytes.
+
+The chosen candidate's segments replace the span's in a new plan; a segment's predicted time becomes
+its measured time, and the plan's predicted latency moves by the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .. import backends
+from ..config import HOST
+from ..ir import model as irm
+from ..ir.digest import tree_sha256
+from .plan import Plan, PlanSegment
+
+CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
+PLANNED = "planned"  # the candidate that keeps the schedule's own cut
+WARMUP = 3
+ROUNDS = 15
+TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels that sum in another order
+CHECK_SAMPLES = 2
+
+# what times one run of a candidate: (its name, the run) -> milliseconds; tests give a fake one
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+def wall_clock(label: str, run: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    run()
+    return (time.perf_counter() - t0) * 1e3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # PLANNED or a backend's name
+    segments: tuple[PlanSegment, ...]  # how it cuts the span
+    steps: tuple[tuple[str, ...], ...] = ()  # its segments that run at once (the plan's parallel steps)
+
+
+@dataclass(frozen=True)
+class Selected:
+    plan: Plan
+    models: dict[str, onnx.ModelProto]  # the segments the selection cut anew, by id
+    record: dict  # the plan's `cpu_selection`
+
+
+class TimingCache:
+    """Measured medians by key, in one JSON file written whole (temporary file, then rename)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict) -> None:
+        self.entries[key] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
+        tmp.replace(self.path)
+
+
+def unmeasurable(target) -> str | None:
+    """Why this host cannot time the target's CPU code (another architecture, or instructions this
+    host lacks); None where it can."""
+    from ..backends.tvm import missing_host_features, target_arch
+
+    codegen = target.host.codegen
+    arch = target_arch(codegen)
+    if arch != platform.machine():
+        return f"the target's CPU is {arch}, this host {platform.machine()}"
+    missing = missing_host_features(codegen)
+    if missing:
+        return f"this host's CPU lacks {', '.join(missing[:4])} of the target's"
+    return None
+
+
+def host_name() -> str:
+    """This host's CPU: its model name and the name LLVM gives it."""
+    from ..backends.tvm import host_cpu
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return f"{model} ({host_cpu()[0]}, {os.cpu_count()} cores)"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def spans(plan: Plan) -> list[tuple[int, int]]:
+    """The CPU spans as index ranges [i, j) of the plan's segments (a parallel step's groups included).
+    A throughput plan's stages are the pipelining DP's choice, so a span stays inside one; a latency
+    plan streams segment by segment."""
+    stage_of = ({sid: k for k, stage in enumerate(plan.pipeline_stages) for sid in stage}
+                if plan.mode == "throughput" else {})
+    out, i, segs = [], 0, plan.segments
+    while i < len(segs):
+        if segs[i].device != HOST:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(segs) and segs[j].device == HOST and stage_of.get(segs[j].id) == stage_of.get(segs[i].id):
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowed: Sequence[str]
+               ) -> tuple[list[Candidate], dict[str, str]]:
+    """The plan's cut and each allowed backend's whole span; the backends left out, and why."""
+    segs = plan.segments[span[0]:span[1]]
+    index = {irm.node_name(n, i): i for i, n in enumerate(model.graph.node)}
+    nodes = [n for s in segs for n in s.nodes]
+    shapes, consts = irm.static_shapes(model), irm.constant_names(model)
+    produced = {t for s in segs for t in s.outputs}
+    outside = {t for s in plan.segments if s not in segs for t in s.inputs}
+    needed = outside | set(plan.outputs) | set(plan.probes.values())
+    inputs = tuple(dict.fromkeys(t for s in segs for t in s.inputs if t not in produced))
+    outputs = tuple(t for s in segs for t in s.outputs if t in needed)
+    ids = {s.id for s in segs}
+    found = [Candidate(PLANNED, segs, tuple(st for st in plan.parallel_steps if set(st) <= ids))]
+    skipped: dict[str, str] = {}
+    for name in allowed:
+        if len(segs) == 1 and segs[0].backend == name:
+            continue  # the plan's cut is this candidate already
+        check = backends.backend(name).lowering_check()
+        why = next((f"{n}: {w}" for n in nodes if (w := check(model.graph.node[index[n]], shapes, consts))), None)
+        if why is not None:
+            skipped[name] = f"cannot lower {why}"
+            continue
+        whole = PlanSegment(segs[0].id, HOST, name, f"segments/{segs[0].id}.onnx", tuple(nodes), inputs, outputs,
+                            sum(s.flops for s in segs), sum(s.param_bytes for s in segs),
+                            round(sum(s.predicted_ms for s in segs), 4))
+        found.append(Candidate(name, (whole,)))
+    return found, skipped
+
+
+def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
+           samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
+           measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = wall_clock) -> Selected:
+    """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
+    time the target's CPU code, else why not; `samples` are inputs of the whole model; `host` names
+    this host's CPU (and keys the timing cache)."""
+    found = spans(plan)
+    record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
+    if not found:
+        record = {**record, "note": "no CPU segment"}
+        return Selected(replace(plan, cpu_selection=record), {}, record)
+    if measurable is not None:
+        record["measured_on"] = None
+        record["note"] = f"not measured ({measurable}): the cost model's plan is kept"
+        log(f"tune: cpu backends: {record['note']}")
+        return Selected(replace(plan, cpu_selection=record), {}, record)
+    values = _reference(model, samples[:CHECK_SAMPLES], plan)
+    threads = min(target.host.cores, os.cpu_count() or 1)
+    for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
+        os.environ.setdefault(var, str(threads))
+    chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
+    models: dict[str, onnx.ModelProto] = {}
+    with tempfile.TemporaryDirectory(prefix="edgesdk-select-") as tmp:
+        for span in found:
+            cands, skipped = candidates(plan, span, model, allowed)
+            if len(cands) == 1:  # nothing to choose between: no build, no timing
+                ids = [s.id for s in cands[0].segments]
+                record["spans"].append({"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
+                                        "candidates": {name: {"skipped": why} for name, why in skipped.items()},
+                                        "chosen": PLANNED, "why": "the only candidate"})
+                continue
+            entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values,
+                                                   Path(tmp), tuning_db, cache, host, threads, log, timer)
+            record["spans"].append(entry)
+            chosen[span] = winner, ms
+            models.update(cut)
+    return Selected(replace(_replan(plan, chosen), cpu_selection=record), models, record)
+
+
+def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],
+                  work: Path, tuning_db: Path, cache: TimingCache, host: str, threads: int, log, timer: Timer):
+    """Compile, check and time one span's candidates (or replay them from the cache): the span's record,
+    the winner, its measured time, and the segment models the winner cuts anew."""
+    ids = [s.id for s in cands[0].segments]
+    label = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
+    entry: dict = {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
+                   "candidates": {name: {"skipped": why} for name, why in skipped.items()}}
+    runnable: dict[str, tuple[Candidate, object]] = {}
+    cut: dict[str, dict[str, onnx.ModelProto]] = {}
+    keys: dict[str, str] = {}
+    times: dict[str, float] = {}
+    replayed: list[str] = []
+    for cand in cands:
+        cut[cand.name] = {s.id: (segment_models(s) if cand.name == PLANNED else _extract(model, s))
+                          for s in cand.segments}
+        keys[cand.name] = _key(cand, cut[cand.name], tuning_db, host, threads)
+        hit = cache.get(keys[cand.name])
+        if hit is not None:  # measured by an earlier build on this host: replayed, so the bundle is the same bytes
+            if "skipped" in hit:
+                entry["candidates"][cand.name] = {"skipped": hit["skipped"]}
+            else:
+                times[cand.name] = hit["ms"]
+            replayed.append(cand.name)
+            continue
+        try:
+            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db)
+            _check(cand, bundle, values)
+        except Exception as e:  # a candidate that does not build, run or agree is never chosen
+            entry["candidates"][cand.name] = {"skipped": _short(e)}
+            cache.put(keys[cand.name], {"skipped": _short(e)})
+            log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
+            continue
+        runnable[cand.name] = cand, bundle
+    for name, ms in _time(runnable, values[0], timer).items():
+        cache.put(keys[name], {"ms": ms})
+        times[name] = ms
+    for _, bundle in runnable.values():
+        bundle.close()
+    if not times:  # nothing could be measured: the plan stays as the cost model made it
+        entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
+        return entry, cands[0], None, {}
+    for name, ms in times.items():
+        entry["candidates"][name] = {"ms": ms}
+    order = [c.name for c in cands]
+    best = min(times, key=lambda n: (times[n], order.index(n)))
+    others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
+    entry["chosen"] = best
+    entry["why"] = f"fastest measured: {times[best]:.3f} ms" + (f", against {others}" if others else "")
+    log(f"tune: {label} ({entry['nodes']} nodes): {best}, {entry['why']}"
+        + (f" ({', '.join(replayed)} replayed from the timing cache)" if replayed else ""))
+    winner = next(c for c in cands if c.name == best)
+    return entry, winner, times[best], ({} if best == PLANNED else cut[best])
+
+
+def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path):
+    """The candidate as a bundle of its own in `work`: each segment compiled by its backend, a manifest
+    with its parallel steps, opened by the runtime's executor, which times what a device runs."""
+    from .. import __version__
+    from ..runtime import manifest as mf
+    from ..runtime.executor import BundleModel
+
+    (work / "segments").mkdir(parents=True, exist_ok=True)
+    segments, specs = [], {}
+    for s in cand.segments:
+        b = backends.backend(s.backend)
+        compiled = b.compile(backends.CompileJob(segment=s, model=models[s.id], device=target.host,
+                                                 segments_dir=work / "segments", tuning_db=tuning_db,
+                                                 compressed=None, twin_dir=work / "twin", log=lambda line: None))
+        segments.append(mf.Segment(id=s.id, device=HOST, backend=b.runner, artifact=compiled.artifact,
+                                   inputs=compiled.inputs, outputs=compiled.outputs, nodes=len(s.nodes),
+                                   threads=s.threads))
+        specs.update({t.name: t for t in (*compiled.inputs, *compiled.outputs)})
+    produced = {t.name for seg in segments for t in seg.outputs}
+    inputs = tuple(dict.fromkeys(t.name for seg in segments for t in seg.inputs if t.name not in produced))
+    manifest = mf.Manifest(
+        schema_version=mf.SCHEMA_VERSION, sdk_version=__version__, min_runtime_version=mf.RUNTIME_VERSION,
+        model={"name": f"candidate {cand.name}"}, target={"name": target.name}, arch=target.host.arch,
+        device_map={HOST: HOST}, inputs=tuple(_plain_spec(specs[t]) for t in inputs),
+        outputs=tuple(_plain_spec(specs[t]) for t in dict.fromkeys(o for s in cand.segments for o in s.outputs)),
+        segments=tuple(segments), pipeline_stages=(tuple(s.id for s in segments),), predicted={},
+        parallel_steps=cand.steps, cpu_threads=target.host.cores)
+    (work / "manifest.json").write_text(manifest.to_json())
+    return BundleModel(work, log=lambda line: None)
+
+
+def _plain_spec(t):
+    """A segment's tensor as the candidate's own input or output: in the model's layout and dtype."""
+    from ..runtime.manifest import TensorSpec
+
+    return TensorSpec(name=t.name, shape=t.shape, dtype=t.dtype)
+
+
+def _check(cand: Candidate, bundle, samples: list[dict]) -> None:
+    """Every output the span hands on, within TOLERANCE of its scale of onnxruntime on the float model."""
+    for sample in samples:
+        got = bundle.run({t.name: sample[t.name] for t in bundle.inputs})
+        for t in bundle.outputs:
+            want = sample[t.name].astype(np.float64)
+            err = float(np.max(np.abs(got[t.name].astype(np.float64) - want))) if want.size else 0.0
+            scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
+            if not np.isfinite(err) or err > TOLERANCE * scale:
+                raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
+
+
+def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer) -> dict[str, float]:
+    """Median milliseconds of one run of each candidate, the candidates interleaved round by round."""
+    laps: dict[str, list[float]] = {n: [] for n in runnable}
+    for round_ in range(WARMUP + ROUNDS):
+        for name, (_, bundle) in runnable.items():
+            feeds = {t.name: sample[t.name] for t in bundle.inputs}
+            ms = timer(name, lambda: bundle.run(feeds))
+            if round_ >= WARMUP:
+                laps[name].append(ms)
+    return {n: round(statistics.median(v), 4) for n, v in laps.items()}
+
+
+def _reference(model: onnx.ModelProto, samples: list[dict], plan: Plan) -> list[dict]:
+    """Every tensor a CPU segment reads or writes, from onnxruntime on the float model."""
+    from ..backends import onnxruntime as ort_backend
+
+    names = sorted({t for s in plan.segments if s.device == HOST for t in (*s.inputs, *s.outputs)} - set(samples[0]))
+    return [{**sample, **ort_backend.run(model, sample, names)} for sample in samples]
+
+
+def _extract(model: onnx.ModelProto, seg: PlanSegment) -> onnx.ModelProto:
+    index = {irm.node_name(n, i): i for i, n in enumerate(model.graph.node)}
+    part = irm.extract_segment(model, [index[n] for n in seg.nodes], list(seg.inputs), list(seg.outputs))
+    for node in part.graph.node:
+        irm.set_meta(node, irm.DEVICE_KEY, HOST)
+    return part
+
+
+def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, host: str, threads: int) -> str:
+    """What a candidate's time depends on: its segments' graphs and backends, the tuning records a
+    backend that tunes compiles with, the host CPU and the threads."""
+    h = hashlib.sha256()
+    for s in cand.segments:
+        h.update(models[s.id].SerializeToString(deterministic=True))
+    tunes = any(backends.backend(s.backend).tunes for s in cand.segments)
+    records = tree_sha256(tuning_db) if tunes and tuning_db.is_dir() else ""
+    h.update(json.dumps([cand.name, [(s.id, s.backend, s.inputs, s.outputs) for s in cand.segments], records, host,
+                         threads]).encode())
+    return h.hexdigest()
+
+
+def _replan(plan: Plan, chosen: dict[tuple[int, int], tuple[Candidate, float | None]]) -> Plan:
+    """The plan with each span's segments the chosen candidate's. A span of one segment predicts its
+    measured time; a cut into several keeps its segments' predictions (they were timed together). The plan's
+    predicted latency moves by each span's measured time less what the cost model predicted for it."""
+    segments: list[PlanSegment] = []
+    removed: set[str] = set()
+    delta = 0.0
+    starts = {span[0]: (span, c) for span, c in chosen.items()}
+    i = 0
+    while i < len(plan.segments):
+        if i not in starts:
+            segments.append(plan.segments[i])
+            i += 1
+            continue
+        (a, b), (cand, ms) = starts[i]
+        old = plan.segments[a:b]
+        new = list(cand.segments)
+        if ms is not None:
+            delta += ms - _span_ms(plan, old)
+            if len(new) == 1:  # measured as a whole: the segment's own time
+                new = [replace(new[0], predicted_ms=ms)]
+        removed |= {s.id for s in old} - {s.id for s in new}
+        segments.extend(new)
+        i = b
+    stages = tuple(kept for stage in plan.pipeline_stages if (kept := tuple(sid for sid in stage if sid not in removed)))
+    steps = tuple(step for step in plan.parallel_steps if not set(step) & removed)
+    predicted = {**plan.predicted, **{k: round(plan.predicted[k] + delta, 4)
+                                      for k in ("latency_ms", "sequential_ms") if k in plan.predicted}}
+    return replace(plan, segments=tuple(segments), pipeline_stages=stages, parallel_steps=steps, predicted=predicted)
+
+
+def _span_ms(plan: Plan, segs: Sequence[PlanSegment]) -> float:
+    """What the cost model predicted for a span: its segments in turn, a parallel step's groups at once."""
+    step_of = {sid: k for k, step in enumerate(plan.parallel_steps) for sid in step}
+    total, steps = 0.0, {}
+    for s in segs:
+        if s.id in step_of:
+            steps[step_of[s.id]] = max(steps.get(step_of[s.id], 0.0), s.predicted_ms)
+        else:
+            total += s.predicted_ms
+    return total + sum(steps.values())
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:300]
+
+
+def copy_file(src: Path, dest: Path) -> None:
+    """A hard link where the file system allows one (segment models can be large), else a copy."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)

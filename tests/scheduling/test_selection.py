@@ -1,0 +1,270 @@
+"""The tune stage's choice of each CPU span's backend by measurement (scheduling/selection.py).
+
+The mechanism is tested with FAKE TIMERS (timings never go into tests): the timer returns a made-up
+time per candidate, so the test knows which one must win. The candidates themselves are real: they
+are compiled by their backends and run by the runtime's runners, and a candidate that disagrees with
+onnxruntime or fails to build is skipped with its reason, however fast the fake timer says it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk import backends
+from edgesdk.backends import Backend, Compiled
+from edgesdk.config import load_target
+from edgesdk.ir import model as irm
+from edgesdk.runtime.manifest import TensorSpec
+from edgesdk.scheduling import selection
+from edgesdk.scheduling.plan import Plan, PlanSegment
+from tests.numeric import assert_close
+
+
+def _model() -> onnx.ModelProto:
+    """x -> MatMul -> Relu -> MatMul -> y: three nodes on the CPU."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [w1, w2])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return irm.infer_shapes(m)
+
+
+def _plan(model: onnx.ModelProto, cut: list[tuple[str, list[str], tuple[str, ...], tuple[str, ...]]]) -> Plan:
+    """A latency plan of CPU segments as the schedule would cut them: (backend, nodes, inputs, outputs)."""
+    segs = tuple(PlanSegment(f"s{i}", "cpu", b, f"segments/s{i}.onnx", tuple(n), ins, outs, 0.0, 0, 1.0)
+                 for i, (b, n, ins, outs) in enumerate(cut))
+    return Plan("x86", "latency", ("x",), ("y",), {}, segs, tuple((s.id,) for s in segs), (), {},
+                {"latency_ms": float(len(segs)), "sequential_ms": float(len(segs)), "throughput_fps": 1.0}, {},
+                "", "", {}, {"cpu": 3}, ())
+
+
+def _segment_models(model):
+    index = {n.name: i for i, n in enumerate(model.graph.node)}
+    return lambda s: irm.extract_segment(model, [index[n] for n in s.nodes], list(s.inputs), list(s.outputs))
+
+
+def _timer(ms: dict[str, float]):
+    """A FAKE TIMER: runs the candidate (so it is really executed) and says it took `ms[candidate]`;
+    it records what it was asked to time."""
+    asked: list[str] = []
+
+    def timer(label: str, run) -> float:
+        run()
+        asked.append(label)
+        return ms[label]
+    timer.asked = asked
+    return timer
+
+
+def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None):
+    target, _ = load_target("x86")
+    x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
+    return selection.select(plan, model, _segment_models(model), target, [{"x": x}, {"x": x * 2}], allowed=allowed,
+                            tuning_db=tmp_path / "db" / "cpu",
+                            cache=cache or selection.TimingCache(tmp_path / "db" / "timing.json"),
+                            measurable=measurable, host="test host", log=lambda s: None, timer=timer)
+
+
+SPLIT = [("tvm", ["mm1"], ("x",), ("h",)), ("onnxruntime", ["relu", "mm2"], ("h",), ("y",))]
+
+
+def test_the_fastest_candidate_takes_the_whole_span(tmp_path):
+    model = _model()
+    timer = _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2})
+    got = _select(model, _plan(model, SPLIT), tmp_path, timer)
+    # one span of two segments: the plan's cut, and the whole span on TVM and on onnxruntime
+    (span,) = got.record["spans"]
+    assert span["segments"] == ["s0", "s1"] and span["nodes"] == 3
+    assert {n: c["ms"] for n, c in span["candidates"].items()} == {"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}
+    assert span["chosen"] == "onnxruntime" and span["why"].startswith("fastest measured: 0.200 ms")
+    (seg,) = got.plan.segments
+    assert (seg.id, seg.backend, seg.nodes, seg.inputs, seg.outputs, seg.predicted_ms) == \
+        ("s0", "onnxruntime", ("mm1", "relu", "mm2"), ("x",), ("y",), 0.2)
+    assert got.plan.pipeline_stages == (("s0",),)  # s1 is gone from the stages too
+    assert got.plan.predicted["latency_ms"] == pytest.approx(0.2)  # moved by the measured difference (2.0 -> 0.2)
+    assert got.plan.cpu_selection == got.record and json.loads(got.plan.to_json())["cpu_selection"] == got.record
+    # interleaved: every round times each candidate once, WARMUP rounds not counted
+    rounds = selection.WARMUP + selection.ROUNDS
+    assert timer.asked[:6] == ["planned", "tvm", "onnxruntime"] * 2
+    assert len(timer.asked) == rounds * 3
+    # the new segment's model is the three nodes, and it computes what the whole model does
+    import onnxruntime as ort
+    x = np.random.default_rng(2).standard_normal((1, 16)).astype(np.float32)
+    part = got.models["s0"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got_y = ort.InferenceSession(part.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert_close(got_y, want)
+
+
+def test_the_plans_own_cut_is_kept_when_it_is_fastest(tmp_path):
+    model = _model()
+    plan = _plan(model, SPLIT)
+    got = _select(model, plan, tmp_path, _timer({"planned": 0.1, "tvm": 0.5, "onnxruntime": 0.3}))
+    assert got.record["spans"][0]["chosen"] == "planned" and got.models == {}
+    assert got.plan.segments == plan.segments  # measured as a whole: each segment keeps its prediction
+    assert got.plan.predicted["latency_ms"] == pytest.approx(0.1)
+
+
+def test_a_wrong_candidate_is_never_chosen_however_fast(tmp_path):
+    """A TEST DOUBLE backend whose artifact computes -y: the fake timer calls it fastest, the check refuses it."""
+    model = _model()
+    wrong = Backend("wrongsign", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                    compiler=f"{__name__}:compile_negated", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    with backends.registered(wrong):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _timer({"planned": 0.9, "onnxruntime": 0.5, "wrongsign": 0.01}),
+                      allowed=("onnxruntime", "wrongsign"))
+    span = got.record["spans"][0]
+    assert span["chosen"] == "onnxruntime"
+    assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
+
+
+def test_a_candidate_that_fails_to_build_is_skipped_with_its_reason(tmp_path):
+    model = _model()
+    broken = Backend("broken", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                     compiler=f"{__name__}:compile_broken", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    with backends.registered(broken):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _timer({"planned": 0.9, "onnxruntime": 0.5}),
+                      allowed=("onnxruntime", "broken"))
+    span = got.record["spans"][0]
+    assert span["candidates"]["broken"] == {"skipped": "the TEST DOUBLE compiler failed on s0"}
+    assert span["chosen"] == "onnxruntime"
+
+
+def test_a_backend_that_cannot_lower_a_node_is_not_a_candidate(tmp_path):
+    model = _model()
+    picky = Backend("picky", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                    compiler="edgesdk.backends.onnxruntime:compile_segment", lowering=f"{__name__}:no_relu")
+    with backends.registered(picky):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _timer({"planned": 0.9, "onnxruntime": 0.5}),
+                      allowed=("onnxruntime", "picky"))
+    assert got.record["spans"][0]["candidates"]["picky"] == {"skipped": "cannot lower relu: the TEST DOUBLE has no Relu"}
+
+
+def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
+    model = _model()
+    plan = _plan(model, SPLIT)
+    first = _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}))
+
+    def no_timing(label, run):
+        raise AssertionError(f"{label} was timed again")
+    again = _select(model, plan, tmp_path, no_timing)
+    assert again.plan.to_json() == first.plan.to_json()
+    # another host's measurements are not this host's
+    target, _ = load_target("x86")
+    other = selection.select(plan, model, _segment_models(model), target,
+                             [{"x": np.ones((1, 16), np.float32)}], allowed=("onnxruntime",),
+                             tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
+                             measurable=None, host="another host", log=lambda s: None,
+                             timer=_timer({"planned": 0.1, "onnxruntime": 0.5}))
+    assert other.record["spans"][0]["chosen"] == "planned"
+
+
+def test_a_target_this_host_cannot_run_keeps_the_cost_models_plan(tmp_path):
+    model = _model()
+    plan = _plan(model, SPLIT)
+    got = _select(model, plan, tmp_path, _timer({}), measurable="the target's CPU is aarch64, this host x86_64")
+    assert got.plan.segments == plan.segments and got.models == {}
+    assert got.record["measured_on"] is None
+    assert got.record["note"] == "not measured (the target's CPU is aarch64, this host x86_64): the cost model's plan is kept"
+    arm, _ = load_target("arm_2tpu")
+    assert selection.unmeasurable(arm) == "the target's CPU is aarch64, this host x86_64"
+
+
+def test_spans_stop_at_accelerators_and_pipeline_stages():
+    seg = lambda i, dev="cpu": PlanSegment(f"s{i}", dev, "tvm", "", (f"n{i}",), (), (), 0.0, 0, 1.0)  # noqa: E731
+    segs = (seg(0), seg(1), seg(2, "edgetpu:0"), seg(3), seg(4), seg(5), seg(6))
+    base = Plan("t", "latency", (), (), {}, segs, tuple((s.id,) for s in segs), (("s4", "s5"),), {}, {}, {}, "", "",
+                {}, {}, ())
+    assert selection.spans(base) == [(0, 2), (3, 7)]  # a parallel step's groups are inside their span
+    # a throughput plan's stages are the pipelining DP's: a span does not cross one
+    streamed = replace(base, mode="throughput", pipeline_stages=(("s0",), ("s1", "s2"), ("s3", "s4", "s5", "s6")))
+    assert selection.spans(streamed) == [(0, 1), (1, 2), (3, 7)]
+
+
+def test_the_real_cpu_backends_build_and_agree_on_a_model(tmp_path):
+    """No double: TVM, onnxruntime and LiteRT (fp32, XNNPACK) each compile the span and pass the check
+    against onnxruntime; the fake timer only decides which wins."""
+    model = _model()
+    got = _select(model, _plan(model, [("tvm", ["mm1", "relu", "mm2"], ("x",), ("y",))]), tmp_path,
+                  _timer({"planned": 0.3, "onnxruntime": 0.2, "litert": 0.1}), allowed=selection.CPU_BACKENDS)
+    span = got.record["spans"][0]
+    assert set(span["candidates"]) == {"planned", "onnxruntime", "litert"}  # the plan's cut is TVM's whole span
+    assert all("ms" in c for c in span["candidates"].values()), span
+    assert span["chosen"] == "litert" and got.plan.segments[0].backend == "litert"
+
+
+# --- TEST DOUBLE backends (the fake compilers the tests above register) ---------------------------
+
+
+def compile_negated(job) -> Compiled:
+    """An onnxruntime segment that negates its outputs: fast and wrong."""
+    m = onnx.ModelProto()
+    m.CopyFrom(job.model)
+    for out in m.graph.output:
+        for node in m.graph.node:
+            for k, name in enumerate(node.output):
+                if name == out.name:
+                    node.output[k] = f"{name}__pre"
+        m.graph.node.append(helper.make_node("Neg", [f"{out.name}__pre"], [out.name]))
+    artifact = f"segments/{job.segment.id}.onnx"
+    irm.save(m, job.segments_dir.parent / artifact)
+    shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
+    spec = lambda n: TensorSpec(n, shapes[n], irm.dtype_name(types[n]))  # noqa: E731
+    return Compiled(artifact, tuple(map(spec, job.segment.inputs)), tuple(map(spec, job.segment.outputs)))
+
+
+def compile_broken(job) -> Compiled:
+    raise RuntimeError(f"the TEST DOUBLE compiler failed on {job.segment.id}")
+
+
+def no_relu(node, shapes, consts) -> str | None:
+    return "the TEST DOUBLE has no Relu" if node.op_type == "Relu" else None
+
+
+def test_a_span_with_one_candidate_is_neither_built_nor_timed(tmp_path):
+    model = _model()
+    plan = _plan(model, [("tvm", ["mm1", "relu", "mm2"], ("x",), ("y",))])
+
+    def no_timing(label, run):
+        raise AssertionError(f"{label} was timed")
+    got = _select(model, plan, tmp_path, no_timing, allowed=("tvm",))
+    assert got.plan.segments == plan.segments
+    assert got.record["spans"] == [{"segments": ["s0"], "nodes": 3, "candidates": {}, "chosen": "planned",
+                                    "why": "the only candidate"}]
+
+
+def test_a_span_with_a_parallel_step_is_timed_as_the_device_runs_it_and_can_be_replaced(tmp_path):
+    """The plan's cut runs its parallel step on the executor's workers; the whole span on onnxruntime
+    replaces the step's segments, and the step leaves the plan."""
+    rng = np.random.default_rng(0)
+    ws = [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["a"], name="mma"), helper.make_node("MatMul", ["x", "w1"], ["b"], name="mmb"),
+             helper.make_node("Add", ["a", "b"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "fork", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], ws)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    model = irm.infer_shapes(model)
+    plan = _plan(model, [("tvm", ["mma"], ("x",), ("a",)), ("tvm", ["mmb"], ("x",), ("b",)),
+                         ("onnxruntime", ["add"], ("a", "b"), ("y",))])
+    plan = replace(plan, segments=tuple(replace(s, threads=1) if s.id != "s2" else s for s in plan.segments),
+                   parallel_steps=(("s0", "s1"),))
+    got = _select(model, plan, tmp_path, _timer({"planned": 0.4, "tvm": 0.3, "onnxruntime": 0.1}))
+    span = got.record["spans"][0]
+    assert span["segments"] == ["s0", "s1", "s2"] and set(span["candidates"]) == {"planned", "tvm", "onnxruntime"}
+    assert all("ms" in c for c in span["candidates"].values()), span  # the parallel cut built, ran and agreed
+    assert [(s.id, s.backend) for s in got.plan.segments] == [("s0", "onnxruntime")]
+    assert got.plan.parallel_steps == () and got.plan.pipeline_stages == (("s0",),)
+    # the cost model said 1.0 (s0 and s1 at once) + 1.0 (s2); measured 0.1
+    assert got.plan.predicted["latency_ms"] == pytest.approx(3.0 - 2.0 + 0.1)
