@@ -7,15 +7,17 @@ runtime runs on min(4, this host's) cores), into one tuning database kept in .ca
 (--trials 0: the records already there, none at first):
   - the default: every CPU span on the backend the tune stage measured fastest on this host (the
     plan's own TVM/onnxruntime cut, or the whole span on TVM, onnxruntime or LiteRT fp32);
-  - `--cpu-backends tvm`: TVM alone, the bundle before this issue.
+  - `--cpu-backends planned`: the schedule's cut unmeasured (TVM, onnxruntime only for the ops TVM
+    lacks): the bundle before this issue.
 Build time of each (the tune stage's share: the measurement) is recorded.
 
-Then, in one process, interleaved round by round after 5 warm-up rounds, median of `--runs`:
+Then, interleaved: 3 rounds, each measuring every runtime in turn in a fresh process of its own (no
+other runtime's threads spinning on the 2 cores: measured side by side in one process, onnxruntime's
+and TVM's idle threads slowed the next runtime by up to 5x), `--runs` inferences after 5 warm-up ones;
+the median of all of a runtime's inferences:
   - the default bundle and the TVM bundle (`BundleModel.run`, the runtime a device runs),
-  - onnxruntime 1.x with all graph optimizations on `--threads` intra-op threads, on the ONNX file a
-    user has (the model file; for a Keras model, the converter's output from the import stage),
-  - LiteRT fp32 (XNNPACK, `--threads` threads) on the fp32 TFLite of the whole model where our
-    lowering converts it (the `litert` candidate's artifact, else none).
+  - onnxruntime with all graph optimizations on `--threads` intra-op threads, on the ONNX file a
+    user has (the model file; for a Keras model, the converter's output from the import stage).
 Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/cpu.json and prints
 the table for RESULTS.md.
 """
@@ -37,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
 CACHE = ROOT / ".cache" / "bench-cpu"
+ROUNDS = 3  # measurements of each runtime, in turn, each in a process of its own
 MODELS = {  # name -> (file or Keras application, build arguments)
     "MobileNetV2": ("keras:MobileNetV2", []),
     "ResNet50": ("keras:ResNet50", []),
@@ -127,8 +130,8 @@ def main() -> None:
         if not args.no_build:
             log(f"{name}: building (measured CPU backends)")
             entry["build_selected"] = build(name, CACHE / f"{name}-selected", [])
-            log(f"{name}: building (TVM alone)")
-            entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "tvm"])
+            log(f"{name}: building (the schedule's cut, unmeasured)")
+            entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "planned"])
         log(f"{name}: timing")
         entry.update(measure(name, args.runs, args.threads))
         log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
@@ -138,11 +141,34 @@ def main() -> None:
     print(table(results, names))
 
 
+ORT_CHILD = """
+import json, sys, time
+import numpy as np
+import onnxruntime as ort
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = int(sys.argv[3])
+opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+session = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
+feeds = dict(np.load(sys.argv[2]))
+feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+laps = []
+for k in range(5 + int(sys.argv[4])):
+    t0 = time.perf_counter()
+    session.run(None, feeds)
+    if k >= 5:
+        laps.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(laps))
+"""
+
+
 def measure(name: str, runs: int, threads: int) -> dict:
+    """Each runtime alone in a process of its own (no other runtime's threads on the cores), the
+    runtimes in turn, `ROUNDS` times; per runtime the median of all its inferences."""
     import onnxruntime as ort
 
     from edgesdk.runtime import BundleModel
     from edgesdk.runtime.manifest import Manifest
+    from edgesdk.scheduling import selection
 
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(threads)
     selected, tvm = CACHE / f"{name}-selected" / "bundle", CACHE / f"{name}-tvm" / "bundle"
@@ -150,29 +176,31 @@ def measure(name: str, runs: int, threads: int) -> dict:
     rng = np.random.default_rng(0)
     feeds = {t.name: (rng.integers(0, (t.valid_range or (0, 2))[1], t.shape).astype(t.dtype) if "int" in t.dtype
                       else rng.uniform(-1, 1, t.shape).astype(t.dtype)) for t in manifest.inputs}
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     ref_path = reference_onnx(name, CACHE / f"{name}-selected")
-    session = ort.InferenceSession(str(ref_path), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(ref_path), providers=["CPUExecutionProvider"])
     # the reference file still has the inputs the build froze (silero's sr): give them their value
     frozen = {"sr": np.array(16000, np.int64)} if name == "silero-vad" else {}
     ort_feeds = {i.name: (feeds[i.name] if i.name in feeds else frozen[i.name]) for i in session.get_inputs()}
-    runners = {"bundle": BundleModel(selected, log=lambda s: None), "tvm bundle": BundleModel(tvm, log=lambda s: None)}
     want = session.run(None, ort_feeds)[0]
     agree = {}
-    for label, m in runners.items():
-        got = next(iter(m.run(feeds).values()))
+    for label, path in (("bundle", selected), ("tvm bundle", tvm)):
+        got = next(iter(BundleModel(path, log=lambda s: None).run(feeds).values()))
         agree[label] = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-12))
-    calls = {"onnxruntime": lambda: session.run(None, ort_feeds),
-             **{label: (lambda m=m: m.run(feeds)) for label, m in runners.items()}}
+    tmp = CACHE / f"{name}-feeds.npz"
+    np.savez(tmp, **ort_feeds)
+    selection.RUNS = runs  # inferences per measurement
+
+    def ort_alone() -> list[float]:
+        done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(ref_path), str(tmp), str(threads), str(runs)],
+                              capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    calls = {"onnxruntime": ort_alone, "bundle": lambda: selection._measure_alone(selected, tmp),
+             "tvm bundle": lambda: selection._measure_alone(tvm, tmp)}
     laps: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(5 + runs):
+    for _ in range(ROUNDS):
         for label, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            if r >= 5:
-                laps[label].append((time.perf_counter() - t0) * 1e3)
+            laps[label] += call()
     med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
     plan = json.loads((selected / "plan.json").read_text())
     chosen = [f"{s['segments'][0]}: {s['chosen']}" for s in plan.get("cpu_selection", {}).get("spans", [])]
@@ -180,7 +208,7 @@ def measure(name: str, runs: int, threads: int) -> dict:
             "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
             "tvm_over_ort": round(med["tvm bundle"] / med["onnxruntime"], 3),
             "predicted_ms": plan["predicted"]["latency_ms"], "chosen": chosen,
-            "max_error_of_scale": agree, "runs": runs, "threads": threads}
+            "max_error_of_scale": agree, "runs": runs * ROUNDS, "threads": threads}
 
 
 def host() -> str:
@@ -190,8 +218,8 @@ def host() -> str:
 
 
 def table(results: dict, names: list[str]) -> str:
-    rows = ["| model | bundle (measured backends) | onnxruntime | bundle / onnxruntime | TVM alone | TVM / onnxruntime | "
-            "chosen | build: measured / TVM alone (tune stage) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | bundle (measured backends) | onnxruntime | bundle / onnxruntime | before: TVM (+ onnxruntime) | "
+            "before / onnxruntime | chosen | build s: measured (its tune stage) / before |", "|---|---|---|---|---|---|---|---|"]
     for n in names:
         e = results["models"][n]
         b, t = e.get("build_selected", {}), e.get("build_tvm", {})

@@ -58,7 +58,7 @@ class BundleModel:
             if artifacts and seg.id in artifacts:  # a twin built for this host's CPU
                 seg = dataclasses.replace(seg, artifact=str(Path(artifacts[seg.id]).resolve()), device="cpu")
             physical = self.manifest.device_map.get(seg.device)
-            runner = open_runner(self.bundle, seg, physical)
+            runner = open_runner(self.bundle, seg, physical, alone=len(self.manifest.segments) == 1)
             if runner.note:
                 self.notes.append(runner.note)
                 self.log(f"runtime: {runner.note}")
@@ -177,5 +177,8 @@ def _configure_threads(manifest: Manifest) -> None:
         os.environ.setdefault("TVM_NUM_THREADS", threads)
         os.environ.setdefault("EDGESDK_NUM_THREADS", threads)
     os.environ.setdefault("TVM_BIND_THREADS", "0")
-    if manifest.parallel_steps:
+    # TVM's idle workers spin (yielding) for a long while after each kernel: where another runner shares
+    # the cores (a parallel step, or segments of another backend), they stop spinning soon
+    runners = {s.backend for s in manifest.segments}
+    if manifest.parallel_steps or ("tvm" in runners and len(runners) > 1):
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "3000")

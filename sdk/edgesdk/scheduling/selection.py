@@ -8,8 +8,10 @@ on each CPU backend that lowers every node of it (`Backend.lowering`; TVM with t
 records, onnxruntime, LiteRT/XNNPACK fp32) among those `--cpu-backends` allows. Each candidate is
 made a bundle of its own (its segments compiled by their backends, its parallel steps) and run by the
 runtime's executor, as a device runs it; checked against onnxruntime on the float model (`TOLERANCE`
-of each output's scale; a candidate that fails is skipped, with why); and timed, the candidates
-interleaved round by round, `ROUNDS` rounds after `WARMUP`: the median decides.
+of each output's scale; a candidate that fails is skipped, with why); and timed: `ROUNDS` measurements
+of each, the candidates in turn, each measurement a fresh process that loads the candidate alone (so
+no other runtime's threads spin on the cores, as on a device) and times `RUNS` inferences after
+`WARMUP`: the median of them all decides.
 
 Timing happens on the build host when it runs the target's CPU code (the same architecture, no
 instruction the host lacks); otherwise the plan is kept and says why (the cost model decided). A
@@ -29,8 +31,9 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,19 +49,18 @@ from .plan import Plan, PlanSegment
 
 CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
+ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
+RUNS = 10  # inferences per measurement, after WARMUP
 WARMUP = 3
-ROUNDS = 15
 TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels that sum in another order
 CHECK_SAMPLES = 2
 
-# what times one run of a candidate: (its name, the run) -> milliseconds; tests give a fake one
-Timer = Callable[[str, Callable[[], object]], float]
+# what times a candidate: (its name, the measurement) -> milliseconds; tests give a fake one
+Timer = Callable[[str, Callable[[], float]], float]
 
 
-def wall_clock(label: str, run: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    run()
-    return (time.perf_counter() - t0) * 1e3
+def measured(label: str, measure: Callable[[], float]) -> float:
+    return measure()
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
 
 def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
            samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
-           measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = wall_clock) -> Selected:
+           measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not; `samples` are inputs of the whole model; `host` names
     this host's CPU (and keys the timing cache)."""
@@ -193,6 +195,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     threads = min(target.host.cores, os.cpu_count() or 1)
     for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
         os.environ.setdefault(var, str(threads))
+
     chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
     models: dict[str, onnx.ModelProto] = {}
     with tempfile.TemporaryDirectory(prefix="edgesdk-select-") as tmp:
@@ -246,11 +249,9 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
             continue
         runnable[cand.name] = cand, bundle
-    for name, ms in _time(runnable, values[0], timer).items():
+    for name, ms in _time(runnable, values[0], timer, work).items():
         cache.put(keys[name], {"ms": ms})
         times[name] = ms
-    for _, bundle in runnable.values():
-        bundle.close()
     if not times:  # nothing could be measured: the plan stays as the cost model made it
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
@@ -317,16 +318,47 @@ def _check(cand: Candidate, bundle, samples: list[dict]) -> None:
                 raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
 
 
-def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer) -> dict[str, float]:
-    """Median milliseconds of one run of each candidate, the candidates interleaved round by round."""
+def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer, work: Path) -> dict[str, float]:
+    """Median milliseconds of one inference of each candidate: `ROUNDS` measurements of each, in turn,
+    each in a fresh process that loads the candidate's bundle alone (as on a device: no other runtime's
+    threads spinning on the cores) and runs it `RUNS` times after `WARMUP`; the median of them all."""
+    for _, bundle in runnable.values():
+        bundle.close()
+    feeds = work / "feeds.npz"
+    np.savez(feeds, **{t.name: sample[t.name] for _, b in runnable.values() for t in b.inputs})
     laps: dict[str, list[float]] = {n: [] for n in runnable}
-    for round_ in range(WARMUP + ROUNDS):
+    for _ in range(ROUNDS):
         for name, (_, bundle) in runnable.items():
-            feeds = {t.name: sample[t.name] for t in bundle.inputs}
-            ms = timer(name, lambda: bundle.run(feeds))
-            if round_ >= WARMUP:
-                laps[name].append(ms)
+            laps[name] += [timer(name, lambda b=bundle: statistics.median(_measure_alone(b.bundle, feeds)))]
     return {n: round(statistics.median(v), 4) for n, v in laps.items()}
+
+
+_CHILD = """
+import json, sys, time
+import numpy as np
+from edgesdk.runtime import BundleModel
+model = BundleModel(sys.argv[1], log=lambda s: None)
+feeds = dict(np.load(sys.argv[2]))
+feeds = {t.name: feeds[t.name] for t in model.inputs}
+laps = []
+for k in range(int(sys.argv[3]) + int(sys.argv[4])):
+    t0 = time.perf_counter()
+    model.run(feeds)
+    if k >= int(sys.argv[3]):
+        laps.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(laps))
+"""
+
+
+def _measure_alone(bundle: Path, feeds: Path) -> list[float]:
+    """One measurement in a child process: its milliseconds per inference."""
+    env = dict(os.environ)  # the threads this process set for the runners (TVM_NUM_THREADS, EDGESDK_NUM_THREADS)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(bundle), str(feeds), str(WARMUP), str(RUNS)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the timing run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _reference(model: onnx.ModelProto, samples: list[dict], plan: Plan) -> list[dict]:

@@ -29,6 +29,8 @@ class Runner(Protocol):
 _MODULES = {"tvm": "tvm_runner", "tflite": "tflite_runner", "onnxruntime": "ort_runner"}
 
 
-def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> Runner:
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, alone: bool = False) -> Runner:
+    """`alone`: the segment is the bundle's only work on the CPU, so its threads may spin between
+    kernels (faster) without taking the cores from another backend's segment."""
     module = importlib.import_module(f".{_MODULES[segment.backend]}", __package__)
-    return module.open_runner(Path(bundle), segment, physical_device)
+    return module.open_runner(Path(bundle), segment, physical_device, alone=alone)

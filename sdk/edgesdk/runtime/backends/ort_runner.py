@@ -11,15 +11,17 @@ from ..manifest import ManifestError, Segment
 
 
 class OrtRunner:
-    def __init__(self, bundle: Path, segment: Segment, threads: int = 0):
+    def __init__(self, bundle: Path, segment: Segment, threads: int = 0, *, spinning: bool = False):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
-        # Idle intra-op threads spin by default, taking the cores from the next segment's backend.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Idle intra-op threads spin by default, taking the cores from the next segment's backend: only a
+        # segment alone on the CPU keeps onnxruntime's default (spinning is faster between its kernels).
+        if not spinning:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
         self.outputs = [o.name for o in segment.outputs]
         takes = sorted(i.name for i in self.session.get_inputs())
@@ -35,5 +37,5 @@ class OrtRunner:
             return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
 
 
-def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> OrtRunner:
-    return OrtRunner(bundle, segment, segment.threads)
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, alone: bool = False) -> OrtRunner:
+    return OrtRunner(bundle, segment, segment.threads, spinning=alone)

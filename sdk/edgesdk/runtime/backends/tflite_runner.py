@@ -95,7 +95,7 @@ def _libedgetpu_present() -> bool:
         return False
 
 
-def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TfliteRunner:
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, alone: bool = False) -> TfliteRunner:
     """A runner on the Edge TPU when the segment is compiled and the TPU opens, else on the CPU."""
     bundle = Path(bundle)
     fallback = segment.fallback_artifact or segment.artifact

@@ -80,7 +80,7 @@ class TvmRunner:
         return self._tensor(_checked(feeds, spec, self._segment.id), device=self._device)
 
 
-def open_runner(bundle: Path, segment: Segment, physical_device: str | None) -> TvmRunner:
+def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, alone: bool = False) -> TvmRunner:
     """A runner for `segment`'s library; CUDA when the segment's device is a GPU.
 
     `physical_device` (e.g. `cuda:1`) selects the GPU; it is ignored on the CPU. A CUDA
