@@ -263,8 +263,23 @@ def test_a_span_with_a_parallel_step_is_timed_as_the_device_runs_it_and_can_be_r
     assert all("ms" in c for c in span["candidates"].values()), span  # the parallel cut built, ran and agreed
     assert [(s.id, s.backend) for s in got.plan.segments] == [("s0", "onnxruntime")]
     assert got.plan.parallel_steps == () and got.plan.pipeline_stages == (("s0",),)
-    # the cost model said 1.0 (s0 and s1 at once) + 1.0 (s2); measured 0.1
-    assert got.plan.predicted["latency_ms"] == pytest.approx(3.0 - 2.0 + 0.1)
+    # a plan of CPU spans alone, measured: one inference is the measurement
+    assert got.plan.predicted["latency_ms"] == pytest.approx(0.1)
+
+
+def test_beside_an_accelerator_the_prediction_moves_by_the_measured_difference():
+    """The simulated latency of a plan with an Edge TPU segment moves by (measured - predicted) of the
+    CPU span: 1.0 (s0 and s1 at once) + 1.0 (s2) predicted, 0.25 measured."""
+    seg = lambda i, dev="cpu", ms=1.0: PlanSegment(f"s{i}", dev, "tvm", "", (f"n{i}",), (), (), 0.0, 0, ms)  # noqa: E731
+    plan = Plan("t", "latency", (), (), {}, (seg(0), seg(1), seg(2), seg(3, "edgetpu:0", 2.0)),
+                (("s0",), ("s1",), ("s2",), ("s3",)), (("s0", "s1"),), {},
+                {"latency_ms": 4.0, "sequential_ms": 5.0, "throughput_fps": 1.0}, {}, "", "", {}, {}, ())
+    whole = replace(seg(0), backend="onnxruntime", nodes=("n0", "n1", "n2"))
+    new = selection._replan(plan, {(0, 3): (selection.Candidate("onnxruntime", (whole,)), 0.25)})
+    assert [(s.id, s.backend, s.predicted_ms) for s in new.segments] == [("s0", "onnxruntime", 0.25),
+                                                                         ("s3", "tvm", 2.0)]
+    assert new.parallel_steps == () and new.pipeline_stages == (("s0",), ("s3",))
+    assert (new.predicted["latency_ms"], new.predicted["sequential_ms"]) == (2.25, 3.25)
 
 
 def test_a_measurement_runs_the_candidate_alone_in_a_process_of_its_own(tmp_path):

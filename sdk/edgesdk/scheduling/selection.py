@@ -393,7 +393,8 @@ def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, h
 def _replan(plan: Plan, chosen: dict[tuple[int, int], tuple[Candidate, float | None]]) -> Plan:
     """The plan with each span's segments the chosen candidate's. A span of one segment predicts its
     measured time; a cut into several keeps its segments' predictions (they were timed together). The plan's
-    predicted latency moves by each span's measured time less what the cost model predicted for it."""
+    predicted latency moves by each span's measured time less what the cost model predicted for it; a
+    plan of CPU spans alone, all measured, predicts their sum."""
     segments: list[PlanSegment] = []
     removed: set[str] = set()
     delta = 0.0
@@ -418,6 +419,10 @@ def _replan(plan: Plan, chosen: dict[tuple[int, int], tuple[Candidate, float | N
     steps = tuple(step for step in plan.parallel_steps if not set(step) & removed)
     predicted = {**plan.predicted, **{k: round(plan.predicted[k] + delta, 4)
                                       for k in ("latency_ms", "sequential_ms") if k in plan.predicted}}
+    measured = [ms for _, ms in chosen.values()]
+    if all(s.device == HOST for s in plan.segments) and measured and None not in measured:
+        # the whole plan is CPU spans, each measured: one inference is their sum, nothing simulated
+        predicted.update({k: round(sum(measured), 4) for k in ("latency_ms", "sequential_ms")})
     return replace(plan, segments=tuple(segments), pipeline_stages=stages, parallel_steps=steps, predicted=predicted)
 
 
