@@ -53,7 +53,7 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
         times = ", ".join(f"{name} {c['ms']:.3f} ms" for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
                           if "ms" in c)
         skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
-        lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span['nodes']} nodes): "
+        lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span.get('nodes', '?')} nodes): "
                      f"{span['chosen']} chosen; {times}" + (f"; {skipped}" if skipped else ""))
     return lines
 

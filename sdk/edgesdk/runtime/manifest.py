@@ -398,6 +398,14 @@ _EDGETPU = _object({}, {
                                   "ops_on_tpu": _integer(0, 2**31 - 1), "ops_on_cpu": _integer(0, 2**31 - 1),
                                   "predicted_ms_before": _number, "predicted_ms_after": _number}, extra=True)),
 }, extra=True)
+# the tune stage's choice of each CPU span's backend, as `edgesdk inspect` reads it
+_CPU_SELECTION = _object({}, {
+    "measured_on": _nullable(_text), "note": _text, "candidates": _list(_text),
+    "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {
+        "nodes": _integer(0, 2**31 - 1), "why": _text,
+        "candidates": _map(_object({}, {"ms": _number, "skipped": _text}, extra=True))}, extra=True)),
+}, extra=True)
+_TUNING = _object({}, {"cpu_selection": _CPU_SELECTION}, extra=True)
 MANIFEST = _object(
     {"schema_version": _integer(0, 2**31 - 1), "sdk_version": _text,
      "min_runtime_version": _pattern(_VERSION, "a version like 0.1.0"),
@@ -408,7 +416,7 @@ MANIFEST = _object(
      "pipeline_stages": _IDS},
     {"predicted": _map(_number), "parallel_steps": _IDS, "cpu_threads": _integer(0, 4096),
      "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
-     "accuracy": _ACCURACY, "tuning": _object({}, extra=True), "warnings": _list(_text),
+     "accuracy": _ACCURACY, "tuning": _TUNING, "warnings": _list(_text),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
                    key_spec=_path)},
 )
