@@ -188,15 +188,13 @@ def measure(name: str, runs: int, threads: int) -> dict:
         agree[label] = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-12))
     tmp = CACHE / f"{name}-feeds.npz"
     np.savez(tmp, **ort_feeds)
-    selection.RUNS = runs  # inferences per measurement
-
     def ort_alone() -> list[float]:
         done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(ref_path), str(tmp), str(threads), str(runs)],
                               capture_output=True, text=True, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    calls = {"onnxruntime": ort_alone, "bundle": lambda: selection._measure_alone(selected, tmp),
-             "tvm bundle": lambda: selection._measure_alone(tvm, tmp)}
+    calls = {"onnxruntime": ort_alone, "bundle": lambda: selection.measure_alone(selected, tmp, warmup=5, runs=runs),
+             "tvm bundle": lambda: selection.measure_alone(tvm, tmp, warmup=5, runs=runs)}
     laps: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(ROUNDS):
         for label, call in calls.items():

@@ -329,7 +329,7 @@ def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Ti
     laps: dict[str, list[float]] = {n: [] for n in runnable}
     for _ in range(ROUNDS):
         for name, (_, bundle) in runnable.items():
-            laps[name] += [timer(name, lambda b=bundle: statistics.median(_measure_alone(b.bundle, feeds)))]
+            laps[name] += [timer(name, lambda b=bundle: statistics.median(measure_alone(b.bundle, feeds)))]
     return {n: round(statistics.median(v), 4) for n, v in laps.items()}
 
 
@@ -350,11 +350,12 @@ print(json.dumps(laps))
 """
 
 
-def _measure_alone(bundle: Path, feeds: Path) -> list[float]:
-    """One measurement in a child process: its milliseconds per inference."""
+def measure_alone(bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:
+    """One measurement of a bundle in a child process of its own: milliseconds per inference of `runs`
+    inferences after `warmup`, on the inputs in `feeds` (.npz)."""
     env = dict(os.environ)  # the threads this process set for the runners (TVM_NUM_THREADS, EDGESDK_NUM_THREADS)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(bundle), str(feeds), str(WARMUP), str(RUNS)],
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(bundle), str(feeds), str(warmup), str(runs)],
                           capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"the timing run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")

@@ -1,4 +1,5 @@
-"""onnxruntime runner, for CPU segments whose ops TVM's importer lacks."""
+"""onnxruntime runner, for CPU segments: the ops TVM's importer lacks, or a whole CPU span where the tune
+stage measured onnxruntime fastest."""
 
 from __future__ import annotations
 

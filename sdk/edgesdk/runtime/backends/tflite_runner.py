@@ -1,4 +1,5 @@
-"""TFLite runner for Edge TPU segments: the Edge TPU delegate when it is there, else the CPU.
+"""TFLite runner for Edge TPU segments: the Edge TPU delegate when it is there, else the CPU; and for
+the fp32 CPU segments of the `litert` backend, on LiteRT's CPU kernels (XNNPACK).
 
 A segment compiled for the Edge TPU (`artifact` is the `_edgetpu.tflite`) runs through
 `libedgetpu.so.1`, opened with `{"device": "usb:0"}` exactly as Coral's own library does, one

@@ -132,13 +132,18 @@ def _report(kind: str, summary: dict, ctx) -> None:
 
 def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
     """Every CPU span on the backend measured fastest (`scheduling.selection`)."""
-    io = json.loads((ctx.artifact("import") / "import.json").read_text())
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
     allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    why = selection.unmeasurable(ctx.target)
+    # the model and the calibration samples only where something will be measured (an arm_2tpu build on
+    # an x86 host keeps the cost model's plan: no need to read a large model again)
+    measuring = why is None and bool(selection.spans(plan))
+    model = onnx.load(str(artifact / "model.onnx")) if measuring else None
+    io = json.loads((ctx.artifact("import") / "import.json").read_text())
+    samples = load_calibration(ctx.options, io["inputs"])[0] if measuring else []
     return selection.select(
-        plan, onnx.load(str(artifact / "model.onnx")), lambda s: onnx.load(str(artifact / s.artifact)), ctx.target,
-        load_calibration(ctx.options, io["inputs"])[0], allowed=allowed, tuning_db=db / "cpu",
-        cache=selection.TimingCache(db / TIMING_CACHE), measurable=selection.unmeasurable(ctx.target),
+        plan, model, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples, allowed=allowed,
+        tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log)
 
 
