@@ -291,3 +291,17 @@ def test_a_measurement_runs_the_candidate_alone_in_a_process_of_its_own(tmp_path
     assert set(span["candidates"]) == {"planned", "tvm"}
     assert all(c["ms"] > 0 for c in span["candidates"].values()), span
     assert got.plan.segments[0].predicted_ms == span["candidates"][span["chosen"]]["ms"]
+
+
+def test_a_candidate_whose_timing_run_fails_is_skipped_with_its_reason(tmp_path):
+    model = _model()
+    fast = _timer({"planned": 0.9, "tvm": 0.5})
+
+    def timer(label, measure):
+        if label == "onnxruntime":
+            raise RuntimeError("the timing run failed: Killed")
+        return fast(label, measure)
+    got = _select(model, _plan(model, SPLIT), tmp_path, timer)
+    span = got.record["spans"][0]
+    assert span["candidates"]["onnxruntime"] == {"skipped": "the timing run failed: Killed"}
+    assert span["chosen"] == "tvm"

@@ -249,9 +249,13 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
             continue
         runnable[cand.name] = cand, bundle
-    for name, ms in _time(runnable, values[0], timer, work).items():
+    measured, failed = _time(runnable, values[0], timer, work)
+    for name, ms in measured.items():
         cache.put(keys[name], {"ms": ms})
         times[name] = ms
+    for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
+        entry["candidates"][name] = {"skipped": why}
+        log(f"tune: {label}: {name} skipped: {why}")
     if not times:  # nothing could be measured: the plan stays as the cost model made it
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
@@ -318,19 +322,27 @@ def _check(cand: Candidate, bundle, samples: list[dict]) -> None:
                 raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
 
 
-def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer, work: Path) -> dict[str, float]:
+def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer,
+          work: Path) -> tuple[dict[str, float], dict[str, str]]:
     """Median milliseconds of one inference of each candidate: `ROUNDS` measurements of each, in turn,
     each in a fresh process that loads the candidate's bundle alone (as on a device: no other runtime's
-    threads spinning on the cores) and runs it `RUNS` times after `WARMUP`; the median of them all."""
+    threads spinning on the cores) and runs it `RUNS` times after `WARMUP`; the median of them all.
+    A candidate whose timing run fails is left out, with why."""
     for _, bundle in runnable.values():
         bundle.close()
     feeds = work / "feeds.npz"
     np.savez(feeds, **{t.name: sample[t.name] for _, b in runnable.values() for t in b.inputs})
     laps: dict[str, list[float]] = {n: [] for n in runnable}
+    failed: dict[str, str] = {}
     for _ in range(ROUNDS):
         for name, (_, bundle) in runnable.items():
-            laps[name] += [timer(name, lambda b=bundle: statistics.median(measure_alone(b.bundle, feeds)))]
-    return {n: round(statistics.median(v), 4) for n, v in laps.items()}
+            if name in failed:
+                continue
+            try:
+                laps[name].append(timer(name, lambda b=bundle: statistics.median(measure_alone(b.bundle, feeds))))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed[name] = _short(e)
+    return {n: round(statistics.median(v), 4) for n, v in laps.items() if n not in failed}, failed
 
 
 _CHILD = """
