@@ -160,3 +160,30 @@ def test_cpu_backends_are_checked_before_anything_runs(tmp_path, value, message)
     proc = edgesdk("build", str(PPOCR_CLS), "-t", "x86", "-o", str(tmp_path / "o"), "--cpu-backends", value)
     assert_user_facing(proc, 2, message, "choose among tvm,onnxruntime,litert")
     assert not (tmp_path / "o").exists()
+
+
+def test_cpu_precision_is_checked_before_anything_runs(tmp_path):
+    proc = edgesdk("build", str(PPOCR_CLS), "-t", "x86", "-o", str(tmp_path / "o"), "--cpu-precision", "int4")
+    assert_user_facing(proc, 2, "--cpu-precision int4: expected fp32 or int8", "int8 measures int8 CPU candidates")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_target_sets_its_cpu_precision_and_the_flag_overrides_it(tmp_path):
+    from types import SimpleNamespace
+
+    import yaml
+
+    from edgesdk.config import load_target
+    from edgesdk.stages.tune import cpu_precision
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "targets" / "x86.yaml").read_text())
+    spec["devices"][0]["precision"] = "int8"
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    target, _ = load_target(str(tmp_path / "t.yaml"))
+    assert cpu_precision(SimpleNamespace(cpu_precision=None), target) == "int8"
+    assert cpu_precision(SimpleNamespace(cpu_precision="fp32"), target) == "fp32"
+    assert cpu_precision(SimpleNamespace(cpu_precision=None), load_target("x86")[0]) == "fp32"
+    spec["devices"][0]["precision"] = "int4"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    proc = edgesdk("build", str(PPOCR_CLS), "-t", str(tmp_path / "bad.yaml"), "-o", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "precision" in proc.stderr and "Traceback" not in proc.stderr

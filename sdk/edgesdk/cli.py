@@ -183,6 +183,7 @@ def build(
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
     no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
     cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert [default: all]; 'planned': the schedule's cut, nothing measured."),
+    cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's and onnxruntime's int8 kernels), each admitted only where it passes the accuracy gate on held-out calibration samples [default: the target's CPU precision, fp32]."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -190,6 +191,9 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout."),
 ) -> None:
     """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
+    if cpu_precision not in (None, "fp32", "int8"):
+        raise UsageError("cli.bad-cpu-precision", f"--cpu-precision {cpu_precision}: expected fp32 or int8",
+                         "int8 measures int8 CPU candidates behind an accuracy gate; fp32 keeps the CPU float")
     if mode not in ("latency", "throughput"):
         raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
     if calib_method not in ("minmax", "percentile"):
@@ -212,7 +216,8 @@ def build(
                            calib_method=calib_method, calib_percentile=calib_percentile,
                            calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
-                           cpu_backends=chosen_backends, seed=seed, until=until, start=start)
+                           cpu_backends=chosen_backends, cpu_precision=cpu_precision, seed=seed, until=until,
+                           start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)
 

@@ -95,6 +95,7 @@ class BuildOptions:
     inter_op: bool = True  # False: no inter-operator parallelism on the CPU (--no-inter-op, to compare)
     # the backends a whole CPU span is measured on beside the plan's cut (--cpu-backends); None: all; ("planned",): none
     cpu_backends: tuple[str, ...] | None = None
+    cpu_precision: str | None = None  # fp32 or int8 (--cpu-precision); None: the target's CPU `precision`
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from

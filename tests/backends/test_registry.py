@@ -9,21 +9,23 @@ from edgesdk.backends import Backend
 
 
 def test_the_shipped_backends_and_what_they_do():
-    # requirements.txt order; litert is the fp32 CPU candidate the tune stage measures (issue 17)
-    assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert"]
+    # requirements.txt order; litert is the fp32 CPU candidate the tune stage measures, the int8 ones
+    # its candidates with --cpu-precision int8 (issue 17)
+    assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-int8",
+                                                     "onnxruntime-int8"]
     assert all(b.lowering for b in backends.backends())  # legalize and the CPU backend choice ask each
     assert [b.name for b in backends.backends() if b.tunes] == ["tvm"]
-    assert [b.name for b in backends.backends() if b.quantizes] == ["tflite"]
+    assert [b.name for b in backends.backends() if b.quantizes] == ["tflite", "litert-int8", "onnxruntime-int8"]
     assert backends.backend("tvm").runtime_dists == ("apache-tvm", "apache-tvm-ffi")
 
 
 def test_a_backend_registered_for_a_test_is_forgotten_after_it():
-    fake = Backend("fake", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",))  # after litert (3)
+    fake = Backend("fake", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",))  # after the others
     with backends.registered(fake):
         assert backends.backend("fake") is fake and backends.backends()[-1] is fake
         with pytest.raises(ValueError, match="already registered"):
             backends.register(fake)
-    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, onnxruntime, tflite, tvm"):
+    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, tflite, tvm"):
         backends.backend("fake")
 
 

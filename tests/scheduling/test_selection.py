@@ -305,3 +305,75 @@ def test_a_candidate_whose_timing_run_fails_is_skipped_with_its_reason(tmp_path)
     span = got.record["spans"][0]
     assert span["candidates"]["onnxruntime"] == {"skipped": "the timing run failed: Killed"}
     assert span["chosen"] == "tvm"
+
+
+# --- int8 candidates (`--cpu-precision int8`) behind the accuracy gate ---------------------------------
+
+def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert"), n=8):
+    """`select` with int8 candidates, on `n` samples (a quarter held out for the gate)."""
+    target, _ = load_target("x86")
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(n)]
+    return selection.select(plan, model, _segment_models(model), target, samples, allowed=allowed,
+                            tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
+                            measurable=None, host="test host", log=lambda s: None, timer=timer, precision="int8")
+
+
+def test_int8_candidates_are_quantized_gated_and_chosen_when_fastest(tmp_path):
+    model = _model()
+    timer = _timer({"planned": 0.9, "onnxruntime": 0.8, "litert": 0.7, "litert-int8": 0.2, "onnxruntime-int8": 0.3})
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, timer)
+    rec = got.record
+    assert rec["precision"] == "int8"
+    assert rec["candidates"] == ["onnxruntime", "litert", "onnxruntime-int8", "litert-int8"]
+    assert rec["gate"] == {"cosine": selection.GATE_COSINE, "top1": selection.GATE_TOP1,
+                           "calibration_samples": 6, "held_out_samples": 2}
+    (span,) = rec["spans"]
+    for name in ("litert-int8", "onnxruntime-int8"):  # an MLP quantizes well: both pass the gate
+        gate = span["candidates"][name]["gate"]
+        assert gate["cosine"] >= selection.GATE_COSINE and gate["samples"] == 2, gate
+        assert gate["top1"] is not None and gate["top1"] >= selection.GATE_TOP1  # y is (1, 8) class scores
+    assert span["chosen"] == "litert-int8"
+    (seg,) = got.plan.segments
+    assert seg.backend == "litert-int8" and seg.predicted_ms == 0.2
+
+
+def test_an_int8_candidate_under_the_gate_is_never_chosen_however_fast(tmp_path, monkeypatch):
+    """The gate made impossible to pass: every int8 candidate is skipped with the gate's reason, and the
+    span stays fp32 though the fake timer calls int8 fastest."""
+    monkeypatch.setattr(selection, "GATE_COSINE", 1.01)
+    model = _model()
+    timer = _timer({"planned": 0.9, "onnxruntime": 0.8, "litert": 0.7, "litert-int8": 0.1, "onnxruntime-int8": 0.1})
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, timer)
+    (span,) = got.record["spans"]
+    for name in ("litert-int8", "onnxruntime-int8"):
+        why = span["candidates"][name]["skipped"]
+        assert why.startswith("accuracy gate: y's cosine similarity to fp32 is ") and "on 2 held-out samples" in why
+    assert span["chosen"] == "litert" and "litert-int8" not in timer.asked
+
+
+def test_top1_agreement_is_gated_on_class_scores():
+    """`gate` on a bundle double whose arg max differs from the reference's on one held-out sample in four."""
+    class Flipping:  # A TEST DOUBLE of an opened bundle: returns the reference, its arg max moved on sample 0
+        inputs = (TensorSpec("x", (1, 4), "float32"),)
+        outputs = (TensorSpec("y", (1, 5), "float32"),)
+
+        def run(self, feeds):
+            y = held[int(feeds["x"][0, 0])]["y"].copy()
+            if feeds["x"][0, 0] == 0:
+                y[0, [0, 1]] = y[0, [1, 0]]  # swaps the top two, which are close: cosine stays high
+            return {"y": y}
+
+    held = [{"x": np.full((1, 4), k, np.float32), "y": np.array([[10.0, 9.99, 1, 1, 1]], np.float32)} for k in range(4)]
+    with pytest.raises(ValueError, match=r"accuracy gate: y's top-1 agrees with fp32 on 75% < 90% of 4 held-out"):
+        selection.gate(Flipping(), held, ["y"])
+    # not a model output (an intermediate tensor): no top-1 is taken, the cosine passes
+    assert selection.gate(Flipping(), held, []) == {"cosine": pytest.approx(1.0, abs=1e-6), "top1": None, "samples": 4}
+
+
+def test_held_out_split():
+    s = [{"k": i} for i in range(32)]
+    calib, held = selection.held_out_split(s)
+    assert len(calib) == 24 and held == s[24:]
+    one = [{"k": 0}]
+    assert selection.held_out_split(one) == (one, one)

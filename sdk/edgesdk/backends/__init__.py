@@ -23,6 +23,16 @@ register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("on
 register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",
                  lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
+# int8 on the CPU (`--cpu-precision int8`): candidates the tune stage measures behind an accuracy gate,
+# quantized with the build's calibration samples by the compress stage
+register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
+                 compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
+                 quantizer="edgesdk.backends.tflite.segment:quantize_segment",
+                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
+register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
+                 compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
+                 quantizer="edgesdk.backends.onnxruntime:quantize_segment",
+                 lowering="edgesdk.backends.onnxruntime:lowering_reason"))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher", "QuantizeJob",

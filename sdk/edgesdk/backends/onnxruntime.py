@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 
@@ -64,3 +66,74 @@ def compile_segment(job):
         return TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
 
     return Compiled(artifact, tuple(spec(n) for n in job.segment.inputs), tuple(spec(n) for n in job.segment.outputs))
+
+
+ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the float one on
+
+
+def quantize_segment(job) -> dict:
+    """The `onnxruntime-int8` backend's quantizer (`registry.QuantizeJob`): the segment as onnxruntime's
+    own static int8 (QDQ, per-channel int8 weights, int8 activations: `quantize_static`) calibrated on
+    the job's samples by min-max or percentile ranges; and its accuracy against the float segment."""
+    import tempfile
+    from pathlib import Path
+
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, quantize_static
+
+    from ..ir import model as irm
+    from ..ir.numeric import compare
+
+    seg = job.segment
+    artifact = f"segments/{seg.id}.int8.onnx"
+    out = job.out_dir.parent / artifact
+    job.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> onnxruntime int8 (QDQ)")
+    feeds = [{k: s[k] for k in seg.inputs} for s in job.samples]
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    method = CalibrationMethod.Percentile if job.method == "percentile" else CalibrationMethod.MinMax
+    with tempfile.TemporaryDirectory(prefix="edgesdk-qdq-") as tmp:
+        src = Path(tmp) / "float.onnx"
+        irm.save(job.model, src)
+        # calibration runs an augmented copy of the model written beside it; the quantizer's advice on
+        # the root logger (pre-process the model first: our import stage has) is not the user's to read
+        logging.disable(logging.WARNING)
+        try:
+            quantize_static(str(src), str(out), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            calibrate_method=method, extra_options={"CalibPercentile": job.percentile,
+                                                                    "CalibTensorRangeSymmetric": False},
+                            calibration_providers=["CPUExecutionProvider"])
+        finally:
+            logging.disable(logging.NOTSET)
+    quantized = onnx.load(str(out))
+    got = run_many(quantized, feeds[:ACCURACY_SAMPLES], list(seg.outputs))
+    want = job.samples[:ACCURACY_SAMPLES]
+    shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
+
+    def spec(name: str) -> dict:
+        return {"name": name, "shape": list(shapes[name]), "dtype": irm.dtype_name(types[name])}
+
+    return {"artifact": artifact, "inputs": [spec(n) for n in seg.inputs], "outputs": [spec(n) for n in seg.outputs],
+            "format": "QDQ, per-channel int8 weights, int8 activations",
+            "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
+                                  for o in seg.outputs}}
+
+
+def compile_int8_segment(job):
+    """An `onnxruntime-int8` segment for a bundle: the compress stage's QDQ model, as it is."""
+    import shutil
+    from pathlib import Path
+
+    from ..runtime.manifest import tensor_from_dict
+    from .registry import Compiled
+
+    info = job.compressed
+    artifact = f"segments/{job.segment.id}.int8.onnx"
+    shutil.copyfile(Path(info["dir"]) / info["artifact"], job.segments_dir.parent / artifact)
+    return Compiled(artifact, tuple(tensor_from_dict(t) for t in info["inputs"]),
+                    tuple(tensor_from_dict(t) for t in info["outputs"]))

@@ -86,6 +86,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
 
 def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log, warn) -> _Shipped:
     compress = json.loads((src.compressed / "compress.json").read_text())
+    int8 = _cpu_int8(src)
     segments: list[mf.Segment] = []
     twins: dict[str, Path] = {}
     tuned: dict[str, dict] = {}
@@ -96,12 +97,12 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     needs: dict[str, None] = {}
     for seg in plan.segments:
         sid, kind = seg.id, seg.device.split(":")[0]
-        compressed = compress["segments"].get(sid)
+        compressed = ({**compress["segments"][sid], "dir": str(src.compressed)} if sid in compress["segments"] else
+                      {**int8["segments"][sid], "dir": str(src.tuned / "int8")} if sid in int8["segments"] else None)
         compiled = backends.backend(seg.backend).compile(backends.CompileJob(
             segment=seg, model=onnx.load(str(src.scheduled / seg.artifact)),
             device=target.device(kind), segments_dir=bundle / "segments",
-            tuning_db=src.tuned / "tuning_db" / kind,
-            compressed={**compressed, "dir": str(src.compressed)} if compressed else None,
+            tuning_db=src.tuned / "tuning_db" / kind, compressed=compressed,
             twin_dir=twin_dir, log=log))
         art = compiled.artifact
         if compiled.twin is not None:
@@ -174,12 +175,18 @@ def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warn
         arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
         segments=shipped.segments, pipeline_stages=plan.pipeline_stages, parallel_steps=plan.parallel_steps,
         cpu_threads=target.host.cores,
-        predicted=plan.predicted, toolchain=toolchain(), calibration=compress.get("calibration") or {},
+        predicted=plan.predicted, toolchain=toolchain(), calibration=compress.get("calibration") or _cpu_int8(src)["calibration"],
         edgetpu=shipped.finishing,
         tuning=tuning_provenance(json.loads((src.tuned / "tune.json").read_text()), shipped.tuned,
                                  plan.cpu_selection),
         warnings=tuple(warnings()),
     )
+
+
+def _cpu_int8(src: Sources) -> dict:
+    """The tune stage's int8 CPU segments (`--cpu-precision int8`) and their calibration."""
+    path = src.tuned / "int8.json"
+    return json.loads(path.read_text()) if path.exists() else {"segments": {}, "calibration": {}}
 
 
 def _judge(accuracy: dict, segments, log, warn) -> None:

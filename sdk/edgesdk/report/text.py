@@ -48,14 +48,27 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
     if selection.get("measured_on") is None:
         return [f"cpu backends: {selection.get('note', 'not measured')}"]
     lines = [f"cpu backends measured on {selection['measured_on']} (median of interleaved runs):"]
+    if selection.get("precision") == "int8" and selection.get("gate"):
+        g = selection["gate"]
+        lines.append(f"  int8 candidates quantized on {g['calibration_samples']} calibration samples, admitted at cosine "
+                     f">= {g['cosine']} and top-1 agreement >= {g['top1']:.0%} with fp32 on "
+                     + (f"{g['held_out_samples']} held-out samples" if g["held_out_samples"] else "the calibration sample (none held out)"))
     for span in selection.get("spans", []):
         ids = span["segments"]
-        times = ", ".join(f"{name} {c['ms']:.3f} ms" for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
+        times = ", ".join(f"{name} {c['ms']:.3f} ms{_gate_text(c.get('gate'))}"
+                          for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
                           if "ms" in c)
         skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
         lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span.get('nodes', '?')} nodes): "
                      f"{span['chosen']} chosen; {times}" + (f"; {skipped}" if skipped else ""))
     return lines
+
+
+def _gate_text(gate: dict | None) -> str:
+    if not gate:
+        return ""
+    top1 = f", top-1 {gate['top1']:.0%}" if gate.get("top1") is not None else ""
+    return f" (cosine {gate['cosine']:.4f}{top1})"
 
 
 def inspect_bundle(manifest, bundle: Path) -> str:

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,10 @@ from ..ir.digest import tree_sha256
 from .plan import Plan, PlanSegment
 
 CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
+# with `--cpu-precision int8`, these int8 candidates besides (after their fp32 backend is allowed)
+INT8_BACKENDS = {"litert": "litert-int8", "onnxruntime": "onnxruntime-int8"}
+GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
+GATE_TOP1 = 0.9  # and its least agreement of the arg max of a class-score output's last axis
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
 ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
 RUNS = 10  # inferences per measurement, after WARMUP
@@ -71,10 +75,26 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Int8:
+    """How int8 candidates are quantized and gated: the calibration samples (each the values of every
+    tensor a CPU segment reads or writes), the held-out samples the accuracy gate compares on, and the
+    calibration method; `digest` keys the timing cache (the artifact depends on all of it)."""
+
+    calibration: list[dict]
+    held_out: list[dict]
+    method: str
+    percentile: float
+    digest: str
+
+
+@dataclass(frozen=True)
 class Selected:
     plan: Plan
     models: dict[str, onnx.ModelProto]  # the segments the selection cut anew, by id
     record: dict  # the plan's `cpu_selection`
+    # the int8 segments chosen, by id: their quantizer's record (artifact relative to `int8_dir`, specs, accuracy)
+    quantized: dict[str, dict] = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # the samples they were calibrated on (the tune stage's record)
 
 
 class TimingCache:
@@ -177,12 +197,21 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
 
 def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
            samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
-           measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured) -> Selected:
+           measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
+           precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
+           int8_dir: Path | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not; `samples` are inputs of the whole model; `host` names
-    this host's CPU (and keys the timing cache)."""
+    this host's CPU (and keys the timing cache). With `precision` "int8", the int8 variants of the
+    allowed backends (`INT8_BACKENDS`) are candidates too, quantized on the calibration share of
+    `samples` and gated on the held-out rest (`held_out_split`); each one chosen is quantized again, as
+    measured, into `int8_dir` (its `segments/`) for the package stage."""
     found = spans(plan)
+    if precision == "int8":
+        allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
     record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
+    if precision == "int8":
+        record["precision"] = "int8"
     if not found:
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
@@ -192,6 +221,13 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
         log(f"tune: cpu backends: {record['note']}")
         return Selected(replace(plan, cpu_selection=record), {}, record)
     values = _reference(model, samples[:CHECK_SAMPLES], plan)
+    int8 = None
+    if precision == "int8":
+        calib, held = held_out_split(samples)
+        int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
+                    _samples_digest(samples, calib_method, calib_percentile))
+        record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
+                          "held_out_samples": len(held) if held is not calib else 0}
     threads = min(target.host.cores, os.cpu_count() or 1)
     for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
         os.environ.setdefault(var, str(threads))
@@ -207,16 +243,28 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
                                         "candidates": {name: {"skipped": why} for name, why in skipped.items()},
                                         "chosen": PLANNED, "why": "the only candidate"})
                 continue
-            entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values,
-                                                   Path(tmp), tuning_db, cache, host, threads, log, timer)
+            entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values, int8,
+                                                   plan.outputs, Path(tmp), tuning_db, cache, host, threads, log,
+                                                   timer)
             record["spans"].append(entry)
             chosen[span] = winner, ms
             models.update(cut)
-    return Selected(replace(_replan(plan, chosen), cpu_selection=record), models, record)
+    new = replace(_replan(plan, chosen), cpu_selection=record)
+    quantized = {}
+    for s in new.segments:
+        b = backends.backend(s.backend)
+        if s.device == HOST and b.quantizes and int8 is not None and int8_dir is not None:
+            (int8_dir / "segments").mkdir(parents=True, exist_ok=True)
+            log(f"tune: {s.id}: quantizing for {s.backend} on {len(int8.calibration)} calibration samples")
+            quantized[s.id] = b.quantize(backends.QuantizeJob(
+                segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
+                out_dir=int8_dir / "segments", method=int8.method, percentile=int8.percentile, log=lambda line: None))
+    return Selected(new, models, record, quantized)
 
 
 def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],
-                  work: Path, tuning_db: Path, cache: TimingCache, host: str, threads: int, log, timer: Timer):
+                  int8: Int8 | None, model_outputs: Sequence[str], work: Path, tuning_db: Path, cache: TimingCache,
+                  host: str, threads: int, log, timer: Timer):
     """Compile, check and time one span's candidates (or replay them from the cache): the span's record,
     the winner, its measured time, and the segment models the winner cuts anew."""
     ids = [s.id for s in cands[0].segments]
@@ -227,22 +275,29 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
     cut: dict[str, dict[str, onnx.ModelProto]] = {}
     keys: dict[str, str] = {}
     times: dict[str, float] = {}
+    gates: dict[str, dict] = {}
     replayed: list[str] = []
     for cand in cands:
         cut[cand.name] = {s.id: (segment_models(s) if cand.name == PLANNED else _extract(model, s))
                           for s in cand.segments}
-        keys[cand.name] = _key(cand, cut[cand.name], tuning_db, host, threads)
+        quantized = _quantizes(cand)
+        keys[cand.name] = _key(cand, cut[cand.name], tuning_db, host, threads, int8.digest if quantized else "")
         hit = cache.get(keys[cand.name])
         if hit is not None:  # measured by an earlier build on this host: replayed, so the bundle is the same bytes
             if "skipped" in hit:
                 entry["candidates"][cand.name] = {"skipped": hit["skipped"]}
             else:
                 times[cand.name] = hit["ms"]
+                if "gate" in hit:
+                    gates[cand.name] = hit["gate"]
             replayed.append(cand.name)
             continue
         try:
-            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db)
-            _check(cand, bundle, values)
+            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None)
+            if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
+                gates[cand.name] = gate(bundle, int8.held_out, model_outputs)
+            else:
+                _check(cand, bundle, values)
         except Exception as e:  # a candidate that does not build, run or agree is never chosen
             entry["candidates"][cand.name] = {"skipped": _short(e)}
             cache.put(keys[cand.name], {"skipped": _short(e)})
@@ -251,7 +306,7 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         runnable[cand.name] = cand, bundle
     measured, failed = _time(runnable, values[0], timer, work)
     for name, ms in measured.items():
-        cache.put(keys[name], {"ms": ms})
+        cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {})})
         times[name] = ms
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
         entry["candidates"][name] = {"skipped": why}
@@ -260,7 +315,7 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
-        entry["candidates"][name] = {"ms": ms}
+        entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {})}
     order = [c.name for c in cands]
     best = min(times, key=lambda n: (times[n], order.index(n)))
     others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
@@ -272,8 +327,10 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
     return entry, winner, times[best], ({} if best == PLANNED else cut[best])
 
 
-def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path):
-    """The candidate as a bundle of its own in `work`: each segment compiled by its backend, a manifest
+def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
+          int8: Int8 | None = None):
+    """The candidate as a bundle of its own in `work`: each segment compiled by its backend (one that
+    quantizes first quantized, as the compress stage will, on `int8`'s calibration samples), a manifest
     with its parallel steps, opened by the runtime's executor, which times what a device runs."""
     from .. import __version__
     from ..runtime import manifest as mf
@@ -283,9 +340,16 @@ def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pat
     segments, specs = [], {}
     for s in cand.segments:
         b = backends.backend(s.backend)
+        compressed = None
+        if b.quantizes:
+            (work / "quantized" / "segments").mkdir(parents=True, exist_ok=True)
+            compressed = {**b.quantize(backends.QuantizeJob(
+                segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
+                out_dir=work / "quantized" / "segments", method=int8.method, percentile=int8.percentile,
+                log=lambda line: None)), "dir": str(work / "quantized")}
         compiled = b.compile(backends.CompileJob(segment=s, model=models[s.id], device=target.host,
                                                  segments_dir=work / "segments", tuning_db=tuning_db,
-                                                 compressed=None, twin_dir=work / "twin", log=lambda line: None))
+                                                 compressed=compressed, twin_dir=work / "twin", log=lambda line: None))
         segments.append(mf.Segment(id=s.id, device=HOST, backend=b.runner, artifact=compiled.artifact,
                                    inputs=compiled.inputs, outputs=compiled.outputs, nodes=len(s.nodes),
                                    threads=s.threads))
@@ -320,6 +384,57 @@ def _check(cand: Candidate, bundle, samples: list[dict]) -> None:
             scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
             if not np.isfinite(err) or err > TOLERANCE * scale:
                 raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
+
+
+def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
+    """An int8 candidate against the fp32 model on held-out samples: each output's cosine similarity
+    over the samples, and for the model's class-score outputs (rank 2 or 3, a last axis of 2 or more)
+    how often the arg max of the last axis agrees. Raises where the least cosine is under GATE_COSINE
+    or an agreement under GATE_TOP1; else the figures (the least of each)."""
+    from ..ir.numeric import compare
+
+    got = [bundle.run({t.name: sample[t.name] for t in bundle.inputs}) for sample in held_out]
+    cosines, agreements = {}, {}
+    for t in bundle.outputs:
+        g = np.stack([x[t.name] for x in got]).astype(np.float64)
+        w = np.stack([sample[t.name] for sample in held_out]).astype(np.float64)
+        cosines[t.name] = compare(g, w)["cosine"]
+        if t.name in model_outputs and g.ndim - 1 in (2, 3) and g.shape[-1] >= 2:
+            agreements[t.name] = round(float(np.mean(np.argmax(g, -1) == np.argmax(w, -1))), 4)
+    worst = min(cosines, key=cosines.get)
+    if cosines[worst] < GATE_COSINE:
+        raise ValueError(f"accuracy gate: {worst}'s cosine similarity to fp32 is {cosines[worst]:.4f} < {GATE_COSINE} "
+                         f"on {len(held_out)} held-out samples")
+    result: dict = {"cosine": cosines[worst], "top1": None, "samples": len(held_out)}
+    if agreements:
+        least = min(agreements, key=agreements.get)
+        if agreements[least] < GATE_TOP1:
+            raise ValueError(f"accuracy gate: {least}'s top-1 agrees with fp32 on {agreements[least]:.0%} < "
+                             f"{GATE_TOP1:.0%} of {len(held_out)} held-out samples")
+        result["top1"] = agreements[least]
+    return result
+
+
+def held_out_split(samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The calibration samples an int8 candidate is quantized on, and the quarter held out for its
+    accuracy gate (at least one); a single sample is both (the record says no sample was held out)."""
+    if len(samples) < 2:
+        return samples, samples
+    held = max(1, len(samples) // 4)
+    return samples[:-held], samples[-held:]
+
+
+def _samples_digest(samples: list[dict], method: str, percentile: float) -> str:
+    h = hashlib.sha256(json.dumps([method, percentile, GATE_COSINE, GATE_TOP1]).encode())
+    for sample in samples:
+        for name in sorted(sample):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(sample[name]).tobytes())
+    return h.hexdigest()
+
+
+def _quantizes(cand: Candidate) -> bool:
+    return cand.name != PLANNED and any(backends.backend(s.backend).quantizes for s in cand.segments)
 
 
 def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer,
@@ -390,16 +505,18 @@ def _extract(model: onnx.ModelProto, seg: PlanSegment) -> onnx.ModelProto:
     return part
 
 
-def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, host: str, threads: int) -> str:
+def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, host: str, threads: int,
+         samples: str = "") -> str:
     """What a candidate's time depends on: its segments' graphs and backends, the tuning records a
-    backend that tunes compiles with, the host CPU and the threads."""
+    backend that tunes compiles with, the host CPU and the threads; an int8 candidate's also on the
+    calibration samples and method (`samples`, their digest)."""
     h = hashlib.sha256()
     for s in cand.segments:
         h.update(models[s.id].SerializeToString(deterministic=True))
     tunes = any(backends.backend(s.backend).tunes for s in cand.segments)
     records = tree_sha256(tuning_db) if tunes and tuning_db.is_dir() else ""
     h.update(json.dumps([cand.name, [(s.id, s.backend, s.inputs, s.outputs) for s in cand.segments], records, host,
-                         threads]).encode())
+                         threads] + ([samples] if samples else [])).encode())
     return h.hexdigest()
 
 

@@ -55,8 +55,17 @@ def _spec(t) -> dict:
 
 
 def compile_segment(job: CompileJob) -> Compiled:
+    """An Edge TPU segment: the compress stage's full-int8 model, which the CPU interpreter also runs
+    when the TPU is missing (`fallback_artifact`)."""
+    compiled = compile_int8_segment(job)
+    return dataclasses.replace(compiled, fallback_artifact=compiled.artifact)
+
+
+def compile_int8_segment(job: CompileJob) -> Compiled:
+    """The `litert-int8` backend: the compress stage's full-int8 model, run on the CPU by LiteRT's
+    int8 kernels (XNNPACK)."""
     info = job.compressed
     artifact = f"segments/{job.segment.id}.tflite"
     shutil.copyfile(Path(info["dir"]) / info["artifact"], job.segments_dir.parent / artifact)
     return Compiled(artifact, tuple(tensor_from_dict(t) for t in info["inputs"]),
-                    tuple(tensor_from_dict(t) for t in info["outputs"]), fallback_artifact=artifact)
+                    tuple(tensor_from_dict(t) for t in info["outputs"]))

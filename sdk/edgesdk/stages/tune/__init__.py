@@ -10,7 +10,11 @@ database (with its timing cache) as the package stage will apply it (so a rebuil
 these records and measurements), `tune.json` with a summary per device kind and per task (trials,
 untuned and best latency, speedup), and MetaSchedule's logs in `logs/`.
 With `--trials 0` (the default) nothing is searched: records already in the database are used.
-`--cpu-backends` restricts the CPU candidates.
+`--cpu-backends` restricts the CPU candidates. `--cpu-precision int8` (or the target's CPU `precision:
+int8`) adds int8 candidates (LiteRT's and onnxruntime's int8 kernels, quantized with the build's
+calibration samples less a held-out quarter), each admitted only where it passes the accuracy gate
+on the held-out samples (`selection.gate`); each one chosen is quantized here as it was measured
+(`int8/segments/`, `int8.json`: its record and the calibration), for the package stage.
 The database (`--tuning-db`, default under the user's cache directory, one per target) is
 persisted between builds and shared between models: a workload searched before with at least
 this budget costs no trials, and every record trains the cost model before a new search
@@ -22,6 +26,7 @@ with a TVM RPC tracker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,8 +42,8 @@ from ...ir.digest import tree_sha256
 from ...scheduling import selection
 from ...scheduling.plan import Plan
 
-OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends",
-           "calib", "calib_samples", "calib_preprocess")
+OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
+           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
@@ -71,6 +76,8 @@ def run(artifact: Path, ctx) -> dict:
     kinds = _search(plan, artifact, db, boards, ctx)
     selected = _select(plan, artifact, db, ctx)
     _write_plan(selected, artifact, ctx.out)
+    (ctx.out / "int8.json").write_text(json.dumps({"segments": selected.quantized, "calibration": selected.calibration},
+                                                  indent=2) + "\n")
     shutil.copytree(db, ctx.out / "tuning_db", ignore=shutil.ignore_patterns("*.tmp"))
     record = {"database": str(db), "database_sha256": tree_sha256(ctx.out / "tuning_db"),
               "database_records": _records(ctx.out / "tuning_db"),
@@ -140,11 +147,27 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
     measuring = why is None and bool(selection.spans(plan))
     model = onnx.load(str(artifact / "model.onnx")) if measuring else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
-    samples = load_calibration(ctx.options, io["inputs"])[0] if measuring else []
-    return selection.select(
+    samples, calib_info = load_calibration(ctx.options, io["inputs"]) if measuring else ([], {})
+    precision = cpu_precision(ctx.options, ctx.target)
+    if precision == "int8" and measuring and calib_info.get("synthetic"):
+        ctx.warn(f"--cpu-precision int8 with no --calib data: int8 candidates are calibrated and gated on "
+                 f"{len(samples)} synthetic samples (uniform in [-1, 1]); give real inputs with --calib")
+    selected = selection.select(
         plan, model, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
-        host=selection.host_name(), log=ctx.log)
+        host=selection.host_name(), log=ctx.log, precision=precision,
+        calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8")
+    if selected.quantized:
+        calib_info = {**calib_info, "method": ctx.options.calib_method}
+        if ctx.options.calib_method == "percentile":
+            calib_info["percentile"] = ctx.options.calib_percentile
+        selected = dataclasses.replace(selected, calibration=calib_info)
+    return selected
+
+
+def cpu_precision(options, target) -> str:
+    """`--cpu-precision`, else the target's CPU `precision` (fp32 by default)."""
+    return options.cpu_precision or target.host.precision
 
 
 def _write_plan(selected: selection.Selected, scheduled: Path, out: Path) -> None:
