@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -96,6 +97,19 @@ def test_compilation_applies_the_records(resumed, tmp_path):
     with pytest.raises(UserError) as err:
         tvm_backend.compile_onnx(model, other_target, tmp_path / "x.so", tuning_db=db)
     assert err.value.code == "tvm.tuning-db-target"
+
+
+def test_the_database_says_whether_a_segments_functions_are_tuned(resumed, tmp_path):
+    """What the tune stage's policy asks where it cannot time the target's CPU: every function of
+    these segments searched (None), or why not."""
+    model, db = resumed["model"], resumed["db"]
+    assert tuning.untuned_reason([model], HOST, db) is None
+    # the conv graph's functions were never searched: all but the tuned one are named
+    found = re.fullmatch(r"(\d+) of (\d+) functions have no tuned records \(first: .+\)",
+                         tuning.untuned_reason([model, conv_graph()], HOST, db) or "")
+    assert found and int(found[2]) == int(found[1]) + 1 >= 2, found
+    assert tuning.untuned_reason([model], HOST, tmp_path / "empty") == "the tuning database has no records"
+    assert "holds records for target" in tuning.untuned_reason([model], dict(HOST, mcpu="x86-64"), db)
 
 
 def test_transfer_trains_the_cost_model_on_the_database_first(resumed, tmp_path):

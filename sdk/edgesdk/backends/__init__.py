@@ -11,6 +11,7 @@ from .registry import (Backend, Boards, CompileJob, Compiled, FinishJob, Finishe
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
                  tuner="edgesdk.backends.tvm.segment:tune_segments",
+                 coverage="edgesdk.backends.tvm.segment:untuned",
                  lowering="edgesdk.backends.tvm.segment:lowering_reason"))
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",

@@ -167,6 +167,10 @@ class Backend:
     # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None: what legalize asks
     # of a device's backends, and which backends the tune stage may measure for a CPU span
     lowering: str = ""
+    # for a backend that tunes: "module:function" (models, device, tuning_db) -> why the database does not
+    # hold tuned records for every function of these segments, or None: the tune stage's policy where it
+    # cannot time the target's CPU
+    coverage: str = ""
 
     @property
     def tunes(self) -> bool:
@@ -189,6 +193,13 @@ class Backend:
 
     def lowering_check(self) -> Callable[..., str | None]:
         return _function(self.lowering, f"backend {self.name!r} names no lowering check")
+
+    def untuned(self, models: tuple, device: Any, tuning_db: Path) -> str | None:
+        """Why the segments' `models` would compile without tuned records for all of their functions
+        (None when every one has them); a backend that names no coverage check is never tuned."""
+        if not self.coverage:
+            return f"{self.name} is not tuned"
+        return _function(self.coverage, "")(models, device, tuning_db)
 
 
 def _function(path: str, missing: str) -> Callable:

@@ -10,7 +10,7 @@ import platform
 from ..registry import CompileJob, Compiled, TuneJob
 from .compile import compile_onnx, importer_ops
 from .targets import missing_host_features, target_arch
-from .tuning import tune_onnx
+from .tuning import tune_onnx, untuned_reason
 
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
 HOST_CODEGEN = {"kind": "llvm"}
@@ -54,6 +54,12 @@ def tune_segments(job: TuneJob) -> dict:
         num_cores=getattr(job.device, "cores", None) if job.boards else None,
         log_dir=job.log_dir,
     )
+
+
+def untuned(models, device, tuning_db) -> str | None:
+    """Why the database does not hold tuned records for every function of these segments (None when
+    it does): what the tune stage's policy asks where it cannot measure the target's CPU."""
+    return untuned_reason(list(models), device.codegen, tuning_db)
 
 
 def describe(codegen: dict) -> str:

@@ -31,9 +31,10 @@ from typing import Any
 
 import onnx
 
+from ...errors import UserError
 from .builder import _pooled_builder, _remove
 from .compile import _import, _lower
-from .database import _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
+from .database import RECORDS, _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
 from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
 from .search import Progress, _interrupt_after_batch, _search, _Watch
@@ -115,6 +116,33 @@ def tune_onnx(
     _summarize(summary, tasks, todo, database, baseline, records_before, stop)
     summary["wall_s"] = round(time.monotonic() - start, 2)
     return summary
+
+
+def untuned_reason(models: Sequence[onnx.ModelProto], target: dict, tuning_db: Path) -> str | None:
+    """Why the database in `tuning_db` does not hold tuned records for every tunable function of
+    `models` (segments for `target`, lowered as compilation lowers them); None when it does.
+
+    A function is tuned when a search of it finished (`searched.json`) or the database holds more of
+    its records than the one its untuned baseline adds. An empty or missing database answers without
+    importing TVM; otherwise the segments are imported and lowered (the first half of compiling them).
+    """
+    path = Path(tuning_db)
+    if not (path / RECORDS).exists() or not (path / RECORDS).stat().st_size:
+        return "the tuning database has no records"
+    target, _ = _resolve_target(target)
+    try:
+        database = _open_database(path, target, must_exist=True)
+    except UserError as e:  # a database of another target holds nothing for this one
+        return e.message
+    _, tvm_target = _with_cores(target, None)  # as `tune_onnx` extracts its tasks
+    tasks = _extract_tasks(list(models), tvm_target)
+    if not tasks:
+        return "no function to tune"
+    searched, counts = _read(path, "searched.json"), _record_counts(database, valid_only=True)
+    untuned = [t for t in tasks if searched.get(t.key, 0) <= 0 and counts.get(t.key, 0) < 2]
+    if untuned:
+        return f"{len(untuned)} of {len(tasks)} functions have no tuned records (first: {untuned[0].name})"
+    return None
 
 
 def _with_cores(target: dict, num_cores: int | None) -> tuple[int, Any]:
