@@ -9,6 +9,7 @@ onnxruntime or fails to build is skipped with its reason, however fast the fake 
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import replace
 
 import numpy as np
@@ -26,12 +27,12 @@ from edgesdk.scheduling.plan import Plan, PlanSegment
 from tests.numeric import assert_close
 
 
-def _model() -> onnx.ModelProto:
-    """x -> MatMul -> Relu -> MatMul -> y: three nodes on the CPU."""
+def _model(act: str = "Relu") -> onnx.ModelProto:
+    """x -> MatMul -> Relu (or `act`) -> MatMul -> y: three nodes on the CPU."""
     rng = np.random.default_rng(0)
     w1 = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1")
     w2 = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "w2")
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), helper.make_node(act, ["h"], ["r"], name="relu"),
              helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [w1, w2])
@@ -66,8 +67,8 @@ def _timer(ms: dict[str, float]):
     return timer
 
 
-def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None):
-    target, _ = load_target("x86")
+def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None, target="x86"):
+    target, _ = load_target(target)
     x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
     return selection.select(plan, model, _segment_models(model), target, [{"x": x}, {"x": x * 2}], allowed=allowed,
                             tuning_db=tmp_path / "db" / "cpu",
@@ -167,15 +168,117 @@ def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
     assert other.record["spans"][0]["chosen"] == "planned"
 
 
-def test_a_target_this_host_cannot_run_keeps_the_cost_models_plan(tmp_path):
+# --- where this host cannot time the target's CPU (an aarch64 target here): chosen by policy ------
+
+FOREIGN = "the target's CPU is aarch64, this host x86_64"
+
+
+def _never_timed(label, measure):
+    raise AssertionError(f"{label} was timed on a host that cannot run the target's code")
+
+
+def test_a_foreign_targets_span_that_litert_lowers_goes_to_litert_by_policy(tmp_path):
+    """No timing: the whole span on LiteRT (built and checked against onnxruntime here), the cost
+    model's predictions kept, and a record that says why and that nothing was measured."""
     model = _model()
     plan = _plan(model, SPLIT)
-    got = _select(model, plan, tmp_path, _timer({}), measurable="the target's CPU is aarch64, this host x86_64")
-    assert got.plan.segments == plan.segments and got.models == {}
-    assert got.record["measured_on"] is None
-    assert got.record["note"] == "not measured (the target's CPU is aarch64, this host x86_64): the cost model's plan is kept"
+    got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+                  target="arm_2tpu")
+    rec = got.record
+    assert rec["measured_on"] is None and rec["note"] == f"not measured ({FOREIGN}): chosen by policy"
+    assert rec["spans"] == [{
+        "segments": ["s0", "s1"], "nodes": 3, "chosen": "litert",
+        "why": f"policy: LiteRT lowers every node; not measured: {FOREIGN}",
+        "candidates": {"planned": {"policy": "untuned: the tuning database has no records"},
+                       "litert": {"policy": "lowers every node; agrees with onnxruntime"}}}]
+    (seg,) = got.plan.segments
+    assert (seg.id, seg.backend, seg.nodes, seg.inputs, seg.outputs, seg.predicted_ms) == \
+        ("s0", "litert", ("mm1", "relu", "mm2"), ("x",), ("y",), 2.0)  # the cost model's, not measured
+    assert got.plan.predicted == plan.predicted and set(got.models) == {"s0"}
+    assert got.plan.cpu_selection == rec
     arm, _ = load_target("arm_2tpu")
-    assert selection.unmeasurable(arm) == "the target's CPU is aarch64, this host x86_64"
+    if platform.machine() == "x86_64":
+        assert selection.unmeasurable(arm) == FOREIGN
+
+
+def test_a_span_with_an_op_litert_cannot_lower_keeps_the_plan_with_the_reason(tmp_path):
+    model = _model("Erf")
+    plan = _plan(model, SPLIT)
+    got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+                  target="arm_2tpu")
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "planned"
+    assert span["candidates"]["litert"] == {"skipped": "cannot lower relu: Erf has no tflite lowering"}
+    assert span["why"] == f"policy: the schedule's cut (litert: cannot lower relu: Erf has no tflite lowering); " \
+                          f"not measured: {FOREIGN}"
+    assert got.plan.segments == plan.segments and got.models == {}
+
+
+def test_cpu_backends_planned_keeps_the_plan_and_reads_nothing(tmp_path):
+    """`--cpu-backends planned`: no LiteRT; the tune stage reads neither the model nor samples."""
+    model = _model()
+    plan = _plan(model, SPLIT)
+    target, _ = load_target("arm_2tpu")
+    got = selection.select(plan, None, _segment_models(model), target, [], allowed=(), tuning_db=tmp_path / "db",
+                           cache=selection.TimingCache(tmp_path / "timing.json"), measurable=FOREIGN, host="test host",
+                           log=lambda s: None, timer=_never_timed)
+    assert got.plan.segments == plan.segments and got.models == {}
+    assert got.record["spans"] == [{"segments": ["s0", "s1"], "nodes": 3, "chosen": "planned",
+                                    "candidates": {"planned": {"policy": "the schedule's cut"}},
+                                    "why": f"policy: the schedule's cut; not measured: {FOREIGN}"}]
+    # without litert among them, the others change nothing either
+    only_tvm = _select(model, plan, tmp_path, _never_timed, allowed=("tvm", "onnxruntime"), measurable=FOREIGN,
+                       target="arm_2tpu")
+    assert only_tvm.plan.segments == plan.segments and only_tvm.record["spans"][0]["chosen"] == "planned"
+
+
+def test_a_litert_span_that_disagrees_with_onnxruntime_keeps_the_plan(tmp_path, monkeypatch):
+    """The policy's candidate is checked as a measured one is: a TEST DOUBLE in its place computes -y."""
+    model = _model()
+    wrong = Backend("wrongsign", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                    compiler=f"{__name__}:compile_negated", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    monkeypatch.setattr(selection, "POLICY", "wrongsign")
+    with backends.registered(wrong):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=("wrongsign",), measurable=FOREIGN,
+                      target="arm_2tpu")
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "planned" and got.models == {}
+    assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
+    assert span["why"].startswith("policy: the schedule's cut (wrongsign: its y differs from onnxruntime by")
+
+
+def test_a_tuned_schedules_cut_is_kept_over_litert(tmp_path):
+    """Where the database holds tuned records for every function of the plan's TVM segments (only a
+    search on the boards writes them for a foreign CPU), the plan's cut stays; LiteRT is not built."""
+    model = _model()
+    tuned = Backend("tunedtvm", runner="tvm", rank=9, runtime_dists=(), compiler=f"{__name__}:compile_broken",
+                    tuner=f"{__name__}:compile_broken", coverage=f"{__name__}:all_tuned",
+                    lowering="edgesdk.backends.tvm.segment:lowering_reason")
+    plan = _plan(model, [("tunedtvm", ["mm1", "relu", "mm2"], ("x",), ("y",))])
+    with backends.registered(tuned):
+        got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+                      target="arm_2tpu")
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "planned" and got.plan.segments == plan.segments
+    assert span["candidates"] == {"planned": {"policy": "TVM's kernels tuned"},
+                                  "litert": {"policy": "not built: the schedule's cut is tuned"}}
+    assert span["why"] == f"policy: TVM's kernels of the schedule's cut are tuned; not measured: {FOREIGN}"
+
+
+def test_a_policy_record_validates_in_the_manifest_and_inspect_shows_it(tmp_path):
+    from edgesdk.report.text import cpu_selection_summary
+    from edgesdk.runtime import manifest as mf
+
+    model = _model("Erf")
+    erf = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=selection.CPU_BACKENDS,
+                  measurable=FOREIGN, target="arm_2tpu").record
+    mf._CPU_SELECTION(json.loads(json.dumps(erf)), "tuning.cpu_selection")  # raises where it does not validate
+    with pytest.raises(mf.ManifestError):
+        mf._CPU_SELECTION({**erf, "spans": [{**erf["spans"][0], "candidates": {"litert": {"policy": 1}}}]}, "t")
+    assert cpu_selection_summary(erf) == [
+        f"cpu backends: not measured ({FOREIGN}): chosen by policy",
+        "  s0..s1 (3 nodes): planned chosen; policy: the schedule's cut (litert: cannot lower relu: Erf has no "
+        "tflite lowering)"]
 
 
 def test_spans_stop_at_accelerators_and_pipeline_stages():
@@ -227,6 +330,11 @@ def compile_broken(job) -> Compiled:
 
 def no_relu(node, shapes, consts) -> str | None:
     return "the TEST DOUBLE has no Relu" if node.op_type == "Relu" else None
+
+
+def all_tuned(models, device, tuning_db) -> str | None:
+    """A TEST DOUBLE coverage check: every function of the segments has tuned records."""
+    return None
 
 
 def test_a_span_with_one_candidate_is_neither_built_nor_timed(tmp_path):

@@ -45,8 +45,14 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
     """The tune stage's choice of each CPU span's backend: what was measured, where, and what won."""
     if not selection:
         return []
-    if selection.get("measured_on") is None:
-        return [f"cpu backends: {selection.get('note', 'not measured')}"]
+    if selection.get("measured_on") is None:  # chosen by policy (or, in older bundles, the plan kept)
+        lines = [f"cpu backends: {selection.get('note', 'not measured')}"]
+        for span in selection.get("spans", []):
+            ids = span["segments"]
+            why = span.get("why", "").split("; not measured: ")[0]  # the reason is the note's
+            lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span.get('nodes', '?')} nodes): "
+                         f"{span['chosen']} chosen; {why}")
+        return lines
     lines = [f"cpu backends measured on {selection['measured_on']} (median of interleaved runs):"]
     if selection.get("precision") == "int8" and selection.get("gate"):
         g = selection["gate"]

@@ -398,7 +398,9 @@ _EDGETPU = _object({}, {
                                   "ops_on_tpu": _integer(0, 2**31 - 1), "ops_on_cpu": _integer(0, 2**31 - 1),
                                   "predicted_ms_before": _number, "predicted_ms_after": _number}, extra=True)),
 }, extra=True)
-# the tune stage's choice of each CPU span's backend, as `edgesdk inspect` reads it
+# the tune stage's choice of each CPU span's backend, as `edgesdk inspect` reads it: measured (each
+# candidate's ms, measured_on names the host; an int8 one's accuracy gate) or, where the target's CPU
+# cannot be timed, by policy (measured_on null, each candidate's policy or why it was skipped)
 _GATE = _object({"cosine": _number}, {"top1": _nullable(_number), "samples": _integer(0, 2**31 - 1)}, extra=True)
 _CPU_SELECTION = _object({}, {
     "measured_on": _nullable(_text), "note": _text, "candidates": _list(_text), "precision": _literal("fp32", "int8"),
@@ -406,7 +408,8 @@ _CPU_SELECTION = _object({}, {
                      "held_out_samples": _integer(0, 2**31 - 1)}, extra=True),
     "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {
         "nodes": _integer(0, 2**31 - 1), "why": _text,
-        "candidates": _map(_object({}, {"ms": _number, "skipped": _text, "gate": _GATE}, extra=True))}, extra=True)),
+        "candidates": _map(_object({}, {"ms": _number, "skipped": _text, "gate": _GATE, "policy": _text},
+                                   extra=True))}, extra=True)),
 }, extra=True)
 _TUNING = _object({}, {"cpu_selection": _CPU_SELECTION}, extra=True)
 MANIFEST = _object(

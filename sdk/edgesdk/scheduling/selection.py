@@ -14,8 +14,11 @@ no other runtime's threads spin on the cores, as on a device) and times `RUNS` i
 `WARMUP`: the median of them all decides.
 
 Timing happens on the build host when it runs the target's CPU code (the same architecture, no
-instruction the host lacks); otherwise the plan is kept and says why (the cost model decided). A
-measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
+instruction the host lacks). Otherwise (an aarch64 target built on an x86-64 host) nothing is timed and
+each span's backend is chosen by policy (`by_policy`): the schedule's cut where the tuning database holds
+tuned TVM records for all of its functions, else the whole span on LiteRT/XNNPACK (what ARM users run)
+where it lowers every node and agrees with onnxruntime on this host, else the schedule's cut; the record
+says why, with `measured_on: null`. A measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
 bytes, the backend, the database's records it compiles with, the host CPU and the threads), so a
 rebuild replays it: the same choice, the same bundle bytes.
 
@@ -53,6 +56,7 @@ INT8_BACKENDS = {"litert": "litert-int8", "onnxruntime": "onnxruntime-int8"}
 GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
 GATE_TOP1 = 0.9  # and its least agreement of the arg max of a class-score output's last axis
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
+POLICY = "litert"  # where the target's CPU cannot be timed here: the whole span on LiteRT/XNNPACK, what ARM users run
 ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
 RUNS = 10  # inferences per measurement, after WARMUP
 WARMUP = 3
@@ -201,11 +205,12 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
            int8_dir: Path | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
-    time the target's CPU code, else why not; `samples` are inputs of the whole model; `host` names
-    this host's CPU (and keys the timing cache). With `precision` "int8", the int8 variants of the
-    allowed backends (`INT8_BACKENDS`) are candidates too, quantized on the calibration share of
-    `samples` and gated on the held-out rest (`held_out_split`); each one chosen is quantized again, as
-    measured, into `int8_dir` (its `segments/`) for the package stage."""
+    time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
+    and `model` and `samples` are needed only where `litert` is allowed); `samples` are inputs of the
+    whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8", the
+    int8 variants of the allowed backends (`INT8_BACKENDS`) are candidates too, quantized on the
+    calibration share of `samples` and gated on the held-out rest (`held_out_split`); each one chosen
+    is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage."""
     found = spans(plan)
     if precision == "int8":
         allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
@@ -215,11 +220,9 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     if not found:
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
-    if measurable is not None:
-        record["measured_on"] = None
-        record["note"] = f"not measured ({measurable}): the cost model's plan is kept"
-        log(f"tune: cpu backends: {record['note']}")
-        return Selected(replace(plan, cpu_selection=record), {}, record)
+    if measurable is not None:  # this host cannot time the target's CPU code: chosen by policy
+        return by_policy(plan, model, segment_models, target, samples, allowed=allowed, tuning_db=tuning_db,
+                         unmeasured=measurable, log=log)
     values = _reference(model, samples[:CHECK_SAMPLES], plan)
     int8 = None
     if precision == "int8":
@@ -260,6 +263,91 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
                 segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
                 out_dir=int8_dir / "segments", method=int8.method, percentile=int8.percentile, log=lambda line: None))
     return Selected(new, models, record, quantized)
+
+
+def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callable[[PlanSegment], onnx.ModelProto],
+              target, samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, unmeasured: str,
+              log: Callable[[str], None]) -> Selected:
+    """The plan with each CPU span's backend chosen by policy, where this host cannot time the target's
+    CPU code (`unmeasured` says why: an aarch64 target built on an x86-64 host). Per span:
+
+    1. the schedule's cut where its TVM kernels are tuned: the database holds tuned records for every
+       function of its TVM segments (for a foreign CPU, only a search measured on the boards over RPC
+       writes them: tuning the user paid for);
+    2. else the whole span on LiteRT/XNNPACK (`POLICY`, what ARM users run), where it lowers every node
+       and its output agrees with onnxruntime on the float model (`_check`, on this host: TFLite's fp32
+       kernels compute the same function on every CPU, within TOLERANCE);
+    3. else the schedule's cut (TVM's untuned kernels), with why.
+
+    `--cpu-backends` still restricts: without `litert` in `allowed`, every span keeps the schedule's
+    cut. `model` and `samples` are needed only where `litert` is allowed. Nothing is timed: the segments
+    keep the cost model's predictions, and the record says `measured_on: null`."""
+    record: dict = {"candidates": list(allowed), "measured_on": None,
+                    "note": f"not measured ({unmeasured}): chosen by policy", "spans": []}
+    chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
+    models: dict[str, onnx.ModelProto] = {}
+    values: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="edgesdk-policy-") as tmp:
+        for span in spans(plan):
+            segs = plan.segments[span[0]:span[1]]
+            ids = [s.id for s in segs]
+            label = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
+            planned = Candidate(PLANNED, segs, tuple(st for st in plan.parallel_steps if set(st) <= set(ids)))
+            considered: dict[str, dict] = {PLANNED: {"policy": "the schedule's cut"}}
+            winner, why = planned, "the schedule's cut"
+            litert = None
+            if POLICY in allowed:
+                cands, skipped = candidates(plan, span, model, [POLICY])
+                litert = next((c for c in cands if c.name == POLICY), None)
+                if litert is None:
+                    considered[POLICY] = {"skipped": skipped[POLICY]}
+                    why += f" ({POLICY}: {skipped[POLICY]})"
+            if litert is not None:  # the schedule's cut tuned for this target, or LiteRT where it agrees
+                untuned = _untuned(planned, segment_models, target, tuning_db)
+                if untuned is None:
+                    considered[PLANNED] = {"policy": "TVM's kernels tuned"}
+                    considered[POLICY] = {"policy": "not built: the schedule's cut is tuned"}
+                    why = "TVM's kernels of the schedule's cut are tuned"
+                else:
+                    considered[PLANNED] = {"policy": f"untuned: {untuned}"}
+                    try:
+                        values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
+                        cut = {s.id: _extract(model, s) for s in litert.segments}
+                        bundle = _open(litert, cut, target, Path(tmp) / label, tuning_db)
+                        try:
+                            _check(litert, bundle, values)
+                        finally:
+                            bundle.close()
+                    except Exception as e:  # a candidate that does not build, run or agree is never chosen
+                        considered[POLICY] = {"skipped": _short(e)}
+                        why += f" ({POLICY}: {_short(e)})"
+                    else:
+                        considered[POLICY] = {"policy": "lowers every node; agrees with onnxruntime"}
+                        winner, why = litert, "LiteRT lowers every node"
+                        models.update(cut)
+            entry = {"segments": ids, "nodes": sum(len(s.nodes) for s in segs), "candidates": considered,
+                     "chosen": winner.name, "why": f"policy: {why}; not measured: {unmeasured}"}
+            record["spans"].append(entry)
+            log(f"tune: {label} ({entry['nodes']} nodes): {winner.name}, policy: {why}")
+            chosen[span] = winner, None
+    return Selected(replace(_replan(plan, chosen), cpu_selection=record), models, record)
+
+
+def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
+             tuning_db: Path) -> str | None:
+    """Why a cut's kernels are not all tuned (None when every segment's backend tunes and the database
+    holds tuned records for all of their functions)."""
+    by_backend: dict[str, list[PlanSegment]] = {}
+    for s in cand.segments:
+        by_backend.setdefault(s.backend, []).append(s)
+    for name, segs in by_backend.items():
+        try:
+            why = backends.backend(name).untuned(tuple(segment_models(s) for s in segs), target.host, tuning_db)
+        except Exception as e:  # informational: a segment TVM cannot import fails where it is compiled
+            why = f"could not tell: {_short(e)}"
+        if why is not None:
+            return why
+    return None
 
 
 def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],

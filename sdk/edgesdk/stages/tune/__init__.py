@@ -2,6 +2,10 @@
 MetaSchedule), through the backend registry (`Backend.tune`); then put every CPU span on the backend
 measured fastest (`scheduling.selection`: the plan's cut, TVM, onnxruntime or LiteRT fp32 for the
 whole span, each checked against onnxruntime and timed on this host when it runs the target's CPU code).
+Where this host cannot run it (an aarch64 target on an x86-64 host), each span's backend is chosen by
+policy, not timed: the plan's cut where the tuning database holds tuned TVM records for all of its
+functions, else LiteRT/XNNPACK fp32 where it lowers every node and agrees with onnxruntime here, else the
+plan's cut.
 
 Needs: the plan and its segment models; the imported model's inputs (for calibration samples).
 Guarantees: `plan.json`, the plan with the chosen backends (its `cpu_selection` says what was measured,
@@ -142,14 +146,14 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
     allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
     why = selection.unmeasurable(ctx.target)
-    # the model and the calibration samples only where something will be measured (an arm_2tpu build on
-    # an x86 host keeps the cost model's plan: no need to read a large model again)
-    measuring = why is None and bool(selection.spans(plan))
-    model = onnx.load(str(artifact / "model.onnx")) if measuring else None
+    # the model and the calibration samples only where a span will be measured, or checked for the policy's
+    # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
+    reads = bool(selection.spans(plan)) and (why is None or selection.POLICY in allowed)
+    model = onnx.load(str(artifact / "model.onnx")) if reads else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
-    samples, calib_info = load_calibration(ctx.options, io["inputs"]) if measuring else ([], {})
+    samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
-    if precision == "int8" and measuring and calib_info.get("synthetic"):
+    if precision == "int8" and why is None and reads and calib_info.get("synthetic"):
         ctx.warn(f"--cpu-precision int8 with no --calib data: int8 candidates are calibrated and gated on "
                  f"{len(samples)} synthetic samples (uniform in [-1, 1]); give real inputs with --calib")
     selected = selection.select(
