@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -252,13 +253,35 @@ def test_arm_mixed_bundle_has_aarch64_library_and_both_tpus(arm_rec):
     assert arm_rec.stages[-1].record["twins"]
 
 
+def test_arm_cpu_spans_are_chosen_by_policy(arm_rec):
+    """This x86-64 host cannot time aarch64 code: each CPU span's backend is chosen by policy. The
+    recognizer's tail (its last Softmax and the ops around it) goes to LiteRT, which lowers all of it;
+    its middle span keeps the schedule's TVM cut (an op there has no TFLite lowering of ours).
+    The qemu self-test below runs both on aarch64 (arm_rec)."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the policy applies where the host cannot run the target's code")
+    m = Manifest.load(arm_rec.bundle)
+    sel = m.tuning["cpu_selection"]
+    assert sel["measured_on"] is None and sel["note"].startswith("not measured (the target's CPU is aarch64")
+    by_choice = {span["chosen"]: span for span in sel["spans"]}
+    assert set(by_choice) == {"litert", "planned"}, sel["spans"]
+    assert by_choice["litert"]["why"].startswith("policy: LiteRT lowers every node; not measured: ")
+    assert by_choice["planned"]["candidates"]["litert"]["skipped"].startswith("cannot lower ")
+    cpu = {s.id: s for s in m.segments if s.device == "cpu"}
+    litert_id = by_choice["litert"]["segments"][0]
+    assert cpu[litert_id].backend == "tflite" and cpu[litert_id].artifact.endswith(".tflite")
+    assert any(s.backend == "tvm" for s in cpu.values())
+    assert "ai-edge-litert==" in (arm_rec.bundle / "requirements.txt").read_text()
+
+
 @pytest.mark.qemu
 @pytest.mark.parametrize("which", ["arm_rec", "arm_mobilenet", "arm_captioner"])
 def test_arm_bundle_selftest_under_qemu(which, request):
     """The bundle's own self-test, run by the aarch64 Python of the arm64 root file system under
     qemu-user: its golden outputs come from an x86-64 build of the same plan run on this host (the
-    TVM segments compiled again for x86-64, the int8 TFLite segments as they ship), and every
-    segment and model output must match them (int8 within 1 LSB, fp32 within 1e-4 relative).
+    TVM segments compiled again for x86-64, the TFLite segments, int8 and the fp32 LiteRT CPU ones, as
+    they ship), and every segment and model output must match them (int8 within 1 LSB, fp32 within
+    1e-4 relative).
     Then a short pipelined stream (one worker per device) must equal run() frame by frame."""
     if qemu.find_rootfs() is None:
         pytest.fail("the arm64 root file system is missing: `make rootfs` prepares it (make test does)")
@@ -274,7 +297,8 @@ def test_arm_bundle_selftest_under_qemu(which, request):
 
 def test_arm_captioner_spans_the_cpu_and_both_tpus(arm_captioner):
     """The captioner's DenseNet frames and unrolled LSTM cells go to the two Edge TPUs as int8
-    TFLite; what stays on the CPU is aarch64 TVM code."""
+    TFLite; what stays on the CPU runs on LiteRT where it lowers every node of a span (the policy of
+    a host that cannot time aarch64 code), else as aarch64 TVM code."""
     m = Manifest.load(arm_captioner.bundle)
     devices = {s.device for s in m.segments}
     assert {"cpu", "edgetpu:0", "edgetpu:1"} <= devices, devices
