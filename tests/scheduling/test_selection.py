@@ -277,8 +277,8 @@ def test_a_policy_record_validates_in_the_manifest_and_inspect_shows_it(tmp_path
         mf._CPU_SELECTION({**erf, "spans": [{**erf["spans"][0], "candidates": {"litert": {"policy": 1}}}]}, "t")
     assert cpu_selection_summary(erf) == [
         f"cpu backends: not measured ({FOREIGN}): chosen by policy",
-        "  s0..s1 (3 nodes): planned chosen; policy: the schedule's cut (litert: cannot lower relu: Erf has no "
-        "tflite lowering)"]
+        ("  s0..s1 (3 nodes): planned chosen; policy: the schedule's cut (litert: cannot lower relu: Erf has no "
+         "tflite lowering)")]
 
 
 def test_spans_stop_at_accelerators_and_pipeline_stages():

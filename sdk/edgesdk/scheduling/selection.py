@@ -18,7 +18,9 @@ instruction the host lacks). Otherwise (an aarch64 target built on an x86-64 hos
 each span's backend is chosen by policy (`by_policy`): the schedule's cut where the tuning database holds
 tuned TVM records for all of its functions, else the whole span on LiteRT/XNNPACK (what ARM users run)
 where it lowers every node and agrees with onnxruntime on this host, else the schedule's cut; the record
-says why, with `measured_on: null`. A measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
+says why, with `measured_on: null`.
+
+A measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
 bytes, the backend, the database's records it compiles with, the host CPU and the threads), so a
 rebuild replays it: the same choice, the same bundle bytes.
 
@@ -318,7 +320,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                             _check(litert, bundle, values)
                         finally:
                             bundle.close()
-                    except Exception as e:  # a candidate that does not build, run or agree is never chosen
+                    except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
                         considered[POLICY] = {"skipped": _short(e)}
                         why += f" ({POLICY}: {_short(e)})"
                     else:
@@ -343,7 +345,7 @@ def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.Model
     for name, segs in by_backend.items():
         try:
             why = backends.backend(name).untuned(tuple(segment_models(s) for s in segs), target.host, tuning_db)
-        except Exception as e:  # informational: a segment TVM cannot import fails where it is compiled
+        except Exception as e:  # noqa: BLE001 -- informational: a segment TVM cannot import fails where it is compiled
             why = f"could not tell: {_short(e)}"
         if why is not None:
             return why
