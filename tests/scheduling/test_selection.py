@@ -417,14 +417,15 @@ def test_a_candidate_whose_timing_run_fails_is_skipped_with_its_reason(tmp_path)
 
 # --- int8 candidates (`--cpu-precision int8`) behind the accuracy gate ---------------------------------
 
-def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert"), n=8):
+def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert"), n=8, target="x86", measurable=None):
     """`select` with int8 candidates, on `n` samples (a quarter held out for the gate)."""
-    target, _ = load_target("x86")
+    target, _ = load_target(target)
     rng = np.random.default_rng(1)
     samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(n)]
     return selection.select(plan, model, _segment_models(model), target, samples, allowed=allowed,
                             tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
-                            measurable=None, host="test host", log=lambda s: None, timer=timer, precision="int8")
+                            measurable=measurable, host="test host", log=lambda s: None, timer=timer, precision="int8",
+                            int8_dir=tmp_path / "int8")
 
 
 def test_int8_candidates_are_quantized_gated_and_chosen_when_fastest(tmp_path):
@@ -485,3 +486,28 @@ def test_held_out_split():
     assert len(calib) == 24 and held == s[24:]
     one = [{"k": 0}]
     assert selection.held_out_split(one) == (one, one)
+
+
+def test_a_foreign_target_takes_litert_int8_by_policy_where_it_passes_the_gate(tmp_path):
+    """An aarch64 target with --cpu-precision int8: nothing is timed; LiteRT's int8 is built, gated on
+    the held-out samples here, chosen, and quantized again for the package stage."""
+    model = _model()
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, _never_timed, target="arm_2tpu", measurable=FOREIGN)
+    (span,) = got.record["spans"]
+    assert got.record["precision"] == "int8" and got.record["measured_on"] is None
+    assert span["chosen"] == "litert-int8" and span["candidates"]["litert-int8"]["gate"]["cosine"] >= selection.GATE_COSINE
+    assert span["why"] == f"policy: LiteRT int8 lowers every node and passes the accuracy gate; not measured: {FOREIGN}"
+    assert "litert" not in span["candidates"]  # not built: int8 was admitted first
+    (seg,) = got.plan.segments
+    assert seg.backend == "litert-int8" and set(got.quantized) == {"s0"}
+    assert (tmp_path / "int8" / got.quantized["s0"]["artifact"]).is_file()
+
+
+def test_a_foreign_target_under_the_gate_falls_back_to_litert_fp32_with_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(selection, "GATE_COSINE", 1.01)
+    model = _model()
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, _never_timed, target="arm_2tpu", measurable=FOREIGN)
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "litert" and span["candidates"]["litert-int8"]["skipped"].startswith("accuracy gate: ")
+    assert span["why"].startswith("policy: LiteRT lowers every node (litert-int8: accuracy gate: y's cosine")
+    assert got.quantized == {}

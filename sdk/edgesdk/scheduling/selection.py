@@ -222,17 +222,19 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     if not found:
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
-    if measurable is not None:  # this host cannot time the target's CPU code: chosen by policy
-        return by_policy(plan, model, segment_models, target, samples, allowed=allowed, tuning_db=tuning_db,
-                         unmeasured=measurable, log=log)
-    values = _reference(model, samples[:CHECK_SAMPLES], plan)
     int8 = None
-    if precision == "int8":
+    if precision == "int8" and model is not None and any(b in INT8_BACKENDS.values() for b in allowed):
         calib, held = held_out_split(samples)
         int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
                     _samples_digest(samples, calib_method, calib_percentile))
         record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
                           "held_out_samples": len(held) if held is not calib else 0}
+    if measurable is not None:  # this host cannot time the target's CPU code: chosen by policy
+        chosen_plan, models, record = by_policy(plan, model, segment_models, target, samples, allowed=allowed,
+                                                tuning_db=tuning_db, unmeasured=measurable, log=log, int8=int8,
+                                                record=record)
+        return Selected(chosen_plan, models, record, _quantize_chosen(chosen_plan, models, int8, int8_dir, log))
+    values = _reference(model, samples[:CHECK_SAMPLES], plan)
     threads = min(target.host.cores, os.cpu_count() or 1)
     for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
         os.environ.setdefault(var, str(threads))
@@ -255,8 +257,15 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
             chosen[span] = winner, ms
             models.update(cut)
     new = replace(_replan(plan, chosen), cpu_selection=record)
+    return Selected(new, models, record, _quantize_chosen(new, models, int8, int8_dir, log))
+
+
+def _quantize_chosen(plan: Plan, models: dict[str, onnx.ModelProto], int8: Int8 | None, int8_dir: Path | None,
+                     log: Callable[[str], None]) -> dict[str, dict]:
+    """Each int8 CPU segment of the chosen plan quantized again, as its candidate was, into `int8_dir`:
+    its quantizer's records by segment id."""
     quantized = {}
-    for s in new.segments:
+    for s in plan.segments:
         b = backends.backend(s.backend)
         if s.device == HOST and b.quantizes and int8 is not None and int8_dir is not None:
             (int8_dir / "segments").mkdir(parents=True, exist_ok=True)
@@ -264,12 +273,13 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
             quantized[s.id] = b.quantize(backends.QuantizeJob(
                 segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
                 out_dir=int8_dir / "segments", method=int8.method, percentile=int8.percentile, log=lambda line: None))
-    return Selected(new, models, record, quantized)
+    return quantized
 
 
 def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callable[[PlanSegment], onnx.ModelProto],
               target, samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, unmeasured: str,
-              log: Callable[[str], None]) -> Selected:
+              log: Callable[[str], None], int8: Int8 | None = None,
+              record: dict | None = None) -> tuple[Plan, dict[str, onnx.ModelProto], dict]:
     """The plan with each CPU span's backend chosen by policy, where this host cannot time the target's
     CPU code (`unmeasured` says why: an aarch64 target built on an x86-64 host). Per span:
 
@@ -281,11 +291,16 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
        kernels compute the same function on every CPU, within TOLERANCE);
     3. else the schedule's cut (TVM's untuned kernels), with why.
 
+    With `int8` (`--cpu-precision int8`, `litert-int8` allowed), step 2 tries LiteRT's int8 first, where
+    it passes the accuracy gate on the held-out samples (`gate`, on this host: the int8 kernels'
+    arithmetic is specified to the bit), and falls back to fp32 LiteRT with why.
+
     `--cpu-backends` still restricts: without `litert` in `allowed`, every span keeps the schedule's
     cut. `model` and `samples` are needed only where `litert` is allowed. Nothing is timed: the segments
-    keep the cost model's predictions, and the record says `measured_on: null`."""
-    record: dict = {"candidates": list(allowed), "measured_on": None,
-                    "note": f"not measured ({unmeasured}): chosen by policy", "spans": []}
+    keep the cost model's predictions, and the record says `measured_on: null`. Returns the plan, the
+    segments it cut anew, and the record (`record`'s keys kept)."""
+    record = {**(record or {}), "candidates": list(allowed), "measured_on": None,
+              "note": f"not measured ({unmeasured}): chosen by policy", "spans": []}
     chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
     models: dict[str, onnx.ModelProto] = {}
     values: list[dict] = []
@@ -312,27 +327,41 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                     why = "TVM's kernels of the schedule's cut are tuned"
                 else:
                     considered[PLANNED] = {"policy": f"untuned: {untuned}"}
-                    try:
-                        values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
-                        cut = {s.id: _extract(model, s) for s in litert.segments}
-                        bundle = _open(litert, cut, target, Path(tmp) / label, tuning_db)
+                    values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
+                    tried = [INT8_BACKENDS[POLICY]] if int8 is not None and INT8_BACKENDS[POLICY] in allowed else []
+                    failed = ""
+                    for name in [*tried, POLICY]:
+                        cand = replace(litert, name=name, segments=tuple(replace(s, backend=name) for s in litert.segments))
+                        cut = {s.id: _extract(model, s) for s in cand.segments}
                         try:
-                            _check(litert, bundle, values)
-                        finally:
-                            bundle.close()
-                    except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
-                        considered[POLICY] = {"skipped": _short(e)}
-                        why += f" ({POLICY}: {_short(e)})"
-                    else:
-                        considered[POLICY] = {"policy": "lowers every node; agrees with onnxruntime"}
-                        winner, why = litert, "LiteRT lowers every node"
+                            bundle = _open(cand, cut, target, Path(tmp) / f"{label}-{name}", tuning_db,
+                                           int8 if name != POLICY else None)
+                            try:
+                                gated = gate(bundle, int8.held_out, plan.outputs) if name != POLICY else None
+                                if gated is None:
+                                    _check(cand, bundle, values)
+                            finally:
+                                bundle.close()
+                        except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
+                            considered[name] = {"skipped": _short(e)}
+                            failed += f" ({name}: {_short(e)})"
+                            continue
+                        if gated is not None:
+                            considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated}
+                            winner, why = cand, "LiteRT int8 lowers every node and passes the accuracy gate"
+                        else:
+                            considered[name] = {"policy": "lowers every node; agrees with onnxruntime"}
+                            winner, why = cand, "LiteRT lowers every node" + failed
                         models.update(cut)
+                        break
+                    else:
+                        why += failed
             entry = {"segments": ids, "nodes": sum(len(s.nodes) for s in segs), "candidates": considered,
                      "chosen": winner.name, "why": f"policy: {why}; not measured: {unmeasured}"}
             record["spans"].append(entry)
             log(f"tune: {label} ({entry['nodes']} nodes): {winner.name}, policy: {why}")
             chosen[span] = winner, None
-    return Selected(replace(_replan(plan, chosen), cpu_selection=record), models, record)
+    return replace(_replan(plan, chosen), cpu_selection=record), models, record
 
 
 def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,

@@ -153,7 +153,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
-    if precision == "int8" and why is None and reads and calib_info.get("synthetic"):
+    if precision == "int8" and reads and calib_info.get("synthetic"):
         ctx.warn(f"--cpu-precision int8 with no --calib data: int8 candidates are calibrated and gated on "
                  f"{len(samples)} synthetic samples (uniform in [-1, 1]); give real inputs with --calib")
     selected = selection.select(
