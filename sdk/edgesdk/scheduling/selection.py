@@ -627,16 +627,33 @@ def _extract(model: onnx.ModelProto, seg: PlanSegment) -> onnx.ModelProto:
 def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, host: str, threads: int,
          samples: str = "") -> str:
     """What a candidate's time depends on: its segments' graphs and backends, the tuning records a
-    backend that tunes compiles with, the host CPU and the threads; an int8 candidate's also on the
-    calibration samples and method (`samples`, their digest)."""
+    backend that tunes compiles with, the host CPU and the threads, the versions of edgesdk and of
+    its backends' distributions; an int8 candidate's also on the calibration samples and method
+    (`samples`, their digest)."""
     h = hashlib.sha256()
     for s in cand.segments:
         h.update(models[s.id].SerializeToString(deterministic=True))
     tunes = any(backends.backend(s.backend).tunes for s in cand.segments)
     records = tree_sha256(tuning_db) if tunes and tuning_db.is_dir() else ""
     h.update(json.dumps([cand.name, [(s.id, s.backend, s.inputs, s.outputs) for s in cand.segments], records, host,
-                         threads] + ([samples] if samples else [])).encode())
+                         threads, _versions(cand)] + ([samples] if samples else [])).encode())
     return h.hexdigest()
+
+
+def _versions(cand: Candidate) -> dict[str, str]:
+    """edgesdk's version and those of the distributions that compile and run the candidate's segments:
+    another compiler or runtime is another candidate, measured anew."""
+    from importlib import metadata
+
+    from .. import __version__
+
+    out = {"edgesdk": __version__}
+    for dist in sorted({d for s in cand.segments for d in backends.backend(s.backend).runtime_dists}):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "absent"
+    return out
 
 
 def _replan(plan: Plan, chosen: dict[tuple[int, int], tuple[Candidate, float | None]]) -> Plan:
