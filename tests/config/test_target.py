@@ -112,3 +112,22 @@ def test_layer_overhead_is_an_optional_cpu_figure(tmp_path):
     misplaced = text.replace("    on_chip_memory:\n", "    layer_overhead: {value: 1.0, unit: us, source: nowhere}\n"
                              "    on_chip_memory:\n")
     assert any("unknown key 'devices.1.layer_overhead'" in n for n in _problems(_write(tmp_path, misplaced)))
+
+
+def test_cpu_backend_figures_are_optional_and_checked(tmp_path):
+    text = builtin_targets()["x86"].read_text()
+    entry = ("    backends:\n      litert:\n        kernel_overhead: {value: 2.5, unit: us, source: edgesdk calibrate}\n"
+             "        peak_gflops:\n          float32: {value: 150.0, unit: GFLOP/s, source: edgesdk calibrate}\n")
+    good = text.replace("    step_dispatch:\n", entry + "    step_dispatch:\n")
+    t, _ = load_target(_write(tmp_path, good))
+    own = t.host.backends["litert"]
+    assert own.kernel_overhead.value == 2.5 and own.peak_gflops["float32"].value == 150.0
+    assert own.memory_bandwidth is None and own.layer_overhead is None  # the CPU's own
+    # an entry is a mapping of figures like the CPU's: an unknown key, a bad value, a bad name are refused
+    bad = good.replace("        kernel_overhead: {value: 2.5,", "        turbo: yes\n        kernel_overhead: {value: -2.5,")
+    p = _write(tmp_path, bad)
+    problems = _problems(p)
+    line = bad.splitlines().index("        turbo: yes") + 1
+    assert any(n.startswith(f"{p}:{line}: unknown key 'devices.0.backends.litert.turbo'") for n in problems)
+    assert any("devices.0.backends.litert.kernel_overhead.value" in n for n in problems)
+    assert any("backends.Lite RT" in n for n in _problems(_write(tmp_path, good.replace("      litert:", "      Lite RT:"))))

@@ -111,3 +111,38 @@ def test_arm_2tpu_fitted_figures_name_their_fit():
         assert "benchmarks/fit_arm_2tpu.py" in figure.source and "DESIGN §8" in figure.source
     # effective rates below the published peaks
     assert arm.host.peak_gflops["float32"].value < 24.0 and arm.devices[1].peak_tops_int8.value < 4.0
+
+
+def _fig(value: float, unit: str) -> dict:
+    return {"value": value, "unit": unit, "source": "a test's own figure"}
+
+
+def test_a_cpu_backend_is_costed_with_its_own_figures_and_the_cpus_for_the_rest():
+    x86, _ = load_target("x86")
+    data = x86.model_dump(mode="json")
+    data["devices"][0]["peak_gflops"]["float32_grouped"] = _fig(20.0, "GFLOP/s")
+    data["devices"][0]["backends"] = {"litert": {"peak_gflops": {"float32": _fig(100.0, "GFLOP/s")},
+                                                 "kernel_overhead": _fig(50.0, "us")}}
+    t = Target.model_validate(data)
+    host = t.host
+    conv = {"flops": 2e7, "param_bytes": 40_000, "act_bytes": 200_000}
+    relu = {"flops": 5e4, "param_bytes": 0, "act_bytes": 4_000_000}
+    # litert's peak and overhead; the bandwidth it leaves out is the CPU's
+    assert node_ms(t, "cpu", backend="litert", **conv) == pytest.approx(
+        1e3 * max(2e7 / 100e9, 240_000 / (host.memory_bandwidth.value * 1e9)) + 0.05, rel=1e-12)
+    assert node_ms(t, "cpu", backend="litert", **relu) == pytest.approx(
+        1e3 * 4e6 / (host.memory_bandwidth.value * 1e9) + 0.05, rel=1e-12)
+    # key by key: a grouped convolution on litert runs at the CPU's grouped rate, which litert does not give
+    assert node_ms(t, "cpu", backend="litert", grouped=True, **conv) == pytest.approx(
+        1e3 * 2e7 / 20e9 + 0.05, rel=1e-12)
+    # another backend, or none, is costed with the CPU's figures as before
+    plain = Target.model_validate({**data, "devices": [{**data["devices"][0], "backends": {}}]})
+    for backend in (None, "tvm", "onnxruntime"):
+        for node in (conv, relu):
+            assert node_ms(t, "cpu", backend=backend, **node) == node_ms(plain, "cpu", **node)
+
+
+def test_targets_without_backend_figures_load_as_before():
+    for name in ("x86", "arm_2tpu", "rtx3090"):
+        t, _ = load_target(name)
+        assert t.host.backends == {}

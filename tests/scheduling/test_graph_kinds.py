@@ -108,3 +108,25 @@ def test_vendor_baselines_by_kind():
     assert list(baselines.vendor_rules("edgetpu", ["edgetpu:0", "edgetpu:1"])) == [
         "coral default (first unsupported op onwards on the cpu)", "coral --num_segments 2 (parameter-count split)"]
     assert baselines.vendor_rules("edgetpu", []) == {} and baselines.vendor_rules("gpu", ["gpu:0"]) == {}
+
+
+def test_a_host_node_costs_what_it_costs_on_its_cpu_backend():
+    # x86 with figures of its own for TVM: the nodes legalize gave TVM cost TVM's figures on the host, the
+    # others (onnxruntime) the CPU's; the parallel DP's costs read the same
+    x86, _ = load_target("x86")
+    data = x86.model_dump(mode="json")
+    data["devices"][0]["backends"] = {"tvm": {"kernel_overhead": {"value": 400.0, "unit": "us", "source": "test"}}}
+    target = Target.model_validate(data)
+    m = _model(["cpu/tvm", "cpu/onnxruntime", "cpu/tvm", "cpu/tvm", None, "cpu/onnxruntime"], 8)
+    shapes, consts = irm.static_shapes(m), irm.constant_names(m)
+    problem, backends = build_problem(m, target, shapes, consts)
+    plain, _ = build_problem(m, x86, shapes, consts)
+    assert backends == ["tvm", "onnxruntime", "tvm", "tvm", "onnxruntime", "onnxruntime"]
+    for i, b in enumerate(backends):
+        gap = (400.0 - x86.host.kernel_overhead.value) * 1e-3 if b == "tvm" else 0.0
+        assert problem.node_ms(i, "cpu") == pytest.approx(plain.node_ms(i, "cpu") + gap, rel=1e-12)
+    from edgesdk.scheduling.interop import _CpuCosts
+
+    costs = _CpuCosts(m, target, problem, shapes, consts, dict(enumerate(backends)))
+    assert [costs.cost(i, target.host.cores) for i in range(len(backends))] == pytest.approx(
+        [problem.node_ms(i, "cpu") for i in range(len(backends))], rel=1e-12)

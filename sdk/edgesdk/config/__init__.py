@@ -2,6 +2,7 @@
 
 from .target import (
     HOST,
+    CpuBackendFigures,
     CpuDevice,
     EdgeTpuDevice,
     Figure,
@@ -17,6 +18,7 @@ from .target import (
 
 __all__ = [
     "HOST",
+    "CpuBackendFigures",
     "CpuDevice",
     "EdgeTpuDevice",
     "Figure",

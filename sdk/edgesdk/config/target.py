@@ -127,6 +127,21 @@ def _check_cpu(codegen: dict, arch: str | None, at: tuple[str, ...]) -> None:
                                                        "other": other, "at": at, "suggest": suggest})
 
 
+# a CPU backend's name as `edgesdk.backends` registers it (tvm, onnxruntime, litert, ...)
+_BackendName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
+
+
+class CpuBackendFigures(_Strict):
+    """One CPU backend's own cost figures: a CPU segment compiled by that backend is costed with them
+    (`devices/cpu.py`). `edgesdk calibrate` fits them from segments timed on the backend as a bundle
+    runs them; a figure an entry leaves out (a key of `peak_gflops` included) is the CPU device's own."""
+
+    peak_gflops: dict[Literal["float32", "float32_grouped", "int8"], Figure] = Field(default_factory=dict)
+    memory_bandwidth: Figure | None = None  # GB/s
+    kernel_overhead: Figure | None = None  # us per kernel
+    layer_overhead: Figure | None = None  # us per convolution or matrix product
+
+
 class CpuDevice(_Strict):
     kind: Literal["cpu"]
     name: _Name
@@ -145,6 +160,9 @@ class CpuDevice(_Strict):
     # layer_overhead (optional): us that a convolution or matrix product pays on top of kernel_overhead
     # (devices/cost.py, is_mac_layer); without it every node pays kernel_overhead alone
     layer_overhead: Figure | None = None
+    # backends (optional): figures of one CPU backend (tvm, onnxruntime, litert), fitted by `edgesdk
+    # calibrate`, for the CPU segments it runs; without an entry a backend is costed with the figures above
+    backends: dict[_BackendName, CpuBackendFigures] = Field(default_factory=dict, max_length=16)
     # Inter-operator parallelism (optional; without step_dispatch the CPU runs one operator at a time):
     # step_dispatch: us to hand a stage's groups to worker threads and collect them (the runtime's
     # thread hand-off and its extra segment calls); parallel_efficiency: e in (0, 1], a kernel on p

@@ -53,20 +53,25 @@ def node_bytes(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], constan
 
 
 def node_ms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
-            streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> float:
+            streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None,
+            backend: str | None = None) -> float:
     """One node on one device kind: the roofline term plus the device's per-op overhead, i.e.
     `terms.terms_ms` of the node's `node_terms`."""
     return terms_ms(node_terms(target, kind, flops=flops, param_bytes=param_bytes, act_bytes=act_bytes,
-                               streamed_fraction=streamed_fraction, grouped=grouped, threads=threads))
+                               streamed_fraction=streamed_fraction, grouped=grouped, threads=threads, backend=backend))
 
 
 def node_terms(target: Target, kind: str, *, flops: float, param_bytes: int, act_bytes: int,
-               streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None) -> NodeTerms:
+               streamed_fraction: float = 0.0, grouped: bool = False, threads: int | None = None,
+               backend: str | None = None) -> NodeTerms:
     """The terms of one node on the target's device of `kind` (`terms.NodeTerms`), as the kind's device
     model gives them (`devices/<kind>.py`): `threads` matters on a CPU, `streamed_fraction` (see
-    `streamed_fraction`) on an Edge TPU, `grouped` where the device has a grouped-convolution rate."""
+    `streamed_fraction`) on an Edge TPU, `grouped` where the device has a grouped-convolution rate,
+    `backend` on a CPU whose target lists figures of that backend (`CpuDevice.backends`). A model is
+    given `backend` only when there is one, so a device model of an accelerator need not take it."""
+    extra = {"backend": backend} if backend is not None else {}
     return model(kind).node_terms(target.device(kind), flops=flops, param_bytes=param_bytes, act_bytes=act_bytes,
-                                  streamed_fraction=streamed_fraction, grouped=grouped, threads=threads)
+                                  streamed_fraction=streamed_fraction, grouped=grouped, threads=threads, **extra)
 
 
 def is_mac_layer(flops: float, act_bytes: int) -> bool:

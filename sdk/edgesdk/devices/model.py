@@ -43,7 +43,8 @@ class DeviceModel(Protocol):
 
     def node_terms(self, spec, *, flops: float, param_bytes: int, act_bytes: int, streamed_fraction: float = 0.0,
                    grouped: bool = False, threads: int | None = None) -> NodeTerms:
-        """One node on this device, term by term (`terms.terms_ms` adds them up)."""
+        """One node on this device, term by term (`terms.terms_ms` adds them up). The host's model also
+        takes `backend=`, the CPU backend of the node's segment (`cost.node_terms` passes it only when set)."""
 
     def link(self, spec) -> tuple[float, float] | None:
         """(latency ms, ms per float32 byte) between the host and this device; None on the host."""

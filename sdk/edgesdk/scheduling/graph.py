@@ -1,6 +1,6 @@
 """The placement problem of an ONNX graph on a target: each node's cost on each device that can run
-it (`devices/cost.py`: a roofline of the target's figures plus per-op overhead), every tensor's bytes,
-each accelerator's link.
+it (`devices/cost.py`: a roofline of the target's figures plus per-op overhead; on the host, the figures
+of the node's CPU backend where the target has them), every tensor's bytes, each accelerator's link.
 
 The schedule stage places the graph with it; the package stage re-costs a segment with the very same
 numbers when the Edge TPU compiler maps only part of it.
@@ -39,14 +39,17 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
     cost, cpu_backend = [], []
     for n, c, k, w, act in zip(g.node, caps, kinds_of, weights, acts):
         flops, grouped = node_flops(n, shapes), is_grouped(n)
-        per = {HOST: node_ms(target, HOST, flops=flops, param_bytes=w, act_bytes=act, grouped=grouped)}
+        # on the host, the node costs what it costs on the backend that will compile it (the target's
+        # figures of that backend where it has them: `CpuDevice.backends`)
+        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith(f"{HOST}/")), "onnxruntime"))
+        per = {HOST: node_ms(target, HOST, flops=flops, param_bytes=w, act_bytes=act, grouped=grouped,
+                             backend=cpu_backend[-1])}
         for m in accelerators:
             if m.kind in k:
                 ms = node_ms(target, m.kind, flops=flops, param_bytes=w, act_bytes=act,
                              streamed_fraction=streamed[m.kind], grouped=grouped)
                 per.update({dev: ms for dev in target.logical_ids(m.kind)})
         cost.append(per)
-        cpu_backend.append(next((x.split("/")[1] for x in c if x.startswith(f"{HOST}/")), "onnxruntime"))
     outputs = {o.name for o in g.output}
     tensors = [Tensor(t, tensor_bytes(shapes.get(t)), producer.get(t), tuple(consumers.get(t, ())), t in outputs)
                for t in dict.fromkeys([*consumers, *outputs])]

@@ -35,8 +35,9 @@ class _CpuCosts:
     """Per node of the graph, the terms of `parallel.Run` on the target's CPU: its time on some threads,
     the copy of its outputs out of one segment into the next, its memory traffic."""
 
-    def __init__(self, model: onnx.ModelProto, target, problem: Problem, shapes, consts):
+    def __init__(self, model: onnx.ModelProto, target, problem: Problem, shapes, consts, backend: dict[int, str]):
         g = model.graph
+        self.backend = backend  # node -> the CPU backend of its run: its figures cost the node
         cpu = target.host
         self.graph, self.target, self.cores = g, target, cpu.cores
         self.dispatch_ms = cpu.step_dispatch.value * 1e-3
@@ -50,7 +51,7 @@ class _CpuCosts:
     def cost(self, n: int, threads: int) -> float:
         flops, params, acts, grouped = self.terms[n]
         return node_ms(self.target, "cpu", flops=flops, param_bytes=params, act_bytes=acts, grouped=grouped,
-                       threads=threads)
+                       threads=threads, backend=self.backend.get(n))
 
     def schedule(self, nodes: list[int]) -> parallel.ParallelPlan:
         inside = set(nodes)
@@ -69,7 +70,8 @@ def parallelize(placed: list[PlannedSegment], problem: Problem, model: onnx.Mode
     cpu = target.host
     if not enabled or cpu.cores < 2 or cpu.step_dispatch is None:
         return InterOp(placed, [], {}, {})
-    costs = _CpuCosts(model, target, problem, shapes, consts)
+    costs = _CpuCosts(model, target, problem, shapes, consts,
+                      {n: r.backend for r in placed if r.device == "cpu" for n in r.nodes})
     runs: list[PlannedSegment] = []
     steps: list[list[str]] = []
     plans: dict[int, parallel.ParallelPlan] = {}
