@@ -1,5 +1,6 @@
 """calibrate: the fitter recovers the figures that generated its samples, the profiler gives every
-node of a real run a time, and the errors are computed as defined."""
+node of a real run a time, and the errors are computed as defined; per backend, the fit to timed runs
+recovers the figures that generated their totals, in the scheduler's own cost."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgesdk.config import load_target
+from edgesdk.config import Target, load_target
 from edgesdk.devices import cost
-from edgesdk.devices.calibrate import CpuFit, OpSample, evaluate, fit_cpu, measure_ops, predict_ms
+from edgesdk.devices.calibrate import (BOUND, TOLERANCE, CpuFit, OpSample, RunSample, backend_figures, cuts, evaluate,
+                                       evaluate_backend, fit_backend, fit_cpu, measure_ops, predict_ms,
+                                       predict_run_ms, run_sample)
 from edgesdk.errors import UserError
 from edgesdk.ir import model as irm
 
@@ -214,3 +217,133 @@ def test_measured_samples_fit_and_evaluate_end_to_end():
     report = evaluate(fit, samples)
     errs = sorted(abs(math.exp(r) - 1) for r in fit.residuals)
     assert report["ops"]["max_rel_error"] == pytest.approx(errs[-1], rel=1e-9)
+
+
+# --- per backend: runs of nodes ------------------------------------------------------------------
+
+BASE = CpuFit(300.0, 70.0, 5.0, (), (), grouped_gflops=20.0)  # a per-op fit: where a backend's fit starts
+LITERT = {"peak_gflops": 120.0, "grouped_gflops": 45.0, "bandwidth_gbps": 30.0, "overhead_us": 2.0}
+
+
+def _figure(value: float, unit: str) -> dict:
+    return {"value": value, "unit": unit, "source": "a test's own figure"}
+
+
+def _target_with(backend: str, figures: dict) -> Target:
+    """x86 with the per-op fit's figures on the CPU and `figures` for `backend`."""
+    data = load_target("x86")[0].model_dump(mode="json")
+    cpu = data["devices"][0]
+    cpu["peak_gflops"] = {"float32": _figure(BASE.peak_gflops, "GFLOP/s"),
+                          "float32_grouped": _figure(BASE.grouped_gflops, "GFLOP/s")}
+    cpu["memory_bandwidth"] = _figure(BASE.bandwidth_gbps, "GB/s")
+    cpu["kernel_overhead"] = _figure(BASE.overhead_us, "us")
+    own = {"peak_gflops": {"float32": _figure(figures["peak_gflops"], "GFLOP/s")},
+           "memory_bandwidth": _figure(figures["bandwidth_gbps"], "GB/s"),
+           "kernel_overhead": _figure(figures["overhead_us"], "us")}
+    if figures.get("grouped_gflops"):
+        own["peak_gflops"]["float32_grouped"] = _figure(figures["grouped_gflops"], "GFLOP/s")
+    cpu["backends"] = {backend: own}
+    return Target.model_validate(data)
+
+
+def timed_runs(seed: int, target: Target, backend: str, runs: int = 14, grouped: bool = True) -> list[RunSample]:
+    """Runs of 3 to 12 nodes drawn from `spread` (a third of the compute-bound ones grouped convolutions
+    when `grouped`), each run's measured time the scheduler's prediction with the target's figures of
+    `backend`: what a noiseless timing of a backend whose figures those are would give."""
+    rng = np.random.default_rng(seed)
+    nodes = spread(seed, 120)
+    out = []
+    for j in range(runs):
+        picked = rng.choice(len(nodes), size=int(rng.integers(3, 13)), replace=False)
+        terms = [(nodes[k][0], 0, nodes[k][1], grouped and k % 6 == 0) for k in picked]
+        sample = run_sample(f"m{j % 3}", "whole" if j < 3 else f"nodes {j}", backend, 1.0, terms)
+        out.append(RunSample(**{**sample.__dict__, "ms": predict_run_ms(target, sample, backend)}))
+    return out
+
+
+def test_backend_fit_recovers_the_figures_that_generated_its_runs():
+    target = _target_with("litert", LITERT)
+    fit = fit_backend(timed_runs(0, target, "litert"), BASE)
+    for key, want in LITERT.items():
+        assert getattr(fit, key) == pytest.approx(want, rel=1e-6), key
+    assert max(abs(r) for r in fit.residuals) < 1e-9 and fit.notes == ()
+    assert fit.loss == "log, runs" and set(fit.bound) <= {"compute", "memory", "overhead"}
+
+
+def test_a_fitted_backend_in_a_target_predicts_what_the_fit_predicts():
+    # the figures written for a backend, read back through the scheduler's cost, reproduce its runs
+    runs = timed_runs(1, _target_with("litert", LITERT), "litert")
+    fit = fit_backend(runs, BASE)
+    data = _target_with("litert", LITERT).model_dump(mode="json")
+    data["devices"][0]["backends"] = {"litert": backend_figures(fit, "edgesdk calibrate on test-host, 2 threads")}
+    refitted = Target.model_validate(data)
+    for r in runs:
+        assert predict_run_ms(refitted, r, "litert") == pytest.approx(r.ms, rel=1e-6)
+    assert refitted.host.backends["litert"].layer_overhead is None
+
+
+def test_without_grouped_convolutions_the_backend_keeps_the_cpus_grouped_rate():
+    figures = {k: v for k, v in LITERT.items() if k != "grouped_gflops"}
+    runs = timed_runs(2, _target_with("tvm", figures), "tvm", grouped=False)
+    fit = fit_backend(runs, BASE)
+    assert fit.grouped_gflops is None
+    assert "float32_grouped" not in backend_figures(fit, "test source")["peak_gflops"]
+    assert fit.peak_gflops == pytest.approx(figures["peak_gflops"], rel=1e-6)
+
+
+def test_backend_fit_notes_a_figure_no_run_depends_on():
+    # only compute-bound runs: the bandwidth stays the per-op fit's, and the note says so
+    target = _target_with("onnxruntime", LITERT)
+    runs = [run_sample("m", f"nodes {j}", "onnxruntime", 1.0, [(f * 1e6, 0, int(f * 10), False), (1e5, 0, 100, False)])
+            for j, f in enumerate((1.0, 3.0, 10.0, 30.0, 100.0, 300.0))]
+    runs = [RunSample(**{**r.__dict__, "ms": predict_run_ms(target, r, "onnxruntime")}) for r in runs]
+    fit = fit_backend(runs, BASE)
+    assert fit.bandwidth_gbps == pytest.approx(BASE.bandwidth_gbps, rel=1e-9)
+    assert fit.notes == ("no run's time depends on bandwidth_gbps: it is the per-op fit's",)
+    assert fit.peak_gflops == pytest.approx(LITERT["peak_gflops"], rel=1e-6)
+
+
+def test_backend_fit_stays_within_its_bounds_and_says_so():
+    # runs 1000x slower than any per-op figure explains: the rate stops at BOUND and is noted
+    target = _target_with("tvm", {"peak_gflops": BASE.peak_gflops / 1000, "bandwidth_gbps": BASE.bandwidth_gbps,
+                                  "overhead_us": BASE.overhead_us})
+    runs = timed_runs(3, target, "tvm", grouped=False)
+    fit = fit_backend(runs, BASE)
+    assert fit.peak_gflops == pytest.approx(BASE.peak_gflops / BOUND, rel=1e-6)
+    assert any(n.startswith("peak_gflops is at its bound") for n in fit.notes)
+
+
+def test_backend_fit_refuses_too_few_runs_and_mixed_backends():
+    target = _target_with("litert", LITERT)
+    runs = timed_runs(4, target, "litert")
+    with pytest.raises(ValueError, match="at least 5 timed runs"):
+        fit_backend(runs[:4], BASE)
+    with pytest.raises(ValueError, match="several backends"):
+        fit_backend([*runs[:3], RunSample(**{**runs[3].__dict__, "backend": "tvm"})], BASE)
+
+
+def test_cuts_are_consecutive_runs_of_about_even_time():
+    ms = [1.0] * 40 + [20.0] + [1.0] * 39
+    parts = cuts(ms, 4)
+    assert parts[0].start == 0 and parts[-1].stop == len(ms)
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    totals = [sum(ms[i] for i in r) for r in parts]
+    assert len(parts) == 4 and max(totals) - min(totals) <= 20.0
+    assert cuts(ms, 1) == [range(0, 80)] and cuts([5.0, 1.0], 4) == [range(0, 1), range(1, 2)] and cuts([], 3) == []
+
+
+def test_evaluate_backend_reports_whole_models_against_the_tolerance():
+    target = _target_with("litert", LITERT)
+    terms = [(1e7, 0, 100_000, False), (1e4, 0, 400_000, False)]
+    predicted = predict_run_ms(target, run_sample("a", "whole", "litert", 1.0, terms), "litert")
+    shared = predict_run_ms(target, run_sample("a", "whole", "litert", 1.0, terms), None)
+    samples = [run_sample("a", "whole", "litert", predicted / 1.2, terms),    # 20 % over: within
+               run_sample("b", "whole", "litert", predicted / 1.3, terms),    # 30 % over: not within
+               run_sample("a", "nodes 1-1", "litert", predicted, terms)]      # a cut: counted in runs only
+    report = evaluate_backend(target, "litert", samples)
+    a, b = report["models"]["a"], report["models"]["b"]
+    assert set(report["models"]) == {"a", "b"} and report["tolerance"] == TOLERANCE
+    assert a["rel_error"] == pytest.approx(0.2) and a["within_tolerance"]
+    assert b["rel_error"] == pytest.approx(0.3) and not b["within_tolerance"]
+    assert a["predicted_shared_ms"] == pytest.approx(shared) and shared != pytest.approx(predicted)
+    assert report["runs"] == {"count": 3, "median_rel_error": pytest.approx(0.2), "max_rel_error": pytest.approx(0.3)}

@@ -14,6 +14,29 @@ with peak in GFLOP/s, bandwidth in GB/s, overhead in us, bytes = parameter + act
    span four decades, and an absolute (or squared-ms) loss would fit the few large convolutions and
    ignore the hundreds of small ops whose overhead the scheduler weighs against link transfers.
 3. `evaluate` compares the fit with measurements, per op and per model total (use a held-out model).
+
+Per CPU backend. The per-op profile is onnxruntime's with nothing fused; a bundle's CPU segment runs on
+onnxruntime with all its graph optimizations, on LiteRT (XNNPACK) or on TVM, each with fused kernels
+and a per-inference cost of its own that no per-node profile of ours can see. Such a backend is timed
+on whole runs of nodes as a bundle runs them (`scheduling/backend_timing.py`: each fitted model whole
+and cut into `cuts` of about equal predicted time; a held-out model whole), and its figures are fitted
+to those totals in the very form the scheduler adds up for a segment (`placement.segment_ms`):
+
+    T_j = sum over the nodes i of run j of 1e3 * max(flops_i / rate_i, bytes_i / bandwidth)
+          + n_j * overhead * 1e-3
+
+4. `fit_backend` minimizes sum_j ln(T_j / measured_j)^2 over ln(peak, bandwidth, overhead[, grouped
+   rate]), the loss of `fit_cpu` for the same reason (runs span three decades). One total stands for
+   many nodes, so a few whole models alone would give as many equations as models; the cuts differ in
+   their mix of dense convolutions, depthwise convolutions and elementwise ops, which is what
+   separates the figures. They are effective figures of the backend's fused kernels: an elementwise op
+   fused into the convolution before it costs the overhead and memory terms the fit gives it, averaged
+   over the runs. Every figure starts at the per-op fit's and stays within a factor `BOUND` of it
+   either way; one at its bound, or that no run's time depends on, is noted as not determined.
+5. `evaluate_backend` predicts each run as the scheduler does, `cost.node_ms` of the fitted target
+   with the backend's figures summed over its nodes (a held-out model whole: the scheduler's prediction
+   for it as one CPU segment on that backend), against its measured time, and beside it the prediction
+   with the CPU's one set of figures that every backend shared before.
 """
 
 from __future__ import annotations
@@ -22,6 +45,7 @@ import json
 import math
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +55,7 @@ import onnx
 from ..config import Figure
 from ..errors import UserError
 from ..ir import model as irm
-from .cost import is_grouped, node_bytes, node_flops
+from .cost import is_grouped, node_bytes, node_flops, node_ms
 from .terms import NodeTerms, terms_ms
 
 WARMUP_RUNS = 2
@@ -239,6 +263,11 @@ def _shapes(model: onnx.ModelProto, model_name: str) -> dict[str, tuple[int, ...
     return shapes
 
 
+def random_feeds(model: onnx.ModelProto, name: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for `model` (static shapes): floats drawn from a normal distribution with `seed`, integers 0."""
+    return _random_feeds(model, _shapes(model, name), irm.constant_names(model), seed)
+
+
 def _random_feeds(model: onnx.ModelProto, shapes, consts, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     types = irm.elem_types(model)
@@ -360,3 +389,169 @@ def evaluate(fit: CpuFit, samples: list[OpSample]) -> dict:
         "worst_op": {"model": samples[worst].model, "node": samples[worst].node, "op_type": samples[worst].op_type,
                      "measured_ms": samples[worst].ms, "predicted_ms": pred[worst]},
     }
+
+
+# --- per backend: runs of nodes timed as a bundle runs them --------------------------------------
+
+TOLERANCE = 0.25  # a held-out model's prediction is expected within 25 % of its measured time (issue 17)
+BOUND = 100.0  # a backend's fitted figure stays within this factor of the per-op fit's, either way
+WHOLE = "whole"
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """A run of a model's nodes (the whole model, or consecutive nodes of it) timed on one CPU backend as
+    a bundle runs it, with every node's terms as the scheduler counts them."""
+
+    model: str
+    run: str  # WHOLE or "nodes i-j"
+    backend: str
+    ms: float
+    flops: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    act_bytes: tuple[int, ...]
+    grouped: tuple[bool, ...]
+
+
+def node_terms_of(model: onnx.ModelProto, name: str) -> list[tuple[float, int, int, bool]]:
+    """(flops, parameter bytes, activation bytes, grouped) of every node of `model`, as the scheduler
+    counts them (`scheduling/graph.build_problem`); the model needs static shapes."""
+    shapes, consts = _shapes(model, name), irm.constant_names(model)
+    return [(node_flops(n, shapes), *node_bytes(n, shapes, consts), is_grouped(n)) for n in model.graph.node]
+
+
+def run_sample(model: str, run: str, backend: str, ms: float, terms: Sequence[tuple[float, int, int, bool]]
+               ) -> RunSample:
+    flops, params, acts, grouped = zip(*terms) if terms else ((), (), (), ())
+    return RunSample(model, run, backend, ms, tuple(flops), tuple(params), tuple(acts), tuple(grouped))
+
+
+def cuts(ms: Sequence[float], parts: int) -> list[range]:
+    """Consecutive runs of nodes, `parts` of them (fewer where nodes are fewer), of about equal total
+    `ms` (a node's predicted time): run k ends at the first node where the running total reaches k /
+    parts of the whole."""
+    if not ms:
+        return []
+    cum = np.cumsum(np.asarray(ms, dtype=float))
+    ends = sorted({int(np.searchsorted(cum, cum[-1] * k / parts)) + 1 for k in range(1, parts)} - {0, len(ms)})
+    edges = [0, *(e for e in ends if 0 < e < len(ms)), len(ms)]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+
+def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> CpuFit:
+    """The backend's figures (module docstring, 4.) from its timed runs, started at `base` (the per-op
+    fit). The grouped-convolution rate is free only when the runs hold grouped convolutions; otherwise
+    the result has none and a target keeps the CPU's own for that backend. `residuals[j]` is
+    ln(T_j / measured_j); `bound[j]` names the term that carries most of run j's predicted time
+    ("compute", "memory" or "overhead")."""
+    from scipy.optimize import least_squares
+
+    if len({s.backend for s in samples}) > 1:
+        raise ValueError(f"runs of several backends: {sorted({s.backend for s in samples})}")
+    run_of = np.concatenate([np.full(len(s.flops), j) for j, s in enumerate(samples)]) if samples else np.zeros(0)
+    run_of = run_of.astype(int)
+    flops = np.array([f for s in samples for f in s.flops], dtype=float)
+    nbytes = np.array([p + a for s in samples for p, a in zip(s.param_bytes, s.act_bytes)], dtype=float)
+    grouped = np.array([g for s in samples for g in s.grouped], dtype=bool)
+    nodes = np.array([len(s.flops) for s in samples], dtype=float)
+    meas = np.array([s.ms for s in samples], dtype=float)
+    four = bool(np.any(grouped & (flops > 0)))
+    names = ["peak_gflops", "bandwidth_gbps", "overhead_us"] + (["grouped_gflops"] if four else [])
+    if len(samples) < len(names) + 1:
+        raise ValueError(f"fitting {len(names)} figures needs at least {len(names) + 1} timed runs, got {len(samples)}")
+    if np.any(meas <= 0) or np.any(nodes == 0):
+        raise ValueError("every run needs nodes and a positive measured time")
+    fixed_grouped = base.grouped_gflops or base.peak_gflops  # the rate grouped nodes get when it is not free
+    x0 = np.log([base.peak_gflops, base.bandwidth_gbps, base.overhead_us] + ([fixed_grouped] if four else []))
+    count = len(samples)
+
+    def terms(u):  # per node: compute and memory ms; the overhead ms every node pays
+        peak, bw, over = np.exp(u[:3])
+        rate = np.where(grouped, np.exp(u[3]) if four else fixed_grouped, peak)
+        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), over * 1e-3
+
+    def totals(u):
+        c, m, o = terms(u)
+        return np.bincount(run_of, np.maximum(c, m), minlength=count) + nodes * o
+
+    def residuals(u):
+        return np.log(totals(u)) - np.log(meas)
+
+    def jacobian(u):
+        c, m, o = terms(u)
+        compute = c >= m
+        cols = [-np.bincount(run_of, np.where(compute & ~grouped, c, 0.0), minlength=count),
+                -np.bincount(run_of, np.where(compute, 0.0, m), minlength=count),
+                nodes * o]
+        if four:
+            cols.append(-np.bincount(run_of, np.where(compute & grouped, c, 0.0), minlength=count))
+        return np.column_stack(cols) / totals(u)[:, None]
+
+    lo, hi = x0 - math.log(BOUND), x0 + math.log(BOUND)
+    best = None
+    for fp in (1 / 3, 1.0, 3.0):  # a few starts around the per-op fit: the max() makes the loss piecewise smooth
+        for fo in (1 / 3, 1.0, 3.0):
+            start = x0.copy()
+            start[0] += math.log(fp)
+            start[2] += math.log(fo)
+            r = least_squares(residuals, start, jac=jacobian, bounds=(lo, hi), method="trf", xtol=1e-12, ftol=1e-12,
+                              gtol=1e-12, max_nfev=2000)
+            if best is None or r.cost < best.cost:
+                best = r
+    u = best.x.copy()
+    # a figure no run's time depends on at the optimum sits anywhere on a flat stretch of the loss:
+    # it goes back to the per-op fit's where the loss stays as it is there
+    for k in np.flatnonzero(np.abs(jacobian(u)).max(axis=0) < 1e-9):
+        back = u.copy()
+        back[k] = x0[k]
+        if np.sum(residuals(back) ** 2) <= np.sum(residuals(u) ** 2) * (1 + 1e-9) + 1e-24:
+            u = back
+    c, m, o = terms(u)
+    shares = np.column_stack([np.bincount(run_of, np.where(c >= m, c, 0.0), minlength=count),
+                              np.bincount(run_of, np.where(c >= m, 0.0, m), minlength=count), nodes * o])
+    bound = tuple(("compute", "memory", "overhead")[int(k)] for k in np.argmax(shares, axis=1))
+    notes = []
+    column = np.abs(jacobian(u)).max(axis=0)
+    for k, name in enumerate(names):
+        if column[k] < 1e-9:
+            notes.append(f"no run's time depends on {name}: it is the per-op fit's" if u[k] == x0[k] else
+                         f"no run's time depends on {name} at the fit: a bound, not a measurement")
+        elif math.isclose(u[k], lo[k], abs_tol=1e-6) or math.isclose(u[k], hi[k], abs_tol=1e-6):
+            notes.append(f"{name} is at its bound ({BOUND:g}x the per-op fit's): the runs do not determine it")
+    peak, bw, over = (float(x) for x in np.exp(u[:3]))
+    return CpuFit(peak, bw, over, tuple(float(x) for x in residuals(u)), bound, "log, runs", tuple(notes),
+                  float(np.exp(u[3])) if four else None)
+
+
+def backend_figures(fit: CpuFit, source: str) -> dict:
+    """A backend's entry under the CPU's `backends` in a target file: the figures `fit_backend` fitted
+    (a grouped rate only where it fitted one, a per-layer cost never)."""
+    figures = fit.figures(source)
+    figures.pop("layer_overhead")
+    return figures
+
+
+def predict_run_ms(target, sample: RunSample, backend: str | None) -> float:
+    """The scheduler's prediction for the run as one CPU segment: `cost.node_ms` summed over its nodes,
+    with `backend`'s figures (None: the CPU's own)."""
+    return math.fsum(node_ms(target, "cpu", flops=f, param_bytes=p, act_bytes=a, grouped=g, backend=backend)
+                     for f, p, a, g in zip(sample.flops, sample.param_bytes, sample.act_bytes, sample.grouped))
+
+
+def evaluate_backend(target, backend: str, samples: Sequence[RunSample]) -> dict:
+    """Predicted against measured for each whole model among `samples` (the error |pred - meas| / meas,
+    whether it is within TOLERANCE, and the prediction with the CPU's own figures beside it), and the
+    error over every run (the cuts included)."""
+    errors, models = [], {}
+    for s in samples:
+        predicted = predict_run_ms(target, s, backend)
+        errors.append(abs(predicted - s.ms) / s.ms)
+        if s.run == WHOLE:
+            shared = predict_run_ms(target, s, None)
+            models[s.model] = {"measured_ms": s.ms, "predicted_ms": predicted, "rel_error": errors[-1],
+                               "within_tolerance": errors[-1] <= TOLERANCE, "predicted_shared_ms": shared,
+                               "shared_rel_error": abs(shared - s.ms) / s.ms}
+    return {"models": models,
+            "runs": {"count": len(samples), "median_rel_error": statistics.median(errors) if errors else None,
+                     "max_rel_error": max(errors) if errors else None},
+            "tolerance": TOLERANCE}
