@@ -299,12 +299,16 @@ def calibrate(
     model: List[str] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable); PATH@NAME=1x3x48x192 fixes its input shapes."),
     holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
     threads: int = typer.Option(2, "--threads", min=1, help="Intra-op threads, as the bundle will run."),
-    runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept)."),
+    runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept); inferences per timing of a backend's run."),
+    cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
+    cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
+    tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="The tuning database whose records TVM compiles with, as the build would (default: the build's, ~/.cache/edgesdk/tuning/TARGET)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),
-    as_json: bool = typer.Option(False, "--json", help="Print the fit and its evaluation as JSON on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="Print the fits and their evaluation as JSON on stdout."),
 ) -> None:
-    """Measure per-op latencies on this host, fit the target's CPU cost figures, and report predicted
-    vs measured on held-out models."""
+    """Measure per-op latencies on this host and fit the target's CPU cost figures; time runs of each
+    model on each CPU backend as a bundle runs them and fit the backend's own figures; report predicted
+    vs measured on held-out models, per backend."""
     import yaml
 
     from .pipeline import calibrate as run_calibrate
@@ -313,7 +317,17 @@ def calibrate(
         path, _, shapes = text.partition("@")
         return Path(path), _parse_shapes([x for x in shapes.split(",") if x])
 
+    from .scheduling.selection import CPU_BACKENDS
+
+    chosen = () if cpu_backends == "none" else tuple(dict.fromkeys(b.strip() for b in cpu_backends.split(",")
+                                                                    if b.strip()))
+    unknown = [b for b in chosen if b not in CPU_BACKENDS]
+    if unknown or (cpu_backends != "none" and not chosen):
+        raise UsageError("cli.bad-backends", f"--backends {cpu_backends!r}: " + (
+            f"unknown backend {', '.join(repr(b) for b in unknown)}" if unknown else "names no backend"),
+            f"choose among {','.join(CPU_BACKENDS)}, or none for the per-op fit alone")
     result = run_calibrate(target, [spec(m) for m in model], [spec(h) for h in holdout], threads=threads, runs=runs,
+                           backends=chosen, cuts=cuts, tuning_db=tuning_db,
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
     if output is not None:
         tmp = output.with_name(f".{output.name}.tmp")
@@ -322,20 +336,9 @@ def calibrate(
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
         return
-    f = result["fit"]
-    lines = [f"fitted on {result['samples']} ops: peak {f['peak_gflops']:.1f} GFLOP/s"
-             + (f" ({f['grouped_gflops']:.1f} for grouped convolutions)" if f.get("grouped_gflops") else "")
-             + f", memory {f['bandwidth_gbps']:.1f} GB/s, overhead {f['overhead_us']:.2f} us per op"]
-    for what in ("on_fitted", "held_out"):
-        ev = result[what]
-        for name, m in (ev or {}).get("models", {}).items():
-            lines.append(f"{'held out' if what == 'held_out' else 'fitted  '} {name}: predicted {m['predicted_ms']:.2f} ms, "
-                         f"measured {m['measured_ms']:.2f} ms ({m['total_rel_error']:.0%} off); per op median "
-                         f"{m['median_rel_error']:.0%} off")
-    lines += [f"note: {n}" for n in f.get("notes", [])]
-    if output is not None:
-        lines.append(f"wrote {output}")
-    print("\n".join(lines))
+    from .report.text import calibrate_summary
+
+    print(calibrate_summary(result, output))
 
 
 @app.command("run")

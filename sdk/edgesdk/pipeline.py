@@ -308,17 +308,24 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
 
 
 def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[tuple[Path, dict]],
-              *, threads: int, runs: int, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              *, threads: int, runs: int, backends: tuple[str, ...] = (), cuts: int = 4,
+              tuning_db: Path | None = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """`edgesdk calibrate`: measure every op of `models` (each with its input shapes) on this host, fit
-    the target's CPU figures, and evaluate the fit on the `holdout` models. Returns the fit, the
-    evaluation and the target with the fitted figures (as a dict ready for YAML)."""
+    the target's CPU figures, and evaluate the fit on the `holdout` models. With `backends`, also time
+    each fitted model (whole and cut into `cuts` runs of nodes) and each held-out model (whole) on each
+    of those CPU backends as a bundle runs them, fit each backend's own figures to its runs, and
+    evaluate them on the held-out models (`devices/calibrate.py`); TVM compiles with the records of
+    `tuning_db` (the build's database by default). Returns the fits, their evaluations and the target
+    with the fitted figures (as a dict ready for YAML)."""
     import dataclasses
     import platform
     import tempfile
 
     import onnx
 
+    from .config import CpuBackendFigures
     from .devices import calibrate as cal
+    from .devices.cost import node_ms
 
     target, _ = load_target(target_name)
     cpu = target.host
@@ -326,6 +333,8 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
         raise UsageError("calibrate.foreign-arch", f"target '{target.name}' has a {cpu.arch} CPU; this host is "
                          f"{platform.machine()}", "calibrate on the device itself, with a target of its architecture")
     samples: dict[str, list] = {"fit": [], "holdout": []}
+    timed: dict[str, list] = {"fit": [], "holdout": []}  # RunSamples of every backend
+    skipped: dict[str, list[str]] = {b: [] for b in backends}
     with tempfile.TemporaryDirectory(prefix="edgesdk-calibrate-") as tmp:
         for role, paths in (("fit", models), ("holdout", holdout)):
             for i, (path, shapes) in enumerate(paths):
@@ -336,17 +345,105 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
                 log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
                     f"{threads} threads)")
                 samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)
+                if backends:
+                    terms = cal.node_terms_of(model, Path(path).name)
+                    # a fitted model is cut where its predicted time (the input target's figures) is about even
+                    parts = cal.cuts([node_ms(target, HOST, flops=f, param_bytes=p, act_bytes=a, grouped=g)
+                                      for f, p, a, g in terms], cuts) if role == "fit" and cuts > 1 else []
+                    new, why = _time_backends(model, Path(path).name,
+                                              [range(len(terms))] + (parts if len(parts) > 1 else []),
+                                              backends, target, tuning_db, out / "timing", threads, runs, log)
+                    timed[role] += [cal.run_sample(t.model, t.label, t.backend, t.ms, [terms[k] for k in t.nodes])
+                                    for t in new]
+                    for b, lines in why.items():
+                        skipped[b] += lines
+                    shutil.rmtree(out, ignore_errors=True)
     fit = cal.fit_cpu(samples["fit"])
     names = ", ".join(Path(p).name for p, _ in models)
     source = (f"fitted by edgesdk calibrate on an {platform.machine()} host, "
               f"{threads} threads, per-op onnxruntime profiles of {names}")
     fitted = target.model_copy(deep=True)
+    per_backend: dict[str, dict] = {}
+    for b in backends:
+        runs_b = [s for s in timed["fit"] if s.backend == b]
+        try:
+            per_backend[b] = {"fit": cal.fit_backend(runs_b, fit), "runs": len(runs_b)}
+        except ValueError as e:  # too few runs timed (the others could not be built, checked or timed)
+            per_backend[b] = {"fit": None, "runs": len(runs_b), "error": str(e)}
     for i, d in enumerate(fitted.devices):
         if d.kind == HOST:
             figures = fit.figures(source)
             peak = {**d.peak_gflops, **figures.pop("peak_gflops")}
-            fitted.devices[i] = d.model_copy(update={**figures, "peak_gflops": peak})
+            own = dict(d.backends)
+            for b, entry in per_backend.items():
+                if entry["fit"] is not None:
+                    own[b] = CpuBackendFigures(**cal.backend_figures(entry["fit"], _backend_source(
+                        b, threads, entry["runs"], names, tuning_db, target.name)))
+            fitted.devices[i] = d.model_copy(update={**figures, "peak_gflops": peak, "backends": own})
+    # the fitted target validated as a target file would be: its figures within their bounds
+    fitted = Target.model_validate(fitted.model_dump(mode="json"))
+    for b, entry in per_backend.items():
+        held = [s for s in timed["holdout"] if s.backend == b]
+        entry.update({
+            "fit": dataclasses.asdict(entry["fit"]) if entry["fit"] is not None else None,
+            "skipped": skipped[b],
+            "on_fitted": cal.evaluate_backend(fitted, b, [s for s in timed["fit"] if s.backend == b])
+            if entry["fit"] is not None else None,
+            "held_out": cal.evaluate_backend(fitted, b, held) if entry["fit"] is not None and held else None})
     return {"target": target.name, "fit": dataclasses.asdict(fit), "samples": len(samples["fit"]),
             "on_fitted": cal.evaluate(fit, samples["fit"]),
             "held_out": cal.evaluate(fit, samples["holdout"]) if samples["holdout"] else None,
+            "threads": threads, "backends": per_backend,
             "fitted_target": fitted.model_dump(mode="json")}
+
+
+def _time_backends(model, name: str, runs_of_nodes: list, names: tuple[str, ...], target, tuning_db: Path | None,
+                   work: Path, threads: int, runs: int, log: Callable[[str], None]) -> tuple[list, dict[str, list[str]]]:
+    """The runs of `model` timed on each backend of `names` (`scheduling/backend_timing.py`): those
+    with a time, and per backend the lines of those without one. TVM is not timed where this host
+    lacks instructions of the target's code."""
+    from . import backends
+    from .devices import calibrate as cal
+    from .scheduling import backend_timing, selection
+
+    # a backend that compiles for the target's CPU (TVM) runs its code only where this host has its instructions
+    native = {b for b in names if backends.backend(b).tunes}
+    why_not = selection.unmeasurable(target) if native else None
+    timeable = tuple(b for b in names if not (b in native and why_not))
+    with backend_timing.runner_threads(threads):
+        result = backend_timing.time_runs(model, name, runs_of_nodes, timeable, target, cal.random_feeds(model, name),
+                                          tuning_db=_cpu_tuning_db(tuning_db, target.name), work=work,
+                                          threads=threads, runs=runs, rounds=selection.ROUNDS, log=log)
+    why: dict[str, list[str]] = {b: [] for b in names}
+    for b in native if why_not else ():
+        why[b].append(f"{name}: not timed: {why_not}")
+    for t in result:
+        if t.ms is None:
+            why[t.backend].append(f"{name} {t.label}: {t.skipped}")
+    return [t for t in result if t.ms is not None], why
+
+
+def _cpu_tuning_db(tuning_db: Path | None, target_name: str) -> Path:
+    """The CPU's database as the build reads it: `--tuning-db DIR`'s cpu/ (default: the build's)."""
+    from .stages.tune import default_tuning_db
+
+    return (Path(tuning_db) if tuning_db else default_tuning_db(target_name)) / "cpu"
+
+
+def _backend_source(backend: str, threads: int, runs: int, names: str, tuning_db: Path | None, target_name: str) -> str:
+    """Where a backend's fitted figures come from: the host's CPU, the threads, the runs and, for a
+    backend that compiles with tuning records, which database."""
+    import platform
+
+    from . import backends
+    from .ir.digest import tree_sha256
+    from .scheduling import selection
+
+    text = (f"fitted by edgesdk calibrate on an {platform.machine()} host ({selection.host_name()}), {threads} threads, "
+            f"{runs} runs of nodes of {names} timed on {backend} as a bundle runs them")
+    if backends.backend(backend).tunes:
+        db = _cpu_tuning_db(tuning_db, target_name)
+        records = (f"the tuning database {db} (sha256 {tree_sha256(db)[:12]})"
+                   if (db / "database_workload.json").exists() else "no tuning records (default schedules)")
+        text += f", with {records}"
+    return text

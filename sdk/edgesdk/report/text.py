@@ -1,4 +1,4 @@
-"""Plain-text reports: placement summary, bundle inspection."""
+"""Plain-text reports: placement summary, bundle inspection, calibration."""
 
 from __future__ import annotations
 
@@ -217,4 +217,41 @@ def legalize_summary(record: dict[str, Any]) -> str | None:
                      f"range) on {e['samples']} calibration sample(s)")
     for f in record.get("fallbacks") or []:
         lines.append(f"  kept on the CPU: {', '.join(f['nodes'])} ({f['reason']})")
+    return "\n".join(lines)
+
+
+def calibrate_summary(result: dict[str, Any], output: Path | None = None) -> str:
+    """`edgesdk calibrate`: the per-op fit and its errors per model, then each backend's own fit and,
+    per held-out model, its prediction against the measured time (and the one-set-of-figures
+    prediction beside it)."""
+    f = result["fit"]
+    lines = [f"fitted on {result['samples']} ops: peak {f['peak_gflops']:.1f} GFLOP/s"
+             + (f" ({f['grouped_gflops']:.1f} for grouped convolutions)" if f.get("grouped_gflops") else "")
+             + f", memory {f['bandwidth_gbps']:.1f} GB/s, overhead {f['overhead_us']:.2f} us per op"]
+    for what in ("on_fitted", "held_out"):
+        ev = result[what]
+        for name, m in (ev or {}).get("models", {}).items():
+            lines.append(f"{'held out' if what == 'held_out' else 'fitted  '} {name}: predicted {m['predicted_ms']:.2f} ms, "
+                         f"measured {m['measured_ms']:.2f} ms ({m['total_rel_error']:.0%} off); per op median "
+                         f"{m['median_rel_error']:.0%} off")
+    lines += [f"note: {n}" for n in f.get("notes", [])]
+    for backend, b in result.get("backends", {}).items():
+        bf = b["fit"]
+        if bf is None:
+            lines.append(f"backend {backend}: not fitted: {b['error']}")
+        else:
+            runs = b["on_fitted"]["runs"]
+            lines.append(f"backend {backend}: fitted on {b['runs']} timed runs: peak {bf['peak_gflops']:.1f} GFLOP/s"
+                         + (f" ({bf['grouped_gflops']:.1f} for grouped convolutions)" if bf.get("grouped_gflops") else "")
+                         + f", memory {bf['bandwidth_gbps']:.1f} GB/s, overhead {bf['overhead_us']:.2f} us per op; "
+                         f"runs median {runs['median_rel_error']:.0%} off, at most {runs['max_rel_error']:.0%}")
+            for name, m in (b["held_out"] or {}).get("models", {}).items():
+                lines.append(f"  held out {name}: predicted {m['predicted_ms']:.2f} ms, measured {m['measured_ms']:.2f} ms "
+                             f"({m['rel_error']:.0%} off, {'within' if m['within_tolerance'] else 'NOT within'} "
+                             f"{b['held_out']['tolerance']:.0%}); with the CPU's one set of figures "
+                             f"{m['predicted_shared_ms']:.2f} ms ({m['shared_rel_error']:.0%} off)")
+            lines += [f"  note: {n}" for n in bf.get("notes", [])]
+        lines += [f"  not timed: {line}" for line in b.get("skipped", [])]
+    if output is not None:
+        lines.append(f"wrote {output}")
     return "\n".join(lines)
