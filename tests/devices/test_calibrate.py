@@ -347,3 +347,6 @@ def test_evaluate_backend_reports_whole_models_against_the_tolerance():
     assert b["rel_error"] == pytest.approx(0.3) and not b["within_tolerance"]
     assert a["predicted_shared_ms"] == pytest.approx(shared) and shared != pytest.approx(predicted)
     assert report["runs"] == {"count": 3, "median_rel_error": pytest.approx(0.2), "max_rel_error": pytest.approx(0.3)}
+    assert [(r["model"], r["run"], r["nodes"]) for r in report["per_run"]] == [("a", "whole", 2), ("b", "whole", 2),
+                                                                                ("a", "nodes 1-1", 2)]
+    assert report["per_run"][2]["rel_error"] == pytest.approx(0.0, abs=1e-12)

@@ -541,11 +541,13 @@ def predict_run_ms(target, sample: RunSample, backend: str | None) -> float:
 def evaluate_backend(target, backend: str, samples: Sequence[RunSample]) -> dict:
     """Predicted against measured for each whole model among `samples` (the error |pred - meas| / meas,
     whether it is within TOLERANCE, and the prediction with the CPU's own figures beside it), and the
-    error over every run (the cuts included)."""
-    errors, models = [], {}
+    error of every run (the cuts included), one by one and summed up."""
+    errors, models, per_run = [], {}, []
     for s in samples:
         predicted = predict_run_ms(target, s, backend)
         errors.append(abs(predicted - s.ms) / s.ms)
+        per_run.append({"model": s.model, "run": s.run, "nodes": len(s.flops), "measured_ms": s.ms,
+                        "predicted_ms": predicted, "rel_error": errors[-1]})
         if s.run == WHOLE:
             shared = predict_run_ms(target, s, None)
             models[s.model] = {"measured_ms": s.ms, "predicted_ms": predicted, "rel_error": errors[-1],
@@ -554,4 +556,4 @@ def evaluate_backend(target, backend: str, samples: Sequence[RunSample]) -> dict
     return {"models": models,
             "runs": {"count": len(samples), "median_rel_error": statistics.median(errors) if errors else None,
                      "max_rel_error": max(errors) if errors else None},
-            "tolerance": TOLERANCE}
+            "per_run": per_run, "tolerance": TOLERANCE}
