@@ -41,11 +41,11 @@ def test_calibrate_fits_and_writes_a_valid_target(tmp_path):
 def test_calibrate_fits_a_backends_own_figures_and_reports_held_out_models(tmp_path):
     out = tmp_path / "fitted.yaml"
     args = ("calibrate", "--target", "x86", "-m", f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}", "--holdout",
-            f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}", "--runs", "2", "--backends", "onnxruntime", "--cuts", "5")
+            f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}", "--runs", "2", "--backends", "onnxruntime", "--cuts", "8", "--rounds", "2")
     r = _cli(*args, "-o", str(out), "--json")
     assert r.returncode == 0, r.stderr
     ort = json.loads(r.stdout)["backends"]["onnxruntime"]
-    assert ort["runs"] == 6 and ort["skipped"] == []  # the model whole and in 5 cuts
+    assert ort["runs"] == 9 and ort["skipped"] == []  # the model whole and in 8 cuts
     assert all(ort["fit"][k] > 0 for k in ("peak_gflops", "bandwidth_gbps", "overhead_us"))
     held = ort["held_out"]["models"][PPOCR_CLS.name]
     assert held["measured_ms"] > 0 and held["predicted_ms"] > 0 and held["predicted_shared_ms"] > 0
@@ -57,7 +57,7 @@ def test_calibrate_fits_a_backends_own_figures_and_reports_held_out_models(tmp_p
     assert _cli("targets", "validate", str(out)).returncode == 0
     # the human report: the backend's fit and its held-out model against the tolerance
     text = _cli(*args).stdout
-    assert "backend onnxruntime: fitted on 6 timed runs" in text
+    assert "backend onnxruntime: fitted on 9 timed runs" in text
     assert f"  held out {PPOCR_CLS.name}: predicted" in text and "25%); with the CPU's one set of figures" in text
 
 

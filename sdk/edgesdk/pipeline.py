@@ -308,15 +308,15 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
 
 
 def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[tuple[Path, dict]],
-              *, threads: int, runs: int, backends: tuple[str, ...] = (), cuts: int = 4,
+              *, threads: int, runs: int, backends: tuple[str, ...] = (), cuts: int = 4, rounds: int = 3,
               tuning_db: Path | None = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """`edgesdk calibrate`: measure every op of `models` (each with its input shapes) on this host, fit
     the target's CPU figures, and evaluate the fit on the `holdout` models. With `backends`, also time
     each fitted model (whole and cut into `cuts` runs of nodes) and each held-out model (whole) on each
-    of those CPU backends as a bundle runs them, fit each backend's own figures to its runs, and
-    evaluate them on the held-out models (`devices/calibrate.py`); TVM compiles with the records of
-    `tuning_db` (the build's database by default). Returns the fits, their evaluations and the target
-    with the fitted figures (as a dict ready for YAML)."""
+    of those CPU backends as a bundle runs them (`rounds` timings each), fit each backend's own figures
+    to its runs, and evaluate them on the held-out models (`devices/calibrate.py`); TVM compiles with
+    the records of `tuning_db` (the build's database by default). Returns the fits, their evaluations
+    and the target with the fitted figures (as a dict ready for YAML)."""
     import dataclasses
     import platform
     import tempfile
@@ -352,9 +352,10 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
                                       for f, p, a, g in terms], cuts) if role == "fit" and cuts > 1 else []
                     new, why = _time_backends(model, Path(path).name,
                                               [range(len(terms))] + (parts if len(parts) > 1 else []),
-                                              backends, target, tuning_db, out / "timing", threads, runs, log)
-                    timed[role] += [cal.run_sample(t.model, t.label, t.backend, t.ms, [terms[k] for k in t.nodes])
-                                    for t in new]
+                                              backends, target, tuning_db, out / "timing", threads, runs, rounds,
+                                              log)
+                    timed[role] += [cal.run_sample(t.model, t.label, t.backend, t.ms, [terms[k] for k in t.nodes],
+                                                   t.cut_bytes) for t in new]
                     for b, lines in why.items():
                         skipped[b] += lines
                     shutil.rmtree(out, ignore_errors=True)
@@ -384,12 +385,13 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
     fitted = Target.model_validate(fitted.model_dump(mode="json"))
     for b, entry in per_backend.items():
         held = [s for s in timed["holdout"] if s.backend == b]
+        bfit = entry["fit"]
         entry.update({
-            "fit": dataclasses.asdict(entry["fit"]) if entry["fit"] is not None else None,
+            "fit": dataclasses.asdict(bfit) if bfit is not None else None,
             "skipped": skipped[b],
-            "on_fitted": cal.evaluate_backend(fitted, b, [s for s in timed["fit"] if s.backend == b])
-            if entry["fit"] is not None else None,
-            "held_out": cal.evaluate_backend(fitted, b, held) if entry["fit"] is not None and held else None})
+            "on_fitted": cal.evaluate_backend(fitted, b, [s for s in timed["fit"] if s.backend == b], bfit)
+            if bfit is not None else None,
+            "held_out": cal.evaluate_backend(fitted, b, held, bfit) if bfit is not None and held else None})
     return {"target": target.name, "fit": dataclasses.asdict(fit), "samples": len(samples["fit"]),
             "on_fitted": cal.evaluate(fit, samples["fit"]),
             "held_out": cal.evaluate(fit, samples["holdout"]) if samples["holdout"] else None,
@@ -398,7 +400,8 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
 
 
 def _time_backends(model, name: str, runs_of_nodes: list, names: tuple[str, ...], target, tuning_db: Path | None,
-                   work: Path, threads: int, runs: int, log: Callable[[str], None]) -> tuple[list, dict[str, list[str]]]:
+                   work: Path, threads: int, runs: int, rounds: int,
+                   log: Callable[[str], None]) -> tuple[list, dict[str, list[str]]]:
     """The runs of `model` timed on each backend of `names` (`scheduling/backend_timing.py`): those
     with a time, and per backend the lines of those without one. TVM is not timed where this host
     lacks instructions of the target's code."""
@@ -413,7 +416,7 @@ def _time_backends(model, name: str, runs_of_nodes: list, names: tuple[str, ...]
     with backend_timing.runner_threads(threads):
         result = backend_timing.time_runs(model, name, runs_of_nodes, timeable, target, cal.random_feeds(model, name),
                                           tuning_db=_cpu_tuning_db(tuning_db, target.name), work=work,
-                                          threads=threads, runs=runs, rounds=selection.ROUNDS, log=log)
+                                          threads=threads, runs=runs, rounds=rounds, log=log)
     why: dict[str, list[str]] = {b: [] for b in names}
     for b in native if why_not else ():
         why[b].append(f"{name}: not timed: {why_not}")

@@ -246,18 +246,27 @@ def _target_with(backend: str, figures: dict) -> Target:
     return Target.model_validate(data)
 
 
-def timed_runs(seed: int, target: Target, backend: str, runs: int = 14, grouped: bool = True) -> list[RunSample]:
+CUT = (30.0, 8.0)  # what cutting costs the synthetic backend: 30 us per cut-out run, its cut tensors at 8 GB/s
+
+
+def timed_runs(seed: int, target: Target, backend: str, runs: int = 14, grouped: bool = True,
+               cut: tuple[float, float] | None = CUT) -> list[RunSample]:
     """Runs of 3 to 12 nodes drawn from `spread` (a third of the compute-bound ones grouped convolutions
-    when `grouped`), each run's measured time the scheduler's prediction with the target's figures of
-    `backend`: what a noiseless timing of a backend whose figures those are would give."""
+    when `grouped`), the first 3 whole models, the others cut out of one with 10 kB to 10 MB of cut
+    tensors (`cut`: what cutting costs; None: nothing, and no run is cut out). A run's measured time is
+    the scheduler's prediction with the target's figures of `backend`, plus its cut: what a noiseless
+    timing of a backend with those figures would give."""
     rng = np.random.default_rng(seed)
     nodes = spread(seed, 120)
     out = []
     for j in range(runs):
         picked = rng.choice(len(nodes), size=int(rng.integers(3, 13)), replace=False)
         terms = [(nodes[k][0], 0, nodes[k][1], grouped and k % 6 == 0) for k in picked]
-        sample = run_sample(f"m{j % 3}", "whole" if j < 3 else f"nodes {j}", backend, 1.0, terms)
-        out.append(RunSample(**{**sample.__dict__, "ms": predict_run_ms(target, sample, backend)}))
+        whole = j < 3 or cut is None
+        cut_bytes = 0 if whole else int(10 ** rng.uniform(4, 7))
+        sample = run_sample(f"m{j % 3}", "whole" if whole else f"nodes {j}", backend, 1.0, terms, cut_bytes)
+        extra = 0.0 if whole else cut[0] * 1e-3 + 1e3 * cut_bytes / (cut[1] * 1e9)
+        out.append(RunSample(**{**sample.__dict__, "ms": predict_run_ms(target, sample, backend) + extra}))
     return out
 
 
@@ -266,8 +275,16 @@ def test_backend_fit_recovers_the_figures_that_generated_its_runs():
     fit = fit_backend(timed_runs(0, target, "litert"), BASE)
     for key, want in LITERT.items():
         assert getattr(fit, key) == pytest.approx(want, rel=1e-6), key
+    assert (fit.cut_overhead_us, fit.cut_gbps) == (pytest.approx(CUT[0], rel=1e-6), pytest.approx(CUT[1], rel=1e-6))
     assert max(abs(r) for r in fit.residuals) < 1e-9 and fit.notes == ()
-    assert fit.loss == "log, runs" and set(fit.bound) <= {"compute", "memory", "overhead"}
+    assert fit.loss == "log, runs" and set(fit.bound) <= {"compute", "memory", "overhead", "cut"}
+
+
+def test_without_cut_out_runs_nothing_is_fitted_for_cuts():
+    target = _target_with("litert", LITERT)
+    fit = fit_backend(timed_runs(5, target, "litert", cut=None), BASE)
+    assert fit.cut_overhead_us is None and fit.cut_gbps is None
+    assert fit.peak_gflops == pytest.approx(LITERT["peak_gflops"], rel=1e-6)
 
 
 def test_a_fitted_backend_in_a_target_predicts_what_the_fit_predicts():
@@ -277,8 +294,9 @@ def test_a_fitted_backend_in_a_target_predicts_what_the_fit_predicts():
     data = _target_with("litert", LITERT).model_dump(mode="json")
     data["devices"][0]["backends"] = {"litert": backend_figures(fit, "edgesdk calibrate on test-host, 2 threads")}
     refitted = Target.model_validate(data)
-    for r in runs:
-        assert predict_run_ms(refitted, r, "litert") == pytest.approx(r.ms, rel=1e-6)
+    for r in runs:  # a cut-out run: its nodes as the scheduler costs them, plus what the fit says its cut costs
+        assert predict_run_ms(refitted, r, "litert") + fit.cut_ms(r) == pytest.approx(r.ms, rel=1e-6)
+        assert (fit.cut_ms(r) == 0.0) == (r.run == "whole")
     assert refitted.host.backends["litert"].layer_overhead is None
 
 
@@ -299,7 +317,7 @@ def test_backend_fit_notes_a_figure_no_run_depends_on():
     runs = [RunSample(**{**r.__dict__, "ms": predict_run_ms(target, r, "onnxruntime")}) for r in runs]
     fit = fit_backend(runs, BASE)
     assert fit.bandwidth_gbps == pytest.approx(BASE.bandwidth_gbps, rel=1e-9)
-    assert fit.notes == ("no run's time depends on bandwidth_gbps: it is the per-op fit's",)
+    assert fit.notes == ("no run's time depends on bandwidth_gbps: it is left at its start",)
     assert fit.peak_gflops == pytest.approx(LITERT["peak_gflops"], rel=1e-6)
 
 
@@ -316,8 +334,8 @@ def test_backend_fit_stays_within_its_bounds_and_says_so():
 def test_backend_fit_refuses_too_few_runs_and_mixed_backends():
     target = _target_with("litert", LITERT)
     runs = timed_runs(4, target, "litert")
-    with pytest.raises(ValueError, match="at least 5 timed runs"):
-        fit_backend(runs[:4], BASE)
+    with pytest.raises(ValueError, match="fitting 6 figures needs at least 7 timed runs, got 6"):
+        fit_backend(runs[:6], BASE)
     with pytest.raises(ValueError, match="several backends"):
         fit_backend([*runs[:3], RunSample(**{**runs[3].__dict__, "backend": "tvm"})], BASE)
 

@@ -29,10 +29,15 @@ to those totals in the very form the scheduler adds up for a segment (`placement
    rate]), the loss of `fit_cpu` for the same reason (runs span three decades). One total stands for
    many nodes, so a few whole models alone would give as many equations as models; the cuts differ in
    their mix of dense convolutions, depthwise convolutions and elementwise ops, which is what
-   separates the figures. They are effective figures of the backend's fused kernels: an elementwise op
-   fused into the convolution before it costs the overhead and memory terms the fit gives it, averaged
-   over the runs. Every figure starts at the per-op fit's and stays within a factor `BOUND` of it
-   either way; one at its bound, or that no run's time depends on, is noted as not determined.
+   separates the figures. A cut-out run also pays for its cut (its inputs and outputs copied, and
+   transposed by a backend of another layout), which the fit takes as two more terms of such runs
+   alone, a per-run overhead and the cut tensors' bytes at a bandwidth, told apart from the nodes' by
+   the whole models; they stay out of the target, where a segment is the sum of its nodes. The node
+   figures are effective ones of the backend's fused kernels: an elementwise op fused into the
+   convolution before it costs the overhead and memory terms the fit gives it, averaged over the
+   runs. Every figure starts at the per-op fit's (a cut at ten kernels' overhead and the memory
+   bandwidth) and stays within a factor `BOUND` of its start either way; one at its bound, or that no
+   run's time depends on, is noted as not determined.
 5. `evaluate_backend` predicts each run as the scheduler does, `cost.node_ms` of the fitted target
    with the backend's figures summed over its nodes (a held-out model whole: the scheduler's prediction
    for it as one CPU segment on that backend), against its measured time, and beside it the prediction
@@ -394,14 +399,15 @@ def evaluate(fit: CpuFit, samples: list[OpSample]) -> dict:
 # --- per backend: runs of nodes timed as a bundle runs them --------------------------------------
 
 TOLERANCE = 0.25  # a held-out model's prediction is expected within 25 % of its measured time (issue 17)
-BOUND = 100.0  # a backend's fitted figure stays within this factor of the per-op fit's, either way
+BOUND = 100.0  # a backend's fitted figure stays within this factor of its start (the per-op fit's), either way
 WHOLE = "whole"
 
 
 @dataclass(frozen=True)
 class RunSample:
     """A run of a model's nodes (the whole model, or consecutive nodes of it) timed on one CPU backend as
-    a bundle runs it, with every node's terms as the scheduler counts them."""
+    a bundle runs it, with every node's terms as the scheduler counts them. `cut_bytes`: the bytes of
+    the tensors it takes from or gives to the rest of the model (0 for the whole model)."""
 
     model: str
     run: str  # WHOLE or "nodes i-j"
@@ -411,6 +417,22 @@ class RunSample:
     param_bytes: tuple[int, ...]
     act_bytes: tuple[int, ...]
     grouped: tuple[bool, ...]
+    cut_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class BackendFit(CpuFit):
+    """A backend's figures (`CpuFit`'s, written to the target) and what cutting a model costs on it,
+    fitted beside them: per cut-out run, `cut_overhead_us` plus its `cut_bytes` at `cut_gbps`. The cut
+    terms are not the target's: the scheduler costs a segment as the sum of its nodes."""
+
+    cut_overhead_us: float | None = None
+    cut_gbps: float | None = None
+
+    def cut_ms(self, sample: RunSample) -> float:
+        if sample.run == WHOLE or self.cut_overhead_us is None or self.cut_gbps is None:
+            return 0.0
+        return self.cut_overhead_us * 1e-3 + 1e3 * sample.cut_bytes / (self.cut_gbps * 1e9)
 
 
 def node_terms_of(model: onnx.ModelProto, name: str) -> list[tuple[float, int, int, bool]]:
@@ -420,10 +442,10 @@ def node_terms_of(model: onnx.ModelProto, name: str) -> list[tuple[float, int, i
     return [(node_flops(n, shapes), *node_bytes(n, shapes, consts), is_grouped(n)) for n in model.graph.node]
 
 
-def run_sample(model: str, run: str, backend: str, ms: float, terms: Sequence[tuple[float, int, int, bool]]
-               ) -> RunSample:
+def run_sample(model: str, run: str, backend: str, ms: float, terms: Sequence[tuple[float, int, int, bool]],
+               cut_bytes: int = 0) -> RunSample:
     flops, params, acts, grouped = zip(*terms) if terms else ((), (), (), ())
-    return RunSample(model, run, backend, ms, tuple(flops), tuple(params), tuple(acts), tuple(grouped))
+    return RunSample(model, run, backend, ms, tuple(flops), tuple(params), tuple(acts), tuple(grouped), cut_bytes)
 
 
 def cuts(ms: Sequence[float], parts: int) -> list[range]:
@@ -438,12 +460,18 @@ def cuts(ms: Sequence[float], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
-def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> CpuFit:
+def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:
     """The backend's figures (module docstring, 4.) from its timed runs, started at `base` (the per-op
     fit). The grouped-convolution rate is free only when the runs hold grouped convolutions; otherwise
-    the result has none and a target keeps the CPU's own for that backend. `residuals[j]` is
-    ln(T_j / measured_j); `bound[j]` names the term that carries most of run j's predicted time
-    ("compute", "memory" or "overhead")."""
+    the result has none and a target keeps the CPU's own for that backend.
+
+    A run cut out of a model costs more than its nodes: its inputs and outputs are copied in and out of
+    the runtime, and a backend whose layout differs from ONNX's (LiteRT's NHWC) transposes them. Where
+    there are such runs (and whole models beside them), that cost is fitted too, as a per-run overhead
+    plus the cut tensors' bytes at a bandwidth (`BackendFit.cut_ms`), so that it does not leak into the
+    node figures; a whole model has no such term, as a segment has none in the scheduler's cost.
+    `residuals[j]` is ln(T_j / measured_j); `bound[j]` names the term that carries most of run j's
+    predicted time ("compute", "memory", "overhead" or "cut")."""
     from scipy.optimize import least_squares
 
     if len({s.backend for s in samples}) > 1:
@@ -455,36 +483,47 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> CpuFit:
     grouped = np.array([g for s in samples for g in s.grouped], dtype=bool)
     nodes = np.array([len(s.flops) for s in samples], dtype=float)
     meas = np.array([s.ms for s in samples], dtype=float)
+    cut = np.array([s.run != WHOLE for s in samples], dtype=bool)
+    cut_bytes = np.where(cut, [float(s.cut_bytes) for s in samples], 0.0) if samples else np.zeros(0)
     four = bool(np.any(grouped & (flops > 0)))
-    names = ["peak_gflops", "bandwidth_gbps", "overhead_us"] + (["grouped_gflops"] if four else [])
+    cutting = bool(cut.any() and (~cut).any())  # the cut terms are told apart from the nodes' by whole models
+    names = (["peak_gflops", "bandwidth_gbps", "overhead_us"] + (["grouped_gflops"] if four else [])
+             + (["cut_overhead_us", "cut_gbps"] if cutting else []))
     if len(samples) < len(names) + 1:
         raise ValueError(f"fitting {len(names)} figures needs at least {len(names) + 1} timed runs, got {len(samples)}")
     if np.any(meas <= 0) or np.any(nodes == 0):
         raise ValueError("every run needs nodes and a positive measured time")
     fixed_grouped = base.grouped_gflops or base.peak_gflops  # the rate grouped nodes get when it is not free
-    x0 = np.log([base.peak_gflops, base.bandwidth_gbps, base.overhead_us] + ([fixed_grouped] if four else []))
+    # starts: the per-op fit's figures; a cut at ten kernels' overhead, its bytes at the memory bandwidth
+    x0 = np.log([base.peak_gflops, base.bandwidth_gbps, base.overhead_us] + ([fixed_grouped] if four else [])
+                + ([10 * base.overhead_us, base.bandwidth_gbps] if cutting else []))
+    g_at, c_at = 3, (4 if four else 3)  # where the grouped rate and the cut terms sit in u
     count = len(samples)
 
-    def terms(u):  # per node: compute and memory ms; the overhead ms every node pays
+    def terms(u):  # per node: compute and memory ms; the overhead ms every node pays; per run: the cut's ms
         peak, bw, over = np.exp(u[:3])
-        rate = np.where(grouped, np.exp(u[3]) if four else fixed_grouped, peak)
-        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), over * 1e-3
+        rate = np.where(grouped, np.exp(u[g_at]) if four else fixed_grouped, peak)
+        cut_ms = (np.where(cut, np.exp(u[c_at]) * 1e-3, 0.0) + 1e3 * cut_bytes / (np.exp(u[c_at + 1]) * 1e9)
+                  if cutting else np.zeros(count))
+        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), over * 1e-3, cut_ms
 
     def totals(u):
-        c, m, o = terms(u)
-        return np.bincount(run_of, np.maximum(c, m), minlength=count) + nodes * o
+        c, m, o, k = terms(u)
+        return np.bincount(run_of, np.maximum(c, m), minlength=count) + nodes * o + k
 
     def residuals(u):
         return np.log(totals(u)) - np.log(meas)
 
     def jacobian(u):
-        c, m, o = terms(u)
+        c, m, o, _ = terms(u)
         compute = c >= m
         cols = [-np.bincount(run_of, np.where(compute & ~grouped, c, 0.0), minlength=count),
                 -np.bincount(run_of, np.where(compute, 0.0, m), minlength=count),
                 nodes * o]
         if four:
             cols.append(-np.bincount(run_of, np.where(compute & grouped, c, 0.0), minlength=count))
+        if cutting:
+            cols += [np.where(cut, np.exp(u[c_at]) * 1e-3, 0.0), -1e3 * cut_bytes / (np.exp(u[c_at + 1]) * 1e9)]
         return np.column_stack(cols) / totals(u)[:, None]
 
     lo, hi = x0 - math.log(BOUND), x0 + math.log(BOUND)
@@ -500,27 +539,28 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> CpuFit:
                 best = r
     u = best.x.copy()
     # a figure no run's time depends on at the optimum sits anywhere on a flat stretch of the loss:
-    # it goes back to the per-op fit's where the loss stays as it is there
+    # it goes back to its start where the loss stays as it is there
     for k in np.flatnonzero(np.abs(jacobian(u)).max(axis=0) < 1e-9):
         back = u.copy()
         back[k] = x0[k]
         if np.sum(residuals(back) ** 2) <= np.sum(residuals(u) ** 2) * (1 + 1e-9) + 1e-24:
             u = back
-    c, m, o = terms(u)
+    c, m, o, k = terms(u)
     shares = np.column_stack([np.bincount(run_of, np.where(c >= m, c, 0.0), minlength=count),
-                              np.bincount(run_of, np.where(c >= m, 0.0, m), minlength=count), nodes * o])
-    bound = tuple(("compute", "memory", "overhead")[int(k)] for k in np.argmax(shares, axis=1))
+                              np.bincount(run_of, np.where(c >= m, 0.0, m), minlength=count), nodes * o, k])
+    bound = tuple(("compute", "memory", "overhead", "cut")[int(j)] for j in np.argmax(shares, axis=1))
     notes = []
     column = np.abs(jacobian(u)).max(axis=0)
-    for k, name in enumerate(names):
-        if column[k] < 1e-9:
-            notes.append(f"no run's time depends on {name}: it is the per-op fit's" if u[k] == x0[k] else
+    for j, name in enumerate(names):
+        if column[j] < 1e-9:
+            notes.append(f"no run's time depends on {name}: it is left at its start" if u[j] == x0[j] else
                          f"no run's time depends on {name} at the fit: a bound, not a measurement")
-        elif math.isclose(u[k], lo[k], abs_tol=1e-6) or math.isclose(u[k], hi[k], abs_tol=1e-6):
-            notes.append(f"{name} is at its bound ({BOUND:g}x the per-op fit's): the runs do not determine it")
+        elif math.isclose(u[j], lo[j], abs_tol=1e-6) or math.isclose(u[j], hi[j], abs_tol=1e-6):
+            notes.append(f"{name} is at its bound ({BOUND:g}x its start): the runs do not determine it")
     peak, bw, over = (float(x) for x in np.exp(u[:3]))
-    return CpuFit(peak, bw, over, tuple(float(x) for x in residuals(u)), bound, "log, runs", tuple(notes),
-                  float(np.exp(u[3])) if four else None)
+    return BackendFit(peak, bw, over, tuple(float(x) for x in residuals(u)), bound, "log, runs", tuple(notes),
+                      float(np.exp(u[g_at])) if four else None,
+                      float(np.exp(u[c_at])) if cutting else None, float(np.exp(u[c_at + 1])) if cutting else None)
 
 
 def backend_figures(fit: CpuFit, source: str) -> dict:
@@ -538,13 +578,13 @@ def predict_run_ms(target, sample: RunSample, backend: str | None) -> float:
                      for f, p, a, g in zip(sample.flops, sample.param_bytes, sample.act_bytes, sample.grouped))
 
 
-def evaluate_backend(target, backend: str, samples: Sequence[RunSample]) -> dict:
+def evaluate_backend(target, backend: str, samples: Sequence[RunSample], fit: BackendFit | None = None) -> dict:
     """Predicted against measured for each whole model among `samples` (the error |pred - meas| / meas,
     whether it is within TOLERANCE, and the prediction with the CPU's own figures beside it), and the
-    error of every run (the cuts included), one by one and summed up."""
+    error of every run (the cuts included, with what `fit` says cutting costs), one by one and summed up."""
     errors, models, per_run = [], {}, []
     for s in samples:
-        predicted = predict_run_ms(target, s, backend)
+        predicted = predict_run_ms(target, s, backend) + (fit.cut_ms(s) if fit is not None else 0.0)
         errors.append(abs(predicted - s.ms) / s.ms)
         per_run.append({"model": s.model, "run": s.run, "nodes": len(s.flops), "measured_ms": s.ms,
                         "predicted_ms": predicted, "rel_error": errors[-1]})

@@ -25,6 +25,7 @@ import onnx
 
 from .. import backends
 from ..config import HOST
+from ..devices.cost import tensor_bytes
 from ..ir import model as irm
 from . import selection
 from .plan import PlanSegment
@@ -47,6 +48,7 @@ class Timed:
     nodes: range  # indices into the model's nodes
     ms: float | None
     skipped: str | None = None
+    cut_bytes: int = 0  # the bytes of the tensors it takes from or gives to the rest of the model
 
 
 def label(nodes: range, total: int) -> str:
@@ -63,6 +65,9 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     graph_outputs = [o.name for o in g.output]
     cuts = [_cut(model, nodes, consts, graph_outputs) for nodes in runs_of_nodes]
+    outer = set(feeds) | set(graph_outputs)
+    cut_bytes = [sum(tensor_bytes(shapes.get(t)) for t in (*inputs, *outputs) if t not in outer)
+                 for inputs, outputs in cuts]
     boundary = sorted({t for inputs, outputs in cuts for t in (*inputs, *outputs)} - set(feeds))
     from ..backends import onnxruntime as ort_backend
 
@@ -97,7 +102,7 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
                 except Exception as e:  # a run that does not build, load or agree is not timed
                     why = selection._short(e)
             if why is not None:
-                done[k, b] = Timed(name, what, b, nodes, None, why)
+                done[k, b] = Timed(name, what, b, nodes, None, why, cut_bytes[k])
                 log(f"calibrate: {name} {what} on {b}: skipped: {why}")
 
     laps: dict[tuple[int, str], list[float]] = {key: [] for key in bundles}
@@ -110,11 +115,11 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
                 laps[key].append(statistics.median(selection.measure_alone(path, feeds_file, runs=runs)))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 done[key] = Timed(name, label(runs_of_nodes[key[0]], len(g.node)), key[1], runs_of_nodes[key[0]], None,
-                                  selection._short(e))
+                                  selection._short(e), cut_bytes[key[0]])
     for key, lap in laps.items():
         if key not in done:
             done[key] = Timed(name, label(runs_of_nodes[key[0]], len(g.node)), key[1], runs_of_nodes[key[0]],
-                              statistics.median(lap))
+                              statistics.median(lap), None, cut_bytes[key[0]])
     return [done[k, b] for k in range(len(runs_of_nodes)) for b in names]
 
 
