@@ -302,7 +302,7 @@ def calibrate(
     runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept); inferences per timing of a backend's run."),
     cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
     cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="Timings of each run on each backend, the runs in turn, each in a fresh process (the median is kept); more on a busy host."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Timings of each run on each backend, the runs in turn, each in a fresh process (the quickest round's median is kept); more on a busy host."),
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="The tuning database whose records TVM compiles with, as the build would (default: the build's, ~/.cache/edgesdk/tuning/TARGET)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),
     as_json: bool = typer.Option(False, "--json", help="Print the fits and their evaluation as JSON on stdout."),
