@@ -4,6 +4,7 @@ recovers the figures that generated their totals, in the scheduler's own cost.""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -344,7 +345,7 @@ def test_cuts_are_consecutive_runs_of_about_even_time():
     ms = [1.0] * 40 + [20.0] + [1.0] * 39
     parts = cuts(ms, 4)
     assert parts[0].start == 0 and parts[-1].stop == len(ms)
-    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
     totals = [sum(ms[i] for i in r) for r in parts]
     assert len(parts) == 4 and max(totals) - min(totals) <= 20.0
     assert cuts(ms, 1) == [range(0, 80)] and cuts([5.0, 1.0], 4) == [range(0, 1), range(1, 2)] and cuts([], 3) == []

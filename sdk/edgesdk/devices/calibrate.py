@@ -46,6 +46,7 @@ to those totals in the very form the scheduler adds up for a segment (`placement
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -457,7 +458,7 @@ def cuts(ms: Sequence[float], parts: int) -> list[range]:
     cum = np.cumsum(np.asarray(ms, dtype=float))
     ends = sorted({int(np.searchsorted(cum, cum[-1] * k / parts)) + 1 for k in range(1, parts)} - {0, len(ms)})
     edges = [0, *(e for e in ends if 0 < e < len(ms)), len(ms)]
-    return [range(a, b) for a, b in zip(edges, edges[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:

@@ -103,7 +103,7 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
                     finally:
                         bundle.close()
                     bundles[k, b] = bundle.bundle
-                except Exception as e:  # a run that does not build, load or agree is not timed
+                except Exception as e:  # noqa: BLE001 -- a run that does not build, load or agree is not timed
                     why = selection._short(e)
             if why is not None:
                 done[k, b] = Timed(name, what, b, nodes, None, why, cut_bytes[k])
