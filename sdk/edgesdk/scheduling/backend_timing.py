@@ -129,15 +129,9 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
 
 
 def agrees(bundle, values: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
-    """Every output of the run within `tolerance` of its scale (its largest magnitude) of onnxruntime's
-    value; raises ValueError saying which output is off and by how much."""
-    got = bundle.run({t.name: values[t.name] for t in bundle.inputs})
-    for t in bundle.outputs:
-        want = values[t.name].astype(np.float64)
-        err = float(np.max(np.abs(got[t.name].astype(np.float64) - want))) if want.size else 0.0
-        scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
-        if not np.isfinite(err) or err > tolerance * scale:
-            raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
+    """Every output of the run within `tolerance` of its scale of onnxruntime's value (the tune
+    stage's check of a candidate); raises ValueError saying which output is off and by how much."""
+    selection._check(None, bundle, [values], tolerance)
 
 
 def _cut(model: onnx.ModelProto, nodes: range, consts: set[str],
