@@ -65,15 +65,24 @@ def conv_graph() -> onnx.ModelProto:
          "b": rng.standard_normal(8).astype(np.float32)})
 
 
-def single_task_graph() -> onnx.ModelProto:
-    """Conv + bias + relu: one fused TIR function, so tuning it is one task."""
+def single_task_graph(target: dict = HOST) -> onnx.ModelProto:
+    """Conv + bias + relu: one fused TIR function, so tuning it is one task. Its input and output
+    are in the layout `target` computes convolutions in (x86: NHWC; compile.py's
+    `_prepacks_weights`), so that no transpose is a function of its own."""
+    from edgesdk.backends.tvm.compile import _prepacks_weights
+
     rng = np.random.default_rng(1)
-    return _model(
-        [helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
-         helper.make_node("Relu", ["conv"], ["y"])],
-        {"x": (1, 4, 16, 16)}, ["y"],
-        {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32),
-         "b": rng.standard_normal(8).astype(np.float32)})
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["conv"], ["y"])]
+    inits = {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(8).astype(np.float32)}
+    if not _prepacks_weights(targets._resolve_target(target)[1]):
+        return _model(nodes, {"x": (1, 4, 16, 16)}, ["y"], inits)
+    nodes[0].input[0] = "nchw"
+    nodes[-1].output[0] = "relu"
+    nodes = [helper.make_node("Transpose", ["x"], ["nchw"], perm=[0, 3, 1, 2]), *nodes,
+             helper.make_node("Transpose", ["relu"], ["y"], perm=[0, 2, 3, 1])]
+    return _model(nodes, {"x": (1, 16, 16, 4)}, ["y"], inits)
 
 
 def ppocr_cls_static() -> onnx.ModelProto:
@@ -305,11 +314,57 @@ def test_untuned_functions_get_the_default_schedule_deterministically(conv_x86, 
     assert again.default_scheduled == result.default_scheduled
 
 
+def padded_conv_graph() -> onnx.ModelProto:
+    """MobileNetV2's stride-2 block as tf2onnx writes it: Clip, a zero Pad, a depthwise Conv."""
+    rng = np.random.default_rng(2)
+    return _model(
+        [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
+         helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"]),
+         helper.make_node("Pad", ["r1", "pads"], ["p1"]),
+         helper.make_node("Conv", ["p1", "w2", "b2"], ["y"], strides=[2, 2], group=16)],
+        {"x": (1, 8, 14, 14)}, ["y"],
+        {"w1": rng.standard_normal((16, 8, 1, 1)).astype(np.float32),
+         "b1": rng.standard_normal(16).astype(np.float32),
+         "lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32),
+         "pads": np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64),
+         "w2": rng.standard_normal((16, 1, 3, 3)).astype(np.float32),
+         "b2": rng.standard_normal(16).astype(np.float32)})
+
+
+def test_x86_convolutions_are_channels_last_with_weights_prepacked_at_compile_time(tmp_path):
+    """x86: every conv2d runs NHWC (the Pad folded into the Conv, the Clip moved along), its
+    weights stored as its schedule reads them, and no weight is transformed at run time."""
+    import tvm
+
+    from edgesdk.backends.tvm.compile import _lowered
+
+    model = padded_conv_graph()
+    x86 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"})
+    mod = _lowered(model, x86)
+    names = sorted(g.name_hint for g, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    convs = [n for n in names if n.startswith("fused_conv2d")]
+    assert len(convs) == 2 and all("nhwc" in mod[n].script() for n in convs), names
+    assert all(mod[n].attrs.get("layout_free_buffers") for n in convs), names
+    # the input's transpose to NHWC and the output's back; none around the Clip, no Pad
+    assert sorted(n.rstrip("0123456789") for n in names if n not in convs) == ["transpose", "transpose"], names
+    aarch64 = _lowered(model, tvm.target.Target(AARCH64))  # NCHW as imported
+    assert not any("nhwc" in f.script() for f in aarch64.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+
+    out = tmp_path / "padded.so"
+    result = tvm_backend.compile_onnx(model, HOST, out)
+    assert result.default_scheduled == result.tasks
+    assert_matches_ort(model, out, result)
+    # the kernels read prepacked weights (`*_prepacked`); the functions that pack them
+    # (`*_weight_prepack`) ran at compile time and are not in the library
+    symbols = out.read_bytes()
+    assert b"_prepacked" in symbols and b"weight_prepack" not in symbols
+
+
 def test_a_missing_cross_linker_is_named(monkeypatch, tmp_path):
     """Exported libraries and tuning candidates alike are linked by `_cross_compiler`'s choice."""
     monkeypatch.setattr(targets.shutil, "which", lambda name: None)
     with pytest.raises(UserError) as err:
-        tvm_backend.compile_onnx(single_task_graph(), AARCH64, tmp_path / "x.so")
+        tvm_backend.compile_onnx(single_task_graph(AARCH64), AARCH64, tmp_path / "x.so")
     assert err.value.code == "tvm.no-cross-compiler" and "aarch64-linux-gnu-gcc" in err.value.message
     assert "apt-get install gcc-aarch64-linux-gnu" in err.value.hint
     assert not (tmp_path / "x.so").exists()

@@ -105,7 +105,7 @@ def test_candidates_are_measured_on_the_emulated_board(board, tracker, tmp_path)
     aarch64 library."""
     db = tmp_path / "db"
     boards = tvm_backend.Boards("127.0.0.1", tracker, KEY)
-    summary = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=9, batch=8, boards=boards,
+    summary = tvm_backend.tune_onnx(single_task_graph(AARCH64), AARCH64, db, trials=9, batch=8, boards=boards,
                                     num_cores=1)
     assert summary["measured_on"] == f"1 board(s) {KEY}@127.0.0.1:{tracker}"
     assert summary["failures"] == {"build": 0, "run": 0, "messages": []}, summary["failures"]
@@ -115,7 +115,7 @@ def test_candidates_are_measured_on_the_emulated_board(board, tracker, tmp_path)
     records = [json.loads(line) for line in (db / "database_tuning_record.json").read_text().splitlines()]
     assert len(records) == 9 and all(max(r[1][1]) < 1e9 for r in records)
     assert json.loads((db / "target.json").read_text())["mtriple"] == "aarch64-linux-gnu"
-    built = tvm_backend.compile_onnx(single_task_graph(), AARCH64, tmp_path / "tuned.so", tuning_db=db)
+    built = tvm_backend.compile_onnx(single_task_graph(AARCH64), AARCH64, tmp_path / "tuned.so", tuning_db=db)
     assert (built.tasks, built.tuned) == (1, 1)
     assert elf_machine(tmp_path / "tuned.so")[2] == EM_AARCH64
     # what the tune stage's policy reads where it cannot time aarch64 code: the search on the board tuned it
@@ -132,7 +132,7 @@ def test_a_board_that_drops_out_stops_the_search_and_the_next_run_resumes(board,
         if len(batches) == 1:
             board.kill()
 
-    first = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=33, batch=8, boards=boards,
+    first = tvm_backend.tune_onnx(single_task_graph(AARCH64), AARCH64, db, trials=33, batch=8, boards=boards,
                                   num_cores=1, progress=unplug_after_first_batch)
     assert first["stopped"] == "boards-lost", first
     assert "all failed to run on the boards" in first["stop_message"]
@@ -143,7 +143,7 @@ def test_a_board_that_drops_out_stops_the_search_and_the_next_run_resumes(board,
     assert not (db / "searched.json").exists()  # not finished
 
     board.start()  # plugged in again: the search resumes with what is left of the budget
-    second = tvm_backend.tune_onnx(single_task_graph(), AARCH64, db, trials=33, batch=8, boards=boards,
+    second = tvm_backend.tune_onnx(single_task_graph(AARCH64), AARCH64, db, trials=33, batch=8, boards=boards,
                                    num_cores=1)
     assert second["stopped"] == "budget" and second["failures"]["run"] == 0, second
     valid_after = [r for r in (json.loads(line) for line in
@@ -155,7 +155,7 @@ def test_a_key_without_boards_is_a_user_error(tracker, tmp_path):
     boards = tvm_backend.Boards("127.0.0.1", tracker, "no-such-board")
     t0 = time.monotonic()
     with pytest.raises(UserError) as err:
-        tvm_backend.tune_onnx(single_task_graph(), AARCH64, tmp_path / "db", trials=8, boards=boards)
+        tvm_backend.tune_onnx(single_task_graph(AARCH64), AARCH64, tmp_path / "db", trials=8, boards=boards)
     assert err.value.code == "tune.rpc-no-board" and "'no-such-board'" in err.value.message
     assert time.monotonic() - t0 < 30  # TVM's own request would wait forever
 

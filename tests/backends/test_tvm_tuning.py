@@ -190,7 +190,7 @@ def test_tuning_needs_a_machine_that_runs_the_code(tmp_path):
     assert tvm_backend.tune_onnx(single_task_graph(), HOST, tmp_path / "db", trials=0)["trials"] == 0
     assert not (tmp_path / "db").exists()  # trials == 0 does nothing
     with pytest.raises(UserError) as err:
-        tvm_backend.tune_onnx(single_task_graph(), AARCH64, tmp_path / "db", trials=8)
+        tvm_backend.tune_onnx(single_task_graph(AARCH64), AARCH64, tmp_path / "db", trials=8)
     assert err.value.code == "tvm.tune-foreign-cpu" and "--rpc-tracker" in err.value.hint
 
 

@@ -52,6 +52,11 @@ _DEFAULT_NUM_CORES = 4
 # channels (floats): 4 x 8 accumulators fill 4 AVX2 or 8 NEON registers.
 _VECTOR_BLOCK = 8
 _REGISTER_BLOCK = 4
+# Channels-last convolutions (x86, compile.py): the register block is a row of up to this
+# many output pixels, each an accumulator vector of `_VECTOR_BLOCK` output channels, all fed
+# by one weight vector. 8 (7 where the row is a multiple of 7, as in most CNNs) x 1 vector
+# measured faster than 4 x 2, 7 x 2 (spills) or 2 x 4 on ResNet50 and MobileNetV2 (AVX2).
+_PIXEL_BLOCK = 8
 _UNROLL = 64
 
 
@@ -63,10 +68,13 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
     each sampled decision replaced by a fixed heuristic instead of a search: the outer
     spatial tiles run in parallel, the reduction loops sit outside a register block of
     `_REGISTER_BLOCK` x `_VECTOR_BLOCK` outputs (output channels x the last spatial axis
-    for a convolution, rows x columns for a matrix product), and the innermost spatial
-    tile is vectorized. Nothing is measured, so the same function and
-    target always give the same schedule. A function the rules fail on stays unscheduled
-    (TVM's default loop nest). Returns the module and how many functions got a schedule.
+    for an NCHW convolution, rows x columns for a matrix product; `_PIXEL_BLOCK` pixels x
+    `_VECTOR_BLOCK` channels for an NHWC one), and the innermost spatial tile is
+    vectorized. Weights marked layout-free (compile.py's `_lower` on x86) are stored in the
+    order the schedule reads them (RewriteLayout; compile.py folds the rewrite). Nothing is
+    measured, so the same function and target always give the same schedule. A function the
+    rules fail on stays unscheduled (TVM's default loop nest). Returns the module and how
+    many functions got a schedule.
     """
     import tvm
     from tvm import tirx
@@ -102,6 +110,7 @@ def _cpu_default_postprocs() -> list:
         ms.postproc.DisallowDynamicLoop(),
         ms.postproc.RewriteParallelVectorizeUnroll(),
         ms.postproc.RewriteReductionBlock(),
+        ms.postproc.RewriteLayout(),  # a no-op where no buffer is layout-free
     ]
 
 
@@ -143,7 +152,8 @@ def _replay(func: Any, trace: Any) -> Any:
     import tvm
     from tvm import s_tir
 
-    roles = iter(_tile_roles(trace))
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+    roles = iter(_tile_roles(trace, channels_last=_channels_last(sch)))
 
     def decide(inst: Any, inputs: list, attrs: list, decision: Any) -> Any:
         kind = inst.kind.name
@@ -156,7 +166,6 @@ def _replay(func: Any, trace: Any) -> Any:
             return -1  # at the root: computed once, never recomputed per tile
         return decision
 
-    sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
     trace.apply_to_schedule(sch, remove_postproc=True, decision_provider=decide)
     return sch
 
@@ -172,10 +181,18 @@ def _runs_every_instance(sch: Any) -> bool:
     return True
 
 
-def _tile_roles(trace: Any) -> list[str]:
+def _channels_last(sch: Any) -> bool:
+    """Whether the function of `sch` computes a channels-last convolution (TOPI names its
+    block `conv2d_nhwc`, grouped or not)."""
+    root = sch.get_sblock("root", func_name="main")
+    return any("nhwc" in sch.get(block).name_hint for block in sch.get_child_blocks(root))
+
+
+def _tile_roles(trace: Any, channels_last: bool = False) -> list[str]:
     """The role of each SamplePerfectTile of `trace`, in order: "vector" (a tiled block's
-    last spatial loop), "register" (the spatial loop blocked in registers), "spatial"
-    (other spatial loops), "reduction" (a tiled block's reduction loops) or "other".
+    last spatial loop), "register" (the spatial loop blocked in registers), "pixels" (that
+    loop in a channels-last convolution: the output row), "spatial" (other spatial loops),
+    "reduction" (a tiled block's reduction loops) or "other".
 
     MultiLevelTiling samples the tiles of one block back to back (each followed by its
     split), spatial loops (4 tiles on CPU) before reduction loops (2 tiles).
@@ -196,14 +213,20 @@ def _tile_roles(trace: Any) -> list[str]:
         # third from last of four or more), the row of a matrix product (the one before
         # the last). Blocking channels reuses each input vector for `_REGISTER_BLOCK`
         # outputs; blocking image rows reuses nothing (MobileNetV2 224: 2x slower).
-        register = spatial[-3] if len(spatial) >= 4 else spatial[-2] if len(spatial) >= 2 else None
+        # Channels-last (NHWC): the channels are the vector, and blocking the pixels of a
+        # row (the one before the last) reuses each weight vector for all of them.
+        pixels = channels_last and len(spatial) >= 4
+        if pixels or 2 <= len(spatial) < 4:
+            register = spatial[-2]
+        else:
+            register = spatial[-3] if len(spatial) >= 4 else None
         for i, n in enumerate(group):
             if n != 4:
                 roles.append("reduction" if spatial else "other")
             elif i == spatial[-1]:
                 roles.append("vector")
             elif i == register:
-                roles.append("register")
+                roles.append("pixels" if pixels else "register")
             else:
                 roles.append("spatial")
     return roles
@@ -218,8 +241,8 @@ def _tile(extent: int, n: int, role: str) -> list[int]:
     if n == 4 and role == "vector":
         inner = divisor(_VECTOR_BLOCK)
         return [extent // inner, 1, 1, inner]
-    if n == 4 and role == "register":
-        inner = divisor(_REGISTER_BLOCK)
+    if n == 4 and role in ("register", "pixels"):
+        inner = divisor(_PIXEL_BLOCK if role == "pixels" else _REGISTER_BLOCK)
         return [extent // inner, 1, inner, 1]
     if n == 4:
         return [extent, 1, 1, 1]

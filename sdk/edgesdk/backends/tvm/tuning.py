@@ -33,7 +33,7 @@ import onnx
 
 from ...errors import UserError
 from .builder import _pooled_builder, _remove
-from .compile import _import, _lower
+from .compile import _lowered
 from .database import RECORDS, _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
 from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
@@ -171,7 +171,7 @@ def _extract_tasks(models: list[onnx.ModelProto], tvm_target: Any) -> list[_Task
 
     merged: dict[str, _Task] = {}
     for model in models:
-        for task in ms.relax_integration.extract_tasks(_lower(_import(model), tvm_target), tvm_target):
+        for task in ms.relax_integration.extract_tasks(_lowered(model, tvm_target), tvm_target):
             key = _workload_key(task.dispatched[0])
             if key in merged:
                 merged[key].weight += int(task.weight)
@@ -268,7 +268,9 @@ def _measure_defaults(tasks: list[_Task], tvm_target: Any, builder, runner, data
             mod = sch.mod if sch is not None else tvm.IRModule({"main": func})
         jobs.append((t, sch, mod))
     built = builder.build([ms.builder.BuilderInput(mod, tvm_target) for _, _, mod in jobs])
-    args = [ms.arg_info.ArgInfo.from_prim_func(t.mod["main"]) for t, _, _ in jobs]
+    # as MetaSchedule's candidates: the arguments of the function as built, without the weights'
+    # layout rewrite (RewriteLayout's block, which the builder removes)
+    args = [ms.arg_info.ArgInfo.from_entry_func(mod, remove_preproc=True) for _, _, mod in jobs]
     futures = {}
     for i, b in enumerate(built):
         if b.error_msg is None:
