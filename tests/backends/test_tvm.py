@@ -369,3 +369,24 @@ def test_a_missing_cross_linker_is_named(monkeypatch, tmp_path):
     assert "apt-get install gcc-aarch64-linux-gnu" in err.value.hint
     assert not (tmp_path / "x.so").exists()
     assert tvm_backend._cross_compiler(HOST) is None
+
+
+def test_x86_transposed_convolution_beside_nhwc_convolutions_matches_onnxruntime(tmp_path):
+    """A detector's head (Conv, then ConvTranspose) on x86: the convolutions go channels-last, the
+    transposed one stays NCHW (TVM legalizes it in NCHW only; before, the build failed in CodeGenVM
+    on PP-OCRv4 det's tail)."""
+    rng = np.random.default_rng(3)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("ConvTranspose", ["r", "wt"], ["y"], strides=[2, 2])],
+        {"x": (1, 4, 8, 8)}, ["y"],
+        {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32),
+         "wt": rng.standard_normal((8, 2, 2, 2)).astype(np.float32)})
+    out = tmp_path / "deconv.so"
+    result = tvm_backend.compile_onnx(model, {"kind": "llvm", "mtriple": "x86_64-linux-gnu"}, out) \
+        if platform.machine() != "x86_64" else tvm_backend.compile_onnx(model, HOST, out)
+    if platform.machine() == "x86_64":
+        assert_matches_ort(model, out, result, seed=1)
+    else:
+        assert out.is_file()

@@ -214,7 +214,9 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
                 # Clip as Relax ops, which ConvertLayout moves along with the convolutions
                 _ClipAsRelaxOps(),
                 # NHWC activations, HWIO weights: the weights' transposes fold below
-                relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"]}),
+                # (a transposed convolution stays NCHW: TVM legalizes it in NCHW only)
+                relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"],
+                                               "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}),
                 # a channels-last model's NHWC -> NCHW input transpose meets ConvertLayout's way back
                 _CancelTransposePairs(),
             ]
