@@ -119,7 +119,7 @@ def test_candidates_are_measured_on_the_emulated_board(board, tracker, tmp_path)
     assert (built.tasks, built.tuned) == (1, 1)
     assert elf_machine(tmp_path / "tuned.so")[2] == EM_AARCH64
     # what the tune stage's policy reads where it cannot time aarch64 code: the search on the board tuned it
-    assert tvm_backend.tuning.untuned_reason([single_task_graph()], AARCH64, db) is None
+    assert tvm_backend.tuning.untuned_reason([single_task_graph(AARCH64)], AARCH64, db) is None
 
 
 def test_a_board_that_drops_out_stops_the_search_and_the_next_run_resumes(board, tracker, tmp_path):
