@@ -170,7 +170,7 @@ def build(
     trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials (measured candidates) per device kind (CPU, GPU) of the model; 0: no search, the tuning database's records are applied."),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help="Stop tuning after this long: 90s, 20m, 1.5h or seconds; the next build with the same --trials resumes."),
     tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory [default: ~/.cache/edgesdk/tuning/TARGET]."),
-    rpc_tracker: Optional[str] = typer.Option(None, "--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: tuning measures candidates on the boards registered with it."),
+    rpc_tracker: Optional[str] = typer.Option(None, "--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: tuning measures candidates on the boards registered with it, and a foreign CPU's backends are timed there (boards run `python -B -m runtime.board`)."),
     rpc_key: Optional[str] = typer.Option(None, "--rpc-key", help="With --rpc-tracker: the key the boards registered with."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of calibration samples for int8: .npy / .npz files, or images (PNG, JPEG, BMP)."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),

@@ -23,6 +23,7 @@ from tests.backends.test_qemu import rootfs  # noqa: F401 -- the session fixture
 from tests.backends.test_tvm import AARCH64, elf_machine, single_task_graph
 
 HERE = Path(__file__).resolve().parent
+SDK = HERE.parents[1] / "sdk"
 EXTRA = "opt/edgesdk-site/tvm/lib/libtvm_runtime_extra.so"
 KEY = "a72-qemu"
 EM_AARCH64 = 183
@@ -47,19 +48,22 @@ def _servers(port: int, key: str) -> int:
 
 
 class Board:
-    """The emulated board: the guest's RPC server, registered with the tracker under KEY."""
+    """The emulated board: edgesdk's board server (`runtime/board.py`, TVM's RPC server with functions
+    that run and time candidate bundles) in the guest, registered with the tracker under KEY. TVM's
+    own `python -m tvm.exec.rpc_server` cannot run under qemu-user: it starts its listener in a fresh
+    `sys.executable`, an aarch64 binary the host kernel cannot exec; ours listens in its own process."""
 
     def __init__(self, rootfs: Path, tracker_port: int, log: Path) -> None:
         self.rootfs, self.tracker_port, self.log = rootfs, tracker_port, log
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        args = [str(HERE / "qemu_rpc_server.py"), "--tracker", f"127.0.0.1:{self.tracker_port}", "--key", KEY,
-                "--port", str(port := _free_port()), "--port-end", str(port + 1),
+        args = ["-B", "-m", "runtime.board", "--tracker", f"127.0.0.1:{self.tracker_port}", "--key", KEY,
+                "--host", "127.0.0.1", "--port", str(port := _free_port()), "--port-end", str(port + 1),
                 "--load-library", str(self.rootfs / EXTRA)]
-        with open(self.log, "a") as out:
+        with open(self.log, "a") as out:  # from a bundle's runtime: the package's own runtime/ here
             self.proc = qemu.start_python(self.rootfs, args, cwd=self.log.parent, stdout=out, stderr=out,
-                                          env={"TVM_NUM_THREADS": "1"})
+                                          env={"TVM_NUM_THREADS": "1", "PYTHONPATH": str(SDK / "edgesdk")})
         deadline = time.monotonic() + 120
         while _servers(self.tracker_port, KEY) == 0:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -163,21 +167,13 @@ def test_a_key_without_boards_is_a_user_error(tracker, tmp_path):
 def test_a_build_for_the_arm_board_tunes_on_it(board, tracker, tmp_path):
     """`edgesdk build --target arm_2tpu --trials 8 --rpc-tracker ... --rpc-key ...` with a model the
     Edge TPU refuses (a sine): its aarch64 CPU segment is tuned on the emulated board and ships tuned."""
-    import onnx
-    from onnx import TensorProto, helper
-
     from edgesdk.runtime import Manifest
     from tests.test_cli import edgesdk
 
-    g = helper.make_graph([helper.make_node("Sin", ["x"], ["s"]), helper.make_node("Mul", ["s", "x"], ["y"])], "sine",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 64])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 64])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    onnx.save(model, str(tmp_path / "sine.onnx"))
+    _sine_model(tmp_path / "sine.onnx")
     proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
-                   "--trials", "8", "--tuning-db", str(tmp_path / "db"),
-                   "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
+                   "--trials", "8", "--tuning-db", str(tmp_path / "db"), "--cpu-backends", "planned",
+                   "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)  # TVM's cut, however fast
     assert proc.returncode == 0, proc.stderr
     assert f"measured on {KEY} boards via 127.0.0.1:{tracker}" in proc.stderr
     m = Manifest.load(tmp_path / "out" / "bundle")
@@ -185,3 +181,70 @@ def test_a_build_for_the_arm_board_tunes_on_it(board, tracker, tmp_path):
     # the baseline and what the search found in an elementwise function's small schedule space
     assert m.tuning["segments"][seg.id]["tuned"] >= 1 and m.tuning["database_records"] >= 2
     assert elf_machine(tmp_path / "out" / "bundle" / seg.artifact)[2] == EM_AARCH64
+
+
+def _sine_model(path: Path) -> None:
+    """x * sin(x): the Edge TPU refuses the sine, so an arm_2tpu plan keeps it on the CPU."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Sin", ["x"], ["s"]), helper.make_node("Mul", ["s", "x"], ["y"])], "sine",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 64])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+
+
+def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_path):
+    """`edgesdk build --target arm_2tpu --rpc-tracker ... --rpc-key ...` (no search: --trials 0): the
+    CPU span's candidates are built here, run and timed on the emulated board, checked against
+    onnxruntime; one the board cannot run (it has no onnxruntime) is skipped with the board's reason;
+    the fastest measured is chosen and recorded with the board's CPU."""
+    import json as json_
+
+    from edgesdk.runtime import Manifest
+    from tests.test_cli import edgesdk
+
+    _sine_model(tmp_path / "sine.onnx")
+    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+                   "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
+    assert proc.returncode == 0, proc.stderr
+    assert "tune: CPU candidates are timed on" in proc.stderr and f"boards '{KEY}'" in proc.stderr
+    record = json_.loads((tmp_path / "out" / ".build" / "4-tune" / "tune.json").read_text())["cpu_selection"]
+    assert "aarch64" in record["measured_on"] and f"via 127.0.0.1:{tracker}" in record["measured_on"]
+    (span,) = record["spans"]
+    cands = span["candidates"]
+    assert "onnxruntime" in cands["onnxruntime"]["skipped"], cands  # the board's own error, named
+    timed = {name: c["ms"] for name, c in cands.items() if "ms" in c}
+    assert "planned" in timed and all(ms > 0 for ms in timed.values()), cands
+    assert span["chosen"] == min(timed, key=timed.get)
+    m = Manifest.load(tmp_path / "out" / "bundle")
+    assert m.tuning["cpu_selection"]["measured_on"] == record["measured_on"]
+    # a rebuild replays the board's measurements from the timing cache: the same choice, the same bundle
+    again = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "again"),
+                    "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
+    assert again.returncode == 0, again.stderr
+    assert "replayed from the timing cache" in again.stderr
+    assert (tmp_path / "again" / "bundle.tar.gz").read_bytes() == (tmp_path / "out" / "bundle.tar.gz").read_bytes()
+
+
+def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
+    """A board running TVM's own rpc_server (no edgesdk functions): a user error saying what to start."""
+    from edgesdk.scheduling import boards as on_boards
+
+    port = _free_port()
+    with open(tmp_path / "server.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{tracker}",
+                                 "--key", "stock", "--host", "127.0.0.1", "--port", str(port),
+                                 "--port-end", str(port + 1)], stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while _servers(tracker, "stock") == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.3)
+        with pytest.raises(UserError) as err:
+            on_boards.describe(tvm_backend.Boards("127.0.0.1", tracker, "stock"))
+        assert err.value.code == "tune.board-server" and "runtime.board" in err.value.hint
+    finally:
+        _stop(proc)

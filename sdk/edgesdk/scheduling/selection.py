@@ -14,8 +14,10 @@ no other runtime's threads spin on the cores, as on a device) and times `RUNS` i
 `WARMUP`: the median of them all decides.
 
 Timing happens on the build host when it runs the target's CPU code (the same architecture, no
-instruction the host lacks). Otherwise (an aarch64 target built on an x86-64 host) nothing is timed and
-each span's backend is chosen by policy (`by_policy`): the schedule's cut where the tuning database holds
+instruction the host lacks); otherwise (an aarch64 target built on an x86-64 host) on a board over TVM
+RPC where boards are given (`boards.py`: the same candidates, checks and rounds, each measurement a
+session of its own on a board). Without boards nothing is timed and each span's backend is chosen by
+policy (`by_policy`): the schedule's cut where the tuning database holds
 tuned TVM records for all of its functions, else the whole span on LiteRT/XNNPACK (what ARM users run)
 where it lowers every node and agrees with onnxruntime on this host, else the schedule's cut; the record
 says why, with `measured_on: null`.
@@ -41,6 +43,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -205,14 +208,18 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
            measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
-           int8_dir: Path | None = None) -> Selected:
+           int8_dir: Path | None = None, boards: backends.Boards | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where `litert` is allowed); `samples` are inputs of the
     whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8", the
     int8 variants of the allowed backends (`INT8_BACKENDS`) are candidates too, quantized on the
     calibration share of `samples` and gated on the held-out rest (`held_out_split`); each one chosen
-    is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage."""
+    is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage.
+
+    Where this host cannot time the target's CPU code and `boards` (`--rpc-tracker`, `--rpc-key`) are
+    given, the candidates are checked and timed on a board (`scheduling/boards.py`) instead of chosen by
+    policy; `host` then names the board's CPU."""
     found = spans(plan)
     if precision == "int8":
         allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
@@ -229,13 +236,22 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
                     _samples_digest(samples, calib_method, calib_percentile))
         record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
                           "held_out_samples": len(held) if held is not calib else 0}
+    threads = min(target.host.cores, os.cpu_count() or 1)
+    if measurable is not None and boards is not None:  # timed on a board instead
+        from . import boards as on_boards
+
+        board = on_boards.describe(boards)
+        host = on_boards.name(board, boards)
+        record["measured_on"] = f"{host} via {boards.host}:{boards.port}"
+        threads = min(target.host.cores, int(board["cores"]))
+        log(f"tune: CPU candidates are timed on {host}")
+        measurable = None
     if measurable is not None:  # this host cannot time the target's CPU code: chosen by policy
         chosen_plan, models, record = by_policy(plan, model, segment_models, target, samples, allowed=allowed,
                                                 tuning_db=tuning_db, unmeasured=measurable, log=log, int8=int8,
                                                 record=record)
         return Selected(chosen_plan, models, record, _quantize_chosen(chosen_plan, models, int8, int8_dir, log))
     values = _reference(model, samples[:CHECK_SAMPLES], plan)
-    threads = min(target.host.cores, os.cpu_count() or 1)
     for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
         os.environ.setdefault(var, str(threads))
 
@@ -252,7 +268,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
                 continue
             entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values, int8,
                                                    plan.outputs, Path(tmp), tuning_db, cache, host, threads, log,
-                                                   timer)
+                                                   timer, boards)
             record["spans"].append(entry)
             chosen[span] = winner, ms
             models.update(cut)
@@ -383,9 +399,10 @@ def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.Model
 
 def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],
                   int8: Int8 | None, model_outputs: Sequence[str], work: Path, tuning_db: Path, cache: TimingCache,
-                  host: str, threads: int, log, timer: Timer):
-    """Compile, check and time one span's candidates (or replay them from the cache): the span's record,
-    the winner, its measured time, and the segment models the winner cuts anew."""
+                  host: str, threads: int, log, timer: Timer, boards: backends.Boards | None = None):
+    """Compile, check and time one span's candidates (or replay them from the cache), here or with
+    `boards` on a board: the span's record, the winner, its measured time, and the segment models the
+    winner cuts anew."""
     ids = [s.id for s in cands[0].segments]
     label = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
     entry: dict = {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
@@ -412,7 +429,8 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             replayed.append(cand.name)
             continue
         try:
-            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None)
+            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None,
+                           boards)
             if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
                 gates[cand.name] = gate(bundle, int8.held_out, model_outputs)
             else:
@@ -423,7 +441,7 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
             continue
         runnable[cand.name] = cand, bundle
-    measured, failed = _time(runnable, values[0], timer, work)
+    measured, failed = _time(runnable, values[0], timer, work, None if boards is None else partial(on_board, boards))
     for name, ms in measured.items():
         cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {})})
         times[name] = ms
@@ -447,13 +465,26 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
 
 
 def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-          int8: Int8 | None = None):
-    """The candidate as a bundle of its own in `work`: each segment compiled by its backend (one that
-    quantizes first quantized, as the compress stage will, on `int8`'s calibration samples), a manifest
-    with its parallel steps, opened by the runtime's executor, which times what a device runs."""
+          int8: Int8 | None = None, boards: backends.Boards | None = None):
+    """The candidate as a bundle of its own in `work` (`_write`), opened by the runtime's executor, which
+    times what a device runs; with `boards`, a handle that runs it on a board (`boards.OnBoard`)."""
+    from ..runtime.executor import BundleModel
+
+    manifest = _write(cand, models, target, work, tuning_db, int8)
+    if boards is not None:
+        from .boards import OnBoard
+
+        return OnBoard(boards, work, manifest)
+    return BundleModel(work, log=lambda line: None)
+
+
+def _write(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
+           int8: Int8 | None = None):
+    """The candidate's bundle written in `work`: each segment compiled by its backend (one that quantizes
+    first quantized, as the compress stage will, on `int8`'s calibration samples), a manifest with its
+    parallel steps. Returns the manifest."""
     from .. import __version__
     from ..runtime import manifest as mf
-    from ..runtime.executor import BundleModel
 
     (work / "segments").mkdir(parents=True, exist_ok=True)
     segments, specs = [], {}
@@ -483,7 +514,7 @@ def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pat
         segments=tuple(segments), pipeline_stages=(tuple(s.id for s in segments),), predicted={},
         parallel_steps=cand.steps, cpu_threads=target.host.cores)
     (work / "manifest.json").write_text(manifest.to_json())
-    return BundleModel(work, log=lambda line: None)
+    return manifest
 
 
 def _plain_spec(t):
@@ -497,14 +528,21 @@ def _check(cand: Candidate, bundle, samples: list[dict], tolerance: float | None
     """Every output the span hands on, within `tolerance` (TOLERANCE) of its scale (its largest magnitude)
     of onnxruntime on the float model; raises ValueError saying which output is off and by how much."""
     tolerance = TOLERANCE if tolerance is None else tolerance
-    for sample in samples:
-        got = bundle.run({t.name: sample[t.name] for t in bundle.inputs})
+    for sample, got in zip(samples, _run_all(bundle, samples)):
         for t in bundle.outputs:
             want = sample[t.name].astype(np.float64)
             err = float(np.max(np.abs(got[t.name].astype(np.float64) - want))) if want.size else 0.0
             scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
             if not np.isfinite(err) or err > tolerance * scale:
                 raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
+
+
+def _run_all(bundle, samples: list[dict]) -> list[dict]:
+    """The bundle's outputs on each sample (a candidate on a board runs them all in one session)."""
+    feeds = [{t.name: sample[t.name] for t in bundle.inputs} for sample in samples]
+    if hasattr(bundle, "run_all"):
+        return bundle.run_all(feeds)
+    return [bundle.run(f) for f in feeds]
 
 
 def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
@@ -514,7 +552,7 @@ def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
     or an agreement under GATE_TOP1; else the figures (the least of each)."""
     from ..ir.numeric import compare
 
-    got = [bundle.run({t.name: sample[t.name] for t in bundle.inputs}) for sample in held_out]
+    got = _run_all(bundle, held_out)
     cosines, agreements = {}, {}
     for t in bundle.outputs:
         g = np.stack([x[t.name] for x in got]).astype(np.float64)
@@ -559,11 +597,13 @@ def _quantizes(cand: Candidate) -> bool:
 
 
 def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer,
-          work: Path) -> tuple[dict[str, float], dict[str, str]]:
+          work: Path, measure: Callable[..., list[float]] | None = None) -> tuple[dict[str, float], dict[str, str]]:
     """Median milliseconds of one inference of each candidate: `ROUNDS` measurements of each, in turn,
     each in a fresh process that loads the candidate's bundle alone (as on a device: no other runtime's
     threads spinning on the cores) and runs it `RUNS` times after `WARMUP`; the median of them all.
-    A candidate whose timing run fails is left out, with why."""
+    A candidate whose timing run fails is left out, with why. `measure` (bundle, feeds, warmup=, runs=)
+    times one measurement: `measure_alone` here, `boards.measure` on a board."""
+    measure = measure or measure_alone
     for _, bundle in runnable.values():
         bundle.close()
     feeds = work / "feeds.npz"
@@ -575,7 +615,8 @@ def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Ti
             if name in failed:
                 continue
             try:
-                laps[name].append(timer(name, lambda b=bundle: statistics.median(measure_alone(b.bundle, feeds))))
+                laps[name].append(timer(name, lambda b=bundle: statistics.median(
+                    measure(b.bundle, feeds, warmup=WARMUP, runs=RUNS))))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 failed[name] = _short(e)
     return {n: round(statistics.median(v), 4) for n, v in laps.items() if n not in failed}, failed
@@ -596,6 +637,14 @@ for k in range(int(sys.argv[3]) + int(sys.argv[4])):
         laps.append((time.perf_counter() - t0) * 1e3)
 print(json.dumps(laps))
 """
+
+
+def on_board(boards: backends.Boards, bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS
+             ) -> list[float]:
+    """`measure_alone` on a board (`boards.measure`)."""
+    from .boards import measure
+
+    return measure(boards, bundle, feeds, warmup=warmup, runs=runs)
 
 
 def measure_alone(bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:

@@ -78,7 +78,7 @@ def run(artifact: Path, ctx) -> dict:
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
     kinds = _search(plan, artifact, db, boards, ctx)
-    selected = _select(plan, artifact, db, ctx)
+    selected = _select(plan, artifact, db, ctx, boards)
     _write_plan(selected, artifact, ctx.out)
     (ctx.out / "int8.json").write_text(json.dumps({"segments": selected.quantized, "calibration": selected.calibration},
                                                   indent=2) + "\n")
@@ -141,14 +141,15 @@ def _report(kind: str, summary: dict, ctx) -> None:
         ctx.log(f"tune: {kind}: --time-budget reached; the next build with the same --trials resumes the search")
 
 
-def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
-    """Every CPU span on the backend measured fastest (`scheduling.selection`)."""
+def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection.Selected:
+    """Every CPU span on the backend measured fastest (`scheduling.selection`): on this host, or on
+    `boards` where this host cannot run the target's CPU code."""
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
     allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
     why = selection.unmeasurable(ctx.target)
     # the model and the calibration samples only where a span will be measured, or checked for the policy's
     # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
-    reads = bool(selection.spans(plan)) and (why is None or selection.POLICY in allowed)
+    reads = bool(selection.spans(plan)) and (why is None or boards is not None or selection.POLICY in allowed)
     model = onnx.load(str(artifact / "model.onnx")) if reads else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
@@ -160,7 +161,8 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx) -> selection.Selected:
         plan, model, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
-        calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8")
+        calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
+        boards=boards if why is not None else None)
     if selected.quantized:
         calib_info = {**calib_info, "method": ctx.options.calib_method}
         if ctx.options.calib_method == "percentile":

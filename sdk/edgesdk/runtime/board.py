@@ -1,0 +1,140 @@
+"""A board's RPC server for the build host: TVM's RPC, and candidate bundles run and timed on the board.
+
+    python -B -m runtime.board --tracker HOST:PORT --key KEY [--host 0.0.0.0] [--port 9090]
+                               [--port-end 9199] [--load-library LIB]
+
+run from any bundle directory on the board (its `runtime/` is the device runtime; a bundle of the
+edgesdk version that builds, whose manifests it reads). It registers with the TVM RPC tracker under
+KEY and serves what `python -m tvm.exec.rpc_server` serves (MetaSchedule's candidates, `--trials` with
+`--rpc-tracker`), and three functions the tune stage calls where it cannot time the target's CPU on
+the build host (`edgesdk build --rpc-tracker HOST:PORT --rpc-key KEY`, `scheduling/boards.py`):
+
+    edgesdk.board.describe() -> JSON: the board's CPU, cores, architecture, runtime version
+    edgesdk.board.measure(candidate.tar, feeds.npz, warmup, runs) -> JSON: milliseconds per inference,
+        and the name of an .npz of the candidate's outputs for each sample (to download)
+
+A candidate is a bundle without runtime (manifest and segments) uploaded as a tar into the session's
+work directory; feeds.npz holds sample i's input `name` as `i/name`; the outputs come back the same way.
+The samples are run once each (the build host checks them against onnxruntime), then sample 0 `warmup`
+and `runs` times. TVM serves each session in a process forked for it, so every measurement loads its
+candidate alone, as on the device.
+
+The listener runs in this process: TVM's `rpc.Server` starts it in a fresh interpreter, which would
+not have these functions (and cannot start under qemu-user, where the board is emulated in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FUNCTIONS = ("edgesdk.board.describe", "edgesdk.board.measure")
+
+
+# Arm's CPU part numbers (/proc/cpuinfo's "CPU part" on aarch64, which has no model name)
+ARM_PARTS = {"0xd03": "Cortex-A53", "0xd04": "Cortex-A35", "0xd05": "Cortex-A55", "0xd07": "Cortex-A57",
+             "0xd08": "Cortex-A72", "0xd09": "Cortex-A73", "0xd0a": "Cortex-A75", "0xd0b": "Cortex-A76",
+             "0xd0c": "Neoverse-N1", "0xd0d": "Cortex-A77", "0xd41": "Cortex-A78", "0xd44": "Cortex-X1",
+             "0xd46": "Cortex-A510", "0xd47": "Cortex-A710", "0xd4b": "Cortex-A78C"}
+
+
+def describe() -> str:
+    from .manifest import RUNTIME_VERSION
+
+    model = ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key = line.split(":", 1)[0].strip().lower()
+        if key in ("model name", "cpu part") and ":" in line:
+            value = line.split(":", 1)[1].strip()
+            model = value if key == "model name" else ARM_PARTS.get(value, f"Arm CPU part {value}")
+            if key == "model name":
+                break
+    return json.dumps({"machine": platform.machine(), "cpu": model or platform.machine(),
+                       "cores": os.cpu_count() or 1, "runtime_version": RUNTIME_VERSION})
+
+
+def measure(candidate: str, feeds: str, warmup: int, runs: int) -> str:
+    """Run the uploaded candidate on every sample of the uploaded feeds, then time sample 0."""
+    from .executor import BundleModel
+
+    workpath = _global("tvm.rpc.server.workpath")
+    where = Path(tempfile.mkdtemp(prefix="candidate-", dir=Path(workpath(candidate)).parent))
+    with tarfile.open(workpath(candidate)) as tar:
+        for member in tar.getmembers():  # what the build host packs: plain files and folders inside
+            parts = Path(member.name).parts
+            if not (member.isfile() or member.isdir()) or Path(member.name).is_absolute() or ".." in parts:
+                raise ValueError(f"candidate archive member {member.name!r} is not a plain file inside it")
+        tar.extractall(where)
+    arrays = dict(np.load(workpath(feeds)))
+    samples: dict[int, dict] = {}
+    for key, value in arrays.items():
+        i, name = key.split("/", 1)
+        samples.setdefault(int(i), {})[name] = value
+    model = BundleModel(where, log=lambda line: None)
+    try:
+        outputs = {}
+        for i in sorted(samples):
+            for name, value in model.run(samples[i]).items():
+                outputs[f"{i}/{name}"] = value
+        laps = []
+        for k in range(int(warmup) + int(runs)):
+            t0 = time.perf_counter()
+            model.run(samples[0])
+            if k >= int(warmup):
+                laps.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        model.close()
+    np.savez(workpath("outputs.npz"), **outputs)
+    return json.dumps({"laps_ms": laps, "outputs": "outputs.npz"})
+
+
+def _global(name: str):
+    import tvm_ffi
+
+    return tvm_ffi.get_global_func(name)
+
+
+def register() -> None:
+    import tvm_ffi
+
+    tvm_ffi.register_global_func("edgesdk.board.describe", describe, override=True)
+    tvm_ffi.register_global_func("edgesdk.board.measure", measure, override=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.board", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tracker", required=True, help="the build host's TVM RPC tracker, HOST:PORT")
+    p.add_argument("--key", required=True, help="the key the build names with --rpc-key")
+    p.add_argument("--host", default="0.0.0.0", help="the address this server listens on")
+    p.add_argument("--port", type=int, default=9090)
+    p.add_argument("--port-end", type=int, default=9199)
+    p.add_argument("--load-library", default=None, help="a library TVM's RPC server loads (as rpc_server's)")
+    a = p.parse_args(argv)
+    host, _, port = a.tracker.rpartition(":")
+    if not host or not port.isdigit():
+        p.error(f"--tracker {a.tracker!r} is not HOST:PORT")
+    from tvm.rpc import server
+
+    register()
+    bound = server._popen_start_rpc_server(a.host, a.port, a.port_end, tracker_addr=(host, int(port)), key=a.key,
+                                           load_library=a.load_library)
+    print(f"edgesdk board server for key {a.key} listening on {a.host}:{bound}, tracker {a.tracker}", flush=True)
+    server.PopenRPCServerState.current.thread.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
