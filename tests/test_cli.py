@@ -37,6 +37,16 @@ def test_help_is_fast_and_lists_commands():
         assert cmd in proc.stdout
 
 
+def test_build_help_shows_the_written_defaults():
+    """Defaults written into an option's help (where typer cannot show one) survive rich's markup."""
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "sdk"), "COLUMNS": "400"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for note in ("[default: ~/.cache/edgesdk/tuning/TARGET]", "[default: all]", "[default: the target's legalize"):
+        assert note in text, note
+
+
 def test_missing_model_file(tmp_path):
     out = tmp_path / "out"
     proc = edgesdk("build", str(tmp_path / "nope.onnx"), "--target", "x86", "-o", str(out))
