@@ -230,8 +230,12 @@ def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_p
 
 
 def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
-    """A board running TVM's own rpc_server (no edgesdk functions): a user error saying what to start."""
+    """A board running TVM's own rpc_server (no edgesdk functions) cannot time a bundle: asked directly,
+    a user error saying what to start; in a build, a warning, and the CPU backends chosen by policy."""
+    import json as json_
+
     from edgesdk.scheduling import boards as on_boards
+    from tests.test_cli import edgesdk
 
     port = _free_port()
     with open(tmp_path / "server.log", "w") as out:
@@ -246,5 +250,12 @@ def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
         with pytest.raises(UserError) as err:
             on_boards.describe(tvm_backend.Boards("127.0.0.1", tracker, "stock"))
         assert err.value.code == "tune.board-server" and "runtime.board" in err.value.hint
+        _sine_model(tmp_path / "sine.onnx")
+        proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+                       "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", "stock")
+        assert proc.returncode == 0, proc.stderr
+        assert "do not run edgesdk's board server" in proc.stderr and "chosen by policy instead" in proc.stderr
+        record = json_.loads((tmp_path / "out" / ".build" / "4-tune" / "tune.json").read_text())["cpu_selection"]
+        assert record["measured_on"] is None and "chosen by policy" in record["note"]
     finally:
         _stop(proc)

@@ -208,7 +208,8 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
            measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
-           int8_dir: Path | None = None, boards: backends.Boards | None = None) -> Selected:
+           int8_dir: Path | None = None, boards: backends.Boards | None = None, board: dict | None = None
+           ) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where `litert` is allowed); `samples` are inputs of the
@@ -219,7 +220,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
 
     Where this host cannot time the target's CPU code and `boards` (`--rpc-tracker`, `--rpc-key`) are
     given, the candidates are checked and timed on a board (`scheduling/boards.py`) instead of chosen by
-    policy; `host` then names the board's CPU."""
+    policy; `host` then names the board's CPU (`board`: what the board said of itself, asked if not given)."""
     found = spans(plan)
     if precision == "int8":
         allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
@@ -240,7 +241,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     if measurable is not None and boards is not None:  # timed on a board instead
         from . import boards as on_boards
 
-        board = on_boards.describe(boards)
+        board = board or on_boards.describe(boards)
         host = on_boards.name(board, boards)
         record["measured_on"] = f"{host} via {boards.host}:{boards.port}"
         threads = min(target.host.cores, int(board["cores"]))

@@ -40,9 +40,11 @@ from pathlib import Path
 import onnx
 
 from ... import backends
+from ...errors import UserError
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
+from ...scheduling import boards as on_boards
 from ...scheduling import selection
 from ...scheduling.plan import Plan
 
@@ -157,12 +159,20 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
     if precision == "int8" and reads and calib_info.get("synthetic"):
         ctx.warn(f"--cpu-precision int8 with no --calib data: int8 candidates are calibrated and gated on "
                  f"{len(samples)} synthetic samples (uniform in [-1, 1]); give real inputs with --calib")
+    board = None
+    if boards is not None and why is not None and reads:  # timed on a board where it runs edgesdk's server
+        try:
+            board = on_boards.describe(boards)
+        except UserError as e:
+            if e.code != "tune.board-server":
+                raise
+            ctx.warn(f"tune: {e.message}; each CPU span's backend is chosen by policy instead. {e.hint}")
     selected = selection.select(
         plan, model, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
-        boards=boards if why is not None else None)
+        boards=boards if board is not None else None, board=board)
     if selected.quantized:
         calib_info = {**calib_info, "method": ctx.options.calib_method}
         if ctx.options.calib_method == "percentile":
