@@ -390,3 +390,27 @@ def test_x86_transposed_convolution_beside_nhwc_convolutions_matches_onnxruntime
         assert_matches_ort(model, out, result, seed=1)
     else:
         assert out.is_file()
+
+
+def test_silero_vads_front_end_compiles_for_x86_and_answers_as_onnxruntime(tmp_path):
+    """TVM 0.27's ConvertLayout dies (std::bad_alloc) on silero-vad's STFT front end (a reflect Pad,
+    a 1-D convolution, strided slices), which has no 2-D convolution to make channels-last: the
+    segment compiles in its own layout instead. The whole model on TVM's cut (with onnxruntime for
+    the LSTM), pretrained, against onnxruntime on the original file."""
+    from edgesdk.pipeline import BuildOptions, build
+    from edgesdk.runtime import BundleModel
+
+    built = build(BuildOptions(model=model_zoo.SILERO_VAD, target="x86", out=tmp_path / "out",
+                               tuning_db=tmp_path / "db", cpu_backends=("planned",),
+                               input_shapes={"input": (1, 512), "state": (2, 1, 128)}, input_values={"sr": (16000.0,)}))
+    bundle = BundleModel(built.bundle, log=lambda line: None)
+    assert any(s.backend == "tvm" for s in bundle.manifest.segments)
+    rng = np.random.default_rng(3)
+    feeds = {"input": rng.uniform(-0.5, 0.5, (1, 512)).astype(np.float32),
+             "state": rng.uniform(-0.5, 0.5, (2, 1, 128)).astype(np.float32)}
+    got = bundle.run(feeds)
+    session = ort.InferenceSession(str(model_zoo.SILERO_VAD), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in session.get_outputs()],
+                    session.run(None, {**feeds, "sr": np.array(16000, np.int64)})))
+    for name, value in want.items():
+        assert_close(got[name], value)

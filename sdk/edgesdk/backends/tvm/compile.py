@@ -204,25 +204,33 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
     from tvm import relax
 
     prepack = _prepacks_weights(tvm_target)
-    passes = [
+    head = [
         # Inference form: batch norm becomes multiply-add that FoldConstant folds into
         # the weights.
         relax.transform.DecomposeOpsForInference(),
         relax.transform.CanonicalizeBindings(),
-        *(
-            [
-                # Clip as Relax ops, which ConvertLayout moves along with the convolutions
-                _ClipAsRelaxOps(),
-                # NHWC activations, HWIO weights: the weights' transposes fold below
-                # (a transposed convolution stays NCHW: TVM legalizes it in NCHW only)
-                relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"],
-                                               "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}),
-                # a channels-last model's NHWC -> NCHW input transpose meets ConvertLayout's way back
-                _CancelTransposePairs(),
-            ]
-            if prepack
-            else []
-        ),
+    ]
+    layout = [
+        # Clip as Relax ops, which ConvertLayout moves along with the convolutions
+        _ClipAsRelaxOps(),
+        # NHWC activations, HWIO weights: the weights' transposes fold below
+        # (a transposed convolution stays NCHW: TVM legalizes it in NCHW only)
+        relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"],
+                                       "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}),
+        # a channels-last model's NHWC -> NCHW input transpose meets ConvertLayout's way back
+        _CancelTransposePairs(),
+    ]
+    with tvm_target, tvm.transform.PassContext(opt_level=3):
+        converted = None
+        if prepack:
+            try:
+                converted = tvm.transform.Sequential(head + layout)(mod)
+            except (tvm.error.InternalError, tvm.error.DiagnosticError, RuntimeError):
+                # TVM 0.27's ConvertLayout fails on some graphs without a 2-D convolution (silero-vad's
+                # STFT: a reflect Pad, a 1-D convolution, strided slices: std::bad_alloc): kept NCHW
+                converted = None
+        mod = converted if converted is not None else tvm.transform.Sequential(head)(mod)
+    passes = [
         *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
