@@ -251,10 +251,10 @@ def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
             on_boards.describe(tvm_backend.Boards("127.0.0.1", tracker, "stock"))
         assert err.value.code == "tune.board-server" and "runtime.board" in err.value.hint
         _sine_model(tmp_path / "sine.onnx")
-        proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
-                       "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", "stock")
-        assert proc.returncode == 0, proc.stderr
-        assert "do not run edgesdk's board server" in proc.stderr and "chosen by policy instead" in proc.stderr
+        built = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+                        "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", "stock")
+        assert built.returncode == 0, built.stderr
+        assert "do not run edgesdk's board server" in built.stderr and "chosen by policy instead" in built.stderr
         record = json_.loads((tmp_path / "out" / ".build" / "4-tune" / "tune.json").read_text())["cpu_selection"]
         assert record["measured_on"] is None and "chosen by policy" in record["note"]
     finally:

@@ -12,6 +12,7 @@ serves each session in a process forked for it: each measurement loads its candi
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import tarfile
@@ -27,28 +28,38 @@ HINT = ("start `python -B -m runtime.board --tracker HOST:PORT --key KEY` from a
         "board (it serves TVM's RPC too)")
 
 
+@contextlib.contextmanager
 def _session(boards: backends.Boards):
+    """A session on a free board, ended on leaving: a board serves one session at a time, and one kept
+    alive (by a traceback that holds it) would make the next request wait for that board."""
     from tvm import rpc
 
     from ..backends.tvm import check_boards
 
     check_boards(boards)  # fails at once where TVM's request would wait forever for a board
     tracker = rpc.connect_tracker(boards.host, boards.port)
-    return tracker.request(boards.key, priority=1, session_timeout=SESSION_TIMEOUT_S, max_retry=1)
+    try:
+        sess = tracker.request(boards.key, priority=1, session_timeout=SESSION_TIMEOUT_S, max_retry=1)
+        try:
+            yield sess
+        finally:
+            sess._sess = None  # TVM's RPCSession has no close: releasing its module ends the session
+    finally:
+        tracker.close()
 
 
 def describe(boards: backends.Boards) -> dict:
     """What the board says of itself (CPU, cores, architecture, runtime version). A board whose server
     cannot time bundles (TVM's stock rpc_server) is a user error with how to start ours."""
-    sess = _session(boards)
-    try:
-        func = sess.get_function("edgesdk.board.describe")
-    except Exception as e:  # noqa: BLE001 -- TVM raises a plain error for a function the server lacks
-        raise UserError("tune.board-server",
-                        f"the boards under the key {boards.key!r} do not run edgesdk's board server, so they "
-                        f"cannot time CPU candidates ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
-                        hint=HINT) from e
-    return json.loads(func())
+    with _session(boards) as sess:
+        try:
+            func = sess.get_function("edgesdk.board.describe")
+        except Exception as e:  # noqa: BLE001 -- TVM raises a plain error for a function the server lacks
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        else:
+            return json.loads(func())
+    raise UserError("tune.board-server", f"the boards under the key {boards.key!r} do not run edgesdk's board server, "
+                    f"so they cannot time CPU candidates ({why})", hint=HINT)
 
 
 def name(board: dict, boards: backends.Boards) -> str:
@@ -75,17 +86,18 @@ def _measure(boards: backends.Boards, bundle: Path, samples: list[dict], warmup:
              ) -> tuple[list[float], list[dict]]:
     """One session: the candidate in `bundle` run on each sample, then sample 0 `warmup` + `runs` times:
     milliseconds per timed inference, and each sample's outputs."""
-    sess = _session(boards)
-    try:
-        sess.upload(bytearray(_pack(bundle)), "candidate.tar")
-        sess.upload(bytearray(_npz(samples)), "feeds.npz")
-        answer = json.loads(sess.get_function("edgesdk.board.measure")("candidate.tar", "feeds.npz", warmup, runs))
-        got = dict(np.load(io.BytesIO(bytes(sess.download(answer["outputs"])))))
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- the board's error comes back as TVM's RPCError with its traceback
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        raise RuntimeError(f"on the board: {lines[-1] if lines else type(e).__name__}") from e
+    failed = None
+    with _session(boards) as sess:
+        try:
+            sess.upload(bytearray(_pack(bundle)), "candidate.tar")
+            sess.upload(bytearray(_npz(samples)), "feeds.npz")
+            answer = json.loads(sess.get_function("edgesdk.board.measure")("candidate.tar", "feeds.npz", warmup, runs))
+            got = dict(np.load(io.BytesIO(bytes(sess.download(answer["outputs"])))))
+        except Exception as e:  # noqa: BLE001 -- the board's error comes back as TVM's RPCError with its traceback
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            failed = lines[-1] if lines else type(e).__name__
+    if failed is not None:  # raised with the session ended, and no traceback holding it
+        raise RuntimeError(f"on the board: {failed}")
     outputs: list[dict] = [{} for _ in samples]
     for key, value in got.items():
         i, tensor = key.split("/", 1)
