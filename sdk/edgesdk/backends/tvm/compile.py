@@ -5,17 +5,13 @@
 by the structural hash of each fused TIR function, so the functions tuning measures must be
 those compilation looks up.
 
-x86-64 CPU targets compute convolutions channels-last and read prepacked weights
-(`_prepacks_weights`): the ONNX segment's zero Pads are folded into the convolutions after them,
-ConvertLayout turns every conv2d into NHWC activations and HWIO weights (the weight transposes are
-constants, folded at compile time), and each fused function's weights are marked layout-free, so
-that its schedule (the default one or a tuning record) may store them in the order its loops read
-them (MetaSchedule's RewriteLayout); `compile_onnx` splits that rewrite out of the kernels and
-folds it into the constants, so no weight is transformed at run time. Channels-last makes the
-output channels the innermost axis: the default schedule vectorizes them, one weight vector
-serving a row of output pixels (`_tile_roles`). Untuned, on a 2-core x86 host (AVX2 code, 2
-threads), MobileNetV2 and ResNet50 run 1.5-1.7x as fast as in NCHW with the weights as imported
-(docs/tuning.md).
+x86-64 CPU targets compute convolutions channels-last (`_prepacks_weights`): the ONNX segment's
+zero Pads are folded into the convolutions after them, and ConvertLayout turns every conv2d into
+NHWC activations and HWIO weights (the weight transposes are constants, folded at compile time, so
+no weight is transformed at run time). Channels-last makes the output channels the innermost axis:
+the default schedule vectorizes them, one weight vector serving a row of output pixels
+(`_tile_roles`). Weights are not stored in a schedule's own blocked order (TVM's layout-free
+buffers and RewriteLayout): that computed wrong results on PP-OCRv4 det (`_lower`).
 """
 
 from __future__ import annotations
@@ -94,13 +90,6 @@ def compile_onnx(
             default_scheduled = tasks - tuned - _count_unscheduled(mod)
         else:
             mod, default_scheduled = _cpu_default_schedules(mod, target)
-        if _prepacks_weights(tvm_target):
-            # the weights' layout rewrites (RewriteLayout) become functions of constants, folded
-            mod = tvm.transform.Sequential([
-                relax.transform.SplitLayoutRewritePreproc(),
-                relax.transform.FoldConstant(),
-                relax.transform.DeadCodeElimination(),
-            ])(mod)
         backend = _backend_pipeline(tvm_target)
         finish = tvm.transform.Sequential(
             backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
@@ -237,8 +226,11 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        # constants (the weights) may be stored as a schedule reads them (RewriteLayout)
-        *([relax.transform.AttachAttrLayoutFreeBuffers()] if prepack else []),
+        # Not AttachAttrLayoutFreeBuffers: with it, a schedule stores the weights as its loops read
+        # them (RewriteLayout) and SplitLayoutRewritePreproc + FoldConstant fold that into the
+        # constants; on PP-OCRv4 det that computed wrong results (3.9x the output's scale from a
+        # depthwise block on; the last function returned another tensor), and MobileNetV2-class
+        # graphs did not show it. The weights stay HWIO constants, transposed at compile time.
     ]
     with tvm_target, tvm.transform.PassContext(opt_level=3):
         return tvm.transform.Sequential(passes)(mod)
