@@ -111,7 +111,7 @@ def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:
 
 
 def _prepacks_weights(tvm_target: Any) -> bool:
-    """Whether `tvm_target` gets channels-last convolutions with prepacked weights: x86-64 CPUs.
+    """Whether `tvm_target` gets channels-last convolutions, HWIO weights folded at compile time: x86-64 CPUs.
 
     Measured there only (the module docstring); aarch64 and CUDA keep NCHW as imported.
     """
