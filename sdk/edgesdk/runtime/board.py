@@ -6,7 +6,7 @@
 run from any bundle directory on the board (its `runtime/` is the device runtime; a bundle of the
 edgesdk version that builds, whose manifests it reads). It registers with the TVM RPC tracker under
 KEY and serves what `python -m tvm.exec.rpc_server` serves (MetaSchedule's candidates, `--trials` with
-`--rpc-tracker`), and three functions the tune stage calls where it cannot time the target's CPU on
+`--rpc-tracker`), and two functions the tune stage calls where it cannot time the target's CPU on
 the build host (`edgesdk build --rpc-tracker HOST:PORT --rpc-key KEY`, `scheduling/boards.py`):
 
     edgesdk.board.describe() -> JSON: the board's CPU, cores, architecture, runtime version
@@ -36,9 +36,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-FUNCTIONS = ("edgesdk.board.describe", "edgesdk.board.measure")
-
 
 # Arm's CPU part numbers (/proc/cpuinfo's "CPU part" on aarch64, which has no model name)
 ARM_PARTS = {"0xd03": "Cortex-A53", "0xd04": "Cortex-A35", "0xd05": "Cortex-A55", "0xd07": "Cortex-A57",

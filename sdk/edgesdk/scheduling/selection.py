@@ -442,7 +442,12 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
             continue
         runnable[cand.name] = cand, bundle
-    measured, failed = _time(runnable, values[0], timer, work, None if boards is None else partial(on_board, boards))
+    on_board = None
+    if boards is not None:
+        from .boards import measure
+
+        on_board = partial(measure, boards)
+    measured, failed = _time(runnable, values[0], timer, work, on_board)
     for name, ms in measured.items():
         cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {})})
         times[name] = ms
@@ -638,14 +643,6 @@ for k in range(int(sys.argv[3]) + int(sys.argv[4])):
         laps.append((time.perf_counter() - t0) * 1e3)
 print(json.dumps(laps))
 """
-
-
-def on_board(boards: backends.Boards, bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS
-             ) -> list[float]:
-    """`measure_alone` on a board (`boards.measure`)."""
-    from .boards import measure
-
-    return measure(boards, bundle, feeds, warmup=warmup, runs=runs)
 
 
 def measure_alone(bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:

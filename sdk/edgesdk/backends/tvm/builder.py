@@ -31,11 +31,6 @@ def _build_job(mod: Any, target: Any, params: Any, compiler: str | None) -> str:
         # TVM 0.27 can leave a fused padding's border unwritten: fast and wrong (see _apply_database)
         raise RuntimeError("the candidate does not run every instance of a block (TVM 0.27 leaves part "
                            "of a fused epilogue unwritten): refused")
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    # as MetaSchedule's own builder: a candidate's weight layout rewrite (RewriteLayout) runs once
-    # at compile time in the library (compile.py), so the candidate is measured without it
-    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     with target:  # the relax VM-free build MetaSchedule does: the function alone
         lib = tvm.compile(mod, target=target)
     path = os.path.join(tempfile.mkdtemp(prefix="edgesdk-tune-"), "candidate.so")

@@ -5,7 +5,7 @@
 by the structural hash of each fused TIR function, so the functions tuning measures must be
 those compilation looks up.
 
-x86-64 CPU targets compute convolutions channels-last (`_prepacks_weights`): the ONNX segment's
+x86-64 CPU targets compute convolutions channels-last (`_channels_last_convs`): the ONNX segment's
 zero Pads are folded into the convolutions after them, and ConvertLayout turns every conv2d into
 NHWC activations and HWIO weights (the weight transposes are constants, folded at compile time, so
 no weight is transformed at run time). Channels-last makes the output channels the innermost axis:
@@ -105,13 +105,13 @@ def compile_onnx(
 
 def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:
     """`model` imported and lowered for `tvm_target` (`_lower`), as compilation and tuning both see it."""
-    if _prepacks_weights(tvm_target):
+    if _channels_last_convs(tvm_target):
         model = _fold_pads_into_convs(model)
     return _lower(_import(model), tvm_target)
 
 
-def _prepacks_weights(tvm_target: Any) -> bool:
-    """Whether `tvm_target` gets channels-last convolutions, HWIO weights folded at compile time: x86-64 CPUs.
+def _channels_last_convs(tvm_target: Any) -> bool:
+    """Whether `tvm_target` computes convolutions channels-last (HWIO weights folded at compile time): x86-64.
 
     Measured there only (the module docstring); aarch64 and CUDA keep NCHW as imported.
     """
@@ -192,7 +192,7 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
     import tvm
     from tvm import relax
 
-    prepack = _prepacks_weights(tvm_target)
+    channels_last = _channels_last_convs(tvm_target)
     head = [
         # Inference form: batch norm becomes multiply-add that FoldConstant folds into
         # the weights.
@@ -210,15 +210,14 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
         _CancelTransposePairs(),
     ]
     with tvm_target, tvm.transform.PassContext(opt_level=3):
-        converted = None
-        if prepack:
-            try:
-                converted = tvm.transform.Sequential(head + layout)(mod)
-            except (tvm.error.InternalError, tvm.error.DiagnosticError, RuntimeError):
-                # TVM 0.27's ConvertLayout fails on some graphs without a 2-D convolution (silero-vad's
-                # STFT: a reflect Pad, a 1-D convolution, strided slices: std::bad_alloc): kept NCHW
-                converted = None
-        mod = converted if converted is not None else tvm.transform.Sequential(head)(mod)
+        try:
+            mod = tvm.transform.Sequential(head + (layout if channels_last else []))(mod)
+        except (tvm.error.InternalError, tvm.error.DiagnosticError, RuntimeError):
+            if not channels_last:
+                raise
+            # TVM 0.27's ConvertLayout fails on some graphs without a 2-D convolution (silero-vad's
+            # STFT: a reflect Pad, a 1-D convolution, strided slices: std::bad_alloc): kept NCHW
+            mod = tvm.transform.Sequential(head)(mod)
     passes = [
         *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
         relax.transform.LegalizeOps(),

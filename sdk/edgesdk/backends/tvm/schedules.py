@@ -70,9 +70,7 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
     `_REGISTER_BLOCK` x `_VECTOR_BLOCK` outputs (output channels x the last spatial axis
     for an NCHW convolution, rows x columns for a matrix product; `_PIXEL_BLOCK` pixels x
     `_VECTOR_BLOCK` channels for an NHWC one), and the innermost spatial tile is
-    vectorized. Weights marked layout-free (compile.py's `_lower` on x86) are stored in the
-    order the schedule reads them (RewriteLayout; compile.py folds the rewrite). Nothing is
-    measured, so the same function and target always give the same schedule. A function the
+    vectorized. Nothing is measured, so the same function and target always give the same schedule. A function the
     rules fail on stays unscheduled (TVM's default loop nest). Returns the module and how
     many functions got a schedule.
     """
@@ -110,7 +108,6 @@ def _cpu_default_postprocs() -> list:
         ms.postproc.DisallowDynamicLoop(),
         ms.postproc.RewriteParallelVectorizeUnroll(),
         ms.postproc.RewriteReductionBlock(),
-        ms.postproc.RewriteLayout(),  # a no-op where no buffer is layout-free
     ]
 
 

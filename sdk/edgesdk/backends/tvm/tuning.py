@@ -268,9 +268,7 @@ def _measure_defaults(tasks: list[_Task], tvm_target: Any, builder, runner, data
             mod = sch.mod if sch is not None else tvm.IRModule({"main": func})
         jobs.append((t, sch, mod))
     built = builder.build([ms.builder.BuilderInput(mod, tvm_target) for _, _, mod in jobs])
-    # as MetaSchedule's candidates: the arguments of the function as built, without the weights'
-    # layout rewrite (RewriteLayout's block, which the builder removes)
-    args = [ms.arg_info.ArgInfo.from_entry_func(mod, remove_preproc=True) for _, _, mod in jobs]
+    args = [ms.arg_info.ArgInfo.from_prim_func(t.mod["main"]) for t, _, _ in jobs]
     futures = {}
     for i, b in enumerate(built):
         if b.error_msg is None:
