@@ -183,7 +183,7 @@ def build(
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
     no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
     cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert \\[default: all]; 'planned': the schedule's cut, nothing measured."),
-    cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's and onnxruntime's int8 kernels), each admitted only where it passes the accuracy gate on held-out calibration samples \\[default: the target's CPU precision, fp32]."),
+    cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's int8 kernels, with the ops full int8 hurts most kept float where needed, and onnxruntime's), each admitted only where it passes the accuracy gate on held-out calibration samples \\[default: the target's CPU precision, fp32]."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),

@@ -417,15 +417,16 @@ def test_a_candidate_whose_timing_run_fails_is_skipped_with_its_reason(tmp_path)
 
 # --- int8 candidates (`--cpu-precision int8`) behind the accuracy gate ---------------------------------
 
-def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert"), n=8, target="x86", measurable=None):
+def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert"), n=8, target="x86", measurable=None,
+                 shape=(1, 16), log=lambda s: None, int8_dir="int8"):
     """`select` with int8 candidates, on `n` samples (a quarter held out for the gate)."""
     target, _ = load_target(target)
     rng = np.random.default_rng(1)
-    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(n)]
+    samples = [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)]
     return selection.select(plan, model, _segment_models(model), target, samples, allowed=allowed,
                             tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
-                            measurable=measurable, host="test host", log=lambda s: None, timer=timer, precision="int8",
-                            int8_dir=tmp_path / "int8")
+                            measurable=measurable, host="test host", log=log, timer=timer, precision="int8",
+                            int8_dir=tmp_path / int8_dir)
 
 
 def test_int8_candidates_are_quantized_gated_and_chosen_when_fastest(tmp_path):
@@ -448,17 +449,59 @@ def test_int8_candidates_are_quantized_gated_and_chosen_when_fastest(tmp_path):
 
 
 def test_an_int8_candidate_under_the_gate_is_never_chosen_however_fast(tmp_path, monkeypatch):
-    """The gate made impossible to pass: every int8 candidate is skipped with the gate's reason, and the
-    span stays fp32 though the fake timer calls int8 fastest."""
+    """The gate made impossible to pass: every int8 candidate is skipped with why, and the span stays
+    fp32 though the fake timer calls int8 fastest. onnxruntime's int8 is refused by the gate on the
+    held-out samples; LiteRT's already by its mixed-precision search on the calibration samples, which
+    no share of float ops lets reach a cosine of 1.01."""
     monkeypatch.setattr(selection, "GATE_COSINE", 1.01)
     model = _model()
     timer = _timer({"planned": 0.9, "onnxruntime": 0.8, "litert": 0.7, "litert-int8": 0.1, "onnxruntime-int8": 0.1})
     got = _select_int8(model, _plan(model, SPLIT), tmp_path, timer)
     (span,) = got.record["spans"]
-    for name in ("litert-int8", "onnxruntime-int8"):
-        why = span["candidates"][name]["skipped"]
-        assert why.startswith("accuracy gate: y's cosine similarity to fp32 is ") and "on 2 held-out samples" in why
-    assert span["chosen"] == "litert" and "litert-int8" not in timer.asked
+    why = span["candidates"]["onnxruntime-int8"]["skipped"]
+    assert why.startswith("accuracy gate: y's cosine similarity to fp32 is ") and "on 2 held-out samples" in why
+    why = span["candidates"]["litert-int8"]["skipped"]
+    assert why.startswith("mixed precision misses the accuracy target even with 1 of 2 ops float (y's cosine"), why
+    assert span["chosen"] == "litert" and "litert-int8" not in timer.asked and "onnxruntime-int8" not in timer.asked
+
+
+def test_full_int8_under_the_gate_is_searched_for_mixed_precision_gated_chosen_and_replayed(tmp_path):
+    """The cancelling model (tests/backends/test_tflite_mixed.py), where full int8 loses the signal: LiteRT's
+    int8 candidate keeps the few ops that cost it float, passes the gate on the held-out samples, wins by
+    the fake timer, and is quantized again for the package stage with the same ops float, to the same
+    bytes. A rebuild replays the timing cache: no search, the same ops, the same bytes."""
+    from tests.backends.test_tflite_mixed import cancelling_model
+
+    model = irm.infer_shapes(cancelling_model())
+    nodes = [n.name for n in model.graph.node]
+    plan = replace(_plan(model, [("onnxruntime", nodes, ("x",), ("z",))]), outputs=("z",))
+    timer = _timer({"planned": 0.9, "litert": 0.7, "litert-int8": 0.2, "onnxruntime-int8": 0.3})
+    lines: list[str] = []
+    got = _select_int8(model, plan, tmp_path, timer, n=16, shape=(1, 4, 8, 8), log=lines.append)
+    (span,) = got.record["spans"]
+    cand = span["candidates"]["litert-int8"]
+    assert span["chosen"] == "litert-int8" and cand["gate"]["cosine"] >= selection.GATE_COSINE
+    assert {"Add", "Sub"} <= set(cand["mixed"]["names"]) and cand["mixed"]["float_ops"] == len(cand["mixed"]["names"])
+    assert cand["mixed"]["ops"] == 7
+    assert any("ranking 7 ops by the error each adds alone" in line for line in lines)
+    quantized = got.quantized["s0"]
+    assert quantized["mixed"]["float_ops"] == cand["mixed"]["names"]
+    first = (tmp_path / "int8" / quantized["artifact"]).read_bytes()
+    assert "(cosine " in "\n".join(selection_summary(got.record)) and "3 of 7 ops float" in "\n".join(
+        selection_summary(got.record))
+
+    lines.clear()
+    again = _select_int8(model, plan, tmp_path, _never_timed, n=16, shape=(1, 4, 8, 8), log=lines.append,
+                         int8_dir="int8-again")
+    assert again.record["spans"] == got.record["spans"]
+    assert not any("ranking" in line for line in lines)
+    assert (tmp_path / "int8-again" / again.quantized["s0"]["artifact"]).read_bytes() == first
+
+
+def selection_summary(record):
+    from edgesdk.report.text import cpu_selection_summary
+
+    return cpu_selection_summary(record)
 
 
 def test_top1_agreement_is_gated_on_class_scores():
@@ -508,6 +551,8 @@ def test_a_foreign_target_under_the_gate_falls_back_to_litert_fp32_with_why(tmp_
     model = _model()
     got = _select_int8(model, _plan(model, SPLIT), tmp_path, _never_timed, target="arm_2tpu", measurable=FOREIGN)
     (span,) = got.record["spans"]
-    assert span["chosen"] == "litert" and span["candidates"]["litert-int8"]["skipped"].startswith("accuracy gate: ")
-    assert span["why"].startswith("policy: LiteRT lowers every node (litert-int8: accuracy gate: y's cosine")
+    # refused by its mixed-precision search already: no share of float ops reaches a cosine of 1.01
+    why = "mixed precision misses the accuracy target even with 1 of 2 ops float (y's cosine"
+    assert span["chosen"] == "litert" and span["candidates"]["litert-int8"]["skipped"].startswith(why)
+    assert span["why"].startswith(f"policy: LiteRT lowers every node (litert-int8: {why}")
     assert got.quantized == {}

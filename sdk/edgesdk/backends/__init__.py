@@ -4,9 +4,9 @@ The three that compile segments are registered by name, and Coral's compiler as 
 finisher (`registry.py`).
 """
 
-from .registry import (Backend, Boards, CompileJob, Compiled, FinishJob, Finished, Finisher, QuantizeJob, TuneJob,
-                       backend, backends, finisher, register, register_finisher, registered, unregister,
-                       unregister_finisher)
+from .registry import (AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished, Finisher,
+                       QuantizeJob, TuneJob, backend, backends, finisher, register, register_finisher, registered,
+                       unregister, unregister_finisher)
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
@@ -36,6 +36,6 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
                  lowering="edgesdk.backends.onnxruntime:lowering_reason"))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
-__all__ = ["Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher", "QuantizeJob",
-           "TuneJob", "backend", "backends", "finisher", "register", "register_finisher", "registered",
+__all__ = ["AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher",
+           "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register", "register_finisher", "registered",
            "unregister", "unregister_finisher"]

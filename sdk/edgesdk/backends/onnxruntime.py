@@ -86,7 +86,8 @@ def quantize_segment(job) -> dict:
     seg = job.segment
     artifact = f"segments/{seg.id}.int8.onnx"
     out = job.out_dir.parent / artifact
-    job.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> onnxruntime int8 (QDQ)")
+    # every node int8: `job.target` and `keep_float` (mixed precision) are LiteRT's alone so far
+    job.log(f"{'compress' if job.target is None else 'tune'}: {seg.id}: {len(seg.nodes)} nodes -> onnxruntime int8 (QDQ)")
     feeds = [{k: s[k] for k in seg.inputs} for s in job.samples]
 
     class _Reader(CalibrationDataReader):

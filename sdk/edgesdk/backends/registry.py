@@ -94,6 +94,17 @@ class TuneJob:
 
 
 @dataclass(frozen=True)
+class AccuracyTarget:
+    """What a quantized CPU segment must keep of the float model's outputs (the tune stage's accuracy
+    gate, `ir.numeric.fidelity`): each output's cosine similarity over the samples at least `cosine`;
+    for those of `class_outputs` that hold class scores, the arg max agreeing on at least `top1`."""
+
+    cosine: float
+    top1: float
+    class_outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class QuantizeJob:
     """One plan segment for a backend to convert to a quantized model with calibration samples."""
 
@@ -104,6 +115,11 @@ class QuantizeJob:
     method: str  # "minmax" or "percentile" (--calib-method)
     percentile: float
     log: Callable[[str], None]
+    # mixed precision, for a backend that can keep ops float (LiteRT int8 on the CPU; never the Edge
+    # TPU's, which takes int8 only): with `target`, the fewest ops float that meet it on the samples;
+    # `keep_float` names them instead (an earlier search's answer, replayed). Neither: full int8.
+    target: AccuracyTarget | None = None
+    keep_float: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
                      + (f"{g['held_out_samples']} held-out samples" if g["held_out_samples"] else "the calibration sample (none held out)"))
     for span in selection.get("spans", []):
         ids = span["segments"]
-        times = ", ".join(f"{name} {c['ms']:.3f} ms{_gate_text(c.get('gate'))}"
+        times = ", ".join(f"{name} {c['ms']:.3f} ms{_gate_text(c.get('gate'), c.get('mixed'))}"
                           for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
                           if "ms" in c)
         skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
@@ -70,11 +70,12 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _gate_text(gate: dict | None) -> str:
+def _gate_text(gate: dict | None, mixed: dict | None = None) -> str:
     if not gate:
         return ""
     top1 = f", top-1 {gate['top1']:.0%}" if gate.get("top1") is not None else ""
-    return f" (cosine {gate['cosine']:.4f}{top1})"
+    kept = f"; mixed precision, {mixed['float_ops']} of {mixed['ops']} ops float" if mixed else ""
+    return f" (cosine {gate['cosine']:.4f}{top1}{kept})"
 
 
 def inspect_bundle(manifest, bundle: Path) -> str:

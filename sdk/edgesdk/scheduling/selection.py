@@ -87,13 +87,47 @@ class Candidate:
 class Int8:
     """How int8 candidates are quantized and gated: the calibration samples (each the values of every
     tensor a CPU segment reads or writes), the held-out samples the accuracy gate compares on, and the
-    calibration method; `digest` keys the timing cache (the artifact depends on all of it)."""
+    calibration method; `digest` keys the timing cache (the artifact depends on all of it).
+
+    A backend that can keep ops float (LiteRT) is given the gate's thresholds as its target on the
+    calibration samples (mixed precision: `backends/tflite/mixed.py`); what its search kept float is
+    remembered per segment graph (`mixed`), so the winner is quantized again without searching, and
+    a rebuild replays it from the timing cache."""
 
     calibration: list[dict]
     held_out: list[dict]
     method: str
     percentile: float
     digest: str
+    model_outputs: tuple[str, ...] = ()  # the gate's class-score outputs are among these
+    log: Callable[[str], None] = lambda line: None
+    mixed: dict[str, dict] = field(default_factory=dict)  # by segment graph digest: the quantizer's "mixed" record
+
+    def quantize(self, s: PlanSegment, model: onnx.ModelProto, out_dir: Path) -> dict:
+        """`s` quantized by its backend into `out_dir`: the quantizer's record."""
+        key = _graph_digest(model)
+        known = self.mixed.get(key)
+        record = backends.backend(s.backend).quantize(backends.QuantizeJob(
+            segment=s, model=model, samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in self.calibration],
+            out_dir=out_dir, method=self.method, percentile=self.percentile, log=self.log,
+            target=backends.AccuracyTarget(GATE_COSINE, GATE_TOP1, tuple(o for o in s.outputs if o in self.model_outputs)),
+            keep_float=tuple(known["float_ops"]) if known else None))
+        if "mixed" in record and not known:
+            self.mixed[key] = record["mixed"]
+        return record
+
+    def mixed_of(self, models: dict[str, onnx.ModelProto]) -> dict | None:
+        """What the search kept float in a candidate's segment (`models`: its graphs), if it kept any."""
+        found = [self.mixed.get(_graph_digest(m)) for m in models.values()]
+        return next((m for m in found if m and m["float_ops"]), None)
+
+    def remember(self, models: dict[str, onnx.ModelProto], mixed: dict) -> None:
+        for m in models.values():
+            self.mixed[_graph_digest(m)] = mixed
+
+
+def _graph_digest(model: onnx.ModelProto) -> str:
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -234,7 +268,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     if precision == "int8" and model is not None and any(b in INT8_BACKENDS.values() for b in allowed):
         calib, held = held_out_split(samples)
         int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
-                    _samples_digest(samples, calib_method, calib_percentile))
+                    _samples_digest(samples, calib_method, calib_percentile), tuple(plan.outputs), log)
         record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
                           "held_out_samples": len(held) if held is not calib else 0}
     threads = min(target.host.cores, os.cpu_count() or 1)
@@ -287,9 +321,7 @@ def _quantize_chosen(plan: Plan, models: dict[str, onnx.ModelProto], int8: Int8 
         if s.device == HOST and b.quantizes and int8 is not None and int8_dir is not None:
             (int8_dir / "segments").mkdir(parents=True, exist_ok=True)
             log(f"tune: {s.id}: quantizing for {s.backend} on {len(int8.calibration)} calibration samples")
-            quantized[s.id] = b.quantize(backends.QuantizeJob(
-                segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
-                out_dir=int8_dir / "segments", method=int8.method, percentile=int8.percentile, log=lambda line: None))
+            quantized[s.id] = int8.quantize(s, models[s.id], int8_dir / "segments")
     return quantized
 
 
@@ -354,7 +386,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                             bundle = _open(cand, cut, target, Path(tmp) / f"{label}-{name}", tuning_db,
                                            int8 if name != POLICY else None)
                             try:
-                                gated = gate(bundle, int8.held_out, plan.outputs) if name != POLICY else None
+                                gated = _gated(bundle, int8, cut, plan.outputs) if name != POLICY else None
                                 if gated is None:
                                     _check(cand, bundle, values)
                             finally:
@@ -364,7 +396,9 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                             failed += f" ({name}: {_short(e)})"
                             continue
                         if gated is not None:
-                            considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated}
+                            found = int8.mixed_of(cut)
+                            considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated,
+                                                **({"mixed": _mixed_entry(found)} if found else {})}
                             winner, why = cand, "LiteRT int8 lowers every node and passes the accuracy gate"
                         else:
                             considered[name] = {"policy": "lowers every node; agrees with onnxruntime"}
@@ -427,13 +461,15 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
                 times[cand.name] = hit["ms"]
                 if "gate" in hit:
                     gates[cand.name] = hit["gate"]
+                if "mixed" in hit:
+                    int8.remember(cut[cand.name], hit["mixed"])
             replayed.append(cand.name)
             continue
         try:
             bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None,
                            boards)
             if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
-                gates[cand.name] = gate(bundle, int8.held_out, model_outputs)
+                gates[cand.name] = _gated(bundle, int8, cut[cand.name], model_outputs)
             else:
                 _check(cand, bundle, values)
         except Exception as e:  # a candidate that does not build, run or agree is never chosen
@@ -448,8 +484,10 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
 
         on_board = partial(measure, boards)
     measured, failed = _time(runnable, values[0], timer, work, on_board)
+    mixed = {name: found for name in gates if (found := int8.mixed_of(cut[name]))}
     for name, ms in measured.items():
-        cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {})})
+        cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
+                               **({"mixed": mixed[name]} if name in mixed else {})})
         times[name] = ms
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
         entry["candidates"][name] = {"skipped": why}
@@ -458,7 +496,9 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
-        entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {})}
+        found = int8.mixed_of(cut[name]) if name in gates else None
+        entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
+                                     **({"mixed": _mixed_entry(found)} if found else {})}
     order = [c.name for c in cands]
     best = min(times, key=lambda n: (times[n], order.index(n)))
     others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
@@ -499,10 +539,8 @@ def _write(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pa
         compressed = None
         if b.quantizes:
             (work / "quantized" / "segments").mkdir(parents=True, exist_ok=True)
-            compressed = {**b.quantize(backends.QuantizeJob(
-                segment=s, model=models[s.id], samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in int8.calibration],
-                out_dir=work / "quantized" / "segments", method=int8.method, percentile=int8.percentile,
-                log=lambda line: None)), "dir": str(work / "quantized")}
+            compressed = {**int8.quantize(s, models[s.id], work / "quantized" / "segments"),
+                          "dir": str(work / "quantized")}
         compiled = b.compile(backends.CompileJob(segment=s, model=models[s.id], device=target.host,
                                                  segments_dir=work / "segments", tuning_db=tuning_db,
                                                  compressed=compressed, twin_dir=work / "twin", log=lambda line: None))
@@ -556,16 +594,9 @@ def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
     over the samples, and for the model's class-score outputs (rank 2 or 3, a last axis of 2 or more)
     how often the arg max of the last axis agrees. Raises where the least cosine is under GATE_COSINE
     or an agreement under GATE_TOP1; else the figures (the least of each)."""
-    from ..ir.numeric import compare
+    from ..ir.numeric import fidelity
 
-    got = _run_all(bundle, held_out)
-    cosines, agreements = {}, {}
-    for t in bundle.outputs:
-        g = np.stack([x[t.name] for x in got]).astype(np.float64)
-        w = np.stack([sample[t.name] for sample in held_out]).astype(np.float64)
-        cosines[t.name] = compare(g, w)["cosine"]
-        if t.name in model_outputs and g.ndim - 1 in (2, 3) and g.shape[-1] >= 2:
-            agreements[t.name] = round(float(np.mean(np.argmax(g, -1) == np.argmax(w, -1))), 4)
+    cosines, agreements = fidelity(_run_all(bundle, held_out), held_out, model_outputs)
     worst = min(cosines, key=cosines.get)
     if cosines[worst] < GATE_COSINE:
         raise ValueError(f"accuracy gate: {worst}'s cosine similarity to fp32 is {cosines[worst]:.4f} < {GATE_COSINE} "
@@ -580,6 +611,22 @@ def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
     return result
 
 
+def _gated(bundle, int8: Int8, models: dict[str, onnx.ModelProto], model_outputs: Sequence[str]) -> dict:
+    """`gate` on the held-out samples; a refusal of a mixed-precision candidate says how many ops it kept float."""
+    try:
+        return gate(bundle, int8.held_out, model_outputs)
+    except ValueError as e:
+        found = int8.mixed_of(models)
+        if found is None:
+            raise
+        raise ValueError(f"{e}, with {len(found['float_ops'])} of {found['ops']} ops kept float") from e
+
+
+def _mixed_entry(mixed: dict) -> dict:
+    """A mixed-precision candidate in the plan's record: how many of its ops stayed float, and which."""
+    return {"float_ops": len(mixed["float_ops"]), "ops": mixed["ops"], "names": list(mixed["float_ops"])}
+
+
 def held_out_split(samples: list[dict]) -> tuple[list[dict], list[dict]]:
     """The calibration samples an int8 candidate is quantized on, and the quarter held out for its
     accuracy gate (at least one); a single sample is both (the record says no sample was held out)."""
@@ -590,7 +637,8 @@ def held_out_split(samples: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _samples_digest(samples: list[dict], method: str, percentile: float) -> str:
-    h = hashlib.sha256(json.dumps([method, percentile, GATE_COSINE, GATE_TOP1]).encode())
+    # "mixed": int8 candidates are searched for mixed precision (an older entry measured full int8 only)
+    h = hashlib.sha256(json.dumps([method, percentile, GATE_COSINE, GATE_TOP1, "mixed"]).encode())
     for sample in samples:
         for name in sorted(sample):
             h.update(name.encode())

@@ -1,7 +1,8 @@
-"""Conversion of a traced segment by `tf.lite.TFLiteConverter`: full int8 (or fp32, for tests).
+"""Conversion of a traced segment by `tf.lite.TFLiteConverter`: full int8, mixed precision, or fp32.
 
-Full int8 runs in the converter's own two steps (calibrate, then quantize from the calibrated
-ranges); between them the percentile method narrows each range (narrowing.py).
+int8 runs in the converter's own two steps (calibrate, then quantize from the calibrated ranges);
+between them the percentile method narrows each range (narrowing.py), and the second step may keep
+some ops float (mixed.py: for LiteRT on the CPU, never for the Edge TPU).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import onnx
 
 from ...errors import UserError
 from ...runtime.manifest import QuantParams, TensorSpec
+from . import mixed as mixed_precision
 from .flatbuffer import op_counts
 from .narrowing import _narrow_to_percentile
 from .trace import _Lowered, _lower, _to_tf_layout
@@ -32,16 +34,24 @@ class TfliteResult:
     outputs: tuple[TensorSpec, ...]
     op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
     ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
+    mixed: mixed_precision.Mixed | None = None  # the ops kept float, where a target or a list was given
 
 
 CALIBRATION_METHODS = ("minmax", "percentile")
 
 
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
-                 method: str = "minmax", percentile: float = 99.99) -> TfliteResult:
+                 method: str = "minmax", percentile: float = 99.99, target: Any = None,
+                 keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
+                 log: Any = None) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
+
+    Mixed precision (inputs and outputs stay int8): `keep_float` names ops to keep float (as
+    mixed.op_names names them); else with `target` (a registry.AccuracyTarget) and `reference` (the
+    float model's outputs on each calibration feed, by ONNX name), the fewest ops float that meet
+    the target on the calibration feeds (mixed.search; `log` hears its progress).
 
     `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
     converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
@@ -60,9 +70,28 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not samples:
         raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
                         "give calibration inputs (--calibration DIR) or let the build use random ones")
-    model_bytes, ranges = _convert_int8(lowered, samples, method, percentile)
+    with _native_stderr_captured() as captured:
+        try:
+            calibrated, ranges, quantize = _calibrate(lowered, samples, method, percentile)
+            found = None
+            if keep_float is not None:
+                model_bytes = quantize(tuple(keep_float))
+                found = mixed_precision.Mixed(tuple(keep_float), len(mixed_precision.op_names(calibrated)),
+                                              None, None, searched=False)
+            elif target is not None and reference is not None:
+                model_bytes, found = mixed_precision.search(
+                    mixed_precision.op_names(calibrated), quantize,
+                    lambda m, n: _outputs(lowered, m, samples[:n] if n > 0 else samples), reference, target,
+                    log or (lambda line: None))
+            else:
+                model_bytes = quantize(())
+        except UserError:
+            raise
+        except Exception:
+            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
+            raise
     result = _finish(lowered, model_bytes, Path(out_path))
-    return dataclasses.replace(result, ranges=ranges)
+    return dataclasses.replace(result, ranges=ranges, mixed=found)
 
 
 def convert_float(model: onnx.ModelProto, out_path: Path) -> TfliteResult:
@@ -103,34 +132,63 @@ def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes
             raise
 
 
-def _convert_int8(lowered: _Lowered, samples: list[list[np.ndarray]], method: str,
-                  percentile: float) -> tuple[bytes, dict[str, Any]]:
-    """Full int8 in two steps, the converter's own: calibrate (a float model whose activation
-    tensors carry the min and max seen), then quantize from those ranges. Between the two the
-    percentile method narrows each range; with "minmax" the result is the converter's one-step
-    conversion (tested)."""
+def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float
+               ) -> tuple[bytes, dict[str, Any], Any]:
+    """The converter's first int8 step: a float model whose activation tensors carry the min and max
+    seen (the percentile method narrows each range), how the ranges were chosen, and the second step
+    as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax" the
+    converter's own one-step conversion (tested)."""
     import tensorflow as tf
-    from tensorflow.lite.python import lite
+    from tensorflow.lite.python import convert, lite
     from tensorflow.lite.tools import flatbuffer_utils
 
     converter = _converter(lowered, samples)
     converter._experimental_calibrate_only = True  # pylint: disable=protected-access
-    with _native_stderr_captured() as captured:
-        try:
-            calibrated = converter.convert()
-            ranges: dict[str, Any] = {"method": method}
-            if method == "percentile":
-                graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
-                ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
-                calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
-            # the converter's own second step, with the arguments its one-step path passes
-            quantized = lite._mlir_quantize(  # pylint: disable=protected-access
-                calibrated, converter._experimental_disable_per_channel,  # pylint: disable=protected-access
-                input_data_type=tf.int8, output_data_type=tf.int8)
-            return lite._deduplicate_readonly_buffers(quantized), ranges  # pylint: disable=protected-access
-        except Exception:
-            sys.stderr.write(captured())
-            raise
+    calibrated = converter.convert()
+    ranges: dict[str, Any] = {"method": method}
+    if method == "percentile":
+        graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+        ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
+        calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
+    per_channel_off = converter._experimental_disable_per_channel  # pylint: disable=protected-access
+
+    def quantize(keep_float: tuple[str, ...]) -> bytes:
+        # the converter's own second step, with the arguments its one-step path passes
+        quantized = convert.mlir_quantize(calibrated, per_channel_off, input_data_type=tf.int8,
+                                          output_data_type=tf.int8, denylisted_nodes=list(keep_float) or None)
+        return lite._deduplicate_readonly_buffers(quantized)  # pylint: disable=protected-access
+
+    return calibrated, ranges, quantize
+
+
+def _outputs(lowered: _Lowered, model: bytes, samples: list[list[np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """A converted model's outputs on `samples` (in the function's layout), by ONNX name, in ONNX
+    layout, as float: what the runtime's tflite runner hands on."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    threads = int(os.environ.get("EDGESDK_NUM_THREADS") or 0) or None
+    runner = Interpreter(model_content=model, num_threads=threads).get_signature_runner()
+    ins, outs = runner.get_input_details(), runner.get_output_details()
+    got = []
+    for sample in samples:
+        feeds = {}
+        for spec, x in zip(lowered.inputs, sample):
+            d = ins[spec.key]
+            if np.dtype(d["dtype"]).kind in "iu":
+                scale, zero = d["quantization"]
+                info = np.iinfo(d["dtype"])
+                x = np.clip(np.round(x / scale + zero), info.min, info.max)
+            feeds[spec.key] = np.asarray(x, d["dtype"])
+        raw = runner(**feeds)
+        values = {}
+        for spec in lowered.outputs:
+            y, d = raw[spec.key], outs[spec.key]
+            if np.dtype(d["dtype"]).kind in "iu":
+                scale, zero = d["quantization"]
+                y = (y.astype(np.float32) - zero) * np.float32(scale)
+            values[spec.name] = np.transpose(y, spec.perm) if spec.perm else y
+        got.append(values)
+    return got
 
 
 @contextlib.contextmanager

@@ -20,15 +20,22 @@ ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the 
 
 
 def quantize_segment(job: QuantizeJob) -> dict:
-    """The segment as a full-int8 TFLite model, and its accuracy against the float segment on the
-    calibration samples: the compress stage's record of it."""
+    """The segment as a full-int8 TFLite model (or, with the job's `target` or `keep_float`, int8 with
+    some ops kept float: mixed.py), and its accuracy against the float segment on the calibration
+    samples: the compress stage's record of it."""
     from ...runtime.backends import tflite_runner
 
     seg = job.segment
     artifact = f"segments/{seg.id}.tflite"
-    job.log(f"compress: {seg.id}: {len(seg.nodes)} nodes -> full-int8 TFLite")
+    stage = "compress" if job.target is None else "tune"  # the tune stage's int8 CPU candidates give a target
+    mixes = job.target is not None or job.keep_float is not None
+    job.log(f"{stage}: {seg.id}: {len(seg.nodes)} nodes -> " + ("int8 TFLite, mixed precision where the target needs it"
+                                                                 if mixes else "full-int8 TFLite"))
     feeds = [{k: s[k] for k in seg.inputs} for s in job.samples]
-    result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile)
+    reference = [{k: s[k] for k in seg.outputs} for s in job.samples]
+    result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile,
+                          target=job.target, keep_float=job.keep_float, reference=reference,
+                          log=lambda line: job.log(f"{stage}: {seg.id}: {line}"))
     runner = tflite_runner.open_runner(job.out_dir.parent, Segment(
         id=seg.id, device="cpu", backend="tflite", artifact=artifact, fallback_artifact=artifact,
         inputs=result.inputs, outputs=result.outputs), None)
@@ -37,6 +44,7 @@ def quantize_segment(job: QuantizeJob) -> dict:
     return {"artifact": artifact,
             "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
             "tflite_ops": result.op_counts, "ranges": result.ranges,
+            **({"mixed": result.mixed.record()} if result.mixed is not None else {}),
             "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
                                   for o in seg.outputs}}
 
