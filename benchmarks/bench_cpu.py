@@ -95,6 +95,7 @@ def build(name: str, out: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model_file(name)), *args, "--target", "x86",
            "-o", str(out), "--tuning-db", str(CACHE / "db"), "--json", *extra]
     t0 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no cache yet
     with open(out.parent / f"{out.name}.log", "w") as err:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")})

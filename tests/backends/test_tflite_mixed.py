@@ -117,6 +117,19 @@ def test_a_segment_that_full_int8_serves_is_not_searched(tmp_path):
     assert (tmp_path / "m.tflite").read_bytes() == (tmp_path / "f.tflite").read_bytes()
 
 
+def test_the_searchs_progress_reaches_stderr_while_the_converters_own_noise_does_not(tmp_path, capfd):
+    """A build logs to stderr, where the converter also writes (`fully_quantize: ...`) from native code:
+    only the converter's output is held back."""
+    import sys
+
+    model, calib = cancelling_model(), _samples(8, 0)
+    convert_int8(model, calib, tmp_path / "m.tflite", target=TARGET, reference=_reference(model, calib),
+                 log=lambda line: print(line, file=sys.stderr, flush=True))
+    err = capfd.readouterr().err
+    assert "ranking 7 ops by the error each adds alone" in err and "ops float: cosine" in err
+    assert "fully_quantize" not in err
+
+
 def test_a_target_no_share_of_float_ops_meets_is_a_user_error_saying_how_close_it_came(tmp_path):
     model, calib = cancelling_model(), _samples(8, 0)
     with pytest.raises(UserError) as e:

@@ -101,11 +101,11 @@ class Int8:
     digest: str
     model_outputs: tuple[str, ...] = ()  # the gate's class-score outputs are among these
     log: Callable[[str], None] = lambda line: None
-    mixed: dict[str, dict] = field(default_factory=dict)  # by segment graph digest: the quantizer's "mixed" record
+    mixed: dict[str, dict] = field(default_factory=dict)  # by backend and segment graph: the quantizer's "mixed" record
 
     def quantize(self, s: PlanSegment, model: onnx.ModelProto, out_dir: Path) -> dict:
         """`s` quantized by its backend into `out_dir`: the quantizer's record."""
-        key = _graph_digest(model)
+        key = _mixed_key(s, model)
         known = self.mixed.get(key)
         record = backends.backend(s.backend).quantize(backends.QuantizeJob(
             segment=s, model=model, samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in self.calibration],
@@ -116,18 +116,18 @@ class Int8:
             self.mixed[key] = record["mixed"]
         return record
 
-    def mixed_of(self, models: dict[str, onnx.ModelProto]) -> dict | None:
+    def mixed_of(self, cand: Candidate, models: dict[str, onnx.ModelProto]) -> dict | None:
         """What the search kept float in a candidate's segment (`models`: its graphs), if it kept any."""
-        found = [self.mixed.get(_graph_digest(m)) for m in models.values()]
+        found = [self.mixed.get(_mixed_key(s, models[s.id])) for s in cand.segments]
         return next((m for m in found if m and m["float_ops"]), None)
 
-    def remember(self, models: dict[str, onnx.ModelProto], mixed: dict) -> None:
-        for m in models.values():
-            self.mixed[_graph_digest(m)] = mixed
+    def remember(self, cand: Candidate, models: dict[str, onnx.ModelProto], mixed: dict) -> None:
+        for s in cand.segments:
+            self.mixed[_mixed_key(s, models[s.id])] = mixed
 
 
-def _graph_digest(model: onnx.ModelProto) -> str:
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+def _mixed_key(s: PlanSegment, model: onnx.ModelProto) -> str:
+    return f"{s.backend}:{hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()}"
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                             bundle = _open(cand, cut, target, Path(tmp) / f"{label}-{name}", tuning_db,
                                            int8 if name != POLICY else None)
                             try:
-                                gated = _gated(bundle, int8, cut, plan.outputs) if name != POLICY else None
+                                gated = _gated(bundle, int8, cand, cut, plan.outputs) if name != POLICY else None
                                 if gated is None:
                                     _check(cand, bundle, values)
                             finally:
@@ -396,7 +396,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                             failed += f" ({name}: {_short(e)})"
                             continue
                         if gated is not None:
-                            found = int8.mixed_of(cut)
+                            found = int8.mixed_of(cand, cut)
                             considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated,
                                                 **({"mixed": _mixed_entry(found)} if found else {})}
                             winner, why = cand, "LiteRT int8 lowers every node and passes the accuracy gate"
@@ -462,14 +462,14 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
                 if "gate" in hit:
                     gates[cand.name] = hit["gate"]
                 if "mixed" in hit:
-                    int8.remember(cut[cand.name], hit["mixed"])
+                    int8.remember(cand, cut[cand.name], hit["mixed"])
             replayed.append(cand.name)
             continue
         try:
             bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None,
                            boards)
             if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
-                gates[cand.name] = _gated(bundle, int8, cut[cand.name], model_outputs)
+                gates[cand.name] = _gated(bundle, int8, cand, cut[cand.name], model_outputs)
             else:
                 _check(cand, bundle, values)
         except Exception as e:  # a candidate that does not build, run or agree is never chosen
@@ -484,7 +484,8 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
 
         on_board = partial(measure, boards)
     measured, failed = _time(runnable, values[0], timer, work, on_board)
-    mixed = {name: found for name in gates if (found := int8.mixed_of(cut[name]))}
+    mixed = {name: found for name, (cand, _) in runnable.items() if name in gates
+             and (found := int8.mixed_of(cand, cut[name]))}
     for name, ms in measured.items():
         cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
                                **({"mixed": mixed[name]} if name in mixed else {})})
@@ -496,7 +497,7 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
-        found = int8.mixed_of(cut[name]) if name in gates else None
+        found = int8.mixed_of(next(c for c in cands if c.name == name), cut[name]) if name in gates else None
         entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
                                      **({"mixed": _mixed_entry(found)} if found else {})}
     order = [c.name for c in cands]
@@ -611,12 +612,13 @@ def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
     return result
 
 
-def _gated(bundle, int8: Int8, models: dict[str, onnx.ModelProto], model_outputs: Sequence[str]) -> dict:
+def _gated(bundle, int8: Int8, cand: Candidate, models: dict[str, onnx.ModelProto],
+           model_outputs: Sequence[str]) -> dict:
     """`gate` on the held-out samples; a refusal of a mixed-precision candidate says how many ops it kept float."""
     try:
         return gate(bundle, int8.held_out, model_outputs)
     except ValueError as e:
-        found = int8.mixed_of(models)
+        found = int8.mixed_of(cand, models)
         if found is None:
             raise
         raise ValueError(f"{e}, with {len(found['float_ops'])} of {found['ops']} ops kept float") from e

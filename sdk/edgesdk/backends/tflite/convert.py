@@ -14,6 +14,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -70,26 +71,19 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not samples:
         raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
                         "give calibration inputs (--calibration DIR) or let the build use random ones")
-    with _native_stderr_captured() as captured:
-        try:
-            calibrated, ranges, quantize = _calibrate(lowered, samples, method, percentile)
-            found = None
-            if keep_float is not None:
-                model_bytes = quantize(tuple(keep_float))
-                found = mixed_precision.Mixed(tuple(keep_float), len(mixed_precision.op_names(calibrated)),
-                                              None, None, searched=False)
-            elif target is not None and reference is not None:
-                model_bytes, found = mixed_precision.search(
-                    mixed_precision.op_names(calibrated), quantize,
-                    lambda m, n: _outputs(lowered, m, samples[:n] if n > 0 else samples), reference, target,
-                    log or (lambda line: None))
-            else:
-                model_bytes = quantize(())
-        except UserError:
-            raise
-        except Exception:
-            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
-            raise
+    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile)
+    found = None
+    if keep_float is not None:
+        model_bytes = quantize(tuple(keep_float))
+        found = mixed_precision.Mixed(tuple(keep_float), len(mixed_precision.op_names(calibrated)), None, None,
+                                      searched=False)
+    elif target is not None and reference is not None:
+        model_bytes, found = mixed_precision.search(
+            mixed_precision.op_names(calibrated), quantize,
+            lambda m, n: _outputs(lowered, m, samples[:n] if n > 0 else samples), reference, target,
+            log or (lambda line: None))
+    else:
+        model_bytes = quantize(())
     result = _finish(lowered, model_bytes, Path(out_path))
     return dataclasses.replace(result, ranges=ranges, mixed=found)
 
@@ -123,12 +117,17 @@ def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any
 
 def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
     """The converter in one step: float when `samples` is None, else full int8 (min-max ranges)."""
-    converter = _converter(lowered, samples)
+    return _quiet(_converter(lowered, samples).convert)
+
+
+def _quiet(call: Any, *args: Any) -> Any:
+    """`call(*args)` with what native code writes to fd 2 held back, unless it fails: the converter's
+    own diagnostics belong with its error."""
     with _native_stderr_captured() as captured:
         try:
-            return converter.convert()
+            return call(*args)
         except Exception:
-            sys.stderr.write(captured())  # the converter's own diagnostics belong with its error
+            sys.stderr.write(captured())
             raise
 
 
@@ -154,8 +153,8 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
 
     def quantize(keep_float: tuple[str, ...]) -> bytes:
         # the converter's own second step, with the arguments its one-step path passes
-        quantized = convert.mlir_quantize(calibrated, per_channel_off, input_data_type=tf.int8,
-                                          output_data_type=tf.int8, denylisted_nodes=list(keep_float) or None)
+        quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=tf.int8,
+                                   output_data_type=tf.int8, denylisted_nodes=list(keep_float) or None))
         return lite._deduplicate_readonly_buffers(quantized)  # pylint: disable=protected-access
 
     return calibrated, ranges, quantize
