@@ -1,6 +1,6 @@
 """int8 x86 bundles against onnxruntime fp32 and onnxruntime's own int8 (issue 17, item 3).
 
-    .venv/bin/python benchmarks/bench_cpu_int8.py [--models A,B] [--runs 20] [--threads 2]
+    .venv/bin/python benchmarks/bench_cpu_int8.py [--models A,B] [--runs 20] [--threads 2] [--calib-method percentile]
 
 For each model of benchmarks/bench_cpu.py, and PP-OCR's text direction classifier: a build for
 `targets/x86.yaml` with `--cpu-precision int8` (the tune stage measures fp32 and int8 candidates, the
@@ -68,11 +68,12 @@ def image_feeds(directory: Path, preprocess: str, name: str, shape) -> list[dict
     return [{name: load_image(p, pre, "float32")} for p in sorted(directory.iterdir())]
 
 
-def ort_int8(name: str, fp32: Path, samples: list[dict]) -> Path:
-    """onnxruntime's own static int8 of the fp32 file, calibrated on `samples`."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+def ort_int8(name: str, fp32: Path, samples: list[dict], method: str = "minmax") -> Path:
+    """onnxruntime's own static int8 of the fp32 file, calibrated on `samples` by `method` (percentile:
+    the build's default 99.99th, as edgesdk's --calib-method percentile)."""
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, quantize_static
 
-    out = CACHE / f"{name}-ort-int8.onnx"
+    out = CACHE / (f"{name}-ort-int8.onnx" if method == "minmax" else f"{name}-ort-int8-{method}.onnx")
     if out.exists():
         return out
 
@@ -84,7 +85,9 @@ def ort_int8(name: str, fp32: Path, samples: list[dict]) -> Path:
             return next(self.it, None)
 
     tmp = out.with_suffix(".tmp.onnx")
-    quantize_static(str(fp32), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    how = ({"calibrate_method": CalibrationMethod.Percentile, "extra_options": {"CalibPercentile": 99.99}}
+           if method == "percentile" else {})
+    quantize_static(str(fp32), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True, **how)
     tmp.replace(out)
     return out
 
@@ -118,15 +121,16 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(bench_cpu.MODELS))  # PP-OCR-cls added above
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calib-method", default="minmax", choices=("minmax", "percentile"))
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     results: dict = {"models": {}}
     import os
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(args.threads)
     for name in names:
-        out = CACHE / f"{name}-int8"
+        out = CACHE / (f"{name}-int8" if args.calib_method == "minmax" else f"{name}-int8-{args.calib_method}")
         bench_cpu.log(f"{name}: building --cpu-precision int8")
-        extra = ["--cpu-precision", "int8"]
+        extra = ["--cpu-precision", "int8", "--calib-method", args.calib_method]
         if name in IMAGES:
             extra += ["--calib", str(text_images("calib", 30, 32)), "--calib-preprocess", IMAGES[name]]
         build = bench_cpu.build(name, out, extra)
@@ -142,7 +146,7 @@ def main() -> None:
         else:  # the build's calibration samples: uniform in [-1, 1], seed 0 (ir/calibration.py)
             calib = feeds_for(session, specs, 0, 32, frozen)
             new = feeds_for(session, specs, 1, 16, frozen)
-        q = ort_int8(name, fp32, calib)
+        q = ort_int8(name, fp32, calib, args.calib_method)
         qsession = ort.InferenceSession(str(q), providers=["CPUExecutionProvider"])
         want = [session.run(None, f)[0] for f in new]
         got = [next(iter(bundle.run({t.name: f[t.name] for t in bundle.inputs}).values())) for f in new]
@@ -174,7 +178,8 @@ def main() -> None:
         bench_cpu.log(f"{name}: {json.dumps({k: entry[k] for k in ('chosen', 'ms', 'bundle_accuracy', 'ort_int8_accuracy')})}")
     results["host"] = bench_cpu.host()
     results["command"] = " ".join(["benchmarks/bench_cpu_int8.py", *sys.argv[1:]])
-    (ROOT / "benchmarks" / "cpu_int8.json").write_text(json.dumps(results, indent=1) + "\n")
+    results["calib_method"] = args.calib_method
+    (ROOT / "benchmarks" / ("cpu_int8.json" if args.calib_method == "minmax" else f"cpu_int8_{args.calib_method}.json")).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results, names))
 
 

@@ -63,10 +63,11 @@ def random_feeds(model: onnx.ModelProto, scale: float = 1.0, seed: int = 1) -> d
             .astype(np.float32) for vi in model.graph.input if vi.name not in inits}
 
 
-def check_fp32(model: onnx.ModelProto, tmp_path: Path, rtol: float = RTOL, atol: float = ATOL) -> tflite.TfliteResult:
+def check_fp32(model: onnx.ModelProto, tmp_path: Path, rtol: float = RTOL, atol: float = ATOL, *,
+               cpu: bool = False, feeds: dict[str, np.ndarray] | None = None) -> tflite.TfliteResult:
     path = tmp_path / "m.tflite"
-    result = tflite.convert_float(model, path)
-    feeds = random_feeds(model)
+    result = tflite.convert_float(model, path, cpu=cpu)
+    feeds = feeds or random_feeds(model)
     got, want = run_tflite(path, result, feeds), run_ort(model, feeds)
     for name, ref in want.items():
         assert got[name].shape == ref.shape, name
@@ -250,6 +251,45 @@ def test_lowering_reason_says_why():
     assert "pad mode reflect" in tflite.lowering_reason(N("Pad", ["x", "p"], ["y"], mode="reflect"), shapes, {"p"})
     # A node whose inputs are all constants folds away, whatever its op.
     assert tflite.lowering_reason(N("Gather", ["w", "w"], ["y"]), shapes, {"w"}) is None
+
+
+# LiteRT on the CPU only (`CPU_LOWERINGS`): ops the Edge TPU lacks, which PP-OCRv4's recognizer has in its
+# layer norms and attention. (id, nodes, inputs, initializers, positive inputs)
+CPU_CASES = [
+    ("layernorm-pow-sqrt-div", [N("ReduceMean", ["x"], ["m"], axes=[-1]), N("Sub", ["x", "m"], ["d"]),
+                                N("Pow", ["d", "two"], ["sq"]), N("ReduceMean", ["sq"], ["v"], axes=[-1]),
+                                N("Add", ["v", "eps"], ["ve"]), N("Sqrt", ["ve"], ["s"]), N("Div", ["d", "s"], ["y"])],
+     {"x": (1, 40, 64)}, {"two": np.float32(2.0), "eps": np.float32(1e-5)}),
+    ("pow-half-and-cube", [N("Pow", ["x", "half"], ["a"]), N("Pow", ["x", "three"], ["b"]), N("Add", ["a", "b"], ["y"])],
+     X4, {"half": np.float32(0.5), "three": np.float32(3.0)}),
+    ("matmul-of-two-activations", [N("MatMul", ["q", "k"], ["y"])], {"q": (1, 2, 40, 16), "k": (1, 2, 16, 40)}, {}),
+    ("div-by-tensor-nchw", [N("Relu", ["x"], ["r"]), N("Add", ["r", "one"], ["d"]), N("Div", ["x", "d"], ["y"])],
+     X4, {"one": np.float32(1.0)}),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_cpu_lowerings_match_onnxruntime_and_the_edge_tpu_still_refuses_them(case, tmp_path):
+    _, nodes, inputs, inits = case
+    model = make_model(nodes, inputs, ["y"], inits)
+    with pytest.raises(UserError, match="cannot be lowered to tflite"):  # the Edge TPU's table
+        tflite.convert_float(model, tmp_path / "tpu.tflite")
+    feeds = {k: np.abs(v) + 0.1 for k, v in random_feeds(model).items()}  # a real sqrt, no division by 0
+    check_fp32(model, tmp_path, cpu=True, feeds=feeds)
+
+
+def test_cpu_lowering_reason_adds_to_the_edge_tpus():
+    shapes = {"x": (1, 4, 9, 10), "d": (1, 4, 9, 10), "two": (), "w": (10, 3), "k": (1, 4, 10, 9)}
+    div = N("Div", ["x", "d"], ["y"])
+    assert "divisor" in tflite.lowering_reason(div, shapes, set()) and tflite.cpu_lowering_reason(div, shapes, set()) is None
+    pow_ = N("Pow", ["x", "two"], ["y"])
+    assert "no tflite lowering" in tflite.lowering_reason(pow_, shapes, {"two"})
+    assert tflite.cpu_lowering_reason(pow_, shapes, {"two"}) is None
+    assert "constant scalar exponent" in tflite.cpu_lowering_reason(pow_, shapes, set())
+    assert tflite.cpu_lowering_reason(N("MatMul", ["x", "k"], ["y"]), shapes, set()) is None
+    # where the Edge TPU's lowering takes a node, the CPU uses it too; what neither has stays refused
+    assert tflite.cpu_lowering_reason(N("MatMul", ["x", "w"], ["y"]), shapes, {"w"}) is None
+    assert "no tflite lowering" in tflite.cpu_lowering_reason(N("Erf", ["x"], ["y"]), shapes, set())
 
 
 def test_unsupported_nodes_are_reported_together(tmp_path):

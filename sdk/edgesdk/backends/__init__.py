@@ -23,13 +23,13 @@ register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("on
 # fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
 register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",
-                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
+                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason"))
 # int8 on the CPU (`--cpu-precision int8`): candidates the tune stage measures behind an accuracy gate,
 # quantized with the build's calibration samples by the compress stage
 register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
-                 quantizer="edgesdk.backends.tflite.segment:quantize_segment",
-                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
+                 quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
+                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason"))
 register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",

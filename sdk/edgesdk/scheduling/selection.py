@@ -639,8 +639,9 @@ def held_out_split(samples: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _samples_digest(samples: list[dict], method: str, percentile: float) -> str:
-    # "mixed": int8 candidates are searched for mixed precision (an older entry measured full int8 only)
-    h = hashlib.sha256(json.dumps([method, percentile, GATE_COSINE, GATE_TOP1, "mixed"]).encode())
+    # int8 candidates are searched for mixed precision, with float inputs and outputs (an older entry
+    # measured full int8 only)
+    h = hashlib.sha256(json.dumps([method, percentile, GATE_COSINE, GATE_TOP1, "mixed, float i/o"]).encode())
     for sample in samples:
         for name in sorted(sample):
             h.update(name.encode())

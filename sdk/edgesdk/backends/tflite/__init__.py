@@ -5,10 +5,12 @@ An Edge TPU segment (an ONNX graph with static shapes and float32 inputs) is tra
 `tf.lite.TFLiteConverter.from_concrete_functions` to a full-int8 model (int8 weights per
 channel, int8 activations calibrated on the given feeds, int8 inputs and outputs).
 
-    lowering.py    the per-op table (`LOWERINGS`, `lowering_reason`)
+    lowering.py    the per-op tables (`LOWERINGS`, the Edge TPU's ops, `lowering_reason`; `CPU_LOWERINGS`,
+                   what LiteRT also runs on the CPU, `cpu_lowering_reason`)
     layout.py      the NCHW/NHWC bookkeeping of one trace (`_Ctx`, `_Value`, `_input_perm`)
     trace.py       a segment traced into a tf.function (`_lower`), feeds brought to its layout
-    convert.py     TFLiteConverter: full int8 (`convert_int8`) or fp32 (`convert_float`)
+    convert.py     TFLiteConverter: full int8 or mixed (`convert_int8`) or fp32 (`convert_float`)
+    mixed.py       mixed precision for LiteRT on the CPU: the ops int8 hurts most kept float
     narrowing.py   percentile calibration: activation ranges narrowed from histograms
     flatbuffer.py  a .tflite's operators and op counts
 
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 from .convert import TfliteResult, _convert, convert_float, convert_int8
 from .flatbuffer import operators
-from .lowering import LOWERINGS, lowering_reason
+from .lowering import CPU_LOWERINGS, LOWERINGS, cpu_lowering_reason, lowering_reason
 from .trace import _lower, _static_shapes, _to_tf_layout
 
 # `_convert`, `_lower`, `_static_shapes` and `_to_tf_layout` are here for tests/backends/test_tflite.py
-__all__ = ["LOWERINGS", "TfliteResult", "_convert", "_lower", "_static_shapes",
-           "_to_tf_layout", "convert_float", "convert_int8", "lowering_reason", "operators"]
+__all__ = ["CPU_LOWERINGS", "LOWERINGS", "TfliteResult", "_convert", "_lower", "_static_shapes",
+           "_to_tf_layout", "convert_float", "convert_int8", "cpu_lowering_reason", "lowering_reason", "operators"]

@@ -44,15 +44,16 @@ CALIBRATION_METHODS = ("minmax", "percentile")
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
                  method: str = "minmax", percentile: float = 99.99, target: Any = None,
                  keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
-                 log: Any = None) -> TfliteResult:
+                 log: Any = None, cpu: bool = False) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
 
-    Mixed precision (inputs and outputs stay int8): `keep_float` names ops to keep float (as
+    Mixed precision (float inputs and outputs): `keep_float` names ops to keep float (as
     mixed.op_names names them); else with `target` (a registry.AccuracyTarget) and `reference` (the
     float model's outputs on each calibration feed, by ONNX name), the fewest ops float that meet
     the target on the calibration feeds (mixed.search; `log` hears its progress).
+    `cpu`: for LiteRT on the CPU, which also takes the ops the Edge TPU lacks (`CPU_LOWERINGS`).
 
     `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
     converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
@@ -66,7 +67,7 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not 50.0 < percentile <= 100.0:
         raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
                         "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
-    lowered = _lower(model)
+    lowered = _lower(model, cpu=cpu)
     samples = [_to_tf_layout(lowered, feed) for feed in calibration]
     if not samples:
         raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
@@ -88,10 +89,10 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     return dataclasses.replace(result, ranges=ranges, mixed=found)
 
 
-def convert_float(model: onnx.ModelProto, out_path: Path) -> TfliteResult:
-    """Write an fp32 .tflite of `model` (same lowering, no quantization): for testing the
-    lowering itself against onnxruntime."""
-    lowered = _lower(model)
+def convert_float(model: onnx.ModelProto, out_path: Path, *, cpu: bool = False) -> TfliteResult:
+    """Write an fp32 .tflite of `model` (same lowering, no quantization): LiteRT's fp32 CPU segments
+    (`cpu`: with the ops the Edge TPU lacks), and the lowering itself tested against onnxruntime."""
+    lowered = _lower(model, cpu=cpu)
     return _finish(lowered, _convert(lowered, None), Path(out_path))
 
 
@@ -152,9 +153,13 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     per_channel_off = converter._experimental_disable_per_channel  # pylint: disable=protected-access
 
     def quantize(keep_float: tuple[str, ...]) -> bytes:
-        # the converter's own second step, with the arguments its one-step path passes
-        quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=tf.int8,
-                                   output_data_type=tf.int8, denylisted_nodes=list(keep_float) or None))
+        # the converter's own second step, with the arguments its one-step path passes. A mixed model
+        # takes and gives float: its first and last ops quantize and dequantize inside it where they
+        # are int8, and where they stay float no int8 step (a narrowed output range above all) is
+        # forced on the values it hands on
+        io = tf.float32 if keep_float else tf.int8
+        quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=io,
+                                   output_data_type=io, denylisted_nodes=list(keep_float) or None))
         return lite._deduplicate_readonly_buffers(quantized)  # pylint: disable=protected-access
 
     return calibrated, ranges, quantize

@@ -24,13 +24,36 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def lowering_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
-    """None when `node` can be lowered to the TF function, given the static `shapes` of its
-    tensors and the names in `constants` (initializers and folded values); otherwise one
+    """None when `node` can be lowered to the TF function for the Edge TPU, given the static `shapes`
+    of its tensors and the names in `constants` (initializers and folded values); otherwise one
     lowercase sentence saying why not."""
+    return _reason(node, shapes, constants, LOWERINGS)
+
+
+def cpu_lowering_reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
+    """As `lowering_reason`, for LiteRT on the CPU (the `litert` backends): the Edge TPU's lowerings,
+    and where one refuses a node or there is none, the CPU's (`CPU_LOWERINGS`)."""
+    return lowering_for(node, shapes, constants, cpu=True)[1]
+
+
+def lowering_for(node: onnx.NodeProto, shapes: Shapes, constants: set[str], *, cpu: bool
+                 ) -> tuple["_Lowering | None", str | None]:
+    """The lowering that takes `node` (None where it folds to a constant) and None, or None and why
+    no lowering does; `cpu` adds `CPU_LOWERINGS` behind the Edge TPU's."""
+    reason = _reason(node, shapes, constants, LOWERINGS)
+    if reason is None:
+        return LOWERINGS.get(node.op_type), None
+    if cpu and node.op_type in CPU_LOWERINGS:
+        reason = _reason(node, shapes, constants, CPU_LOWERINGS)
+        return (CPU_LOWERINGS[node.op_type], None) if reason is None else (None, reason)
+    return None, reason
+
+
+def _reason(node: onnx.NodeProto, shapes: Shapes, constants: set[str], table: dict) -> str | None:
     names = [n for n in node.input if n]
     if node.op_type == "Constant" or (names and all(n in constants for n in names)):
         return None  # folded at build time: it becomes a constant, not an op
-    lowering = LOWERINGS.get(node.op_type)
+    lowering = table.get(node.op_type)
     if lowering is None or (node.domain not in ("", "ai.onnx")):
         return f"{node.op_type} has no tflite lowering"
     for name in names:
@@ -48,17 +71,20 @@ class _Lowering:
     check: Callable[[onnx.NodeProto, Shapes, set[str]], str | None]
 
 
-LOWERINGS: dict[str, _Lowering] = {}
+LOWERINGS: dict[str, _Lowering] = {}  # the Edge TPU's ops (devices.edgetpu.OPS names the same)
+# what LiteRT runs on the CPU where the Edge TPU has no op: a node the table above refuses or lacks
+CPU_LOWERINGS: dict[str, _Lowering] = {}
 
 
 def _ok(node: onnx.NodeProto, shapes: Shapes, constants: set[str]) -> str | None:
     return None
 
 
-def _lowers(*op_types: str, check: Callable[[onnx.NodeProto, Shapes, set[str]], str | None] = _ok):
+def _lowers(*op_types: str, check: Callable[[onnx.NodeProto, Shapes, set[str]], str | None] = _ok,
+            cpu_only: bool = False):
     def register(fn: Callable[["_Ctx", onnx.NodeProto], None]):
         for op in op_types:
-            LOWERINGS[op] = _Lowering(fn, check)
+            (CPU_LOWERINGS if cpu_only else LOWERINGS)[op] = _Lowering(fn, check)
         return fn
 
     return register
@@ -570,6 +596,52 @@ def _matmul(cx: _Ctx, node: onnx.NodeProto) -> None:
     else:
         y = tf.linalg.matmul(t, w)
     cx.set(node.output[0], _Value(y, _identity(len(shape))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowerings for LiteRT on the CPU only: ops TFLite has and the Edge TPU lacks (LayerNorm's Pow, Sqrt
+# and Div by a tensor, attention's product of two activations)
+
+_lowers("Div", cpu_only=True)(_binary("divide"))
+_lowers("Sqrt", cpu_only=True)(_unary(lambda tf, x, n: tf.math.sqrt(x), nonneg=True))
+
+
+def _check_pow(node, shapes, constants):
+    exponent = _input(node, 1)
+    if exponent not in constants or shapes.get(exponent, ()) not in ((), (1,)):
+        return "Pow is lowered for a constant scalar exponent"
+    return None
+
+
+@_lowers("Pow", check=_check_pow, cpu_only=True)
+def _pow(cx: _Ctx, node: onnx.NodeProto) -> None:
+    x = cx.value(node.input[0])
+    n = float(np.asarray(cx.const(node.input[1])).reshape(()))
+    if n == 0.5:
+        y = cx.tf.math.sqrt(x.tf)
+    elif n in (2.0, 3.0, 4.0):  # products: SQUARE/POW have no int8 kernel in XNNPACK, MUL has
+        y = x.tf
+        for _ in range(int(n) - 1):
+            y = cx.tf.math.multiply(y, x.tf)
+    else:
+        y = cx.tf.math.pow(x.tf, np.float32(n))
+    cx.set(node.output[0], _Value(y, x.perm, x.nonneg or n in (0.5, 2.0, 4.0)))
+
+
+def _check_batch_matmul(node, shapes, constants):
+    if (_rank(shapes, node.input[0]) or 0) < 2 or (_rank(shapes, node.input[1]) or 0) < 2:
+        return "matmul is lowered for operands of rank >= 2"
+    return None
+
+
+@_lowers("MatMul", check=_check_batch_matmul, cpu_only=True)
+def _batch_matmul(cx: _Ctx, node: onnx.NodeProto) -> None:
+    """[..., M, K] @ [..., K, N], batch dimensions broadcast (BATCH_MATMUL)."""
+    a, b = (cx.value(n) if cx.const(n) is None else cx.const(n).astype(np.float32) for n in node.input[:2])
+    ta = cx.layout(a, _identity(len(cx.shape(a)))) if isinstance(a, _Value) else a
+    tb = cx.layout(b, _identity(len(cx.shape(b)))) if isinstance(b, _Value) else b
+    y = cx.tf.linalg.matmul(ta, tb)
+    cx.set(node.output[0], _Value(y, _identity(len(y.shape))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ from .convert import convert_float, convert_int8
 ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the float one on
 
 
-def quantize_segment(job: QuantizeJob) -> dict:
+def quantize_segment(job: QuantizeJob, *, cpu: bool = False) -> dict:
     """The segment as a full-int8 TFLite model (or, with the job's `target` or `keep_float`, int8 with
     some ops kept float: mixed.py), and its accuracy against the float segment on the calibration
-    samples: the compress stage's record of it."""
+    samples: the compress stage's record of it. `cpu`: for LiteRT on the CPU (`litert-int8`), which
+    also lowers the ops the Edge TPU lacks."""
     from ...runtime.backends import tflite_runner
 
     seg = job.segment
@@ -35,7 +36,7 @@ def quantize_segment(job: QuantizeJob) -> dict:
     reference = [{k: s[k] for k in seg.outputs} for s in job.samples]
     result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile,
                           target=job.target, keep_float=job.keep_float, reference=reference,
-                          log=lambda line: job.log(f"{stage}: {seg.id}: {line}"))
+                          log=lambda line: job.log(f"{stage}: {seg.id}: {line}"), cpu=cpu)
     runner = tflite_runner.open_runner(job.out_dir.parent, Segment(
         id=seg.id, device="cpu", backend="tflite", artifact=artifact, fallback_artifact=artifact,
         inputs=result.inputs, outputs=result.outputs), None)
@@ -49,12 +50,17 @@ def quantize_segment(job: QuantizeJob) -> dict:
                                   for o in seg.outputs}}
 
 
+def quantize_cpu_segment(job: QuantizeJob) -> dict:
+    """The `litert-int8` backend's quantizer: `quantize_segment` with the CPU's lowerings."""
+    return quantize_segment(job, cpu=True)
+
+
 def compile_float_segment(job: CompileJob) -> Compiled:
     """The `litert` backend: the segment as an fp32 TFLite model (our NHWC lowering), which LiteRT runs
     on the CPU with its XNNPACK kernels."""
     artifact = f"segments/{job.segment.id}.tflite"
     job.log(f"package: {job.segment.id}: converting {len(job.segment.nodes)} nodes to an fp32 TFLite model (LiteRT)")
-    result = convert_float(job.model, job.segments_dir.parent / artifact)
+    result = convert_float(job.model, job.segments_dir.parent / artifact, cpu=True)
     return Compiled(artifact, result.inputs, result.outputs)
 
 

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from ...errors import UserError
 from ...runtime.manifest import TensorSpec
 from .layout import _Ctx, _identity, _input_perm, _inv, _Value
-from .lowering import LOWERINGS, Shapes, _fold, lowering_reason
+from .lowering import Shapes, _fold, lowering_for
 
 def _signature_key(name: str, used: set[str]) -> str:
     key = re.sub(r"[^0-9A-Za-z_]", "_", name)
@@ -56,8 +56,9 @@ def _static_shapes(model: onnx.ModelProto) -> Shapes:
     return shapes
 
 
-def _check_model(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Constants of the graph; raises UserError listing every input or node we cannot take."""
+def _check_model(model: onnx.ModelProto, cpu: bool = False) -> tuple[dict[str, np.ndarray], list]:
+    """Constants of the graph and each node's lowering (`lowering_for`; None where it folds away);
+    raises UserError listing every input or node we cannot take."""
     graph = model.graph
     consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     problems = []
@@ -75,23 +76,27 @@ def _check_model(model: onnx.ModelProto) -> dict[str, np.ndarray]:
                         notes=problems)
     shapes = _static_shapes(model)
     names = set(consts)
+    lowerings = []
     for node in graph.node:
-        if reason := lowering_reason(node, shapes, names):
+        lowering, reason = lowering_for(node, shapes, names, cpu=cpu)
+        lowerings.append(lowering)
+        if reason:
             problems.append(f"node {node.name or node.output[0]} ({node.op_type}): {reason}")
         elif node.op_type in ("Constant", "Shape") or (node.input and all(n in names for n in node.input if n)):
             names.update(o for o in node.output if o)
     if problems:
         raise UserError("tflite.unsupported-op", f"{len(problems)} node(s) of the segment cannot be lowered to tflite",
                         "place these nodes on the cpu (legalize does so when the target allows it)", notes=problems)
-    return consts
+    return consts, lowerings
 
 
-def _lower(model: onnx.ModelProto) -> _Lowered:
-    """Trace the segment into a tf.function whose signature keys name its ONNX tensors."""
+def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
+    """Trace the segment into a tf.function whose signature keys name its ONNX tensors: with the Edge
+    TPU's lowerings, and with `cpu` (LiteRT on the CPU) the CPU's behind them."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    consts = _check_model(model)
+    consts, lowerings = _check_model(model, cpu)
     graph = model.graph
     opset = _opset(model)
     used: set[str] = set()
@@ -116,13 +121,13 @@ def _lower(model: onnx.ModelProto) -> _Lowered:
             cx.uses[vi.name] = cx.uses.get(vi.name, 0) + 1
         for spec, arg in zip(inputs, args):
             cx.set(spec.name, _Value(arg, spec.perm or _identity(len(spec.shape))))
-        for node in graph.node:
+        for node, lowering in zip(graph.node, lowerings):
             names = [n for n in node.input if n]
             if node.op_type != "Constant" and names and all(n in cx.consts for n in names):
                 for name, v in zip(node.output, _fold(node, {n: cx.consts[n] for n in names}, opset)):
                     cx.set(name, v)
             else:
-                LOWERINGS[node.op_type].lower(cx, node)
+                lowering.lower(cx, node)
         result, specs = {}, []
         for vi in graph.output:
             if vi.name not in cx.values:
