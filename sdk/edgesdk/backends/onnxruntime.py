@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 
 import numpy as np
@@ -105,10 +107,12 @@ def quantize_segment(job) -> dict:
         # the root logger (pre-process the model first: our import stage has) is not the user's to read
         logging.disable(logging.WARNING)
         try:
-            quantize_static(str(src), str(out), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                            calibrate_method=method, extra_options={"CalibPercentile": job.percentile,
-                                                                    "CalibTensorRangeSymmetric": False},
-                            calibration_providers=["CPUExecutionProvider"])
+            # its percentile calibration prints progress on stdout, where `edgesdk build --json` writes data
+            with contextlib.redirect_stdout(io.StringIO()):
+                quantize_static(str(src), str(out), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                                calibrate_method=method, extra_options={"CalibPercentile": job.percentile,
+                                                                        "CalibTensorRangeSymmetric": False},
+                                calibration_providers=["CPUExecutionProvider"])
         finally:
             logging.disable(logging.NOTSET)
     quantized = onnx.load(str(out))
