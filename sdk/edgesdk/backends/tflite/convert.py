@@ -154,9 +154,8 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
 
     def quantize(keep_float: tuple[str, ...]) -> bytes:
         # the converter's own second step, with the arguments its one-step path passes. A mixed model
-        # takes and gives float: its first and last ops quantize and dequantize inside it where they
-        # are int8, and where they stay float no int8 step (a narrowed output range above all) is
-        # forced on the values it hands on
+        # takes and gives float (mixed.py says why): its first and last ops quantize and dequantize
+        # inside it where they are int8
         io = tf.float32 if keep_float else tf.int8
         quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=io,
                                    output_data_type=io, denylisted_nodes=list(keep_float) or None))

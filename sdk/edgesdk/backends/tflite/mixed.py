@@ -21,9 +21,10 @@ and re-quantizing a calibrated model takes a fraction of a second, so the search
 The calibration samples pick the ops, so the held-out samples still judge the result (the tune
 stage's accuracy gate): a segment that meets the target here and misses it there is refused there.
 A mixed model takes and gives float (its int8 first and last ops quantize and dequantize inside
-it): with int8 outputs, an output range the percentile method narrowed would clip the values handed
-on whichever ops stayed float (measured: PP-OCR's classifier stuck at cosine 0.974 with half its
-ops float). Full int8 keeps int8 inputs and outputs, as the Edge TPU's models have.
+it): a float last op then hands on its values unquantized, and LiteRT's QUANTIZE kernel converts a
+large input faster than the runtime's numpy does (two builds of the PP-OCRv4 detector measured 15.6 ms
+with int8 inputs and outputs, 61 ops float, and 8.5 ms with float ones, 59 ops float). Full int8 keeps
+int8 inputs and outputs, as the Edge TPU's models have.
 """
 
 from __future__ import annotations
