@@ -169,26 +169,17 @@ def _outputs(lowered: _Lowered, model: bytes, samples: list[list[np.ndarray]]) -
     layout, as float: what the runtime's tflite runner hands on."""
     from ai_edge_litert.interpreter import Interpreter
 
+    from ...runtime.backends.tflite_runner import dequantized, quantized
+
     threads = int(os.environ.get("EDGESDK_NUM_THREADS") or 0) or None
     runner = Interpreter(model_content=model, num_threads=threads).get_signature_runner()
     ins, outs = runner.get_input_details(), runner.get_output_details()
     got = []
     for sample in samples:
-        feeds = {}
-        for spec, x in zip(lowered.inputs, sample):
-            d = ins[spec.key]
-            if np.dtype(d["dtype"]).kind in "iu":
-                scale, zero = d["quantization"]
-                info = np.iinfo(d["dtype"])
-                x = np.clip(np.round(x / scale + zero), info.min, info.max)
-            feeds[spec.key] = np.asarray(x, d["dtype"])
-        raw = runner(**feeds)
+        raw = runner(**{spec.key: quantized(ins[spec.key], x) for spec, x in zip(lowered.inputs, sample)})
         values = {}
         for spec in lowered.outputs:
-            y, d = raw[spec.key], outs[spec.key]
-            if np.dtype(d["dtype"]).kind in "iu":
-                scale, zero = d["quantization"]
-                y = (y.astype(np.float32) - zero) * np.float32(scale)
+            y = dequantized(outs[spec.key], raw[spec.key])
             values[spec.name] = np.transpose(y, spec.perm) if spec.perm else y
         got.append(values)
     return got

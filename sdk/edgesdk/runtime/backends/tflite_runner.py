@@ -66,22 +66,33 @@ class TfliteRunner:
         x = np.asarray(x)
         if spec.perm:  # onnx = transpose(t, perm)  =>  t = transpose(onnx, perm^-1)
             x = np.transpose(x, np.argsort(spec.perm))
-        d = self._inputs[spec.key]
-        dtype = np.dtype(d["dtype"])
-        if dtype.kind in "iu" and x.dtype.kind == "f":
-            scale, zero = d["quantization"]
-            info = np.iinfo(dtype)
-            x = np.clip(np.round(x / scale + zero), info.min, info.max)
-        return np.ascontiguousarray(x, dtype)
+        return quantized(self._inputs[spec.key], x)
 
     def _decode(self, spec: TensorSpec, y: np.ndarray) -> np.ndarray:
-        d = self._outputs[spec.key]
-        if np.dtype(d["dtype"]).kind in "iu" and spec.dtype.startswith("float"):
-            scale, zero = d["quantization"]
-            y = (y.astype(np.float32) - zero) * np.float32(scale)
+        if spec.dtype.startswith("float"):
+            y = dequantized(self._outputs[spec.key], y)
         if spec.perm:
             y = np.transpose(y, spec.perm)
         return np.ascontiguousarray(y)
+
+
+def quantized(detail: dict, x: np.ndarray) -> np.ndarray:
+    """`x` as the interpreter tensor `detail` takes it: float values quantized with its scale and zero
+    point where it is an integer tensor."""
+    dtype = np.dtype(detail["dtype"])
+    if dtype.kind in "iu" and x.dtype.kind == "f":
+        scale, zero = detail["quantization"]
+        info = np.iinfo(dtype)
+        x = np.clip(np.round(x / scale + zero), info.min, info.max)
+    return np.ascontiguousarray(x, dtype)
+
+
+def dequantized(detail: dict, y: np.ndarray) -> np.ndarray:
+    """The interpreter tensor `detail`'s values `y` as float32 where it is an integer tensor."""
+    if np.dtype(detail["dtype"]).kind in "iu":
+        scale, zero = detail["quantization"]
+        return (y.astype(np.float32) - zero) * np.float32(scale)
+    return y
 
 
 def _libedgetpu_present() -> bool:
