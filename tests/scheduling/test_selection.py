@@ -168,6 +168,20 @@ def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
     assert other.record["spans"][0]["chosen"] == "planned"
 
 
+def test_a_backend_whose_compiler_changed_is_measured_anew(tmp_path, monkeypatch):
+    """The timing cache keys on each backend's `revision`: a candidate compiled the old way (the
+    onnxruntime backend before its affine maps became BatchNormalization) is timed again, not replayed."""
+    model = _model()
+    plan = _plan(model, SPLIT)
+    _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}))
+    ort = backends.backend("onnxruntime")
+    monkeypatch.setattr(backends.registry, "_BACKENDS", {**backends.registry._BACKENDS,
+                                                         "onnxruntime": replace(ort, revision=ort.revision + 1)})
+    timer = _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2})
+    _select(model, plan, tmp_path, timer)
+    assert "onnxruntime" in timer.asked and "tvm" not in timer.asked  # tvm's replayed: its compiler is unchanged
+
+
 # --- where this host cannot time the target's CPU (an aarch64 target here): chosen by policy ------
 
 FOREIGN = "the target's CPU is aarch64, this host x86_64"

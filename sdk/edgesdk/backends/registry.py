@@ -187,6 +187,9 @@ class Backend:
     # hold tuned records for every function of these segments, or None: the tune stage's policy where it
     # cannot time the target's CPU
     coverage: str = ""
+    # bumped whenever what `compiler` makes of a graph changes: the tune stage's timing cache keys on it, so
+    # a candidate compiled the old way is measured anew rather than replayed
+    revision: int = 0
 
     @property
     def tunes(self) -> bool:

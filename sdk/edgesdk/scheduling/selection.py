@@ -741,13 +741,16 @@ def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, h
 
 
 def _versions(cand: Candidate) -> dict[str, str]:
-    """edgesdk's version and those of the distributions that compile and run the candidate's segments:
-    another compiler or runtime is another candidate, measured anew."""
+    """edgesdk's version, its backends' revisions, and those of the distributions that compile and run
+    the candidate's segments: another compiler or runtime is another candidate, measured anew."""
     from importlib import metadata
 
     from .. import __version__
 
     out = {"edgesdk": __version__}
+    for b in sorted({s.backend for s in cand.segments}):
+        if backends.backend(b).revision:
+            out[f"{b} revision"] = str(backends.backend(b).revision)
     for dist in sorted({d for s in cand.segments for d in backends.backend(s.backend).runtime_dists}):
         try:
             out[dist] = metadata.version(dist)

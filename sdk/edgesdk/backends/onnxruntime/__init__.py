@@ -1,4 +1,5 @@
-"""onnxruntime: the reference executor (and the CPU backend for ops TVM's importer lacks)."""
+"""onnxruntime: the reference executor, and a CPU backend (a whole CPU span where the tune stage measured it
+fastest, or the ops TVM's importer lacks)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,20 @@ def lowering_reason(node, shapes, consts) -> str | None:
 
 
 def compile_segment(job):
-    """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph as it is, which the runtime's
-    onnxruntime runner executes."""
-    from ..ir import model as irm
-    from ..runtime.manifest import TensorSpec
-    from .registry import Compiled
+    """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph, with the constant affine maps
+    after its convolutions as BatchNormalization (`nchwc.py`: onnxruntime's blocked layout keeps them),
+    which the runtime's onnxruntime runner executes."""
+    from ...ir import model as irm
+    from ...runtime.manifest import TensorSpec
+    from ..registry import Compiled
+    from .nchwc import affine_as_batchnorm
 
     artifact = f"segments/{job.segment.id}.onnx"
-    irm.save(job.model, job.segments_dir.parent / artifact)
+    model, rewritten = affine_as_batchnorm(job.model)
+    if rewritten.maps:
+        job.log(f"package: {job.segment.id}: {rewritten.maps} affine maps after convolutions "
+                f"({rewritten.nodes} Mul/Add nodes) as BatchNormalization, for onnxruntime's NCHWc layout")
+    irm.save(model, job.segments_dir.parent / artifact)
     shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
 
     def spec(name: str) -> TensorSpec:
@@ -82,8 +89,8 @@ def quantize_segment(job) -> dict:
 
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, quantize_static
 
-    from ..ir import model as irm
-    from ..ir.numeric import compare
+    from ...ir import model as irm
+    from ...ir.numeric import compare
 
     seg = job.segment
     artifact = f"segments/{seg.id}.int8.onnx"
@@ -134,8 +141,8 @@ def compile_int8_segment(job):
     import shutil
     from pathlib import Path
 
-    from ..runtime.manifest import tensor_from_dict
-    from .registry import Compiled
+    from ...runtime.manifest import tensor_from_dict
+    from ..registry import Compiled
 
     info = job.compressed
     artifact = f"segments/{job.segment.id}.int8.onnx"
