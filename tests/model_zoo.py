@@ -96,6 +96,32 @@ def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, 
     return path
 
 
+def keras_encoder(tokens: int = 16, width: int = 32, heads: int = 2) -> Path:
+    """One post-norm Keras transformer encoder layer (MultiHeadAttention, LayerNormalization, a Dense
+    with exact GELU), `tokens` x `width`, random weights (seed 0) with nonzero biases, gammas and betas:
+    what tf2onnx makes of Keras's layer norm and GELU (benchmarks/bench_cpu.py's encoder at CI size)."""
+    path = CACHE / f"keras_encoder_{tokens}x{width}_{heads}.keras"
+    if path.exists():
+        return path
+    import numpy as np
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+    x = inp = tf.keras.Input((tokens, width), batch_size=1)
+    x = layers.LayerNormalization(epsilon=1e-6)(x + layers.MultiHeadAttention(heads, width // heads)(x, x))
+    f = layers.Dense(2 * width, activation="gelu")(x)
+    model = tf.keras.Model(inp, layers.LayerNormalization(epsilon=1e-3)(x + layers.Dense(width)(f)))
+    rng = np.random.default_rng(0)
+    for w in model.weights:  # Keras initializes biases and betas to 0 and gammas to 1, which the import folds away
+        w.assign(rng.normal(0.1, 0.3 if len(w.shape) == 1 else 0.2, w.shape).astype("float32"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.keras")
+    model.save(tmp)
+    tmp.rename(path)
+    return path
+
+
 if __name__ == "__main__":
     print(mobilenet_v2())
     print(mobilenet_v2(96, 0.35))

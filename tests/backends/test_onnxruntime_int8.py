@@ -1,4 +1,4 @@
-"""The `onnxruntime-int8` backend's quantizer (backends/onnxruntime.py:quantize_segment)."""
+"""The `onnxruntime-int8` backend's quantizer (backends/onnxruntime/__init__.py:quantize_segment)."""
 
 from __future__ import annotations
 

@@ -111,3 +111,30 @@ def test_transposes_around_per_axis_quantization_stay():
     # A per-channel scale is tied to its axis attribute: moving the transpose would change the axis.
     m = qdq_sandwich(f32([0.05, 0.1, 0.2]))
     check_does_not_fire(m, "sink-transpose", kept=("Transpose",))
+
+
+def attention_value(p1=(0, 3, 2, 4, 1), shape=(1, 8, 1, 2, 4), reshaped=(2, 4, 8), p2=(0, 2, 1)) -> onnx.ModelProto:
+    """tf2onnx's Keras attention value: x (1, T, 1, H, D) -> Transpose to (1, H, 1, D, T) -> Reshape
+    (H, D, T) -> Transpose (H, T, D)."""
+    return model([node("Transpose", ["x"], ["t"], perm=list(p1)), node("Reshape", ["t", "s"], ["r"]),
+                  node("Transpose", ["r"], ["y"], perm=list(p2))], {"x": list(shape)}, ["y"],
+                 {"s": np.array(reshaped, np.int64)})
+
+
+def test_two_transposes_around_a_unit_axis_reshape_become_one():
+    m = attention_value()
+    out = check_fires(m, "transpose-through-unit-reshape")
+    assert ops(out) == {"Reshape": 1, "Transpose": 1}
+    assert [list(a.ints) for n in out.graph.node for a in n.attribute if a.name == "perm"] == [[1, 0, 2]]
+
+
+def test_transposes_that_compose_to_the_identity_leave_a_reshape():
+    # (1, 8, 1, 4) -> (1, 1, 4, 8) -> (4, 8) -> (8, 4): x's kept axes come out in their own order
+    m = attention_value(p1=(0, 2, 3, 1), shape=(1, 8, 1, 4), reshaped=(4, 8), p2=(1, 0))
+    out = check_fires(m, "transpose-through-unit-reshape", gone=("Transpose",))
+    assert ops(out) == {"Reshape": 1}
+
+
+def test_a_reshape_that_merges_axes_stops_it():
+    m = attention_value(shape=(1, 8, 1, 2, 4), reshaped=(8, 8), p2=(1, 0))  # (2, 4) merged: not a unit-axis drop
+    check_does_not_fire(m, "transpose-through-unit-reshape", kept=("Transpose",))

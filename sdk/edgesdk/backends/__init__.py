@@ -19,7 +19,8 @@ register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-lite
                  lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
-                 lowering="edgesdk.backends.onnxruntime:lowering_reason", revision=1))  # 1: affine maps as BN
+                 lowering="edgesdk.backends.onnxruntime:lowering_reason",
+                 revision=2))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu
 # fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
 register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",

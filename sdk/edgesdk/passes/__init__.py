@@ -16,7 +16,8 @@ sequence repeats until a round fires nothing (at most `MAX_ROUNDS`):
 5. Conv/Gemm bias and activation (`conv_bias_activation`: per-channel Mul/Add into Conv, MatMul+Add
                                   -> Gemm, Min/Max -> Clip, Relu/Clip chains, HardSigmoid/HardSwish)
 6. elementwise chains            (`elementwise`: constants of Mul/Div and Add/Sub chains combined)
-7. transposes                    (`transpose`: pairs merged, transposes sunk through elementwise ops)
+7. transposes                    (`transpose`: pairs merged, transposes sunk through elementwise ops and
+                                  through reshapes that only drop unit axes)
 8. reshape chains                (`reshape`: Reshape/Flatten/Squeeze/Unsqueeze chains -> one Reshape)
 9. redundancy                    (`redundancy`: initializer dedup, CSE, dead code)
 

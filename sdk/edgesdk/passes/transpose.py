@@ -16,17 +16,29 @@ Refused: a chain value with more than one use or that is a graph output (its lay
 a non-constant second operand, a constant of higher rank than the tensor, a chain that crosses
 into a subgraph. Elementwise ops are exact, so the rewrite is exact.
 
-Needs: nothing (the permutation attributes must be present). Guarantees: the same function, bit for bit.
+`transpose-through-unit-reshape`: T(R(T(x, p), s), q) where the Reshape R only drops size-1 axes
+(the non-unit dimensions of its input, in order, are its output's, and the output has no unit axis)
+is R'(x) followed by one transpose: the kept axes of x in the order p puts them, k = [p[a] for the
+kept positions a], then q applied, give x's axes in their final order; R' drops the same unit axes
+from x in x's own order (a pure reshape, since unit axes carry no data), then T(., k') with k' those
+final axes numbered among x's kept ones (none when they are already in order). tf2onnx writes Keras's
+multi-head attention this way (5-D transposes with a head axis of 1, a Reshape, a transpose of the
+last two axes): each pair moved every element twice, the value's with a non-contiguous innermost
+axis; the Keras encoder's four pairs were 0.38 ms of 2 ms in onnxruntime.
+
+Needs: nothing (the permutation attributes must be present; the third rule a static input shape and a
+constant shape). Guarantees: the same function, bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import transpose_transpose_rule
 
 from .rule import Rule, from_patterns
-from .values import constant, fresh_initializer_name
+from .values import constant, fresh_initializer_name, static_shape
 
 UNARY = frozenset({
     "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cast", "Ceil", "Celu", "Cos", "Cosh", "Elu",
@@ -136,7 +148,44 @@ def sink_transposes(model: ir.Model) -> int:
     return count
 
 
+class TransposeThroughUnitReshape(pattern.RewriteRuleClassBase):
+    """Transpose(Reshape(Transpose(x, p), s), q), the Reshape dropping unit axes only -> Reshape(x, s')
+    then one Transpose (or none)."""
+
+    def pattern(self, op, x, shape):
+        first = op.Transpose(x, _outputs=["t1"])
+        return op.Transpose(op.Reshape(first, shape, _outputs=["r"]), _outputs=["t2"])
+
+    def check(self, context, x, shape, t1, r, t2):
+        result = pattern.MatchResult()
+        p, q = _perm(t1.producer()), _perm(t2.producer())
+        if p is None or q is None:
+            return result.fail("a permutation is missing")
+        if r.producer().attributes.get_int("allowzero", 0):
+            return result.fail(f"{r.producer().name}: allowzero")
+        dims, out = static_shape(x), static_shape(r)
+        if dims is None or out is None or constant(shape) is None:
+            return result.fail("shapes are not static")
+        moved = [dims[a] for a in p]
+        kept = [j for j, d in enumerate(moved) if d != 1]
+        if 1 in out or [moved[j] for j in kept] != list(out) or len(q) != len(out):
+            return result.fail(f"{r.producer().name} {moved} -> {list(out)} does more than drop unit axes")
+        final = [p[kept[j]] for j in q]  # x's axes, in the order the two transposes leave them
+        order = sorted(final)  # x's kept axes in its own order: what the reshape of x keeps
+        self._shape = np.array([dims[a] for a in order], np.int64)
+        self._perm = [order.index(a) for a in final]
+        self._name = fresh_initializer_name(context.graph_or_function, f"{x.name}_unit_axes_dropped")
+        return result
+
+    def rewrite(self, op, x, shape, t1, r, t2):
+        squeezed = op.Reshape(x, op.initializer(ir.tensor(self._shape), self._name))
+        if self._perm == sorted(self._perm):
+            return op.Identity(squeezed)
+        return op.Transpose(squeezed, perm=self._perm)
+
+
 RULES: tuple[Rule, ...] = (
     from_patterns("merge-transpose-pair", transpose_transpose_rule),
     Rule("sink-transpose", sink_transposes),
+    from_patterns("transpose-through-unit-reshape", TransposeThroughUnitReshape.rule()),
 )

@@ -55,16 +55,23 @@ def lowering_reason(node, shapes, consts) -> str | None:
 
 
 def compile_segment(job):
-    """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph, with the constant affine maps
-    after its convolutions as BatchNormalization (`nchwc.py`: onnxruntime's blocked layout keeps them),
-    which the runtime's onnxruntime runner executes."""
+    """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph, which the runtime's
+    onnxruntime runner executes, with two rewrites for onnxruntime's kernels: tf2onnx's Keras exact
+    GELU as onnxruntime's Gelu (`fusions.py`: onnxruntime does not fuse that form itself), and the
+    constant affine maps after convolutions as BatchNormalization (`nchwc.py`: onnxruntime's blocked
+    layout keeps them)."""
     from ...ir import model as irm
     from ...runtime.manifest import TensorSpec
     from ..registry import Compiled
+    from .fusions import fuse
     from .nchwc import affine_as_batchnorm
 
     artifact = f"segments/{job.segment.id}.onnx"
-    model, rewritten = affine_as_batchnorm(job.model)
+    model, fused = fuse(job.model)
+    if fused:
+        job.log(f"package: {job.segment.id}: tf2onnx's Keras patterns as onnxruntime's fused ops: "
+                + ", ".join(f"{op} x{n}" for op, n in fused.items()))
+    model, rewritten = affine_as_batchnorm(model)
     if rewritten.maps:
         job.log(f"package: {job.segment.id}: {rewritten.maps} affine maps after convolutions "
                 f"({rewritten.nodes} Mul/Add nodes) as BatchNormalization, for onnxruntime's NCHWc layout")
