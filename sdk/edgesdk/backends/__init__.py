@@ -20,7 +20,7 @@ register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-lite
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason",
-                 revision=2))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu
+                 revision=3))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu; 3: the runner's threads
 # fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
 register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",

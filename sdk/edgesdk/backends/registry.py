@@ -187,8 +187,8 @@ class Backend:
     # hold tuned records for every function of these segments, or None: the tune stage's policy where it
     # cannot time the target's CPU
     coverage: str = ""
-    # bumped whenever what `compiler` makes of a graph changes: the tune stage's timing cache keys on it, so
-    # a candidate compiled the old way is measured anew rather than replayed
+    # bumped whenever what `compiler` makes of a graph, or how the runtime's runner runs it, changes: the
+    # tune stage's timing cache keys on it, so a candidate timed the old way is measured anew, not replayed
     revision: int = 0
 
     @property
