@@ -11,7 +11,7 @@ runtime runs on min(4, this host's) cores), into one tuning database kept in .ca
     lacks): the bundle before this issue.
 Build time of each (the tune stage's share: the measurement) is recorded.
 
-Then, interleaved: 3 rounds, each measuring every runtime in turn in a fresh process of its own (no
+Then, interleaved: `--rounds` rounds (3), each measuring every runtime in turn in a fresh process of its own (no
 other runtime's threads spinning on the 2 cores: measured side by side in one process, onnxruntime's
 and TVM's idle threads slowed the next runtime by up to 5x), `--runs` inferences after 5 warm-up ones;
 the median of all of a runtime's inferences:
@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
 CACHE = ROOT / ".cache" / "bench-cpu"
-ROUNDS = 3  # measurements of each runtime, in turn, each in a process of its own
+ROUNDS = 3  # measurements of each runtime, in turn, each in a process of its own (--rounds)
 MODELS = {  # name -> (file or Keras application, build arguments)
     "MobileNetV2": ("keras:MobileNetV2", []),
     "ResNet50": ("keras:ResNet50", []),
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="more rounds spread a shared host's slow spells over every runtime alike")
     ap.add_argument("--no-build", action="store_true", help="time the bundles the last run built")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
@@ -134,7 +136,7 @@ def main() -> None:
             log(f"{name}: building (the schedule's cut, unmeasured)")
             entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "planned"])
         log(f"{name}: timing")
-        entry.update(measure(name, args.runs, args.threads))
+        entry.update(measure(name, args.runs, args.threads, args.rounds))
         log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
     results["host"] = host()
     results["command"] = " ".join(["benchmarks/bench_cpu.py", *sys.argv[1:]])
@@ -162,9 +164,9 @@ print(json.dumps(laps))
 """
 
 
-def measure(name: str, runs: int, threads: int) -> dict:
+def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
     """Each runtime alone in a process of its own (no other runtime's threads on the cores), the
-    runtimes in turn, `ROUNDS` times; per runtime the median of all its inferences."""
+    runtimes in turn, `rounds` times; per runtime the median of all its inferences."""
     import onnxruntime as ort
 
     from edgesdk.runtime import BundleModel
@@ -197,7 +199,7 @@ def measure(name: str, runs: int, threads: int) -> dict:
     calls = {"onnxruntime": ort_alone, "bundle": lambda: selection.measure_alone(selected, tmp, warmup=5, runs=runs),
              "tvm bundle": lambda: selection.measure_alone(tvm, tmp, warmup=5, runs=runs)}
     laps: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for label, call in calls.items():
             laps[label] += call()
     med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
@@ -207,7 +209,7 @@ def measure(name: str, runs: int, threads: int) -> dict:
             "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
             "tvm_over_ort": round(med["tvm bundle"] / med["onnxruntime"], 3),
             "predicted_ms": plan["predicted"]["latency_ms"], "chosen": chosen,
-            "max_error_of_scale": agree, "runs": runs * ROUNDS, "threads": threads}
+            "max_error_of_scale": agree, "runs": runs * rounds, "threads": threads}
 
 
 def host() -> str:

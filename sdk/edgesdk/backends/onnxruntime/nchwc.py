@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ...passes.values import per_channel
+
 # ops between a Conv and the affine map that onnxruntime keeps in the blocked layout (fused into the
 # Conv or run blocked), so the map after them would be blocked too
 _BLOCKED = frozenset({"Relu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "LeakyRelu", "Clip", "BatchNormalization"})
@@ -83,9 +85,9 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
                     or types.get(x) != TensorProto.FLOAT or consts[c].data_type != TensorProto.FLOAT
                     or shapes.get(node.output[0]) != shape):
                 continue
-            value = _per_channel(numpy_helper.to_array(consts[c]).astype(np.float64), shape)
+            value = per_channel(numpy_helper.to_array(consts[c]), shape)
             if value is not None:
-                return x, value
+                return x, value.astype(np.float64)
         return None
 
     def after_conv(name: str) -> bool:
@@ -164,13 +166,3 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
     g.value_info.extend(value_info)
     return out, Rewritten(maps, nodes)
 
-
-def _per_channel(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The (C,) vector a constant applies along axis 1 of an NCHW tensor (a scalar, or one value per
-    channel shaped (C,1,1) or (1,C,1,1)), or None where it varies along another axis or enlarges the tensor."""
-    if value.ndim > 4:
-        return None
-    padded = value.reshape((1,) * (4 - value.ndim) + value.shape)
-    if any(d != 1 for i, d in enumerate(padded.shape) if i != 1) or padded.shape[1] not in (1, shape[1]):
-        return None
-    return np.broadcast_to(padded.reshape(-1), (shape[1],)).astype(np.float64)
