@@ -9,12 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from edgesdk.backends import CompileJob
-from edgesdk.backends import onnxruntime as ort_backend
 from edgesdk.backends.onnxruntime.fusions import fuse
-from edgesdk.scheduling.plan import PlanSegment
 from tests import model_zoo
-from tests.backends.test_onnxruntime_nchwc import reorders
+from tests.backends.test_onnxruntime_nchwc import compiled_whole, imported, reorders
 from tests.passes.harness import model, ops
 
 # the fused kernel evaluates the same function in another order (1 + erf(z) for 1 - erf(-z)): a few
@@ -64,24 +61,9 @@ def test_a_keras_encoder_compiles_fused_for_onnxruntime(tmp_path):
     backend: the attention's transpose pairs around unit-axis reshapes became one transpose each at
     import, the GELU is onnxruntime's Gelu in the artifact, onnxruntime's own optimizer has no Erf left,
     and the outputs agree with the unfused graph's."""
-    from types import SimpleNamespace
-
-    from edgesdk import frontends, passes
-
-    path = model_zoo.keras_encoder()
-    options = SimpleNamespace(input_shapes={}, input_values={}, batch=1)
-    imported = frontends.import_model(path, options, log=lambda line: None, warn=lambda line: None)
-    m, record = passes.optimize(imported.model)
+    m, record = imported(model_zoo.keras_encoder())
     assert record["rules"]["transpose-through-unit-reshape"] == 2  # the key's and the value's pairs
-    m = frontends.finish_import(m, imported, path, max_trip_count=passes.loops.MAX_TRIP_COUNT)[0]
-    seg = PlanSegment("s0", "cpu", "onnxruntime", "segments/s0.onnx", tuple(n.name for n in m.graph.node),
-                      tuple(i.name for i in m.graph.input), tuple(o.name for o in m.graph.output), 0.0, 0, 1.0)
-    (tmp_path / "segments").mkdir()
-    lines: list[str] = []
-    compiled = ort_backend.compile_segment(CompileJob(segment=seg, model=m, device=None, segments_dir=tmp_path / "segments",
-                                                      tuning_db=tmp_path / "db", compressed=None, twin_dir=tmp_path,
-                                                      log=lines.append))
-    shipped = onnx.load(tmp_path / compiled.artifact)
+    shipped, lines = compiled_whole(m, tmp_path)
     assert ops(shipped)["Gelu"] == 1 and "Erf" not in ops(shipped), ops(shipped)
     assert any("Gelu x1" in line for line in lines), lines
     assert "Erf" not in reorders(shipped) and "Erf" in reorders(m)  # onnxruntime alone does not fuse it

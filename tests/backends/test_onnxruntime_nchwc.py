@@ -123,32 +123,37 @@ def reorders(m: onnx.ModelProto) -> collections.Counter:
         return ops(onnx.load(opts.optimized_model_filepath))
 
 
-def rec_segment() -> onnx.ModelProto:
-    """The recognizer as the import stage leaves it (static shapes, the graph optimized): a whole-model
-    CPU segment's graph."""
+def imported(path: Path, input_shapes: dict | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The model as the import stage leaves it (static shapes, the graph optimized), and the
+    optimization's record: a whole-model CPU segment's graph."""
     from types import SimpleNamespace
 
     from edgesdk import frontends, passes
 
-    options = SimpleNamespace(input_shapes={"x": (1, 3, 48, 320)}, input_values={}, batch=1)
-    imported = frontends.import_model(model_zoo.ppocr_rec(), options, log=lambda line: None, warn=lambda line: None)
-    model, _ = passes.optimize(imported.model)
-    return frontends.finish_import(model, imported, model_zoo.ppocr_rec(), max_trip_count=passes.loops.MAX_TRIP_COUNT)[0]
+    options = SimpleNamespace(input_shapes=input_shapes or {}, input_values={}, batch=1)
+    read = frontends.import_model(path, options, log=lambda line: None, warn=lambda line: None)
+    model, record = passes.optimize(read.model)
+    return frontends.finish_import(model, read, path, max_trip_count=passes.loops.MAX_TRIP_COUNT)[0], record
+
+
+def compiled_whole(m: onnx.ModelProto, tmp_path: Path) -> tuple[onnx.ModelProto, list[str]]:
+    """`m` as one segment compiled by the onnxruntime backend: the artifact, and the lines it logged."""
+    seg = PlanSegment("s0", "cpu", "onnxruntime", "segments/s0.onnx", tuple(n.name for n in m.graph.node),
+                      tuple(i.name for i in m.graph.input), tuple(o.name for o in m.graph.output), 0.0, 0, 1.0)
+    (tmp_path / "segments").mkdir()
+    lines: list[str] = []
+    compiled = ort_backend.compile_segment(CompileJob(segment=seg, model=m, device=None, segments_dir=tmp_path / "segments",
+                                                      tuning_db=tmp_path / "db", compressed=None, twin_dir=tmp_path,
+                                                      log=lines.append))
+    return onnx.load(tmp_path / compiled.artifact), lines
 
 
 def test_pretrained_recognizer_compiles_with_fewer_reorders_and_the_same_answer(tmp_path):
     """PP-OCRv4's recognizer (PP-LCNetV3 backbone): its affine blocks become BNs in the onnxruntime
     backend's artifact, onnxruntime's optimized graph loses a reorder pair per block, and the outputs on
     text lines agree with the original's within 1e-4 of their scale (both onnxruntime, all optimizations)."""
-    m = rec_segment()
-    seg = PlanSegment("s0", "cpu", "onnxruntime", "segments/s0.onnx", tuple(n.name for n in m.graph.node),
-                      ("x",), tuple(o.name for o in m.graph.output), 0.0, 0, 1.0)
-    (tmp_path / "segments").mkdir()
-    lines: list[str] = []
-    compiled = ort_backend.compile_segment(CompileJob(segment=seg, model=m, device=None, segments_dir=tmp_path / "segments",
-                                                      tuning_db=tmp_path / "db", compressed=None, twin_dir=tmp_path,
-                                                      log=lines.append))
-    shipped = onnx.load(tmp_path / compiled.artifact)
+    m, _ = imported(model_zoo.ppocr_rec(), {"x": (1, 3, 48, 320)})
+    shipped, lines = compiled_whole(m, tmp_path)
     before, after = ops(m), ops(shipped)
     maps = after["BatchNormalization"] - before.get("BatchNormalization", 0)
     assert maps >= 20, after  # 28 in PP-OCRv4 rec

@@ -1,31 +1,17 @@
-"""What the rules ask of a value: is it a true constant, is its shape static, what shape does a
-shape-only op (Reshape, Flatten, Squeeze, Unsqueeze) give it.
-
-A graph input that also has an initializer is a default the caller may override, so it is never a
-constant here (onnxscript's `get_numpy_value` leaves that distinction to the caller).
+"""What the rules ask of a value: is it a true constant (`ir.values.constant`, which the backends' own
+rewrites share), is its shape static, what shape does a shape-only op (Reshape, Flatten, Squeeze,
+Unsqueeze) give it.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import onnx_ir as ir
 
+from ..ir.values import broadcast, constant, per_channel  # noqa: F401 (the rules import them from here)
+
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
-
-
-def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value's array if it is an initializer or a Constant node's output, else None."""
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    try:
-        return tensor.numpy()
-    except Exception:  # external data not loaded, string tensors: not a constant a rule can use
-        return None
 
 
 def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
@@ -38,26 +24,6 @@ def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     if all(isinstance(d, int) and d >= 0 for d in dims):
         return tuple(dims)
     return None
-
-
-def broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
-    """numpy's (and ONNX's multidirectional) broadcast, or None where the shapes do not broadcast."""
-    try:
-        return tuple(np.broadcast_shapes(*shapes))
-    except ValueError:
-        return None
-
-
-def per_channel(array: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray | None:
-    """The (C,) vector an elementwise constant applies along axis 1 of an NC... tensor, or None
-    where it varies along another axis or would broadcast the tensor to a larger shape."""
-    rank, channels = len(out_shape), out_shape[1] if len(out_shape) > 1 else None
-    if channels is None or array.ndim > rank or broadcast(out_shape, array.shape) != out_shape:
-        return None
-    padded = array.reshape((1,) * (rank - array.ndim) + array.shape)
-    if any(d != 1 for i, d in enumerate(padded.shape) if i != 1):
-        return None
-    return np.broadcast_to(padded.reshape(-1), (channels,)).copy()
 
 
 def attr_int(node: ir.Node, name: str, default: int) -> int:

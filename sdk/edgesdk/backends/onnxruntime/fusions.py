@@ -28,7 +28,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
 
-from ...passes.values import constant
+from ...ir.values import constant
 
 SQRT_HALF = 1.0 / math.sqrt(2.0)
 

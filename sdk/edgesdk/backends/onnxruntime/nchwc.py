@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ...passes.values import per_channel
+from ...ir.values import per_channel
 
 # ops between a Conv and the affine map that onnxruntime keeps in the blocked layout (fused into the
 # Conv or run blocked), so the map after them would be blocked too
