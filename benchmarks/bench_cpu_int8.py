@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-method", default="minmax", choices=("minmax", "percentile"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where the figures go (default benchmarks/cpu_int8.json, or cpu_int8_<method>.json); "
+                         "a run of some models replaces the whole file")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     results: dict = {"models": {}}
@@ -179,7 +182,9 @@ def main() -> None:
     results["host"] = bench_cpu.host()
     results["command"] = " ".join(["benchmarks/bench_cpu_int8.py", *sys.argv[1:]])
     results["calib_method"] = args.calib_method
-    (ROOT / "benchmarks" / ("cpu_int8.json" if args.calib_method == "minmax" else f"cpu_int8_{args.calib_method}.json")).write_text(json.dumps(results, indent=1) + "\n")
+    out = args.out or ROOT / "benchmarks" / ("cpu_int8.json" if args.calib_method == "minmax"
+                                             else f"cpu_int8_{args.calib_method}.json")
+    out.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results, names))
 
 
