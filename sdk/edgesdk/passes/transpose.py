@@ -38,7 +38,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import transpose_transpose_rule
 
 from .rule import Rule, from_patterns
-from .values import constant, fresh_initializer_name, static_shape
+from .values import attr_int, constant, fresh_initializer_name, static_shape
 
 UNARY = frozenset({
     "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cast", "Ceil", "Celu", "Cos", "Cosh", "Elu",
@@ -161,7 +161,7 @@ class TransposeThroughUnitReshape(pattern.RewriteRuleClassBase):
         p, q = _perm(t1.producer()), _perm(t2.producer())
         if p is None or q is None:
             return result.fail("a permutation is missing")
-        if r.producer().attributes.get_int("allowzero", 0):
+        if attr_int(r.producer(), "allowzero", 0):
             return result.fail(f"{r.producer().name}: allowzero")
         dims, out = static_shape(x), static_shape(r)
         if dims is None or out is None or constant(shape) is None:

@@ -68,10 +68,10 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
     graph_inputs = {i.name for i in g.input}
     graph_outputs = {o.name for o in g.output}
     producer = {o: n for n in g.node for o in n.output}
-    uses: dict[str, int] = {}
+    consumers: dict[str, list[onnx.NodeProto]] = {}  # a node once per input it reads the tensor at
     for n in g.node:
         for i in n.input:
-            uses[i] = uses.get(i, 0) + 1
+            consumers.setdefault(i, []).append(n)
 
     def operand(node: onnx.NodeProto) -> tuple[str, np.ndarray] | None:
         """(the tensor, the per-channel constant as (C,) float64) of an affine node, else None."""
@@ -100,11 +100,6 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
             name, seen = p.input[0], seen + 1
         return False
 
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-
     replaced: dict[int, onnx.NodeProto] = {}  # id of a chain's last node -> its BatchNormalization
     removed: set[int] = set()
     maps = nodes = 0
@@ -132,7 +127,7 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
             chain.append(current)
             y = current.output[0]
             nexts = consumers.get(y, [])
-            if y in graph_outputs or uses.get(y, 0) != 1 or len(nexts) != 1:
+            if y in graph_outputs or len(nexts) != 1:
                 break
             current = nexts[0]
         scale32, bias32 = scale.astype(np.float32), bias.astype(np.float32)
