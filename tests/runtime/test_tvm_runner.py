@@ -146,6 +146,47 @@ def test_gpu_segment_without_gpu_says_so(bundle):
         open_runner(root, gpu_segment, "cuda:0")
 
 
+def test_cuda_source_compiles_for_the_loading_gpu_in_runtime_only_mode(tmp_path):
+    """A CUDA library built without a GPU carries CUDA source that TVM compiles when it loads.
+    TVM's own compile callback reads the architecture from the compiler's current Target, which
+    runtime-only TVM lacks (on an H200 every CUDA bundle failed to load with "no attribute
+    'TargetCurrent'"). The runner's callback compiles for the loading GPU's architecture instead.
+    Test double: no GPU and no NVRTC here, so TVM's `compile_cuda` is replaced by a recorder; the
+    callback is reached through TVM's global function, as the CUDA module loader reaches it."""
+    shutil.copytree(RUNTIME_PACKAGE, tmp_path / "runtime", ignore=shutil.ignore_patterns("__pycache__"))
+    script = """
+import json, tvm, tvm_ffi
+import tvm.support.nvcc as nvcc
+calls = []
+nvcc.compile_cuda = lambda code, **kw: calls.append([code, kw]) or b"cubin"
+from runtime.backends import tvm_runner
+tvm_runner._CUDA_ARCH[0] = "sm_86"
+tvm_runner._register_cuda_compiler()
+out = tvm_ffi.get_global_func("tvm_callback_cuda_compile")("__global__ void k() {}")
+print(json.dumps({"calls": calls, "out": bytes(out).decode()}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TVM_USE_RUNTIME_LIB": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["calls"] == [["__global__ void k() {}", {"target_format": "cubin", "arch": "sm_86",
+                                                           "compiler": "nvrtc"}]]
+    assert facts["out"] == "cubin"
+
+
+def test_cuda_compile_mode_nvcc_without_nvcc_says_so(monkeypatch):
+    from edgesdk.runtime.backends import tvm_runner
+
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "nvcc")
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(RuntimeError, match="nvcc is not on PATH"):
+        tvm_runner._compile_cuda("__global__ void k() {}")
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "clang")
+    with pytest.raises(ValueError, match="expected 'nvrtc' or 'nvcc'"):
+        tvm_runner._compile_cuda("__global__ void k() {}")
+
+
 def test_runtime_only_tvm_as_a_bundle_runs_it(bundle, tmp_path):
     """The bundle's `runtime` package with TVM_USE_RUNTIME_LIB=1: no compiler is loaded."""
     root, segment, model = bundle

@@ -29,12 +29,17 @@ class TvmRunner:
         self._segment = segment
         self._inputs = sorted(segment.inputs, key=lambda s: int(s.key))
         self._outputs = sorted(segment.outputs, key=lambda s: int(s.key))
+        self._tensor = tvm.runtime.tensor
         if segment.device.startswith("gpu"):
             self._device = _cuda_device(tvm, device_index, segment)
+            with _CUDA_LOAD:
+                _CUDA_ARCH[0] = "sm_" + self._device.compute_version.replace(".", "")
+                _register_cuda_compiler()
+                library_module = tvm.runtime.load_module(str(library))
         else:
             self._device = tvm.cpu(0)
-        self._tensor = tvm.runtime.tensor
-        self._vm = VirtualMachine(tvm.runtime.load_module(str(library)), self._device)
+            library_module = tvm.runtime.load_module(str(library))
+        self._vm = VirtualMachine(library_module, self._device)
         self._main = self._vm["main"]
         arity = self._vm._get_function_arity("main")
         if arity != len(self._inputs):
@@ -112,6 +117,61 @@ def _cuda_device(tvm, index: int, segment: Segment):
             f"cuda:{index} (check the NVIDIA driver, or rebuild the bundle for the CPU)"
         )
     return device
+
+
+# The architecture of the GPU whose library is being loaded, read by the compile callback below;
+# loads of CUDA libraries take the lock, so two GPUs of different architectures each get their own.
+_CUDA_LOAD = threading.Lock()
+_CUDA_ARCH = [""]
+
+
+def _register_cuda_compiler() -> None:
+    """Make TVM compile a library's CUDA source for the GPU it is loaded on.
+
+    A library built without a GPU carries its kernels as CUDA source; TVM compiles them when it
+    loads the library, through the global function `tvm_callback_cuda_compile`. TVM's own
+    callback asks the compiler's current Target for the architecture, which TVM's runtime-only
+    mode (`TVM_USE_RUNTIME_LIB=1`, what a bundle runs with) does not have: it fails with
+    "module 'tvm.target._ffi_api' has no attribute 'TargetCurrent'" (seen on an H200). This one
+    compiles for the device's own compute capability: NVRTC by default, the toolkit's nvcc with
+    `TVM_CUDA_COMPILE_MODE=nvcc`, as TVM's does.
+    """
+    import tvm_ffi
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_cuda, override=True)
+
+
+def _compile_cuda(code: str) -> bytes:
+    import os
+
+    arch = _CUDA_ARCH[0]
+    mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
+    if mode == "nvcc":
+        return _compile_with_nvcc(code, arch)
+    if mode != "nvrtc":
+        raise ValueError(f"TVM_CUDA_COMPILE_MODE={mode!r}: expected 'nvrtc' or 'nvcc'")
+    from tvm.support.nvcc import compile_cuda
+
+    return compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
+
+
+def _compile_with_nvcc(code: str, arch: str) -> bytes:
+    import shutil
+    import subprocess
+    import tempfile
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("TVM_CUDA_COMPILE_MODE=nvcc, but nvcc is not on PATH (install the CUDA toolkit, "
+                           "or leave the variable unset to compile with NVRTC)")
+    with tempfile.TemporaryDirectory() as tmp:
+        source, binary = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.cubin"
+        source.write_text(code)
+        done = subprocess.run([nvcc, "--cubin", "-O3", f"-arch={arch}", "-o", str(binary), str(source)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc cannot compile this library's CUDA kernels for {arch}:\n{done.stderr[-2000:]}")
+        return binary.read_bytes()
 
 
 def _load_cuda_plugin() -> None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ... import frontends, passes
+from ...errors import UserError
 from ...frontends.canonical import opset
 from ...ir import model as irm
 
@@ -41,6 +42,13 @@ def run(model_path: Path, ctx) -> dict:
     for rule, why in optimized.get("rule_errors", {}).items():
         ctx.warn(f"graph optimization '{rule}' was switched off for this model: {why}")
     model, io = frontends.finish_import(model, imported, model_path, max_trip_count=passes.loops.MAX_TRIP_COUNT)
+    if not model.graph.node:
+        outputs = ", ".join(o.name for o in model.graph.output)
+        raise UserError("import.nothing-to-compute",
+                        f"{model_path}: no operator is left once constants are folded: every output ({outputs}) "
+                        f"is a constant or a model input, so there is nothing to compile",
+                        "an output cut at a shape computation (onnx.utils.extract_model at a Shape/Concat, say) "
+                        "folds to a constant: choose outputs that depend on the input values")
     irm.save(model, ctx.out / "model.onnx")
     (ctx.out / "import.json").write_text(json.dumps(io, indent=2) + "\n")
     ctx.log(_summary(optimized))
