@@ -11,12 +11,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from pydantic import ValidationError
 
 from edgesdk.config import Target, load_target
 from edgesdk.devices import cost
-from edgesdk.devices.calibrate import (BOUND, TOLERANCE, CpuFit, OpSample, RunSample, backend_figures, cuts, evaluate,
-                                       evaluate_backend, fit_backend, fit_cpu, measure_ops, predict_ms,
-                                       predict_run_ms, run_sample)
+from edgesdk.devices.calibrate import (BOUND, CACHE_CAPACITIES_MB, TOLERANCE, CpuFit, OpSample, RunSample,
+                                       backend_figures, cuts, evaluate, evaluate_backend, fit_backend, fit_cpu,
+                                       measure_ops, predict_ms, predict_run_ms, run_sample)
 from edgesdk.errors import UserError
 from edgesdk.ir import model as irm
 
@@ -243,6 +244,9 @@ def _target_with(backend: str, figures: dict) -> Target:
            "kernel_overhead": _figure(figures["overhead_us"], "us")}
     if figures.get("grouped_gflops"):
         own["peak_gflops"]["float32_grouped"] = _figure(figures["grouped_gflops"], "GFLOP/s")
+    if figures.get("cache_gbps"):
+        own["cache_bandwidth"] = _figure(figures["cache_gbps"], "GB/s")
+        own["cache_capacity"] = _figure(figures["cache_mb"], "MiB")
     cpu["backends"] = {backend: own}
     return Target.model_validate(data)
 
@@ -308,6 +312,38 @@ def test_without_grouped_convolutions_the_backend_keeps_the_cpus_grouped_rate():
     assert fit.grouped_gflops is None
     assert "float32_grouped" not in backend_figures(fit, "test source")["peak_gflops"]
     assert fit.peak_gflops == pytest.approx(figures["peak_gflops"], rel=1e-6)
+
+
+def test_backend_fit_finds_a_cache_tier_and_its_capacity():
+    """Runs whose nodes of at most 1 MiB moved their bytes 4x faster than the others (a backend whose
+    kernels hand small tensors on in cache): the fit finds the capacity among CACHE_CAPACITIES_MB and
+    both bandwidths, and the target it writes predicts the runs."""
+    figures = {**LITERT, "cache_gbps": 4 * LITERT["bandwidth_gbps"], "cache_mb": 1}
+    assert 1 in CACHE_CAPACITIES_MB
+    runs = timed_runs(6, _target_with("litert", figures), "litert", runs=20)
+    fit = fit_backend(runs, BASE)
+    assert (fit.cache_mb, fit.cache_gbps) == (1, pytest.approx(figures["cache_gbps"], rel=1e-6))
+    for key in ("peak_gflops", "bandwidth_gbps", "overhead_us"):
+        assert getattr(fit, key) == pytest.approx(figures[key], rel=1e-6), key
+    assert any("of at most 1 MiB move their bytes at the cache bandwidth" in n for n in fit.notes)
+    written = backend_figures(fit, "test source")
+    assert written["cache_capacity"].value == 1 and written["cache_capacity"].unit == "MiB"
+    data = _target_with("litert", LITERT).model_dump(mode="json")
+    data["devices"][0]["backends"] = {"litert": written}
+    refitted = Target.model_validate(data)
+    for r in runs:
+        assert predict_run_ms(refitted, r, "litert") + fit.cut_ms(r) == pytest.approx(r.ms, rel=1e-6)
+    # without the tier the same runs are explained worse: the tier is what the fit found, not noise
+    one_tier = fit_backend([RunSample(**{**r.__dict__, "ms": predict_run_ms(_target_with("litert", LITERT), r, "litert")
+                                         + fit.cut_ms(r)}) for r in runs], BASE)
+    assert one_tier.cache_gbps is None and one_tier.cache_mb is None
+
+
+def test_a_cache_tier_needs_both_figures():
+    data = _target_with("litert", LITERT).model_dump(mode="json")
+    data["devices"][0]["backends"]["litert"]["cache_bandwidth"] = _figure(100.0, "GB/s")
+    with pytest.raises(ValidationError, match="cache_bandwidth and cache_capacity go together"):
+        Target.model_validate(data)
 
 
 def test_backend_fit_notes_a_figure_no_run_depends_on():

@@ -142,6 +142,21 @@ def test_a_cpu_backend_is_costed_with_its_own_figures_and_the_cpus_for_the_rest(
             assert node_ms(t, "cpu", backend=backend, **node) == node_ms(plain, "cpu", **node)
 
 
+def test_a_backends_cache_tier_costs_the_nodes_that_fit_at_its_bandwidth():
+    x86, _ = load_target("x86")
+    data = x86.model_dump(mode="json")
+    data["devices"][0]["backends"] = {"litert": {"memory_bandwidth": _fig(20.0, "GB/s"),
+                                                 "kernel_overhead": _fig(1.0, "us"),
+                                                 "cache_bandwidth": _fig(500.0, "GB/s"),
+                                                 "cache_capacity": _fig(4.0, "MiB")}}
+    t = Target.model_validate(data)
+    fits = {"flops": 5e4, "param_bytes": 0, "act_bytes": 4 * 2**20}  # exactly the capacity: in cache
+    spills = {"flops": 5e4, "param_bytes": 1, "act_bytes": 4 * 2**20}
+    assert node_ms(t, "cpu", backend="litert", **fits) == pytest.approx(1e3 * 4 * 2**20 / 500e9 + 1e-3, rel=1e-12)
+    assert node_ms(t, "cpu", backend="litert", **spills) == pytest.approx(
+        1e3 * (4 * 2**20 + 1) / 20e9 + 1e-3, rel=1e-12)
+
+
 def test_targets_without_backend_figures_load_as_before():
     for name in ("x86", "arm_2tpu", "rtx3090"):
         t, _ = load_target(name)

@@ -140,6 +140,17 @@ class CpuBackendFigures(_Strict):
     memory_bandwidth: Figure | None = None  # GB/s
     kernel_overhead: Figure | None = None  # us per kernel
     layer_overhead: Figure | None = None  # us per convolution or matrix product
+    # Memory in two tiers (optional, both or neither): a node whose parameter and activation bytes fit
+    # in cache_capacity (MiB) moves them at cache_bandwidth (GB/s), not at memory_bandwidth: a backend
+    # whose kernels hand small tensors on in cache (XNNPACK's) runs them far faster than DRAM allows
+    cache_bandwidth: Figure | None = None
+    cache_capacity: Figure | None = None
+
+    @model_validator(mode="after")
+    def _cache_tier_whole(self):
+        if (self.cache_bandwidth is None) != (self.cache_capacity is None):
+            raise ValueError("cache_bandwidth and cache_capacity go together: give both or neither")
+        return self
 
 
 class CpuDevice(_Strict):

@@ -35,7 +35,11 @@ to those totals in the very form the scheduler adds up for a segment (`placement
    the whole models; they stay out of the target, where a segment is the sum of its nodes. The node
    figures are effective ones of the backend's fused kernels: an elementwise op fused into the
    convolution before it costs the overhead and memory terms the fit gives it, averaged over the
-   runs. Every figure starts at the per-op fit's (a cut at ten kernels' overhead and the memory
+   runs. Memory may have two tiers: a node whose bytes fit in a cache capacity C moves them at a cache
+   bandwidth (no slower than the memory bandwidth), the others at the memory bandwidth; C is chosen
+   among `CACHE_CAPACITIES_MB` by least loss, and kept only where it lowers the loss by `CACHE_GAIN`
+   (XNNPACK's elementwise kernels on small tensors run from cache: EfficientNetB0's swish and
+   squeeze-excite on LiteRT cost a fraction of what the same bytes from DRAM would). Every figure starts at the per-op fit's (a cut at ten kernels' overhead and the memory
    bandwidth) and stays within a factor `BOUND` of its start either way; one at its bound, or that no
    run's time depends on, is noted as not determined.
 5. `evaluate_backend` predicts each run as the scheduler does, `cost.node_ms` of the fitted target
@@ -429,6 +433,8 @@ class BackendFit(CpuFit):
 
     cut_overhead_us: float | None = None
     cut_gbps: float | None = None
+    cache_gbps: float | None = None  # the bandwidth of nodes whose bytes fit in cache_mb (None: one bandwidth)
+    cache_mb: float | None = None
 
     def cut_ms(self, sample: RunSample) -> float:
         if sample.run == WHOLE or self.cut_overhead_us is None or self.cut_gbps is None:
@@ -471,42 +477,88 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:
     there are such runs (and whole models beside them), that cost is fitted too, as a per-run overhead
     plus the cut tensors' bytes at a bandwidth (`BackendFit.cut_ms`), so that it does not leak into the
     node figures; a whole model has no such term, as a segment has none in the scheduler's cost.
+
+    Memory in two tiers (module docstring, 4.): for each capacity of `CACHE_CAPACITIES_MB` the figures
+    are fitted again with a cache bandwidth (at least the memory bandwidth) for the nodes whose bytes
+    fit in it; the capacity with the least loss is kept where it lowers the loss by `CACHE_GAIN` or more.
     `residuals[j]` is ln(T_j / measured_j); `bound[j]` names the term that carries most of run j's
     predicted time ("compute", "memory", "overhead" or "cut")."""
-    from scipy.optimize import least_squares
-
     if len({s.backend for s in samples}) > 1:
         raise ValueError(f"runs of several backends: {sorted({s.backend for s in samples})}")
+    flat = _flat_runs(samples)
+    one = _fit_runs(flat, base, None)
+    # a capacity with every node on one side is not told apart from the memory bandwidth; a tier is one
+    # more figure, which needs one more run
+    capacities = [c for c in CACHE_CAPACITIES_MB if 0 < np.count_nonzero(flat["nbytes"] <= c * 2**20) < len(flat["nbytes"])]
+    tiered = [_fit_runs(flat, base, c) for c in capacities] if len(samples) > len(one.names) + 1 else []
+    best = min(tiered, key=lambda t: t.loss, default=None)
+    if best is not None and best.loss < one.loss * (1 - CACHE_GAIN) - LOSS_FLOOR:
+        return best.result
+    return one.result
+
+
+# Memory's two tiers (fit_backend): the capacities tried, in MiB, and the gain in loss that keeps one
+CACHE_CAPACITIES_MB = (0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+CACHE_GAIN = 0.02
+LOSS_FLOOR = 1e-9  # runs a fit already explains exactly gain nothing from a tier
+
+
+def _flat_runs(samples: Sequence[RunSample]) -> dict:
     run_of = np.concatenate([np.full(len(s.flops), j) for j, s in enumerate(samples)]) if samples else np.zeros(0)
-    run_of = run_of.astype(int)
-    flops = np.array([f for s in samples for f in s.flops], dtype=float)
-    nbytes = np.array([p + a for s in samples for p, a in zip(s.param_bytes, s.act_bytes)], dtype=float)
-    grouped = np.array([g for s in samples for g in s.grouped], dtype=bool)
-    nodes = np.array([len(s.flops) for s in samples], dtype=float)
-    meas = np.array([s.ms for s in samples], dtype=float)
     cut = np.array([s.run != WHOLE for s in samples], dtype=bool)
-    cut_bytes = np.where(cut, [float(s.cut_bytes) for s in samples], 0.0) if samples else np.zeros(0)
+    return {
+        "samples": samples,
+        "run_of": run_of.astype(int),
+        "flops": np.array([f for s in samples for f in s.flops], dtype=float),
+        "nbytes": np.array([p + a for s in samples for p, a in zip(s.param_bytes, s.act_bytes)], dtype=float),
+        "grouped": np.array([g for s in samples for g in s.grouped], dtype=bool),
+        "nodes": np.array([len(s.flops) for s in samples], dtype=float),
+        "meas": np.array([s.ms for s in samples], dtype=float),
+        "cut": cut,
+        "cut_bytes": np.where(cut, [float(s.cut_bytes) for s in samples], 0.0) if samples else np.zeros(0),
+    }
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    result: BackendFit
+    loss: float
+    names: tuple[str, ...]
+
+
+def _fit_runs(flat: dict, base: CpuFit, capacity_mb: float | None) -> _Fitted:
+    """fit_backend's least squares, with a cache tier of `capacity_mb` (None: one memory bandwidth)."""
+    from scipy.optimize import least_squares
+
+    samples, run_of, flops, nbytes, grouped = (flat[k] for k in ("samples", "run_of", "flops", "nbytes", "grouped"))
+    nodes, meas, cut, cut_bytes = flat["nodes"], flat["meas"], flat["cut"], flat["cut_bytes"]
+    small = nbytes <= capacity_mb * 2**20 if capacity_mb is not None else np.zeros(len(nbytes), dtype=bool)
+    tiered = capacity_mb is not None
     four = bool(np.any(grouped & (flops > 0)))
     cutting = bool(cut.any() and (~cut).any())  # the cut terms are told apart from the nodes' by whole models
     names = (["peak_gflops", "bandwidth_gbps", "overhead_us"] + (["grouped_gflops"] if four else [])
-             + (["cut_overhead_us", "cut_gbps"] if cutting else []))
+             + (["cut_overhead_us", "cut_gbps"] if cutting else []) + (["cache_gbps"] if tiered else []))
     if len(samples) < len(names) + 1:
         raise ValueError(f"fitting {len(names)} figures needs at least {len(names) + 1} timed runs, got {len(samples)}")
     if np.any(meas <= 0) or np.any(nodes == 0):
         raise ValueError("every run needs nodes and a positive measured time")
     fixed_grouped = base.grouped_gflops or base.peak_gflops  # the rate grouped nodes get when it is not free
-    # starts: the per-op fit's figures; a cut at ten kernels' overhead, its bytes at the memory bandwidth
+    # starts: the per-op fit's figures; a cut at ten kernels' overhead, its bytes at the memory bandwidth; the
+    # cache as fast as memory (the tier's figure is ln(cache / memory bandwidth) >= 0)
     x0 = np.log([base.peak_gflops, base.bandwidth_gbps, base.overhead_us] + ([fixed_grouped] if four else [])
                 + ([10 * base.overhead_us, base.bandwidth_gbps] if cutting else []))
-    g_at, c_at = 3, (4 if four else 3)  # where the grouped rate and the cut terms sit in u
+    x0 = np.concatenate([x0, [0.0] if tiered else []])
+    g_at, c_at = 3, (4 if four else 3)  # where the grouped rate, the cut terms and the cache tier sit in u
+    t_at = c_at + (2 if cutting else 0)
     count = len(samples)
 
     def terms(u):  # per node: compute and memory ms; the overhead ms every node pays; per run: the cut's ms
         peak, bw, over = np.exp(u[:3])
         rate = np.where(grouped, np.exp(u[g_at]) if four else fixed_grouped, peak)
+        bandwidth = np.where(small, bw * np.exp(u[t_at]), bw) if tiered else bw
         cut_ms = (np.where(cut, np.exp(u[c_at]) * 1e-3, 0.0) + 1e3 * cut_bytes / (np.exp(u[c_at + 1]) * 1e9)
                   if cutting else np.zeros(count))
-        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bw * 1e9), over * 1e-3, cut_ms
+        return 1e3 * flops / (rate * 1e9), 1e3 * nbytes / (bandwidth * 1e9), over * 1e-3, cut_ms
 
     def totals(u):
         c, m, o, k = terms(u)
@@ -525,15 +577,21 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:
             cols.append(-np.bincount(run_of, np.where(compute & grouped, c, 0.0), minlength=count))
         if cutting:
             cols += [np.where(cut, np.exp(u[c_at]) * 1e-3, 0.0), -1e3 * cut_bytes / (np.exp(u[c_at + 1]) * 1e9)]
+        if tiered:
+            cols.append(-np.bincount(run_of, np.where(~compute & small, m, 0.0), minlength=count))
         return np.column_stack(cols) / totals(u)[:, None]
 
     lo, hi = x0 - math.log(BOUND), x0 + math.log(BOUND)
+    if tiered:
+        lo[t_at] = 0.0  # a cache is no slower than memory
     best = None
     for fp in (1 / 3, 1.0, 3.0):  # a few starts around the per-op fit: the max() makes the loss piecewise smooth
         for fo in (1 / 3, 1.0, 3.0):
             start = x0.copy()
             start[0] += math.log(fp)
             start[2] += math.log(fo)
+            if tiered:
+                start[t_at] = math.log(3.0)  # inside its bounds
             r = least_squares(residuals, start, jac=jacobian, bounds=(lo, hi), method="trf", xtol=1e-12, ftol=1e-12,
                               gtol=1e-12, max_nfev=2000)
             if best is None or r.cost < best.cost:
@@ -557,11 +615,18 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:
             notes.append(f"no run's time depends on {name}: it is left at its start" if u[j] == x0[j] else
                          f"no run's time depends on {name} at the fit: a bound, not a measurement")
         elif math.isclose(u[j], lo[j], abs_tol=1e-6) or math.isclose(u[j], hi[j], abs_tol=1e-6):
+            if tiered and j == t_at and math.isclose(u[j], lo[j], abs_tol=1e-6):
+                continue  # the cache as fast as memory: a fit without the tier, which fit_backend prefers
             notes.append(f"{name} is at its bound ({BOUND:g}x its start): the runs do not determine it")
     peak, bw, over = (float(x) for x in np.exp(u[:3]))
-    return BackendFit(peak, bw, over, tuple(float(x) for x in residuals(u)), bound, "log, runs", tuple(notes),
-                      float(np.exp(u[g_at])) if four else None,
-                      float(np.exp(u[c_at])) if cutting else None, float(np.exp(u[c_at + 1])) if cutting else None)
+    if tiered:
+        notes.append(f"nodes of at most {capacity_mb:g} MiB move their bytes at the cache bandwidth, "
+                     f"the others at the memory bandwidth (the capacity of least loss)")
+    fit = BackendFit(peak, bw, over, tuple(float(x) for x in residuals(u)), bound, "log, runs", tuple(notes),
+                     float(np.exp(u[g_at])) if four else None,
+                     float(np.exp(u[c_at])) if cutting else None, float(np.exp(u[c_at + 1])) if cutting else None,
+                     bw * float(np.exp(u[t_at])) if tiered else None, capacity_mb)
+    return _Fitted(fit, float(np.sum(residuals(u) ** 2)), tuple(names))
 
 
 def backend_figures(fit: CpuFit, source: str) -> dict:
@@ -569,6 +634,9 @@ def backend_figures(fit: CpuFit, source: str) -> dict:
     (a grouped rate only where it fitted one, a per-layer cost never)."""
     figures = fit.figures(source)
     figures.pop("layer_overhead")
+    if getattr(fit, "cache_gbps", None) is not None:
+        figures["cache_bandwidth"] = Figure(value=fit.cache_gbps, unit="GB/s", source=source)
+        figures["cache_capacity"] = Figure(value=fit.cache_mb, unit="MiB", source=source)
     return figures
 
 

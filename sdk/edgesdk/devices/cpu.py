@@ -42,10 +42,15 @@ class CpuModel:
         where the target gives it.
 
         `backend` (the backend that compiles the node's segment) takes that backend's own figures where
-        the CPU lists it under `backends`, figure by figure; the device's figures fill in the rest."""
+        the CPU lists it under `backends`, figure by figure; the device's figures fill in the rest. Where
+        the backend has a cache tier, a node whose bytes fit in `cache_capacity` moves them at
+        `cache_bandwidth`."""
         own = dev.backends.get(backend) if backend is not None else None
         peaks = {**dev.peak_gflops, **own.peak_gflops} if own is not None else dev.peak_gflops
         bandwidth = (own.memory_bandwidth if own is not None else None) or dev.memory_bandwidth
+        if own is not None and own.cache_bandwidth is not None \
+                and param_bytes + act_bytes <= own.cache_capacity.value * 2**20:
+            bandwidth = own.cache_bandwidth
         kernel = (own.kernel_overhead if own is not None else None) or dev.kernel_overhead
         layer = (own.layer_overhead if own is not None else None) or dev.layer_overhead
         peak = peaks.get("float32_grouped") if grouped else None

@@ -244,7 +244,10 @@ def calibrate_summary(result: dict[str, Any], output: Path | None = None) -> str
             runs = b["on_fitted"]["runs"]
             lines.append(f"backend {backend}: fitted on {b['runs']} timed runs: peak {bf['peak_gflops']:.1f} GFLOP/s"
                          + (f" ({bf['grouped_gflops']:.1f} for grouped convolutions)" if bf.get("grouped_gflops") else "")
-                         + f", memory {bf['bandwidth_gbps']:.1f} GB/s, overhead {bf['overhead_us']:.2f} us per op"
+                         + f", memory {bf['bandwidth_gbps']:.1f} GB/s"
+                         + (f" ({bf['cache_gbps']:.0f} GB/s for nodes of at most {bf['cache_mb']:g} MiB)"
+                            if bf.get("cache_gbps") is not None else "")
+                         + f", overhead {bf['overhead_us']:.2f} us per op"
                          + (f"; a cut-out run pays {bf['cut_overhead_us']:.1f} us and its cut tensors at "
                             f"{bf['cut_gbps']:.1f} GB/s" if bf.get("cut_overhead_us") is not None else "")
                          + f"; runs median {runs['median_rel_error']:.0%} off, at most {runs['max_rel_error']:.0%}")
