@@ -39,9 +39,10 @@ to those totals in the very form the scheduler adds up for a segment (`placement
    bandwidth (no slower than the memory bandwidth), the others at the memory bandwidth; C is chosen
    among `CACHE_CAPACITIES_MB` by least loss, and kept only where it lowers the loss by `CACHE_GAIN`
    (XNNPACK's elementwise kernels on small tensors run from cache: EfficientNetB0's swish and
-   squeeze-excite on LiteRT cost a fraction of what the same bytes from DRAM would). Every figure starts at the per-op fit's (a cut at ten kernels' overhead and the memory
-   bandwidth) and stays within a factor `BOUND` of its start either way; one at its bound, or that no
-   run's time depends on, is noted as not determined.
+   squeeze-excite on LiteRT cost a fraction of what the same bytes from DRAM would). Every figure
+   starts at the per-op fit's (a cut at ten kernels' overhead and the memory bandwidth) and stays
+   within a factor `BOUND` of its start either way; one at its bound, or that no run's time depends
+   on, is noted as not determined.
 5. `evaluate_backend` predicts each run as the scheduler does, `cost.node_ms` of the fitted target
    with the backend's figures summed over its nodes (a held-out model whole: the scheduler's prediction
    for it as one CPU segment on that backend), against its measured time, and beside it the prediction
@@ -485,12 +486,12 @@ def fit_backend(samples: Sequence[RunSample], base: CpuFit) -> BackendFit:
     predicted time ("compute", "memory", "overhead" or "cut")."""
     if len({s.backend for s in samples}) > 1:
         raise ValueError(f"runs of several backends: {sorted({s.backend for s in samples})}")
-    flat = _flat_runs(samples)
-    one = _fit_runs(flat, base, None)
+    runs = _Runs.of(samples)
+    one = _fit_runs(runs, base, None)
     # a capacity with every node on one side is not told apart from the memory bandwidth; a tier is one
     # more figure, which needs one more run
-    capacities = [c for c in CACHE_CAPACITIES_MB if 0 < np.count_nonzero(flat["nbytes"] <= c * 2**20) < len(flat["nbytes"])]
-    tiered = [_fit_runs(flat, base, c) for c in capacities] if len(samples) > len(one.names) + 1 else []
+    capacities = [c for c in CACHE_CAPACITIES_MB if 0 < np.count_nonzero(runs.nbytes <= c * 2**20) < len(runs.nbytes)]
+    tiered = [_fit_runs(runs, base, c) for c in capacities] if len(samples) > len(one.names) + 1 else []
     best = min(tiered, key=lambda t: t.loss, default=None)
     if best is not None and best.loss < one.loss * (1 - CACHE_GAIN) - LOSS_FLOOR:
         return best.result
@@ -503,20 +504,31 @@ CACHE_GAIN = 0.02
 LOSS_FLOOR = 1e-9  # runs a fit already explains exactly gain nothing from a tier
 
 
-def _flat_runs(samples: Sequence[RunSample]) -> dict:
-    run_of = np.concatenate([np.full(len(s.flops), j) for j, s in enumerate(samples)]) if samples else np.zeros(0)
-    cut = np.array([s.run != WHOLE for s in samples], dtype=bool)
-    return {
-        "samples": samples,
-        "run_of": run_of.astype(int),
-        "flops": np.array([f for s in samples for f in s.flops], dtype=float),
-        "nbytes": np.array([p + a for s in samples for p, a in zip(s.param_bytes, s.act_bytes)], dtype=float),
-        "grouped": np.array([g for s in samples for g in s.grouped], dtype=bool),
-        "nodes": np.array([len(s.flops) for s in samples], dtype=float),
-        "meas": np.array([s.ms for s in samples], dtype=float),
-        "cut": cut,
-        "cut_bytes": np.where(cut, [float(s.cut_bytes) for s in samples], 0.0) if samples else np.zeros(0),
-    }
+@dataclass(frozen=True)
+class _Runs:
+    """Timed runs as the arrays the fit works on: one entry per node (`run_of` its run), or per run."""
+
+    samples: Sequence[RunSample]
+    run_of: np.ndarray
+    flops: np.ndarray
+    nbytes: np.ndarray
+    grouped: np.ndarray
+    nodes: np.ndarray
+    meas: np.ndarray
+    cut: np.ndarray
+    cut_bytes: np.ndarray
+
+    @classmethod
+    def of(cls, samples: Sequence[RunSample]) -> _Runs:
+        run_of = np.concatenate([np.full(len(s.flops), j) for j, s in enumerate(samples)]) if samples else np.zeros(0)
+        cut = np.array([s.run != WHOLE for s in samples], dtype=bool)
+        return cls(samples, run_of.astype(int),
+                   np.array([f for s in samples for f in s.flops], dtype=float),
+                   np.array([p + a for s in samples for p, a in zip(s.param_bytes, s.act_bytes)], dtype=float),
+                   np.array([g for s in samples for g in s.grouped], dtype=bool),
+                   np.array([len(s.flops) for s in samples], dtype=float),
+                   np.array([s.ms for s in samples], dtype=float),
+                   cut, np.where(cut, [float(s.cut_bytes) for s in samples], 0.0) if samples else np.zeros(0))
 
 
 @dataclass(frozen=True)
@@ -526,12 +538,12 @@ class _Fitted:
     names: tuple[str, ...]
 
 
-def _fit_runs(flat: dict, base: CpuFit, capacity_mb: float | None) -> _Fitted:
+def _fit_runs(runs: _Runs, base: CpuFit, capacity_mb: float | None) -> _Fitted:
     """fit_backend's least squares, with a cache tier of `capacity_mb` (None: one memory bandwidth)."""
     from scipy.optimize import least_squares
 
-    samples, run_of, flops, nbytes, grouped = (flat[k] for k in ("samples", "run_of", "flops", "nbytes", "grouped"))
-    nodes, meas, cut, cut_bytes = flat["nodes"], flat["meas"], flat["cut"], flat["cut_bytes"]
+    samples, run_of, flops, nbytes, grouped = runs.samples, runs.run_of, runs.flops, runs.nbytes, runs.grouped
+    nodes, meas, cut, cut_bytes = runs.nodes, runs.meas, runs.cut, runs.cut_bytes
     small = nbytes <= capacity_mb * 2**20 if capacity_mb is not None else np.zeros(len(nbytes), dtype=bool)
     tiered = capacity_mb is not None
     four = bool(np.any(grouped & (flops > 0)))
