@@ -18,7 +18,7 @@ the median of all of a runtime's inferences:
   - the default bundle and the TVM bundle (`BundleModel.run`, the runtime a device runs),
   - onnxruntime with all graph optimizations on `--threads` intra-op threads, on the ONNX file a
     user has (the model file; for a Keras model, the converter's output from the import stage).
-Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/cpu.json and prints
+Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/cpu.json (--out) and prints
 the table for RESULTS.md.
 """
 
@@ -122,10 +122,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="more rounds spread a shared host's slow spells over every runtime alike")
     ap.add_argument("--no-build", action="store_true", help="time the bundles the last run built")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cpu.json",
+                    help="the results file (a run of some models updates their entries in it)")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     CACHE.mkdir(parents=True, exist_ok=True)
-    results_path = ROOT / "benchmarks" / "cpu.json"
+    results_path = args.out
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.setdefault("models", {})
     for name in names:

@@ -1,7 +1,8 @@
 """backends/tvm/rewrites.py: integer powers as products in CUDA segments, so that NVRTC's fast math
-(`powf` as exp2(y log2 x), NaN for negative x) never sees them. What it fixed was seen on an H200
-(PP-OCRv4 rec: all-NaN); here, with no GPU, the tests check the rewrite's numbers against
-onnxruntime and that the CUDA library TVM writes no longer calls `powf`."""
+(`powf` as exp2(y log2 x), NaN for negative x) never sees them (seen on an H200: PP-OCRv4 rec all
+NaN; here, with no GPU, the rewrite's numbers are checked against onnxruntime and the CUDA library
+TVM writes no longer calls `powf`); and, on x86, convolutions whose output rows have a prime width
+computed one wider row and sliced back, so the default schedule blocks their pixels in registers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from edgesdk.backends.tvm.rewrites import integer_powers_as_products
+from edgesdk.backends.tvm.rewrites import _wider, integer_powers_as_products, narrow_rows_widened
 from edgesdk.backends.tvm.segment import compile_segment
 from tests.passes.harness import model, ops
 
@@ -90,3 +91,55 @@ def powf_exponents(library) -> set[float]:
     """The constant exponents of the powf calls in a library's CUDA source (TVM writes hex floats)."""
     calls = re.findall(rb"powf\([^;]*?, (0x[0-9a-f.]+p[+-][0-9]+)f", library.read_bytes())
     return {float.fromhex(c.decode()) for c in calls}
+
+
+# --- narrow rows -----------------------------------------------------------------------------------
+
+
+def prime_width_convs() -> onnx.ModelProto:
+    """Two convolutions with output widths 17 (a valid 3x3 on 19) and 9 (stride 2, padded), and one of
+    width 8 that needs nothing; biases, a Relu between."""
+    rng = np.random.default_rng(0)
+    return model(
+        [helper.make_node("Conv", ["x", "w1"], ["c1"], name="valid"),
+         helper.make_node("Relu", ["c1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], strides=[2, 2], pads=[1, 1, 1, 1], name="strided"),
+         helper.make_node("Conv", ["c2", "w3"], ["y"], kernel_shape=[2, 2], name="fine")],
+        {"x": (1, 8, 19, 19)}, ["y"],
+        {"w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32),
+         "w2": rng.standard_normal((12, 16, 3, 3)).astype(np.float32),
+         "b2": rng.standard_normal(12).astype(np.float32),
+         "w3": rng.standard_normal((4, 12, 2, 2)).astype(np.float32)})
+
+
+def test_prime_width_rows_are_computed_wider_and_sliced_back_exactly():
+    original = prime_width_convs()
+    widened, count = narrow_rows_widened(original, 8)
+    assert count == 2
+    onnx.checker.check_model(widened, full_check=True)
+    pads = {n.name: list(next(a.ints for a in n.attribute if a.name == "pads")) for n in widened.graph.node
+            if n.op_type == "Conv" and any(a.name == "pads" for a in n.attribute)}
+    assert pads == {"valid": [0, 0, 0, 1], "strided": [1, 1, 1, 3]}  # 17 -> 18 columns; 9 -> 10 at stride 2
+    assert ops(widened)["Slice"] == 2 and [o.name for o in widened.graph.output] == ["y"]
+    x = np.random.default_rng(1).standard_normal((1, 8, 19, 19)).astype(np.float32)
+    # the kept columns are the same sums of the same products: equal, not merely close
+    assert np.array_equal(run(widened, x)[0], run(original, x)[0])
+    assert narrow_rows_widened(widened, 8)[1] == 0  # nothing left to widen
+    assert _wider(71, 8) == 72 and _wider(73, 8) == 75 and _wider(147, 8) is None and _wider(7, 8) is None
+
+
+def test_x86_library_with_widened_rows_matches_onnxruntime(tmp_path):
+    """The x86 TVM library of those convolutions: the widening is applied (its Slice fused into the
+    convolution's function) and the outputs agree with onnxruntime on the model as given."""
+    import tvm
+
+    from edgesdk.backends.tvm import compile_onnx
+    from edgesdk.backends.tvm.compile import _lowered
+    from tests.backends.test_tvm import assert_matches_ort
+
+    m = prime_width_convs()
+    x86 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"})
+    names = [g.name_hint for g, f in _lowered(m, x86).functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sum("strided_slice" in n and n.startswith("fused_conv2d") for n in names) == 2, names
+    result = compile_onnx(m, {"kind": "llvm", "mcpu": "native"}, tmp_path / "rows.so")
+    assert_matches_ort(m, tmp_path / "rows.so", result)

@@ -12,7 +12,8 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
                  tuner="edgesdk.backends.tvm.segment:tune_segments",
                  coverage="edgesdk.backends.tvm.segment:untuned",
-                 lowering="edgesdk.backends.tvm.segment:lowering_reason"))
+                 lowering="edgesdk.backends.tvm.segment:lowering_reason",
+                 revision=1))  # 1: x86 convolutions' prime-width rows computed wider (rewrites.py)
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",

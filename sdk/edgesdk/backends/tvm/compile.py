@@ -28,7 +28,8 @@ import onnx
 from ...errors import UserError
 from ...runtime.manifest import TensorSpec
 from .database import _apply_database, _open_database
-from .schedules import _cpu_default_schedules, _gpu_default_schedules
+from .rewrites import narrow_rows_widened
+from .schedules import _PIXEL_BLOCK, _cpu_default_schedules, _gpu_default_schedules
 from .targets import _export, _resolve_target
 
 
@@ -106,7 +107,7 @@ def compile_onnx(
 def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:
     """`model` imported and lowered for `tvm_target` (`_lower`), as compilation and tuning both see it."""
     if _channels_last_convs(tvm_target):
-        model = _fold_pads_into_convs(model)
+        model, _ = narrow_rows_widened(_fold_pads_into_convs(model), _PIXEL_BLOCK)
     return _lower(_import(model), tvm_target)
 
 
