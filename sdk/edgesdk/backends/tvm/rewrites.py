@@ -19,6 +19,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ...ir.values import constant
+from .schedules import largest_divisor
 
 INTEGER_POWERS = (2, 3, 4)
 
@@ -93,15 +94,15 @@ def narrow_rows_widened(model: onnx.ModelProto, pixel_block: int) -> tuple[onnx.
               for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     nodes, constants = [], []
     for node in model.graph.node:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        out = shapes.get(node.output[0], []) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else []
+        shape = shapes.get(node.output[0], []) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else []
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} if len(shape) == 4 else {}
         # explicit padding only (SAME_* would need its pads written out first)
-        wider = (_wider(out[3], pixel_block) if len(out) == 4 and out[3] > 0
+        wider = (_wider(shape[3], pixel_block) if shape and shape[3] > 0
                  and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") else None)
         if wider is None:
             nodes.append(node)
             continue
-        width = out[3]
+        width = shape[3]
         pads = list(attrs.get("pads", [0, 0, 0, 0]))
         pads[3] += (wider - width) * list(attrs.get("strides", [1, 1]))[1]
         conv = onnx.helper.make_node("Conv", list(node.input), [f"{node.output[0]}__wide"], name=node.name,
@@ -114,20 +115,18 @@ def narrow_rows_widened(model: onnx.ModelProto, pixel_block: int) -> tuple[onnx.
                                               [node.output[0]], name=name)]
     if not constants:
         return model, 0
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    out.graph.initializer.extend(constants)
-    return out, len(constants) // 3
+    widened = onnx.ModelProto()
+    widened.CopyFrom(model)
+    del widened.graph.node[:]
+    widened.graph.node.extend(nodes)
+    widened.graph.initializer.extend(constants)
+    return widened, len(constants) // 3
 
 
 def _wider(width: int, pixel_block: int) -> int | None:
     """The smallest width from `width` up (at most WIDEN_AT_MOST more) whose best pixel block is at least
     GOOD_BLOCK; None when `width` itself is good or no width in reach is."""
-    def best(w: int) -> int:
-        return max(d for d in range(1, min(pixel_block, w) + 1) if w % d == 0)
-
-    if width < GOOD_BLOCK or best(width) >= GOOD_BLOCK:
+    if width < GOOD_BLOCK or largest_divisor(width, pixel_block) >= GOOD_BLOCK:
         return None
-    return next((w for w in range(width + 1, width + WIDEN_AT_MOST + 1) if best(w) >= GOOD_BLOCK), None)
+    return next((w for w in range(width + 1, width + WIDEN_AT_MOST + 1)
+                 if largest_divisor(w, pixel_block) >= GOOD_BLOCK), None)

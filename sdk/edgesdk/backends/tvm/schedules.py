@@ -229,11 +229,16 @@ def _tile_roles(trace: Any, channels_last: bool = False) -> list[str]:
     return roles
 
 
+def largest_divisor(extent: int, limit: int) -> int:
+    """The largest divisor of `extent` up to `limit`: the block `_tile` gives a loop of that extent."""
+    return max(d for d in range(1, min(limit, extent) + 1) if extent % d == 0)
+
+
 def _tile(extent: int, n: int, role: str) -> list[int]:
     """Tile sizes (outermost first, product `extent`) of a loop split in `n` by `role`."""
 
     def divisor(limit: int) -> int:
-        return max(d for d in range(1, min(limit, extent) + 1) if extent % d == 0)
+        return largest_divisor(extent, limit)
 
     if n == 4 and role == "vector":
         inner = divisor(_VECTOR_BLOCK)
