@@ -67,9 +67,10 @@ def test_nothing_to_rewrite_returns_the_model_itself():
     assert integer_powers_as_products(plain) == (plain, 0)
 
 
-def test_cuda_segment_library_has_no_powf(tmp_path):
-    """The TVM backend's CUDA segments go through the rewrite: the kernels TVM writes multiply.
-    The same graph compiled for the GPU without it calls powf, so the check can fail."""
+def test_cuda_segment_library_has_no_powf(tmp_path, monkeypatch):
+    """The TVM backend's CUDA segments go through the rewrite (in `_rewritten`, which tuning's task
+    extraction shares): the kernels TVM writes multiply. The same graph compiled for the GPU without it
+    calls powf, so the check can fail."""
     logged = []
     job = types.SimpleNamespace(
         segment=types.SimpleNamespace(id="s0", nodes=["n"] * 12), model=layer_norm_as_ops(),
@@ -77,13 +78,15 @@ def test_cuda_segment_library_has_no_powf(tmp_path):
         compressed=None, twin_dir=tmp_path / "twin", log=logged.append)
     compile_segment(job)
     assert powf_exponents(tmp_path / "s0.so") == {0.5}
-    assert any("3 integer Pow as products" in line for line in logged), logged
+    assert any("rewritten for TVM: integer Pow as products (NVRTC's fast math: powf is NaN below 0) x3" in line
+               for line in logged), logged
     twin = (tmp_path / "twin" / "s0.so").read_bytes()  # the host twin, for golden data, is left as it was
     assert twin.count(b'extern "C" __global__') == 0
 
-    from edgesdk.backends.tvm import compile_onnx
+    from edgesdk.backends.tvm import compile as tvm_compile
 
-    compile_onnx(layer_norm_as_ops(), CUDA, tmp_path / "unrewritten.so")
+    monkeypatch.setattr(tvm_compile, "integer_powers_as_products", lambda m: (m, 0))
+    tvm_compile.compile_onnx(layer_norm_as_ops(), CUDA, tmp_path / "unrewritten.so")
     assert powf_exponents(tmp_path / "unrewritten.so") == {0.5, 2.0, 3.0, 4.0}
 
 
@@ -125,6 +128,11 @@ def test_prime_width_rows_are_computed_wider_and_sliced_back_exactly():
     # the kept columns are the same sums of the same products: equal, not merely close
     assert np.array_equal(run(widened, x)[0], run(original, x)[0])
     assert narrow_rows_widened(widened, 8)[1] == 0  # nothing left to widen
+    # a 1-D convolution (silero-vad's STFT front end, 17 wide here) is no row of pixels: left as it is
+    rng = np.random.default_rng(2)
+    one_d = model([helper.make_node("Conv", ["s", "k"], ["t"], pads=[0, 0])], {"s": (1, 1, 19)}, ["t"],
+                  {"k": rng.standard_normal((4, 1, 3)).astype(np.float32)})
+    assert narrow_rows_widened(one_d, 8) == (one_d, 0)
     assert _wider(71, 8) == 72 and _wider(73, 8) == 75 and _wider(147, 8) is None and _wider(7, 8) is None
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import onnx
 from ...errors import UserError
 from ...runtime.manifest import TensorSpec
 from .database import _apply_database, _open_database
-from .rewrites import narrow_rows_widened
+from .rewrites import integer_powers_as_products, narrow_rows_widened
 from .schedules import _PIXEL_BLOCK, _cpu_default_schedules, _gpu_default_schedules
 from .targets import _export, _resolve_target
 
@@ -44,6 +44,7 @@ class TvmResult:
     target: dict  # the target as compiled (`mcpu: native` resolved to this host's CPU and features)
     # untuned functions that got the fixed default schedule (CPU: `_cpu_default_schedules`)
     default_scheduled: int = 0
+    rewrites: dict[str, int] = field(default_factory=dict)  # `_rewritten`'s rewrites of the graph, by kind
 
 
 def importer_ops() -> frozenset[str]:
@@ -78,7 +79,8 @@ def compile_onnx(
     from tvm import relax
 
     target, tvm_target = _resolve_target(target)
-    mod = _lowered(model, tvm_target)
+    rewritten, rewrites = _rewritten(model, tvm_target)
+    mod = _lower(_import(rewritten), tvm_target)
     inputs, outputs = _interface(model, mod)
     tasks = _count_unscheduled(mod)
     with tvm_target, tvm.transform.PassContext(opt_level=3):
@@ -100,15 +102,27 @@ def compile_onnx(
         _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
     _export(executable, target, Path(out_path))
     return TvmResult(
-        inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled
+        inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled,
+        rewrites=rewrites,
     )
 
 
 def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:
-    """`model` imported and lowered for `tvm_target` (`_lower`), as compilation and tuning both see it."""
+    """`model` rewritten, imported and lowered for `tvm_target`, as compilation and tuning both see it."""
+    return _lower(_import(_rewritten(model, tvm_target)[0]), tvm_target)
+
+
+def _rewritten(model: onnx.ModelProto, tvm_target: Any) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """`model` as TVM compiles it for `tvm_target`, and how many of each rewrite it took (`rewrites.py`):
+    on x86 a Pad folded into the Conv after it and prime-width rows computed wider; on CUDA integer
+    powers as products."""
+    done: dict[str, int] = {}
     if _channels_last_convs(tvm_target):
-        model, _ = narrow_rows_widened(_fold_pads_into_convs(model), _PIXEL_BLOCK)
-    return _lower(_import(model), tvm_target)
+        model, done["prime-width rows widened"] = narrow_rows_widened(_fold_pads_into_convs(model), _PIXEL_BLOCK)
+    if tvm_target.kind.name == "cuda":
+        model, done["integer Pow as products (NVRTC's fast math: powf is NaN below 0)"] = \
+            integer_powers_as_products(model)
+    return model, {k: n for k, n in done.items() if n}
 
 
 def _channels_last_convs(tvm_target: Any) -> bool:

@@ -94,24 +94,26 @@ def narrow_rows_widened(model: onnx.ModelProto, pixel_block: int) -> tuple[onnx.
               for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     nodes, constants = [], []
     for node in model.graph.node:
-        shape = shapes.get(node.output[0], []) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else []
+        conv = node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+        shape = shapes.get(node.output[0], []) if conv and len(shapes.get(node.input[0], [])) == 4 else []
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} if len(shape) == 4 else {}
-        # explicit padding only (SAME_* would need its pads written out first)
-        wider = (_wider(shape[3], pixel_block) if shape and shape[3] > 0
-                 and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") else None)
+        # a 2-D convolution with explicit padding only (SAME_* would need its pads written out first)
+        two_d = len(shape) == 4 and shape[3] > 0 and len(attrs.get("pads", [0] * 4)) == 4
+        wider = (_wider(shape[3], pixel_block) if two_d and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET")
+                 else None)
         if wider is None:
             nodes.append(node)
             continue
         width = shape[3]
         pads = list(attrs.get("pads", [0, 0, 0, 0]))
         pads[3] += (wider - width) * list(attrs.get("strides", [1, 1]))[1]
-        conv = onnx.helper.make_node("Conv", list(node.input), [f"{node.output[0]}__wide"], name=node.name,
+        wide = onnx.helper.make_node("Conv", list(node.input), [f"{node.output[0]}__wide"], name=node.name,
                                      **{**attrs, "pads": pads})
         name = f"{node.name or node.output[0]}__narrow"
         bounds = [onnx.helper.make_tensor(f"{name}_{k}", onnx.TensorProto.INT64, [1], [v])
                   for k, v in (("starts", 0), ("ends", width), ("axes", 3))]
         constants += bounds
-        nodes += [conv, onnx.helper.make_node("Slice", [conv.output[0], *(t.name for t in bounds)],
+        nodes += [wide, onnx.helper.make_node("Slice", [wide.output[0], *(t.name for t in bounds)],
                                               [node.output[0]], name=name)]
     if not constants:
         return model, 0

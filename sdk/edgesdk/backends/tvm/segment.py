@@ -9,7 +9,6 @@ import platform
 
 from ..registry import CompileJob, Compiled, TuneJob
 from .compile import compile_onnx, importer_ops
-from .rewrites import integer_powers_as_products
 from .targets import missing_host_features, target_arch
 from .tuning import tune_onnx, untuned_reason
 
@@ -24,13 +23,9 @@ def compile_segment(job: CompileJob) -> Compiled:
     sid = seg.id
     job.log(f"package: {sid}: compiling {len(seg.nodes)} nodes with TVM for {describe(codegen)}")
     db = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
-    model = job.model
-    if codegen.get("kind") == "cuda":
-        model, powers = integer_powers_as_products(model)
-        if powers:
-            job.log(f"package: {sid}: {powers} integer Pow as products (NVRTC's fast math makes powf NaN "
-                    f"for negative bases)")
-    res = compile_onnx(model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db)
+    res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db)
+    if res.rewrites:
+        job.log(f"package: {sid}: rewritten for TVM: " + ", ".join(f"{k} x{n}" for k, n in res.rewrites.items()))
     twin = None
     if needs_twin(codegen):
         job.twin_dir.mkdir(exist_ok=True)
