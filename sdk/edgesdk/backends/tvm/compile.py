@@ -27,6 +27,7 @@ import onnx
 
 from ...errors import UserError
 from ...runtime.manifest import TensorSpec
+from . import fast_math
 from .database import _apply_database, _open_database
 from .rewrites import integer_powers_as_products, narrow_rows_widened
 from .schedules import _PIXEL_BLOCK, _cpu_default_schedules, _gpu_default_schedules
@@ -235,7 +236,8 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
             mod = tvm.transform.Sequential(head)(mod)
     passes = [
         *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
-        relax.transform.LegalizeOps(),
+        # on a CPU, exp, sigmoid, tanh, erf and what is built on them as vectorizable polynomials
+        relax.transform.LegalizeOps(fast_math.legalize_map() if tvm_target.kind.name == "llvm" else None),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
