@@ -1,7 +1,7 @@
 """Scheduling on arm_2tpu, simulated: the placement DP and the pipelining DP against the documented
 baselines under the same cost model, and the scheduler's own run time.
 
-    .venv/bin/python benchmarks/bench_schedule.py [--out benchmarks/schedule.json]
+    .venv/bin/python benchmarks/bench_schedule.py [--out benchmarks/schedule.json] [--models A,B]
 
 Models: DESIGN §8's captioner (8 frames of 224x224x3 -> TimeDistributed DenseNet121 (no top, average
 pool: 1,024 features) -> LSTM(512) encoder -> LSTM(512) decoder over 16 steps -> Dense over 10,000
@@ -81,7 +81,7 @@ def measure(name: str) -> dict:
 CORAL_PIPELINING = {"InceptionV3": (2, 2.0), "ResNet50": (3, 6.0)}   # segments, expected speedup at least
 
 
-def coral_pipelining() -> list[dict]:
+def coral_pipelining(names: list[str]) -> list[dict]:
     """Our simulation of Coral's parameter-count split over N TPUs against one TPU, next to the speedup
     Coral's pipelining tests expect (a published figure held out from every fit). The target is
     arm_2tpu with its Edge TPU count set to N (same fitted figures, USB links); the graph is the
@@ -96,7 +96,7 @@ def coral_pipelining() -> list[dict]:
 
     base, _ = load_target("arm_2tpu")
     rows = []
-    for name, (segments, expected) in CORAL_PIPELINING.items():
+    for name, (segments, expected) in ((n, c) for n, c in CORAL_PIPELINING.items() if n in names):
         model = onnx.load(str(stage_dir(CACHE / name, "legalize") / "model.onnx"))
         shapes, consts = irm.static_shapes(model), irm.constant_names(model)
         fps = {}
@@ -113,19 +113,22 @@ def coral_pipelining() -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     out = ["| model | nodes | DP latency ms | ARM only ms | speedup | Coral default ms | pipelined frames/s | "
-           "pipelined over ARM only | Coral --num_segments 2 frames/s | greedy ms | scheduler s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "pipelined over ARM only | Coral --num_segments 2 frames/s | Coral replication frames/s | greedy ms | "
+           "scheduler s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lat, thr = r["latency"], r["throughput"]
         b = lat["baselines"]
         cpu = b["all on the cpu"]["latency_ms"]
         coral = b.get("coral default (first unsupported op onwards on the cpu)", {})
         split = thr["baselines"].get("coral --num_segments 2 (parameter-count split)", {})
+        replicated = thr["baselines"].get("coral replication (the model on every edge tpu, frames dealt in turn)", {})
         out.append(f"| {r['model']} | {lat['nodes']} | {lat['predicted']['latency_ms']:.2f} | {cpu:.1f} | "
                    f"{cpu / lat['predicted']['latency_ms']:.1f}× | {coral.get('latency_ms', float('nan')):.2f} | "
                    f"{thr['predicted']['throughput_fps']:.1f} | "
                    f"{thr['predicted']['throughput_fps'] / thr['baselines']['all on the cpu']['throughput_fps']:.1f}× | "
                    f"{split.get('throughput_fps', float('nan')):.1f} | "
+                   f"{replicated.get('throughput_fps', float('nan')):.1f} | "
                    f"{b['greedy (first capable accelerator)']['latency_ms']:.2f} | "
                    f"{lat['scheduler_s']:.3f} / {thr['scheduler_s']:.3f} |")
     return "\n".join(out)
@@ -134,14 +137,15 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "schedule.json")
+    ap.add_argument("--models", default=",".join(MODELS), help="a comma-separated subset of " + ",".join(MODELS))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    rows = []
-    for name in MODELS:
+    rows, names = [], [n for n in args.models.split(",") if n]
+    for name in names:
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         rows.append(measure(name))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    coral = coral_pipelining()
+    coral = coral_pipelining(names)
     args.out.write_text(json.dumps({"models": rows, "coral_pipelining": coral}, indent=2) + "\n")
     print(table(rows))
     print("\n| model | segments | one TPU frames/s | split frames/s | speedup | Coral's test expects |\n|---|---|---|---|---|---|")

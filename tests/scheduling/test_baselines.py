@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from edgesdk.scheduling.baselines import all_cpu, coral_default, coral_segments, greedy
+from edgesdk.scheduling.baselines import all_cpu, coral_default, coral_replicated, coral_segments, greedy
 from edgesdk.scheduling.problem import Link, Problem, Tensor
 from edgesdk.scheduling.simulate import one_inference
 
@@ -90,3 +90,10 @@ def test_every_baseline_gives_a_plan_the_simulator_accepts():
     p = chain(["tpu", "tpu", "cpu", "tpu", "tpu"], weights=[3, 1, 0, 2, 2])
     for plan in (all_cpu(p), coral_default(p), coral_segments(p, 2), greedy(p)):
         assert one_inference(p, plan).makespan_ms > 0
+
+
+def test_coral_replicated_is_coral_default_on_each_tpu():
+    p = chain(["tpu", "tpu", "cpu", "tpu"])
+    assert coral_replicated(p, [TPU0, TPU1]) == [[(0, 2, TPU0), (2, 4, "cpu")], [(0, 2, TPU1), (2, 4, "cpu")]]
+    with pytest.raises(ValueError, match="nothing to replicate"):
+        coral_replicated(chain(["cpu", "tpu"]), [TPU0, TPU1])

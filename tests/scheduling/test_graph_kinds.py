@@ -102,6 +102,25 @@ def test_the_problem_is_the_old_one(target):
         assert [[v.hex() for v in c.values()] for c in new.cost] == [[v.hex() for v in c.values()] for c in old.cost]
 
 
+def test_replicated_costs_each_tpu_as_holding_every_weight():
+    """Weights that fit two TPUs' caches together but not one: spread over both (the default), nothing
+    streams; with the whole model on each TPU (`replicated`), a share streams and the TPU nodes cost
+    more. Where even one cache holds them, both problems are the same."""
+    arm, _ = load_target("arm_2tpu")
+    m = _model(["edgetpu,cpu/tvm"] * 4 + [None, None], 512)      # w2 alone: 512 x 512 float32 = 1 MiB
+    shapes, consts = irm.static_shapes(m), irm.constant_names(m)
+    int8_mb = sum(node_bytes(n, shapes, consts)[0] for n in m.graph.node) / 4 / 1e6
+    data = arm.model_dump(mode="json")
+    data["devices"][1]["on_chip_memory"]["value"] = 0.6 * int8_mb    # one cache holds 60 %, two hold all
+    target = Target.model_validate(data)
+    spread, _ = build_problem(m, target, shapes, consts)
+    whole, _ = build_problem(m, target, shapes, consts, replicated=True)
+    conv = 3  # the 1x1 convolution with most of the weights
+    assert whole.cost[conv]["edgetpu:0"] > spread.cost[conv]["edgetpu:0"]
+    assert whole.cost[conv]["cpu"] == spread.cost[conv]["cpu"]
+    assert build_problem(m, arm, shapes, consts, replicated=True)[0] == build_problem(m, arm, shapes, consts)[0]
+
+
 def test_vendor_baselines_by_kind():
     assert list(baselines.vendor_rules("edgetpu", ["edgetpu:0"])) == [
         "coral default (first unsupported op onwards on the cpu)"]

@@ -154,6 +154,28 @@ def test_one_device_stream_gets_no_speedup():
     assert tl.utilization["cpu"] == pytest.approx(1.0)
 
 
+def test_replicas_take_frames_in_turn_and_share_the_cpu():
+    """The model on two TPUs, frames dealt in turn: each TPU takes every other frame, so a TPU-bound
+    stream runs twice as fast as on one TPU; the CPU tail they share is then the bottleneck if longer."""
+    p = chain([{"cpu": 9.0, TPU0: 4.0, TPU1: 4.0}, {"cpu": 1.0}], overhead={TPU0: 0.5, TPU1: 0.5})
+    on = {tpu: [(0, 1, tpu), (1, 2, "cpu")] for tpu in (TPU0, TPU1)}
+    one = stream(p, on[TPU0], frames=60)
+    two = stream(p, on[TPU0], frames=60, replicas=[on[TPU1]])
+    tpu_stage = segment_ms(p, 0, 1, TPU0)                      # 0.5 + 4 + two link transfers of 1000 bytes
+    assert one.throughput_fps == pytest.approx(1000.0 / tpu_stage, rel=0.02)
+    assert two.throughput_fps == pytest.approx(2 * one.throughput_fps, rel=0.02)
+    assert two.latency_ms[0] == pytest.approx(one.latency_ms[0])
+    frames_on = {tpu: {e.frame for e in two.events if e.resource == tpu} for tpu in (TPU0, TPU1)}
+    assert frames_on[TPU0] == set(range(0, 60, 2)) and frames_on[TPU1] == set(range(1, 60, 2))
+    assert_well_formed(p, two, frames=60)
+    # a CPU tail longer than half a TPU stage: the shared CPU bounds the replicated stream
+    slow_tail = chain([{"cpu": 9.0, TPU0: 4.0, TPU1: 4.0}, {"cpu": 4.0}], overhead={TPU0: 0.5, TPU1: 0.5})
+    bound = stream(slow_tail, on[TPU0], frames=60, replicas=[on[TPU1]])
+    assert bound.throughput_fps == pytest.approx(1000.0 / 4.0, rel=0.02)
+    with pytest.raises(ValueError, match="n1 cannot run on edgetpu:1"):
+        stream(p, on[TPU0], frames=2, replicas=[[(0, 2, TPU1)]])
+
+
 @pytest.mark.parametrize("plan, says", [
     ([(0, 1, "cpu")], "plan ends at node 1"),
     ([(0, 1, "cpu"), (2, 2, "cpu")], "does not continue at node 1"),

@@ -82,6 +82,10 @@ def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
     assert all(plan["predicted"]["sequential_ms"] <= b["sequential_ms"] + 1e-9 for b in base.values() if "error" not in b)
     assert plan["predicted"]["latency_ms"] <= plan["predicted"]["sequential_ms"] + 1e-9
     assert base["coral default (first unsupported op onwards on the cpu)"]["segments"] == 2
+    # Coral's data parallelism: its default plan on each TPU, each TPU costed as holding every weight
+    replicated = base["coral replication (the model on every edge tpu, frames dealt in turn)"]
+    assert replicated["replicas"] == 2 and replicated["segments"] == 2
+    assert replicated["latency_ms"] >= base["coral default (first unsupported op onwards on the cpu)"]["latency_ms"] - 1e-9
     report = (tmp_path / "o/.build/3-schedule/schedule.html").read_text()
     assert report.count("data:image/png;base64,") == 2 and "<th>bytes moved</th>" in report
     assert all(0 <= u <= 1 for u in plan["utilization"].values())

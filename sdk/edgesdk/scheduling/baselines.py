@@ -68,8 +68,24 @@ def _coral(ids: list[str]) -> dict[str, Rule]:
     return rules
 
 
+def coral_replicated(problem: Problem, ids: list[str]) -> list[list[tuple[int, int, str]]]:
+    """Coral's data parallelism: the same model loaded on every TPU, a new input going to a TPU that is
+    not busy; its documentation (coral.ai/docs/edgetpu/pipeline) says this works best when the model
+    fits one TPU's cache (~8 MB), and recommends pipelining otherwise. One plan per TPU of `ids`:
+    Coral's default with that TPU in edgetpu:0's place, for `simulate.stream(..., replicas=...)` to
+    deal frames to in turn (a fixed rotation: with equal TPUs, the one that is free). The problem
+    should cost each TPU as holding all the weights (`graph.build_problem(..., replicated=True)`)."""
+    if _tpu_prefix(problem) == 0:
+        raise ValueError("no node at the start of the graph runs on the Edge TPU: nothing to replicate")
+    base = coral_default(problem)
+    return [[(i, j, tpu if d == TPU else d) for i, j, d in base] for tpu in ids]
+
+
 # a device kind's vendor rules, by the kind's instance ids in the target -> {name shown in the plan: rule}
 VENDOR_RULES: dict[str, Callable[[list[str]], dict[str, Rule]]] = {"edgetpu": _coral}
+# a device kind's vendor's data-parallel advice: (name shown in the plan, plans per instance)
+VENDOR_REPLICATION: dict[str, tuple[str, Callable[[Problem, list[str]], list[list[tuple[int, int, str]]]]]] = {
+    "edgetpu": ("coral replication (the model on every edge tpu, frames dealt in turn)", coral_replicated)}
 
 
 def vendor_rules(kind: str, ids: list[str]) -> dict[str, Rule]:

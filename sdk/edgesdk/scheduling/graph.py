@@ -17,9 +17,13 @@ from ..ir import model as irm
 from .problem import Link, Problem, Tensor
 
 
-def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Problem, list[str]]:
+def build_problem(model: onnx.ModelProto, target, shapes, consts, *,
+                  replicated: bool = False) -> tuple[Problem, list[str]]:
     """The numeric problem of `model` on `target`, and each node's CPU backend. Devices: the host, then
-    each accelerator kind's instances, kinds by preference (`devices.registry.accelerators`)."""
+    each accelerator kind's instances, kinds by preference (`devices.registry.accelerators`).
+
+    An accelerator's weights are spread over its instances' caches (`streamed_fraction`); `replicated`
+    costs every instance as holding all of them itself (the whole model on each Edge TPU)."""
     g = model.graph
     accelerators = registry.accelerators({d.kind for d in target.devices})
     devices = [HOST] + [i for m in accelerators for i in target.logical_ids(m.kind)]
@@ -33,7 +37,7 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
     kinds_of = [{x.split("/")[0] for x in c} for c in caps]
     weights, acts = zip(*(node_bytes(n, shapes, consts) for n in g.node)) if g.node else ((), ())
     # per kind: the share of the weights its capable nodes hold that streams over its link every inference
-    streamed = {m.kind: m.streamed_fraction(target.devices_of(m.kind),
+    streamed = {m.kind: m.streamed_fraction(_holders(target.devices_of(m.kind), replicated),
                                             sum(w for w, k in zip(weights, kinds_of) if m.kind in k))
                 for m in accelerators}
     cost, cpu_backend = [], []
@@ -60,3 +64,9 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
     names = tuple(irm.node_name(n, i) for i, n in enumerate(g.node))
     return Problem(names, tuple(devices), tuple(cost), tuple(tensors), {d: 0.0 for d in devices}, links,
                    tuple(weights)), cpu_backend
+
+
+def _holders(specs: list, replicated: bool) -> list:
+    """The device entries whose caches share a kind's weights: all of them, or one instance of the
+    first where every instance holds the whole model."""
+    return [specs[0].model_copy(update={"count": 1})] if replicated and specs else specs

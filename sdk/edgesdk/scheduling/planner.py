@@ -11,6 +11,7 @@ It reads and writes no file: the schedule stage writes what it returns.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
@@ -67,7 +68,7 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool) -> S
         predicted=_predicted(problem, placed, one, flow),
         utilization={k: round(v, 4) for k, v in flow.utilization.items()},
         cost_model=COST_MODEL, search=_search(mode, streamed),
-        baselines=_baselines(problem, target),
+        baselines=_baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0]),
         placement=placement_counts(par.runs),
         decisions=tuple(_decisions(problem, chosen)),
     )
@@ -154,12 +155,19 @@ def _decisions(problem: Problem, segments) -> list[str]:
     return out
 
 
-def _baselines(problem: Problem, target) -> dict[str, dict]:
+def _baselines(problem: Problem, target, replicated: Callable[[], Problem]) -> dict[str, dict]:
     """The documented rules (all on the CPU, greedy, each accelerator vendor's), costed and simulated on
-    the same cost model; a rule that cannot place the graph says why."""
+    the same cost model; a rule that cannot place the graph says why. A vendor's data-parallel advice
+    (the model on each of several instances) is costed on `replicated()`, the problem with each
+    instance holding all the weights, and streamed with the frames dealt to the instances in turn."""
     rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy}
+    copies = {}
     for m in registry.accelerators({d.kind for d in target.devices}):  # each vendor's documented rules
-        rules.update(baselines.vendor_rules(m.kind, target.logical_ids(m.kind)))
+        ids = target.logical_ids(m.kind)
+        rules.update(baselines.vendor_rules(m.kind, ids))
+        if len(ids) > 1 and m.kind in baselines.VENDOR_REPLICATION:
+            name, rule = baselines.VENDOR_REPLICATION[m.kind]
+            copies[name] = (rule, ids)
     out = {}
     for name, rule in rules.items():
         try:
@@ -167,9 +175,21 @@ def _baselines(problem: Problem, target) -> dict[str, dict]:
         except ValueError as e:
             out[name] = {"error": str(e)}
             continue
-        one = simulate.one_inference(problem, segs)
-        flow = simulate.stream(problem, segs, STREAM_FRAMES)
-        sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
-        out[name] = {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
-                     "sequential_ms": round(sequential, 4), "segments": len(segs)}
+        out[name] = _costed(problem, segs)
+    whole = replicated() if copies else problem
+    for name, (rule, ids) in copies.items():
+        try:
+            plans = rule(whole, ids)
+        except ValueError as e:
+            out[name] = {"error": str(e)}
+            continue
+        out[name] = {**_costed(whole, plans[0], plans[1:]), "replicas": len(plans)}
     return out
+
+
+def _costed(problem: Problem, segs, replicas=()) -> dict:
+    one = simulate.one_inference(problem, segs)
+    flow = simulate.stream(problem, segs, STREAM_FRAMES, replicas=replicas)
+    sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
+    return {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+            "sequential_ms": round(sequential, 4), "segments": len(segs)}

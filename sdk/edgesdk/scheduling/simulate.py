@@ -65,17 +65,22 @@ def one_inference(problem: Problem, segments: Sequence, durations: dict[int, flo
 
 
 def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float = 0.0,
-           durations: dict[int, float] | None = None) -> Timeline:
+           durations: dict[int, float] | None = None, *, replicas: Sequence[Sequence] = ()) -> Timeline:
     """`frames` frames through the same plan, frame f's graph inputs on the host at f * interval_ms
     (0: all at once, a saturated source); consecutive frames overlap as far as the resources' fixed
     order allows. Throughput is measured on the last half of the frames, where the pipeline is full:
     (completions in the window - 1) / (last - first completion in the window). A frame's latency runs
     from its first task's start, so under a saturated source it grows with the queue in front of the
-    bottleneck; pace the source (interval_ms >= the bottleneck) to see the latency of a full pipeline."""
-    plan = _plan(problem, segments)
+    bottleneck; pace the source (interval_ms >= the bottleneck) to see the latency of a full pipeline.
+
+    `replicas` (data parallelism): more plans of the same graph, played in turn: frame f runs plan
+    f mod (1 + len(replicas)), the first being `segments` (a model replicated on every Edge TPU, each
+    taking every other frame). The replicas share every resource, the CPU and the links included.
+    `durations` (segment index -> ms) applies to `segments` alone."""
+    plans = [_plan(problem, segments), *(_plan(problem, r) for r in replicas)]
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
-    io = [_io(problem, i, j) for i, j, _ in plan]
+    ios = [[_io(problem, i, j) for i, j, _ in plan] for plan in plans]
     resources = tuple(r for d in problem.devices for r in ((d,) if d == "cpu" else (d, link_of(d))))
     free = dict.fromkeys(resources, 0.0)
     events: list[Event] = []
@@ -90,9 +95,11 @@ def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float
     for f in range(frames):
         on_host = {t: f * interval_ms for t, tensor in enumerate(problem.tensors) if tensor.producer is None}
         n_before = len(events)
-        for s, ((i, j, d), (ins, outs)) in enumerate(zip(plan, io)):
+        r = f % len(plans)
+        timed = durations if r == 0 and durations else {}
+        for s, ((i, j, d), (ins, outs)) in enumerate(zip(plans[r], ios[r])):
             compute_ms = problem.overhead_ms.get(d, 0.0) + (
-                durations[s] if durations and s in durations else sum(problem.node_ms(k, d) for k in range(i, j)))
+                timed[s] if s in timed else sum(problem.node_ms(k, d) for k in range(i, j)))
             if d == "cpu":
                 ready = max((on_host[t] for t in ins), default=0.0)
                 end = run(d, ready, compute_ms, segment=s, kind="compute", frame=f)
