@@ -6,7 +6,8 @@ baselines under the same cost model, and the scheduler's own run time.
 Models: DESIGN §8's captioner (8 frames of 224x224x3 -> TimeDistributed DenseNet121 (no top, average
 pool: 1,024 features) -> LSTM(512) encoder -> LSTM(512) decoder over 16 steps -> Dense over 10,000
 words; built here in Keras with random weights, cached as .keras; its LSTMs are Loops after tf2onnx,
-unrolled by import) and the Keras applications `benchmarks/bench_import.py` caches (weights=None).
+unrolled by import), the Keras applications `benchmarks/bench_import.py` caches (weights=None), and
+`bench_cpu.py`'s transformer encoder (2 post-norm layers, d 256, 4 heads, 128 tokens, random weights).
 Each is built up to the schedule stage in `--mode latency`, then again from schedule in
 `--mode throughput` (builds under .cache/bench-schedule/, reused through the stage cache); figures
 come from plan.json, i.e. from the simulator over the cost model of `devices/cost.py` with
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-MODELS = ["captioner", "MobileNetV2", "ResNet50", "InceptionV3", "NASNetMobile"]
+MODELS = ["captioner", "MobileNetV2", "ResNet50", "InceptionV3", "NASNetMobile", "transformer-encoder"]
 CACHE = ROOT / ".cache" / "bench-schedule"
 RESEARCH = {"captioner": {"dp_speedup": 39.0, "pipelined_speedup": 55.0, "pipelined_fps": 59.0}}
 
@@ -61,7 +62,14 @@ def measure(name: str) -> dict:
 
     from edgesdk.pipeline import BuildOptions, build
 
-    path = captioner() if name == "captioner" else keras_app(name)[0]
+    if name == "captioner":
+        path = captioner()
+    elif name == "transformer-encoder":  # bench_cpu's: 2 post-norm layers, d 256, 4 heads, 128 tokens
+        from bench_cpu import transformer_encoder
+
+        path = transformer_encoder()
+    else:
+        path = keras_app(name)[0]
     row: dict = {"model": name}
     out = CACHE / name
     for mode in ("latency", "throughput"):
@@ -71,10 +79,17 @@ def measure(name: str) -> dict:
         row[mode] = {"predicted": plan["predicted"], "placement": plan["placement"],
                      "segments": len(plan["segments"]), "baselines": plan["baselines"],
                      "scheduler_s": result.stages[2].record["scheduler_s"],
-                     "nodes": sum(plan["placement"].values()), "build_s": round(time.perf_counter() - t0, 1)}
+                     "nodes": sum(plan["placement"].values()), "build_s": round(time.perf_counter() - t0, 1),
+                     "accelerator_flops_share": _accelerator_share(plan)}
     if name in RESEARCH:
         row["research"] = RESEARCH[name]
     return row
+
+
+def _accelerator_share(plan: dict) -> float:
+    """The share of the model's FLOPs that the plan places on an accelerator."""
+    total = sum(seg["flops"] for seg in plan["segments"])
+    return round(sum(seg["flops"] for seg in plan["segments"] if seg["device"] != "cpu") / total, 4) if total else 0.0
 
 
 # Coral's own pipelining tests (DESIGN §8): throughput of --num_segments N over N Edge TPUs against one TPU
@@ -114,8 +129,8 @@ def coral_pipelining(names: list[str]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     out = ["| model | nodes | DP latency ms | ARM only ms | speedup | Coral default ms | pipelined frames/s | "
            "pipelined over ARM only | Coral --num_segments 2 frames/s | Coral replication frames/s | greedy ms | "
-           "scheduler s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "FLOPs on the TPUs | scheduler s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lat, thr = r["latency"], r["throughput"]
         b = lat["baselines"]
@@ -130,6 +145,7 @@ def table(rows: list[dict]) -> str:
                    f"{split.get('throughput_fps', float('nan')):.1f} | "
                    f"{replicated.get('throughput_fps', float('nan')):.1f} | "
                    f"{b['greedy (first capable accelerator)']['latency_ms']:.2f} | "
+                   f"{lat['accelerator_flops_share']:.0%} | "
                    f"{lat['scheduler_s']:.3f} / {thr['scheduler_s']:.3f} |")
     return "\n".join(out)
 

@@ -16,7 +16,10 @@ Each rule carries its exactness:
     div-constant-to-mul        x / c                        -> x * (1/c)
     clip-to-relu               Clip(x, 0) / Clip(x, 0, inf) -> Relu(x)
     gemm-to-fully-connected    Gemm(A, B, C; any transB, alpha, beta) -> Gemm(A, alpha*B' [N, K], beta*C [N]; transB=1)
+    gemm-rows-to-conv          Gemm(A [M, K], B [N, K], C [N]; transB=1), M and N > 1 -> as matmul-rows-to-conv, C the bias
     gemm-computed-bias-to-add  Gemm(A, B, C), B constant, C computed -> Gemm(A, B) + C  (beta != 1: + C*beta)
+    matmul-rows-to-conv        MatMul(A [..., K], B [K, N]), more than one row and column out
+                               -> Reshape(Transpose(Conv(Transpose(Reshape(A, [1, R, 1, K])), B^T as [N, K, 1, 1])))
     matmul-to-fully-connected  MatMul(A [..., K], B [K, N]) -> Reshape(Gemm(Reshape(A, [-1, K]), B^T; transB=1))
     fold-rank-for-elementwise  op(x [>3 dims > 1], ...)     -> Reshape(op(Reshape(x, rank 3), ...), x's shape)
     reduce-mean-to-average-pool ReduceMean(x, axes=[2, 3])  -> GlobalAveragePool(x) (+ Reshape for keepdims=0)
@@ -60,7 +63,8 @@ Bounds (u = 2^-24, float32's unit roundoff; ulp as of the result):
 - Gemm: with alpha = beta = 1 only B's layout changes (exact in real arithmetic; the kernel may
   order the K-sum differently, a few ulp of sum |a_k b_k|). alpha*B and beta*C are rounded once:
   within ~2u * sum |alpha a_k b_k| + u*|beta c| of the reference; exact scaling for powers of two.
-- MatMul: the same dot products, B transposed and A's rows flattened: as Gemm with alpha = 1.
+- MatMul: the same dot products, B transposed and A's rows flattened: as Gemm with alpha = 1; as a
+  1x1 convolution, each output pixel is one row's dot products with the same weights.
 - Gemm with a computed C: the reference kernel (onnxruntime's MLAS) starts from beta*C and adds the
   product in blocks of K; the rewrite rounds the whole product first and adds beta*C last. One sum
   of the same terms in another order: within ~2^-24 * (|alpha| |A| |B| + |beta C|) elementwise
@@ -466,6 +470,91 @@ class MatMulToFullyConnected(pattern.RewriteRuleClassBase):
         return op.Reshape(op.Gemm(rows, weights, transB=1), c.shape(op, "fc_out", (*self._shape[:-1], n)))
 
 
+class MatMulRowsToConv(pattern.RewriteRuleClassBase):
+    """A MatMul by a constant matrix with several rows and columns out (a transformer's projections:
+    [1, 128, 256] x [256, 256]) as a 1x1 convolution over a column of pixels, one per row: the Edge
+    TPU's FULLY_CONNECTED gives one-dimensional outputs only, its CONV_2D has no such limit. The
+    rows go down H of an NCHW [1, K, R, 1] (R = the rows, every leading dimension folded in, so at
+    most two dimensions exceed 1), the weights are [N, K, 1, 1], and the result is put back. Our
+    TFLite lowering keeps tensors NHWC, so the two Transposes cost nothing there: RESHAPE, CONV_2D,
+    RESHAPE."""
+
+    def pattern(self, op, a, b):
+        return op.MatMul(a, b)
+
+    def check(self, context, a, b):
+        result = pattern.MatchResult()
+        if reason := _not_float(a):
+            return result.fail(reason)
+        weights = constant(b)
+        if weights is None or weights.ndim != 2:
+            return result.fail(f"{b.name} is not a constant matrix")
+        if constant(a) is not None:
+            return result.fail("both operands are constants (constant folding's job)")
+        shape = static_shape(a)
+        if shape is None or len(shape) < 2:
+            return result.fail(f"{a.name} has no static shape of rank >= 2")
+        if shape[-1] != weights.shape[0]:
+            return result.fail(f"{a.name} {shape} and {b.name} {weights.shape} do not multiply")
+        rows = math.prod(shape[:-1])
+        if rows == 1 or weights.shape[1] == 1:
+            return result.fail("one row or one column out: a one-dimensional FULLY_CONNECTED output")
+        self._shape, self._rows = shape, rows
+        self._weights = np.ascontiguousarray(weights.T.reshape(weights.shape[1], weights.shape[0], 1, 1))
+        return result
+
+    def rewrite(self, op, a, b):
+        c = self._new
+        k, n = self._shape[-1], self._weights.shape[0]
+        column = op.Transpose(op.Reshape(a, c.shape(op, "conv_rows", (1, self._rows, 1, k))), perm=[0, 3, 1, 2])
+        product = op.Conv(column, c.array(op, f"{b.name}_conv", self._weights), kernel_shape=[1, 1])
+        return op.Reshape(op.Transpose(product, perm=[0, 2, 3, 1]), c.shape(op, "conv_out", (*self._shape[:-1], n)))
+
+
+class GemmRowsToConv(pattern.RewriteRuleClassBase):
+    """A Gemm in fully-connected form (`gemm-to-fully-connected` makes it: weights [N, K], transB=1,
+    alpha 1, a constant bias [N] or none) with several rows and columns out, as `MatMulRowsToConv`
+    does it, the bias the convolution's."""
+
+    def pattern(self, op, a, b):
+        return op.Gemm(a, b, _allow_other_inputs=True, _outputs=["y"])
+
+    def check(self, context, a, b, y):
+        result = pattern.MatchResult()
+        node = y.producer()
+        if reason := _not_float(a):
+            return result.fail(reason)
+        weights = constant(b)
+        if weights is None or weights.ndim != 2:
+            return result.fail(f"{b.name} is not a constant matrix")
+        if node.attributes.get_int("transA", 0) or not node.attributes.get_int("transB", 0) \
+                or node.attributes.get_float("alpha", 1.0) != 1:
+            return result.fail("not in fully-connected form (gemm-to-fully-connected first)")
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        bias = constant(c) if c is not None else None
+        if c is not None and (bias is None or bias.shape != (weights.shape[0],)
+                              or node.attributes.get_float("beta", 1.0) != 1):
+            return result.fail("C is not one constant bias per output column")
+        shape = static_shape(a)
+        if shape is None or len(shape) != 2 or shape[1] != weights.shape[1]:
+            return result.fail(f"{a.name} is not a static [M, K] matrix for {b.name} {weights.shape}")
+        if shape[0] == 1 or weights.shape[0] == 1:
+            return result.fail("one row or one column out: a one-dimensional FULLY_CONNECTED output")
+        self._shape, self._bias = shape, bias
+        self._weights = np.ascontiguousarray(weights.reshape(*weights.shape, 1, 1))
+        return result
+
+    def rewrite(self, op, a, b, y):
+        c = self._new
+        (m, k), n = self._shape, self._weights.shape[0]
+        column = op.Transpose(op.Reshape(a, c.shape(op, "conv_rows", (1, m, 1, k))), perm=[0, 3, 1, 2])
+        inputs = [column, c.array(op, f"{b.name}_conv", self._weights)]
+        if self._bias is not None:
+            inputs.append(c.array(op, f"{b.name}_conv_bias", self._bias))
+        product = op.Conv(*inputs, kernel_shape=[1, 1])
+        return op.Reshape(op.Transpose(product, perm=[0, 2, 3, 1]), c.shape(op, "conv_out", (m, n)))
+
+
 # --- rank ---------------------------------------------------------------------------------------
 
 # Elementwise ops, and which inputs carry the tensor (the rest are Clip's scalar bounds).
@@ -672,10 +761,19 @@ RULES: tuple[ExactRule, ...] = (
     ExactRule("gemm-to-fully-connected", from_patterns("gemm-to-fully-connected", _rule(GemmToFullyConnected)),
               _rounding("alpha and beta folded into B and C, rounded once; only B's layout changes when they are 1"),
               (), "Gemm with constant B, C -> Gemm(A, alpha*B [N, K], beta*C [N], transB=1)", triggers=("Gemm",)),
+    ExactRule("gemm-rows-to-conv", from_patterns("gemm-rows-to-conv", _rule(GemmRowsToConv)),
+              _rounding("the kernel's K-summation order only"),
+              (), "Gemm in fully-connected form, M rows and N > 1 out -> Reshape, Transpose, 1x1 Conv with the "
+              "bias, Transpose, Reshape", triggers=("Gemm",)),
     ExactRule("gemm-computed-bias-to-add",
               from_patterns("gemm-computed-bias-to-add", _rule(GemmComputedBiasToAdd)),
               _rounding("the product is rounded before beta*C is added: ~2^-24 * (|alpha| |A| |B| + |beta C|)"),
               (), "Gemm(A, constant B, computed C) -> Gemm(A, B) + beta*C", triggers=("Gemm",)),
+    # before matmul-to-fully-connected, which would take these MatMuls into a FULLY_CONNECTED the Edge TPU refuses
+    ExactRule("matmul-rows-to-conv", from_patterns("matmul-rows-to-conv", _rule(MatMulRowsToConv)),
+              _rounding("the kernel's K-summation order only"),
+              ("MatMul",), "MatMul(A [..., R, K], constant B [K, N]), R rows and N > 1 -> "
+              "Reshape, Transpose, 1x1 Conv, Transpose, Reshape"),
     ExactRule("matmul-to-fully-connected", from_patterns("matmul-to-fully-connected", _rule(MatMulToFullyConnected)),
               _rounding("the kernel's K-summation order only"),
               ("MatMul",), "MatMul(A [..., K], constant B [K, N]) -> Reshape, Gemm(transB=1), Reshape"),
