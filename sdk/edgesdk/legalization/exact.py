@@ -445,19 +445,10 @@ class MatMulToFullyConnected(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b):
         result = pattern.MatchResult()
-        if reason := _not_float(a):
-            return result.fail(reason)
-        weights = constant(b)
-        if weights is None or weights.ndim != 2:
-            return result.fail(f"{b.name} is not a constant matrix")
-        if constant(a) is not None:
-            return result.fail("both operands are constants (constant folding's job)")
-        shape = static_shape(a)
-        if shape is None or len(shape) < 2:
-            return result.fail(f"{a.name} has no static shape of rank >= 2")
-        if shape[-1] != weights.shape[0]:
-            return result.fail(f"{a.name} {shape} and {b.name} {weights.shape} do not multiply")
-        self._shape, self._weights = shape, np.ascontiguousarray(weights.T)
+        found = _by_constant_matrix(a, b)
+        if isinstance(found, str):
+            return result.fail(found)
+        self._shape, self._weights = found[0], np.ascontiguousarray(found[1].T)
         return result
 
     def rewrite(self, op, a, b):
@@ -484,31 +475,49 @@ class MatMulRowsToConv(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b):
         result = pattern.MatchResult()
-        if reason := _not_float(a):
-            return result.fail(reason)
-        weights = constant(b)
-        if weights is None or weights.ndim != 2:
-            return result.fail(f"{b.name} is not a constant matrix")
-        if constant(a) is not None:
-            return result.fail("both operands are constants (constant folding's job)")
-        shape = static_shape(a)
-        if shape is None or len(shape) < 2:
-            return result.fail(f"{a.name} has no static shape of rank >= 2")
-        if shape[-1] != weights.shape[0]:
-            return result.fail(f"{a.name} {shape} and {b.name} {weights.shape} do not multiply")
-        rows = math.prod(shape[:-1])
-        if rows == 1 or weights.shape[1] == 1:
+        found = _by_constant_matrix(a, b)
+        if isinstance(found, str):
+            return result.fail(found)
+        self._shape, weights = found
+        if math.prod(self._shape[:-1]) == 1 or weights.shape[1] == 1:
             return result.fail("one row or one column out: a one-dimensional FULLY_CONNECTED output")
-        self._shape, self._rows = shape, rows
-        self._weights = np.ascontiguousarray(weights.T.reshape(weights.shape[1], weights.shape[0], 1, 1))
+        self._weights = np.ascontiguousarray(weights.T)
         return result
 
     def rewrite(self, op, a, b):
-        c = self._new
-        k, n = self._shape[-1], self._weights.shape[0]
-        column = op.Transpose(op.Reshape(a, c.shape(op, "conv_rows", (1, self._rows, 1, k))), perm=[0, 3, 1, 2])
-        product = op.Conv(column, c.array(op, f"{b.name}_conv", self._weights), kernel_shape=[1, 1])
-        return op.Reshape(op.Transpose(product, perm=[0, 2, 3, 1]), c.shape(op, "conv_out", (*self._shape[:-1], n)))
+        return _conv_over_rows(op, self._new, a, self._shape, self._weights, None, b.name)
+
+
+def _by_constant_matrix(a: ir.Value, b: ir.Value) -> tuple[tuple[int, ...], np.ndarray] | str:
+    """A's static shape and B's values, where A (float, computed, rank >= 2) times the constant
+    matrix B is a product of matrices; else why not."""
+    if reason := _not_float(a):
+        return reason
+    weights = constant(b)
+    if weights is None or weights.ndim != 2:
+        return f"{b.name} is not a constant matrix"
+    if constant(a) is not None:
+        return "both operands are constants (constant folding's job)"
+    shape = static_shape(a)
+    if shape is None or len(shape) < 2:
+        return f"{a.name} has no static shape of rank >= 2"
+    if shape[-1] != weights.shape[0]:
+        return f"{a.name} {shape} and {b.name} {weights.shape} do not multiply"
+    return tuple(shape), weights
+
+
+def _conv_over_rows(op, c: _Initializers, a: ir.Value, shape: tuple[int, ...], weights: np.ndarray,
+                    bias: np.ndarray | None, base: str) -> ir.Value:
+    """A [..., K] times weights [N, K]^T (+ bias [N]) as a 1x1 convolution: A's rows down H of an NCHW
+    [1, K, R, 1], the weights [N, K, 1, 1], the result put back to [..., N]."""
+    k, n = shape[-1], weights.shape[0]
+    column = op.Transpose(op.Reshape(a, c.shape(op, "conv_rows", (1, math.prod(shape[:-1]), 1, k))),
+                          perm=[0, 3, 1, 2])
+    inputs = [column, c.array(op, f"{base}_conv", weights.reshape(n, k, 1, 1))]
+    if bias is not None:
+        inputs.append(c.array(op, f"{base}_conv_bias", bias))
+    product = op.Conv(*inputs, kernel_shape=[1, 1])
+    return op.Reshape(op.Transpose(product, perm=[0, 2, 3, 1]), c.shape(op, "conv_out", (*shape[:-1], n)))
 
 
 class GemmRowsToConv(pattern.RewriteRuleClassBase):
@@ -540,19 +549,11 @@ class GemmRowsToConv(pattern.RewriteRuleClassBase):
             return result.fail(f"{a.name} is not a static [M, K] matrix for {b.name} {weights.shape}")
         if shape[0] == 1 or weights.shape[0] == 1:
             return result.fail("one row or one column out: a one-dimensional FULLY_CONNECTED output")
-        self._shape, self._bias = shape, bias
-        self._weights = np.ascontiguousarray(weights.reshape(*weights.shape, 1, 1))
+        self._shape, self._weights, self._bias = tuple(shape), weights, bias
         return result
 
     def rewrite(self, op, a, b, y):
-        c = self._new
-        (m, k), n = self._shape, self._weights.shape[0]
-        column = op.Transpose(op.Reshape(a, c.shape(op, "conv_rows", (1, m, 1, k))), perm=[0, 3, 1, 2])
-        inputs = [column, c.array(op, f"{b.name}_conv", self._weights)]
-        if self._bias is not None:
-            inputs.append(c.array(op, f"{b.name}_conv_bias", self._bias))
-        product = op.Conv(*inputs, kernel_shape=[1, 1])
-        return op.Reshape(op.Transpose(product, perm=[0, 2, 3, 1]), c.shape(op, "conv_out", (m, n)))
+        return _conv_over_rows(op, self._new, a, self._shape, self._weights, self._bias, b.name)
 
 
 # --- rank ---------------------------------------------------------------------------------------
