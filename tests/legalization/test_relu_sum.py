@@ -30,6 +30,7 @@ from edgesdk.legalization.relu_sum import (
     fit,
     int8_errors,
     to_onnx,
+    to_onnx_conv,
 )
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -288,6 +289,56 @@ def test_onnx_emits_no_node_that_does_nothing(a, ops):
     assert np.abs(got - evaluate(a, x)).max() <= 1e-6
 
 
+@pytest.mark.parametrize("name", ["softplus", "tanh", "silu"])
+def test_conv_form_computes_g_in_float32_with_five_nodes_whatever_the_knots(name):
+    """The Edge TPU form: Reshape, Conv, Relu, Conv, Reshape for 8 or 27 knots alike, g continued on
+    both sides of [lo, hi] as `evaluate` continues it."""
+    f, lo, hi, max_knots, *_ = FUNCTIONS[name]
+    a = fit(f, lo, hi, 1e-3, max_knots=max_knots)
+    nodes, inits = to_onnx_conv(a, "x", "y", "act_", (1, 3, 8, 8))
+    assert [n.op_type for n in nodes] == ["Reshape", "Conv", "Relu", "Conv", "Reshape"]
+    terms = len(a.knots) + 2 * (a.c1 != 0)
+    slopes = next(i for i in inits if i.name == "act_slopes")
+    assert list(slopes.dims) == [terms, 1, 1, 1]
+    width = hi - lo
+    x = np.random.default_rng(1).uniform(lo - width / 2, hi + width / 2, (1, 3, 8, 8)).astype(np.float32)
+    x.flat[:4] = [lo, hi, a.knots[0], a.knots[-1]]
+    (got,) = run_onnx(nodes, inits, {"x": x}, ["y"])
+    x64 = x.astype(np.float64)
+    magnitude = abs(a.c0) + np.abs(a.c1 * x64) + abs(a.c1 * a.lo)
+    magnitude += sum(abs(w) * np.maximum(x64 - k, 0) for k, w in zip(a.knots, a.weights))
+    rounding = 2.0**-24 * (terms + 2) * magnitude  # the docstring's bound
+    assert got.shape == x.shape and (np.abs(got - evaluate(a, x64)) <= rounding).all()
+    assert all(n.name.startswith("act_") for n in nodes)
+    assert [o for n in nodes for o in n.output if not o.startswith("act_")] == ["y"]
+
+
+def test_conv_form_of_a_constant_keeps_the_shape():
+    nodes, inits = to_onnx_conv(Approximation(-1, 1, (), 2.0, 0.0, (), 0.0), "x", "y", "p_", (2, 5))
+    (got,) = run_onnx(nodes, inits, {"x": np.linspace(-3, 3, 10, dtype=np.float32).reshape(2, 5)}, ["y"])
+    assert got.shape == (2, 5) and np.all(got == 2.0)
+
+
+def test_conv_form_converts_to_four_tflite_ops_in_int8(tmp_path):
+    """RESHAPE, CONV_2D (the Relu fused), CONV_2D, RESHAPE, int8 throughout, for 24 knots; the tree
+    form of the same approximation is 3 ops per knot."""
+    from edgesdk.backends.tflite import convert_int8
+
+    a = fit(softplus, -8, 8, 1e-3)
+    points = (1, 4, 256)
+    calibration = [{"x": np.random.default_rng(s).uniform(-8, 8, points).astype(np.float32)} for s in range(4)]
+    counts = {}
+    for form, (nodes, inits) in {"conv": to_onnx_conv(a, "x", "y", "s_", points),
+                                 "tree": to_onnx(a, "x", "y", "s_")}.items():
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, points)],
+                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, points)], inits)
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 10
+        counts[form] = convert_int8(m, calibration, tmp_path / f"{form}.tflite").op_counts
+    assert counts["conv"] == {"RESHAPE": 2, "CONV_2D": 2}, counts["conv"]
+    assert sum(counts["tree"].values()) > 3 * len(a.knots), counts["tree"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -344,9 +395,10 @@ def test_a_discontinuous_f_cannot_be_verified():
 
 
 def test_int8_error_through_the_real_tflite_path():
-    # Measured (TF 2.21, LiteRT 2.3): softplus 0.0857, silu 0.0901 for fits within 1e-3 of
-    # 24 and 27 knots. Input and output quantization alone (steps 16/255 and ~8/255) give
-    # ~0.05; the rest is the int8 rounding of each term and partial sum.
+    # Measured (TF 2.21, LiteRT 2.3), the conv form legalize emits: softplus 0.053, silu 0.058
+    # for fits within 1e-3 of 24 and 27 knots (0.086 and 0.090 in the Add/Relu/Mul tree form).
+    # Input and output quantization alone (steps 16/255 and ~8/255) give ~0.05; the rest is the
+    # int8 rounding of the terms and of the weights.
     a = fit(softplus, -8, 8, 1e-3)
     b = fit(silu, -8, 8, 1e-3)
     errors = int8_errors([(a, softplus), (b, silu)])

@@ -80,6 +80,9 @@ def test_rewrites_and_approximations_move_everything_onto_the_edge_tpu(tmp_path)
     assert record["after"]["coverage"]["edgetpu"]["ops_fraction"] == 1.0 and record["after"]["transitions"] == 0
     model = onnx.load(str(stage / "model.onnx"))
     assert not {"Softplus", "LeakyRelu", "Erf"} & {n.op_type for n in model.graph.node}
+    # each approximation as two convolutions (relu_sum.to_onnx_conv), whatever its knot count
+    shifts = [n for n in model.graph.node if n.op_type == "Conv" and n.name.startswith("relu_sum")]
+    assert len(shifts) == 4, [n.name for n in model.graph.node]
     capable = [{p.key: p.value for p in n.metadata_props}["edgesdk.capable"] for n in model.graph.node]
     assert all(c.startswith("edgetpu") for c in capable), capable
     # the legalized function against the original, beyond the calibration samples the build used

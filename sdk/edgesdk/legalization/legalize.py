@@ -216,9 +216,15 @@ def _optimize(original: onnx.ModelProto, model: onnx.ModelProto, feeds: list[dic
 
 
 def _approximate(model: onnx.ModelProto, region: regions.Region, approx: relu_sum.Approximation, k: int) -> None:
-    """Put approximation number `k` in place of `region`'s exit, in `model`."""
+    """Put approximation number `k` in place of `region`'s exit, in `model`: two convolutions where its
+    input's shape is static (`relu_sum.to_onnx_conv`, a fixed number of Edge TPU ops whatever the
+    knots), else Add, Relu and Mul per knot (`relu_sum.to_onnx`)."""
     new_output = f"{region.output}__relu_sum"
-    new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, f"relu_sum{k}_")
+    shape = irm.static_shapes(model).get(region.input)
+    if shape is not None and all(d > 0 for d in shape):
+        new_nodes, inits = relu_sum.to_onnx_conv(approx, region.input, new_output, f"relu_sum{k}_", tuple(shape))
+    else:
+        new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, f"relu_sum{k}_")
     regions.replace(model, region, new_nodes, inits, new_output)
 
 
