@@ -171,7 +171,7 @@ def test_a_build_for_the_arm_board_tunes_on_it(board, tracker, tmp_path):
     from tests.test_cli import edgesdk
 
     _sine_model(tmp_path / "sine.onnx")
-    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "--no-rewrites", "-o", str(tmp_path / "out"),
                    "--trials", "8", "--tuning-db", str(tmp_path / "db"), "--cpu-backends", "planned",
                    "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)  # TVM's cut, however fast
     assert proc.returncode == 0, proc.stderr
@@ -184,7 +184,8 @@ def test_a_build_for_the_arm_board_tunes_on_it(board, tracker, tmp_path):
 
 
 def _sine_model(path: Path) -> None:
-    """x * sin(x): the Edge TPU refuses the sine, so an arm_2tpu plan keeps it on the CPU."""
+    """x * sin(x): the Edge TPU refuses the sine, so an arm_2tpu plan built with `--no-rewrites` keeps
+    it on the CPU (legalize would approximate x * sin(x) for the TPU, where its two convolutions win)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -207,7 +208,7 @@ def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_p
     from tests.test_cli import edgesdk
 
     _sine_model(tmp_path / "sine.onnx")
-    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+    proc = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "--no-rewrites", "-o", str(tmp_path / "out"),
                    "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
     assert proc.returncode == 0, proc.stderr
     assert "tune: CPU candidates are timed on" in proc.stderr and f"boards '{KEY}'" in proc.stderr
@@ -222,7 +223,7 @@ def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_p
     m = Manifest.load(tmp_path / "out" / "bundle")
     assert m.tuning["cpu_selection"]["measured_on"] == record["measured_on"]
     # a rebuild replays the board's measurements from the timing cache: the same choice, the same bundle
-    again = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "again"),
+    again = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "--no-rewrites", "-o", str(tmp_path / "again"),
                     "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", KEY)
     assert again.returncode == 0, again.stderr
     assert "replayed from the timing cache" in again.stderr
@@ -251,7 +252,7 @@ def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
             on_boards.describe(tvm_backend.Boards("127.0.0.1", tracker, "stock"))
         assert err.value.code == "tune.board-server" and "runtime.board" in err.value.hint
         _sine_model(tmp_path / "sine.onnx")
-        built = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "-o", str(tmp_path / "out"),
+        built = edgesdk("build", str(tmp_path / "sine.onnx"), "--target", "arm_2tpu", "--no-rewrites", "-o", str(tmp_path / "out"),
                         "--tuning-db", str(tmp_path / "db"), "--rpc-tracker", f"127.0.0.1:{tracker}", "--rpc-key", "stock")
         assert built.returncode == 0, built.stderr
         assert "do not run edgesdk's board server" in built.stderr and "chosen by policy instead" in built.stderr

@@ -86,6 +86,16 @@ def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
     replicated = base["coral replication (the model on every edge tpu, frames dealt in turn)"]
     assert replicated["replicas"] == 2 and replicated["segments"] == 2
     assert replicated["latency_ms"] >= base["coral default (first unsupported op onwards on the cpu)"]["latency_ms"] - 1e-9
+    # Coral's rules on the model as imported, before legalize approximated its Softplus: the TPU stops
+    # at the Softplus (1 node), and the plan on the legalized model beats it
+    from edgesdk.scheduling.planner import AS_IMPORTED
+
+    imported = {k[:-len(AS_IMPORTED)]: v for k, v in base.items() if k.endswith(AS_IMPORTED)}
+    assert set(imported) == {"coral default (first unsupported op onwards on the cpu)",
+                             "coral --num_segments 2 (parameter-count split)",
+                             "coral replication (the model on every edge tpu, frames dealt in turn)"}, set(imported)
+    coral_alone = imported["coral default (first unsupported op onwards on the cpu)"]
+    assert coral_alone["segments"] == 2 and plan["predicted"]["latency_ms"] < coral_alone["latency_ms"]
     report = (tmp_path / "o/.build/3-schedule/schedule.html").read_text()
     assert report.count("data:image/png;base64,") == 2 and "<th>bytes moved</th>" in report
     assert all(0 <= u <= 1 for u in plan["utilization"].values())

@@ -61,6 +61,17 @@ def legalize(model: onnx.ModelProto, target: Target, options: Any, inputs: list[
     return result
 
 
+def annotated(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
+    """A copy of `model` as it is, nothing rewritten, each node marked `edgesdk.capable` with the
+    devices of `target` that run it (none: left unmarked, the CPU's onnxruntime): what a vendor's
+    compiler alone gets to work with, for the schedule's baselines."""
+    copy = _copy(model)
+    for node, s in zip(copy.graph.node, support.Tables([d.kind for d in target.devices]).model(copy)):
+        if s.capable:
+            irm.set_meta(node, irm.CAPABLE_KEY, ",".join(s.capable))
+    return copy
+
+
 def analyze(model: onnx.ModelProto, target: Target, options: Any, inputs: list[dict], *,
             log: Log = _quiet, warn: Log = _quiet) -> dict:
     """`edgesdk check`: everything legalize would do and what it would leave, on a copy."""

@@ -42,9 +42,12 @@ class Scheduled:
     scheduler_s: float  # the placement's and the inter-op DP's run time: a measurement, not part of the plan
 
 
-def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool) -> Scheduled:
+def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
+              as_imported: onnx.ModelProto | None = None) -> Scheduled:
     """Place every node of `model` (legalized: each node annotated with the devices that can run it)
-    on a device of `target` by cost, for `mode` latency or throughput, and cut the segments."""
+    on a device of `target` by cost, for `mode` latency or throughput, and cut the segments.
+    `as_imported` (the model before legalize's rewrites, annotated the same way) adds the vendors'
+    baselines on it: what their own compilers would do with the user's model."""
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     problem, cpu_backend = build_problem(model, target, shapes, consts)
     t0 = time.perf_counter()
@@ -68,7 +71,8 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool) -> S
         predicted=_predicted(problem, placed, one, flow),
         utilization={k: round(v, 4) for k, v in flow.utilization.items()},
         cost_model=COST_MODEL, search=_search(mode, streamed),
-        baselines=_baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0]),
+        baselines={**_baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0]),
+                   **_imported_baselines(as_imported, target)},
         placement=placement_counts(par.runs),
         decisions=tuple(_decisions(problem, chosen)),
     )
@@ -185,6 +189,22 @@ def _baselines(problem: Problem, target, replicated: Callable[[], Problem]) -> d
             continue
         out[name] = {**_costed(whole, plans[0], plans[1:]), "replicas": len(plans)}
     return out
+
+
+AS_IMPORTED = ", model as imported (no legalize rewrites)"
+
+
+def _imported_baselines(model: onnx.ModelProto | None, target) -> dict[str, dict]:
+    """The vendors' rules on the model before legalize (`AS_IMPORTED` after each name); none where the
+    model was not given or the target has no accelerator with rules of its vendor."""
+    kinds = [m.kind for m in registry.accelerators({d.kind for d in target.devices})]
+    if model is None or not any(baselines.vendor_rules(k, target.logical_ids(k)) for k in kinds):
+        return {}
+    shapes, consts = irm.static_shapes(model), irm.constant_names(model)
+    problem, _ = build_problem(model, target, shapes, consts)
+    vendor = _baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0])
+    return {name + AS_IMPORTED: b for name, b in vendor.items()
+            if name not in ("all on the cpu", "greedy (first capable accelerator)")}
 
 
 def _costed(problem: Problem, segs, replicas=()) -> dict:

@@ -27,7 +27,9 @@ Then:
 The simulator (`scheduling.simulate`) plays the plan on the devices' queues and links (segments on
 different devices overlap where the graph allows) for the predicted latency and the stream's frames/s.
 The documented baselines (all on the CPU; Coral's default; Coral's parameter-count split over the
-TPUs; greedy first-capable-accelerator) are costed and simulated beside it. A CPU segment is split by
+TPUs; Coral's data parallelism; greedy first-capable-accelerator) are costed and simulated beside it;
+the vendor's rules also on the model as imported, none of legalize's rewrites (what Coral's compiler
+alone gets). A CPU segment is split by
 backend (TVM, or onnxruntime for the ops TVM lacks), and each segment is cut out of the graph as a
 standalone model (`scheduling.segments`).
 """
@@ -39,16 +41,21 @@ from pathlib import Path
 import onnx
 
 from ...ir import model as irm
+from ...legalization.legalize import annotated
 from ...scheduling.explain import write_report
 from ...scheduling.planner import make_plan
 
 OPTIONS = ("mode", "inter_op")
-READS = ("legalize",)  # the earlier stages whose outputs it reads (its cache key covers them)
+# the earlier stages whose outputs it reads (its cache key covers them): the imported model too, for
+# the vendors' rules on the model as a user has it (what their compilers alone would do)
+READS = ("import", "legalize")
 
 
 def run(artifact: Path, ctx) -> dict:
     model = onnx.load(str(artifact / "model.onnx"))
-    scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op)
+    as_imported = annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")), ctx.target)
+    scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op,
+                          as_imported=as_imported)
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:
