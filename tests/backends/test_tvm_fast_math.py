@@ -66,9 +66,11 @@ def test_polynomial_forms_within_the_stated_error(library):
     got, want = run(*library, x), references(x)
     finite = np.abs(x) <= 87  # exp's range the module states (libm's reaches 88.72)
     exp_rel = np.abs(got["exp"] - want["exp"])[finite] / want["exp"][finite]
-    assert exp_rel.max() <= 5e-6
+    # the bounds: about twice what this host measured (exp 4.1e-6, sigmoid 9e-8, tanh and erf 4.2e-7),
+    # for another CPU's code (LLVM contracts multiply-adds into FMAs where the CPU has them)
+    assert exp_rel.max() <= 1e-5
     assert np.all(got["exp"][x < -88] == 0) and np.all(np.isinf(got["exp"][x > 88.5]))
-    for name, bound in {"sigmoid": 1e-7, "tanh": 5e-7, "erf": 5e-7}.items():
+    for name, bound in {"sigmoid": 2e-7, "tanh": 1e-6, "erf": 1e-6}.items():
         assert np.abs(got[name] - want[name]).max() <= bound, name
     for name in ("gelu", "gelu_tanh"):  # relative to the output's scale (|x| up to 100)
         assert np.abs(got[name] - want[name]).max() <= 1e-6 * np.abs(want[name]).max(), name
