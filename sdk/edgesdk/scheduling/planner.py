@@ -43,11 +43,12 @@ class Scheduled:
 
 
 def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
-              as_imported: onnx.ModelProto | None = None) -> Scheduled:
+              as_imported: Callable[[], onnx.ModelProto] | None = None) -> Scheduled:
     """Place every node of `model` (legalized: each node annotated with the devices that can run it)
     on a device of `target` by cost, for `mode` latency or throughput, and cut the segments.
-    `as_imported` (the model before legalize's rewrites, annotated the same way) adds the vendors'
-    baselines on it: what their own compilers would do with the user's model."""
+    `as_imported` (called only where a vendor of the target's accelerators has rules: the model
+    before legalize's rewrites, annotated the same way) adds the vendors' baselines on it: what their
+    own compilers would do with the user's model."""
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     problem, cpu_backend = build_problem(model, target, shapes, consts)
     t0 = time.perf_counter()
@@ -159,19 +160,16 @@ def _decisions(problem: Problem, segments) -> list[str]:
     return out
 
 
-def _baselines(problem: Problem, target, replicated: Callable[[], Problem]) -> dict[str, dict]:
-    """The documented rules (all on the CPU, greedy, each accelerator vendor's), costed and simulated on
-    the same cost model; a rule that cannot place the graph says why. A vendor's data-parallel advice
-    (the model on each of several instances) is costed on `replicated()`, the problem with each
-    instance holding all the weights, and streamed with the frames dealt to the instances in turn."""
-    rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy}
-    copies = {}
-    for m in registry.accelerators({d.kind for d in target.devices}):  # each vendor's documented rules
-        ids = target.logical_ids(m.kind)
-        rules.update(baselines.vendor_rules(m.kind, ids))
-        if len(ids) > 1 and m.kind in baselines.VENDOR_REPLICATION:
-            name, rule = baselines.VENDOR_REPLICATION[m.kind]
-            copies[name] = (rule, ids)
+def _baselines(problem: Problem, target, replicated: Callable[[], Problem], *, vendors_only: bool = False
+               ) -> dict[str, dict]:
+    """The documented rules (all on the CPU, greedy, each accelerator vendor's; `vendors_only`: the
+    vendors' alone), costed and simulated on the same cost model; a rule that cannot place the graph
+    says why. A vendor's data-parallel advice (the model on each of several instances) is costed on
+    `replicated()`, the problem with each instance holding all the weights, and streamed with the
+    frames dealt to the instances in turn."""
+    rules, copies = _vendor_rules(target)
+    if not vendors_only:
+        rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy, **rules}
     out = {}
     for name, rule in rules.items():
         try:
@@ -194,17 +192,30 @@ def _baselines(problem: Problem, target, replicated: Callable[[], Problem]) -> d
 AS_IMPORTED = ", model as imported (no legalize rewrites)"
 
 
-def _imported_baselines(model: onnx.ModelProto | None, target) -> dict[str, dict]:
-    """The vendors' rules on the model before legalize (`AS_IMPORTED` after each name); none where the
-    model was not given or the target has no accelerator with rules of its vendor."""
-    kinds = [m.kind for m in registry.accelerators({d.kind for d in target.devices})]
-    if model is None or not any(baselines.vendor_rules(k, target.logical_ids(k)) for k in kinds):
+def _vendor_rules(target) -> tuple[dict, dict]:
+    """The target's accelerator vendors' rules ({name: rule}) and data-parallel advice ({name: (rule,
+    instance ids)}, for kinds with several instances)."""
+    rules, copies = {}, {}
+    for m in registry.accelerators({d.kind for d in target.devices}):
+        ids = target.logical_ids(m.kind)
+        rules.update(baselines.vendor_rules(m.kind, ids))
+        if len(ids) > 1 and m.kind in baselines.VENDOR_REPLICATION:
+            name, rule = baselines.VENDOR_REPLICATION[m.kind]
+            copies[name] = (rule, ids)
+    return rules, copies
+
+
+def _imported_baselines(load: Callable[[], onnx.ModelProto] | None, target) -> dict[str, dict]:
+    """The vendors' rules on the model before legalize (`AS_IMPORTED` after each name); none, and the
+    model not loaded, where it was not given or the target has no accelerator with rules of its vendor."""
+    if load is None or not any(_vendor_rules(target)):
         return {}
+    model = load()
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     problem, _ = build_problem(model, target, shapes, consts)
-    vendor = _baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0])
-    return {name + AS_IMPORTED: b for name, b in vendor.items()
-            if name not in ("all on the cpu", "greedy (first capable accelerator)")}
+    vendor = _baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0],
+                        vendors_only=True)
+    return {name + AS_IMPORTED: b for name, b in vendor.items()}
 
 
 def _costed(problem: Problem, segs, replicas=()) -> dict:

@@ -53,9 +53,9 @@ READS = ("import", "legalize")
 
 def run(artifact: Path, ctx) -> dict:
     model = onnx.load(str(artifact / "model.onnx"))
-    as_imported = annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")), ctx.target)
     scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op,
-                          as_imported=as_imported)
+                          as_imported=lambda: annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")),
+                                                        ctx.target))
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:
