@@ -346,3 +346,97 @@ def test_compile_for_edgetpu_ships_what_the_compiler_mapped(tiny, tmp_path, monk
         assert art == "segments/s0.tflite" and not compiled.exists()
         assert (correction["ops_on_tpu"], correction["first_unmapped"]) == (0, "CONV_2D")
         assert plan_seg["predicted_ms"] == pytest.approx(_by_hand(model, target, 0), abs=1e-4)
+
+
+# --- co-compilation: one call per Edge TPU, its models in cache priority ---------------------------
+
+def _block(name: str, on_chip: str, remaining: str, off_chip: str) -> str:
+    """One model's block of a co-compiling call's -s log (the layout of google-coral/edgetpu #518's)."""
+    return (f"Input model: {name}.tflite\nInput size: 1.00MiB\nOutput model: {name}_edgetpu.tflite\n"
+            f"Output size: 1.20MiB\nOn-chip memory used for caching model parameters: {on_chip}\n"
+            f"On-chip memory remaining for caching model parameters: {remaining}\n"
+            f"Off-chip memory used for streaming uncached model parameters: {off_chip}\n"
+            "Number of Edge TPU subgraphs: 1\nTotal number of operations: 6\n"
+            f"Operation log: {name}_edgetpu.log\n\nOperator                       Count      Status\n\n"
+            "CONV_2D                        2          Mapped to Edge TPU\n\n")
+
+
+def test_a_co_compiling_log_is_read_per_model():
+    text = ("Edge TPU Compiler version 16.0.384591198\nStarted a compilation timeout timer of 180 seconds.\n\n"
+            "Models compiled successfully in 2988 ms.\n\n" + _block("cnn", "7.16MiB", "2.25KiB", "2.95MiB")
+            + _block("rnn", "0.00B", "2.25KiB", "4.53MiB"))
+    blocks = etc.split_log(text)
+    assert len(blocks) == 2 and all(b.startswith("Edge TPU Compiler version 16") for b in blocks)
+    cnn, rnn = map(etc.parse_log, blocks)
+    assert (cnn.on_chip_bytes, cnn.on_chip_remaining_bytes, cnn.off_chip_bytes) == (
+        int(7.16 * 2**20), int(2.25 * 2**10), int(2.95 * 2**20))
+    assert (rnn.on_chip_bytes, rnn.off_chip_bytes) == (0, int(4.53 * 2**20))
+    assert cnn.version == rnn.version == "16.0.384591198"
+    assert etc.split_log("no blocks here") == ["no blocks here"]
+
+
+MULTI_DOUBLE = r"""#!/bin/sh
+# TEST DOUBLE for Coral's edgetpu_compiler (the real one cannot be installed here): co-compiles by
+# copying each model, appends its argument list to calls.txt, and prints one block per model, the
+# first model caching 1 MiB, each later one nothing (the cache is full), every op mapped.
+out=.; models=""
+while [ $# -gt 0 ]; do case "$1" in -o) out=$2; shift 2;; -s) shift;; *) models="$models $1"; shift;; esac; done
+echo "$models" >> "$(dirname "$0")/calls.txt"
+echo "Edge TPU Compiler version 16.0.384591198 (test double)"
+echo ""
+first=1
+for m in $models; do
+  base=$(basename "$m" .tflite); cp "$m" "$out/${base}_edgetpu.tflite"
+  if [ $first = 1 ]; then chip=1.00MiB; off=0.00B; first=0; else chip=0.00B; off=512.00KiB; fi
+  echo "Input model: $m"
+  echo "On-chip memory used for caching model parameters: $chip"
+  echo "On-chip memory remaining for caching model parameters: 2.00KiB"
+  echo "Off-chip memory used for streaming uncached model parameters: $off"
+  echo "Number of operations that will run on Edge TPU: 6"
+  echo "Number of operations that will run on CPU: 0"
+  echo ""
+done
+"""
+
+
+def test_finish_group_co_compiles_one_tpus_models_in_one_call_in_the_order_given(tiny, tmp_path, monkeypatch):
+    from edgesdk.bundling.bundle import finish_segments
+
+    model, path, target, seg = tiny
+    bundle = tmp_path / "bundle"
+    (bundle / "segments").mkdir(parents=True)
+    for name in ("s3", "s1", "s7"):
+        shutil.copyfile(path, bundle / "segments" / f"{name}.tflite")
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    double = tmp_path / "bin" / "edgetpu_compiler"
+    double.parent.mkdir()
+    double.write_text(MULTI_DOUBLE)
+    double.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{double.parent}{os.pathsep}{os.environ['PATH']}")
+    planned = [PlanSegment(sid, "edgetpu:0", "tflite", f"segments/{sid}.onnx", tuple(seg["nodes"]), ("x",), ("y",),
+                           0.0, 0, seg["predicted_ms"]) for sid in ("s3", "s1", "s7")]
+    done = finish_segments(backends.finisher("edgetpu"), bundle,
+                           [(f"segments/{p.id}.tflite", p) for p in planned], tmp_path / "model.onnx", target)
+    calls = (double.parent / "calls.txt").read_text().split("\n")
+    assert [c.split() for c in calls if c] == [[str(bundle / "segments" / f"{s}.tflite") for s in ("s3", "s1", "s7")]]
+    assert [d[0] for d in done] == [f"segments/{s}_edgetpu.tflite" for s in ("s3", "s1", "s7")]
+    assert [(d[1]["on_chip_bytes"], d[1]["off_chip_bytes"]) for d in done] == [(2**20, 0), (0, 512 * 2**10),
+                                                                                (0, 512 * 2**10)]
+    assert all(d[2] is None for d in done)   # every op mapped: nothing to correct
+
+
+def test_finish_groups_follow_the_plans_cache_priority():
+    from edgesdk.bundling.bundle import finish_groups
+    from edgesdk.scheduling.plan import Plan
+
+    def seg(sid, device, backend="tflite"):
+        return PlanSegment(sid, device, backend, f"segments/{sid}.onnx", (sid,), (), (), 0.0, 0, 1.0)
+
+    segments = (seg("s0", "cpu", "tvm"), seg("s1", "edgetpu:0"), seg("s2", "edgetpu:1"), seg("s3", "edgetpu:0"),
+                seg("s4", "edgetpu:0"))
+    plan = Plan("arm_2tpu", "latency", (), (), {}, segments, (), (), {}, {}, {}, "", "", {}, {}, (),
+                caches={"instances": {"edgetpu:0": {"compile_order": ["s3", "s1", "s4"]}}})
+    assert finish_groups(plan) == {"edgetpu:0": ["s3", "s1", "s4"], "edgetpu:1": ["s2"]}
+    assert finish_groups(Plan.from_json(plan.to_json())) == finish_groups(plan)
+    without = Plan.from_json(plan.to_json().replace('"caches"', '"ignored"'))
+    assert finish_groups(without) == {"edgetpu:0": ["s1", "s3", "s4"], "edgetpu:1": ["s2"]}

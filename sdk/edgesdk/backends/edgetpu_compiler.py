@@ -16,6 +16,13 @@ all operations are supported by the Edge TPU" when some are not, and a table
 with one row per (operator, status). Version 16 may print only the rows that are not mapped and then
 "... All other operators were mapped successfully".
 
+Co-compilation (`edgetpu_compiler -s -o DIR a.tflite b.tflite ...`, Coral's "Co-compiling multiple
+models"): the models that will run on one Edge TPU share its parameter cache, the first given taking
+its share first; the compiler prints the block above (from "Input model:") once per model, and a model
+compiled alone cannot use cache space its partners fill at run time. The package stage compiles each
+Edge TPU's segments in one call, in the plan's cache priority (`finish_group`); a TPU's usable
+capacity is what the first model used plus what it left (the log's "remaining").
+
 How the compiler cuts a model (Coral's model requirements, coral.ai/docs/edgetpu/models-intro, and
 Coral's engineer in google-coral/edgetpu issue #461): without `-a` (which we do not pass) it maps ops
 in execution order up to the first op it cannot map; that op and every op after it run on the CPU,
@@ -70,6 +77,7 @@ class CompileLog:
     on_chip_bytes: int
     off_chip_bytes: int
     text: str
+    on_chip_remaining_bytes: int = 0    # cache left after this model (and those compiled before it)
     ops: tuple[OpRow, ...] = ()         # the per-operator table, in the compiler's order; () without one
     partly_mapped: bool = False         # the compiler said not all operations are supported
     others_mapped: bool = False         # the table lists only unmapped rows: every other op is mapped
@@ -101,42 +109,86 @@ def finish_command(tflite_files: list[str]) -> str:
     return "edgetpu_compiler -s -o segments " + " ".join(tflite_files)
 
 
+def finish_group_command(groups: list[list[str]]) -> str:
+    """One co-compiling call per Edge TPU (each group in its cache priority)."""
+    return " && ".join(finish_command(g) for g in groups if g)
+
+
 def unfinished_warning(tflite_files: list[str]) -> str:
     return (f"edgetpu_compiler is not installed: {len(tflite_files)} Edge TPU segment(s) ship uncompiled and run "
             f"their int8 model on the CPU until compiled; to finish: cd bundle && {finish_command(tflite_files)}")
 
 
 def finish(job: FinishJob) -> Finished:
-    """The Edge TPU's finisher (`registry.Finisher`): compile one segment's int8 model (`job.artifact`,
-    relative to `job.bundle`) and say what ships. A model the compiler maps all of ships compiled; one it
+    """One segment compiled alone: `finish_group([job])`."""
+    return finish_group([job])[0]
+
+
+def finish_group(jobs: Sequence[FinishJob]) -> list[Finished]:
+    """The Edge TPU's finisher (`registry.Finisher`): the int8 models of the segments that run on one
+    Edge TPU (`job.artifact`, relative to `job.bundle`), co-compiled in one call in the order given (the
+    cache priority), and what ships for each. A model the compiler maps all of ships compiled; one it
     maps part of ships compiled, with the mapping (`Finished.partial`) for re-costing; one it maps
     nothing of ships uncompiled, the compiled one removed: it would only add the delegate's overhead to
     a model that runs on the CPU anyway."""
     from .tflite import operators
 
-    tflite = job.bundle / job.artifact
-    compiled, log = compile_segment(tflite, job.bundle / "segments")
-    record = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
-    mapped = mapping(operators(tflite.read_bytes())[0], log)
-    if not mapped.on_cpu:
-        return Finished(f"segments/{compiled.name}", record)
-    if not mapped.on_tpu:
-        compiled.unlink()
-        return Finished(job.artifact, record, mapped)
-    return Finished(f"segments/{compiled.name}", record, mapped)
+    if not jobs:
+        return []
+    bundle = jobs[0].bundle
+    tflites = [bundle / j.artifact for j in jobs]
+    out = []
+    for job, tflite, (compiled, log) in zip(jobs, tflites, compile_models(tflites, bundle / "segments")):
+        record = {k: v for k, v in dataclasses.asdict(log).items() if k != "text"}
+        mapped = mapping(operators(tflite.read_bytes())[0], log)
+        if not mapped.on_cpu:
+            out.append(Finished(f"segments/{compiled.name}", record))
+        elif not mapped.on_tpu:
+            compiled.unlink()
+            out.append(Finished(job.artifact, record, mapped))
+        else:
+            out.append(Finished(f"segments/{compiled.name}", record, mapped))
+    return out
 
 
-def compile_segment(tflite: Path, out_dir: Path, *, num_segments: int = 1) -> tuple[Path, CompileLog]:
+def compile_segment(tflite: Path, out_dir: Path) -> tuple[Path, CompileLog]:
+    return compile_models([tflite], out_dir)[0]
+
+
+def compile_models(tflites: Sequence[Path], out_dir: Path) -> list[tuple[Path, CompileLog]]:
+    """`tflites` co-compiled in one call (one Edge TPU's models, the first given the cache first): each
+    compiled model and its block of the log."""
     exe = find()
-    assert exe, "compile_segment needs edgetpu_compiler on PATH"
-    cmd = [exe, "-s", "-o", str(out_dir), str(tflite)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    compiled = out_dir / f"{tflite.stem}_edgetpu.tflite"
-    if proc.returncode != 0 or not compiled.exists():
-        raise UserError("package.edgetpu-compiler", f"edgetpu_compiler failed on {tflite.name} (exit {proc.returncode})",
-                        "see its output above; the uncompiled int8 model still runs on the CPU",
+    assert exe, "compile_models needs edgetpu_compiler on PATH"
+    names = ", ".join(t.name for t in tflites)
+    cmd = [exe, "-s", "-o", str(out_dir), *map(str, tflites)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 * len(tflites))
+    compiled = [out_dir / f"{t.stem}_edgetpu.tflite" for t in tflites]
+    if proc.returncode != 0 or not all(c.exists() for c in compiled):
+        raise UserError("package.edgetpu-compiler", f"edgetpu_compiler failed on {names} (exit {proc.returncode})",
+                        "see its output above; the uncompiled int8 models still run on the CPU",
                         notes=(proc.stdout + proc.stderr).strip().splitlines()[-10:])
-    return compiled, parse_log(proc.stdout)
+    blocks = split_log(proc.stdout)
+    if len(tflites) > 1 and len(blocks) != len(tflites):
+        raise UserError("package.edgetpu-compiler", f"edgetpu_compiler printed {len(blocks)} model block(s) for "
+                        f"{len(tflites)} co-compiled models ({names})",
+                        "report it with the compiler's version; compiling them one by one would lose the shared cache",
+                        notes=proc.stdout.strip().splitlines()[-10:])
+    return [(c, parse_log(b)) for c, b in zip(compiled, blocks if len(tflites) > 1 else [proc.stdout])]
+
+
+_INPUT_MODEL = re.compile(r"^\s*Input model:", re.IGNORECASE | re.MULTILINE)
+
+
+def split_log(text: str) -> list[str]:
+    """A co-compiling call's log cut into one text per model: each "Input model:" block, with the
+    lines before the first (the compiler's version) in front of each. A log without such a line is one
+    text."""
+    starts = [m.start() for m in _INPUT_MODEL.finditer(text)]
+    if not starts:
+        return [text]
+    head = text[:starts[0]]
+    return [head + text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
 
 
 def parse_log(text: str) -> CompileLog:
@@ -176,6 +228,7 @@ def parse_log(text: str) -> CompileLog:
         on_chip_bytes=size(r"On-chip memory used for caching model parameters:"),
         off_chip_bytes=size(r"Off-chip memory used for streaming uncached model parameters:"),
         text=text,
+        on_chip_remaining_bytes=size(r"On-chip memory remaining for caching model parameters:"),
         ops=tuple(rows),
         partly_mapped=PARTLY_MAPPED.lower() in " ".join(text.split()).lower(),
         others_mapped=others_mapped,

@@ -143,10 +143,13 @@ class Finisher:
     """A device kind's own compiler, run on its segments' artifacts after their backend compiled them.
     Without it installed, the bundle ships the artifacts unfinished and the build says how to finish them.
 
-    `module` implements it: `finish(FinishJob) -> Finished`; `find()`, the tool's path or None where it
-    is not installed; `unfinished_warning(artifacts)`, the build's warning when it is not, with the command
-    that finishes them later; `finish_command(artifacts)`, that command; `describe(correction)`, the
-    build's warning for a segment it maps only in part (`scheduling.correction`)."""
+    `module` implements it: `finish(FinishJob) -> Finished`; optionally `finish_group(jobs) -> [Finished]`,
+    the artifacts bound for one device instance compiled together in the order given (Coral's
+    co-compilation: they share its parameter cache); `find()`, the tool's path or None where it is not
+    installed; `unfinished_warning(artifacts)`, the build's warning when it is not, with the command
+    that finishes them later; `finish_command(artifacts)`, that command (`finish_group_command(groups)`
+    where it compiles groups); `describe(correction)`, the build's warning for a segment it maps only
+    in part (`scheduling.correction`)."""
 
     kind: str  # the device kind whose segments it finishes
     name: str  # the tool
@@ -157,6 +160,20 @@ class Finisher:
 
     def run(self, job: FinishJob) -> Finished:
         return self._call("finish", job)
+
+    def run_group(self, jobs: list[FinishJob]) -> list[Finished]:
+        """The jobs of one device instance, together where the module compiles groups, else one by one."""
+        module = importlib.import_module(self.module)
+        if hasattr(module, "finish_group"):
+            return module.finish_group(jobs)
+        return [module.finish(j) for j in jobs]
+
+    def group_command(self, groups: list[list[str]]) -> str:
+        """The command that finishes `groups` (each one instance's artifacts, in order) later."""
+        module = importlib.import_module(self.module)
+        if hasattr(module, "finish_group_command"):
+            return module.finish_group_command(groups)
+        return module.finish_command([a for g in groups for a in g])
 
     def available(self) -> bool:
         return self._call("find") is not None

@@ -87,69 +87,155 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
 def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log, warn) -> _Shipped:
     compress = json.loads((src.compressed / "compress.json").read_text())
     int8 = _cpu_int8(src)
-    segments: list[mf.Segment] = []
     twins: dict[str, Path] = {}
     tuned: dict[str, dict] = {}
-    unfinished: list[tuple[backends.Finisher, str]] = []
-    compiler_logs: dict[str, dict] = {}
-    corrections: list[dict] = []
-    planned: list[PlanSegment] = []  # the plan's segments as shipped: artifact and corrected prediction
     needs: dict[str, None] = {}
+    compiled: dict[str, backends.Compiled] = {}
+    # 1. each segment compiled by its backend; a shared segment (`same_as`) ships its first use's artifact
+    by_id = {s.id: s for s in plan.segments}
     for seg in plan.segments:
         sid, kind = seg.id, seg.device.split(":")[0]
+        if seg.same_as in compiled:
+            compiled[sid] = _renamed(compiled[seg.same_as], by_id[seg.same_as], seg)
+            continue
         compressed = ({**compress["segments"][sid], "dir": str(src.compressed)} if sid in compress["segments"] else
                       {**int8["segments"][sid], "dir": str(src.tuned / "int8")} if sid in int8["segments"] else None)
-        compiled = backends.backend(seg.backend).compile(backends.CompileJob(
+        c = compiled[sid] = backends.backend(seg.backend).compile(backends.CompileJob(
             segment=seg, model=onnx.load(str(src.scheduled / seg.artifact)),
             device=target.device(kind), segments_dir=bundle / "segments",
             tuning_db=src.tuned / "tuning_db" / kind, compressed=compressed,
             twin_dir=twin_dir, log=log))
-        art = compiled.artifact
-        if compiled.twin is not None:
-            twins[sid] = compiled.twin
-        if compiled.tuned is not None:
-            tuned[sid] = compiled.tuned
-        needs.update(dict.fromkeys(compiled.device_needs))
-        finisher = backends.finisher(kind)
-        if finisher is not None and finisher.available():
-            art, compiler_logs[sid], correction, seg = finish_segment(finisher, bundle, art, seg,
-                                                                      src.scheduled / "model.onnx", target)
+        if c.twin is not None:
+            twins[sid] = c.twin
+        if c.tuned is not None:
+            tuned[sid] = c.tuned
+        needs.update(dict.fromkeys(c.device_needs))
+    # 2. each device instance's segments finished together by its kind's compiler, in cache priority
+    shipped: dict[str, tuple[str, PlanSegment]] = {sid: (c.artifact, by_id[sid]) for sid, c in compiled.items()}
+    fallback: dict[str, str] = {sid: c.fallback_artifact for sid, c in compiled.items()}
+    compiler_logs: dict[str, dict] = {}
+    corrections: list[dict] = []
+    unfinished: dict[backends.Finisher, list[list[str]]] = {}
+    groups = finish_groups(plan)
+    taken: set[str] = set()  # artifacts a device's call compiled already
+    for device, ids in groups.items():
+        finisher = backends.finisher(device.split(":")[0])
+        # one artifact once per device; one that another device compiled too gets a copy of its own there
+        # (the compiler names its output after its input, and the two TPUs' co-compiled models differ)
+        mine: dict[str, list[str]] = {}
+        for i in ids:
+            mine.setdefault(compiled[i].artifact, []).append(i)
+        arts = [_own_copy(bundle, a, device) if a in taken else a for a in mine]
+        taken.update(mine)
+        for a, users in zip(arts, mine.values()):   # a copy is also what the CPU runs without the TPU
+            fallback.update({sid: a for sid in users if a not in mine})
+        if not finisher.available():
+            unfinished.setdefault(finisher, []).append(arts)
+            shipped.update({sid: (a, by_id[sid]) for a, users in zip(arts, mine.values()) for sid in users})
+            continue
+        items = [(a, by_id[sid]) for a, users in zip(arts, mine.values()) for sid in users]
+        done = finish_segments(finisher, bundle, items, src.scheduled / "model.onnx", target, plan)
+        for (art, record, correction, seg) in done:
+            shipped[seg.id], compiler_logs[seg.id] = (art, seg), record
             if correction:
                 corrections.append(correction)
                 warn(finisher.describe(correction))
-        elif finisher is not None:
-            unfinished.append((finisher, art))
-        planned.append(dataclasses.replace(seg, artifact=art))
-        segments.append(mf.Segment(id=sid, device=seg.device, backend=backends.backend(seg.backend).runner,
-                                   artifact=art, inputs=compiled.inputs, outputs=compiled.outputs,
-                                   fallback_artifact=compiled.fallback_artifact, nodes=len(seg.nodes),
-                                   predicted_ms=seg.predicted_ms, threads=seg.threads))
+    segments = tuple(mf.Segment(id=sid, device=seg.device, backend=backends.backend(seg.backend).runner,
+                                artifact=art, inputs=compiled[sid].inputs, outputs=compiled[sid].outputs,
+                                fallback_artifact=fallback[sid], nodes=len(seg.nodes),
+                                predicted_ms=seg.predicted_ms, threads=seg.threads)
+                     for sid, (art, seg) in shipped.items())
     finishing: dict = {}
     if any(s.fallback_artifact is not None for s in segments):
-        finishing = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs}
+        finishing = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs,
+                     "co_compiled": {d: list(ids) for d, ids in groups.items()}}
+        if compiler_logs:
+            finishing["caches"] = _caches_from_logs(groups, compiler_logs)
         if corrections:
             finishing["corrections"] = corrections
             plan = dataclasses.replace(plan, predicted=corrected_prediction(plan.predicted, corrections))
-        for f in {f.name: f for f, _ in unfinished}.values():  # one command per finisher
-            arts = [a for g, a in unfinished if g is f]
-            finishing["finish_command"] = f"cd bundle && {f.finish_command(arts)}"
-            warn(f.unfinished_warning(arts))
-    return _Shipped(dataclasses.replace(plan, segments=tuple(planned)), tuple(segments), twins, tuned, finishing,
-                    tuple(needs))
+        for f, arts in unfinished.items():
+            finishing["finish_command"] = f"cd bundle && {f.group_command(arts)}"
+            warn(f.unfinished_warning([a for g in arts for a in g]))
+    planned = tuple(dataclasses.replace(seg, artifact=art) for art, seg in shipped.values())
+    return _Shipped(dataclasses.replace(plan, segments=planned), segments, twins, tuned, finishing, tuple(needs))
+
+
+def _renamed(rep: backends.Compiled, rep_seg: PlanSegment, seg: PlanSegment) -> backends.Compiled:
+    """`rep`, the compiled artifact of `rep_seg`, for `seg` that computes the same: its tensor specs under
+    `seg`'s names (inputs and outputs correspond in order)."""
+    rename = dict(zip(rep_seg.inputs + rep_seg.outputs, seg.inputs + seg.outputs))
+    return dataclasses.replace(rep, inputs=tuple(dataclasses.replace(t, name=rename[t.name]) for t in rep.inputs),
+                               outputs=tuple(dataclasses.replace(t, name=rename[t.name]) for t in rep.outputs),
+                               twin=None, tuned=None)
+
+
+def _own_copy(bundle: Path, artifact: str, device: str) -> str:
+    """A copy of `artifact` for `device` (segments/s3.tflite -> segments/s3.edgetpu1.tflite)."""
+    path = Path(artifact)
+    copy = path.with_name(f"{path.stem}.{device.replace(':', '')}{path.suffix}").as_posix()
+    shutil.copyfile(bundle / artifact, bundle / copy)
+    return copy
+
+
+def finish_groups(plan: Plan) -> dict[str, list[str]]:
+    """Per device instance whose kind has a finishing compiler, its segments in the order to compile them
+    together: the plan's cache priority (`Plan.caches`, scheduling/cache.py), else plan order."""
+    order = {d: rec.get("compile_order", []) for d, rec in plan.caches.get("instances", {}).items()}
+    groups: dict[str, list[str]] = {}
+    for seg in plan.segments:
+        if backends.finisher(seg.device.split(":")[0]) is not None:
+            groups.setdefault(seg.device, []).append(seg.id)
+    for d, ids in groups.items():
+        rank = {sid: k for k, sid in enumerate(order.get(d, []))}
+        ids.sort(key=lambda sid: rank.get(sid, len(rank)))   # sorted() is stable: the rest in plan order
+    return groups
+
+
+def _caches_from_logs(groups: dict[str, list[str]], logs: dict[str, dict]) -> dict[str, dict]:
+    """Each instance's cache as its compiler reported it: every model's on-chip and off-chip
+    parameters, and the usable capacity (what they all used plus what the last left)."""
+    out = {}
+    for d, ids in groups.items():
+        mine = list({id(logs[i]): logs[i] for i in ids if i in logs}.values())   # a shared model's record once
+        if mine:
+            out[d] = {"capacity_bytes": sum(r["on_chip_bytes"] for r in mine) + mine[-1].get("on_chip_remaining_bytes", 0),
+                      "cached_bytes": sum(r["on_chip_bytes"] for r in mine),
+                      "streamed_bytes": sum(r["off_chip_bytes"] for r in mine),
+                      "capacity_source": "the compiler's log: on-chip memory used by its models + remaining"}
+    return out
+
+
+def finish_segments(finisher: backends.Finisher, bundle: Path, items: list[tuple[str, PlanSegment]], scheduled: Path,
+                    target, plan: Plan | None = None) -> list[tuple[str, dict, dict | None, PlanSegment]]:
+    """One device instance's segments (`artifact` relative to `bundle`, the plan's segment), finished
+    together by its kind's compiler: per segment the artifact to ship, the compiler's record, and where
+    it maps only part of the segment the correction (`scheduling.correction`: what really runs where,
+    costed by the scheduler's model) and the segment with the corrected prediction; else None and the
+    segment as it was. An artifact several segments share is compiled once. `plan` (the whole plan)
+    prices the corrections by its caches."""
+    first = {art: seg for art, seg in reversed(items)}   # each artifact's first segment, in order
+    once = list(dict.fromkeys(art for art, _ in items))
+    done = dict(zip(once, finisher.run_group([backends.FinishJob(bundle, art, first[art]) for art in once])))
+    model = None
+    out = []
+    for art, seg in items:
+        finished = done[art]
+        if finished.partial is None:
+            out.append((finished.artifact, finished.record, None, seg))
+            continue
+        model = model or onnx.load(str(scheduled))
+        correction = edgetpu_correction(seg.to_json(), finished.partial, model, target,
+                                        [s.to_json() for s in plan.segments] if plan else None)
+        out.append((finished.artifact, finished.record, correction,
+                    dataclasses.replace(seg, predicted_ms=correction["predicted_ms_after"])))
+    return out
 
 
 def finish_segment(finisher: backends.Finisher, bundle: Path, artifact: str, seg: PlanSegment, scheduled: Path,
                    target) -> tuple[str, dict, dict | None, PlanSegment]:
-    """One segment's `artifact` (relative to `bundle`) finished by its device kind's compiler: the
-    artifact to ship, the compiler's record, and where it maps only part of the segment the correction
-    (`scheduling.correction`: what really runs where, costed by the scheduler's model) and the segment
-    with the corrected prediction; else None and the segment as it was."""
-    finished = finisher.run(backends.FinishJob(bundle, artifact, seg))
-    if finished.partial is None:
-        return finished.artifact, finished.record, None, seg
-    correction = edgetpu_correction(seg.to_json(), finished.partial, onnx.load(str(scheduled)), target)
-    return (finished.artifact, finished.record, correction,
-            dataclasses.replace(seg, predicted_ms=correction["predicted_ms_after"]))
+    """One segment finished alone (`finish_segments` of one)."""
+    return finish_segments(finisher, bundle, [(artifact, seg)], scheduled, target)[0]
 
 
 def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warnings) -> mf.Manifest:

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper
 
 from ..config import EdgeTpuDevice
-from .model import Refusal
+from .model import Cache, Refusal
 from .terms import NodeTerms
 
 Shapes = dict[str, tuple[int, ...]]
@@ -272,6 +272,13 @@ class EdgeTpuModel:
         per_byte = 1e3 / (dev.link.bandwidth.value * 1e6)
         per_byte /= 4
         return dev.link.latency.value * 1e-3, per_byte
+
+    def cache(self, dev: EdgeTpuDevice) -> Cache:
+        """One Edge TPU's parameter cache: the target's `on_chip_memory` of int8 weights (4 float32 bytes
+        per cached byte), the documented figure. Coral's compiler says what it really had (used +
+        remaining, in its log); the package stage records that beside this."""
+        return Cache(dev.on_chip_memory.value * 1e6 * 4, 0.25,
+                     f"on_chip_memory {dev.on_chip_memory.value:g} {dev.on_chip_memory.unit} ({dev.on_chip_memory.source})")
 
     def streamed_fraction(self, specs: Sequence[EdgeTpuDevice], param_bytes: int) -> float:
         """The share of the Edge TPU weights that do not fit the on-chip cache when `param_bytes` (float32)

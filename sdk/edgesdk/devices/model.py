@@ -23,6 +23,14 @@ class Refusal(NamedTuple):
     reason: str
 
 
+class Cache(NamedTuple):
+    """An instance's parameter cache (a kind that streams the weights it cannot hold: the Edge TPU)."""
+
+    capacity: float             # float32 bytes of weights one instance holds
+    stored_per_byte: float      # bytes the device stores per float32 byte of weights (int8: 0.25)
+    source: str                 # where the capacity comes from
+
+
 class DeviceModel(Protocol):
     kind: str                                   # the YAML `kind` and the prefix of its logical ids
     schema: type                                # its target entry (config.CpuDevice, ...)
@@ -52,3 +60,6 @@ class DeviceModel(Protocol):
     def streamed_fraction(self, specs: Sequence, param_bytes: int) -> float:
         """The share of `param_bytes` (float32) of weights placed on the target's entries `specs` of this kind
         that crosses the link on every inference (0 where the weights stay on the device)."""
+
+    # Optional, for a kind with a parameter cache per instance (the Edge TPU): `cache(spec) -> Cache`. A kind
+    # without it holds every weight placed on it (`scheduling/cache.py`).

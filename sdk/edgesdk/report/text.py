@@ -102,6 +102,13 @@ def inspect_bundle(manifest, bundle: Path) -> str:
         out.append(f"edge tpu    {state}")
         if m.edgetpu.get("finish_command"):
             out.append(f"            finish with: {m.edgetpu['finish_command']}")
+        for device, ids in (m.edgetpu.get("co_compiled") or {}).items():
+            arts = list(dict.fromkeys(s.artifact for s in m.segments if s.id in ids))
+            cache = (m.edgetpu.get("caches") or {}).get(device)
+            held = (f"; cache {_bytes(cache['cached_bytes'])} of {_bytes(cache['capacity_bytes'])}, "
+                    f"{_bytes(cache['streamed_bytes'])} streamed (the compiler's log)" if cache else "")
+            out.append(f"            {device}: {len(ids)} segment(s) in {len(arts)} model(s) co-compiled in this "
+                       f"order (cache priority): {', '.join(ids)}{held}")
         out += [f"            {line}" for line in edgetpu_mapping(m.edgetpu)]
     out += cpu_selection_summary(m.tuning.get("cpu_selection") or {})
     if m.calibration:

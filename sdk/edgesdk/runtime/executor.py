@@ -54,11 +54,17 @@ class BundleModel:
         self.parallel = (os.environ.get("EDGESDK_SEQUENTIAL", "") in ("", "0")) if parallel is None else parallel
         _configure_threads(self.manifest)
         t0 = time.perf_counter()
+        opened = {}  # (artifact, device) -> its runner: segments that share an artifact share its interpreter
         for seg in self.manifest.segments:
             if artifacts and seg.id in artifacts:  # a twin built for this host's CPU
                 seg = dataclasses.replace(seg, artifact=str(Path(artifacts[seg.id]).resolve()), device="cpu")
             physical = self.manifest.device_map.get(seg.device)
-            runner = open_runner(self.bundle, seg, physical, alone=len(self.manifest.segments) == 1)
+            first = opened.get((seg.artifact, seg.device))
+            if first is not None and hasattr(first, "for_segment"):
+                runner = first.for_segment(seg)
+            else:
+                runner = opened[seg.artifact, seg.device] = open_runner(self.bundle, seg, physical,
+                                                                       alone=len(self.manifest.segments) == 1)
             if runner.note:
                 self.notes.append(runner.note)
                 self.log(f"runtime: {runner.note}")

@@ -391,7 +391,7 @@ _ACCURACY = _object({}, {"samples": _integer(0, 2**31 - 1), "top1_agreement": _n
                          "tensors": _map(_object({"cosine": _number, "max_abs_error": _number}, extra=True))},
                     extra=True)
 _EDGETPU = _object({}, {
-    "edgetpu_compiled": _flag, "finish_command": _text,
+    "edgetpu_compiled": _flag, "finish_command": _text, "co_compiled": _map(_list(_text)),
     "compiler": _map(_object({"on_chip_bytes": _number, "off_chip_bytes": _number,
                               "ops_on_tpu": _integer(0, 2**31 - 1)}, extra=True)),
     "corrections": _list(_object({"segment": _text, "ops": _integer(0, 2**31 - 1),

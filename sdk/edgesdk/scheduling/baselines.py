@@ -72,9 +72,9 @@ def coral_replicated(problem: Problem, ids: list[str]) -> list[list[tuple[int, i
     """Coral's data parallelism: the same model loaded on every TPU, a new input going to a TPU that is
     not busy; its documentation (coral.ai/docs/edgetpu/pipeline) says this works best when the model
     fits one TPU's cache (~8 MB), and recommends pipelining otherwise. One plan per TPU of `ids`:
-    Coral's default with that TPU in edgetpu:0's place, for `simulate.stream(..., replicas=...)` to
-    deal frames to in turn (a fixed rotation: with equal TPUs, the one that is free). The problem
-    should cost each TPU as holding all the weights (`graph.build_problem(..., replicated=True)`)."""
+    Coral's default with that TPU in edgetpu:0's place, for `simulate.worker_stream` to
+    deal frames to in turn (a fixed rotation: with equal TPUs, the one that is free), each TPU holding
+    all the weights (`cache.recost` over the plans prices them so)."""
     if _tpu_prefix(problem) == 0:
         raise ValueError("no node at the start of the graph runs on the Edge TPU: nothing to replicate")
     base = coral_default(problem)

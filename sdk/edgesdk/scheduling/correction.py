@@ -12,18 +12,23 @@ import onnx
 
 from ..backends import edgetpu_compiler
 from ..ir import model as irm
-from . import placement
+from . import cache, placement
 from .graph import build_problem
 
 
-def edgetpu_correction(seg: dict, mapped: edgetpu_compiler.Mapping, scheduled: onnx.ModelProto, target) -> dict:
+def edgetpu_correction(seg: dict, mapped: edgetpu_compiler.Mapping, scheduled: onnx.ModelProto, target,
+                       plan: list[dict] | None = None) -> dict:
     """The record of an Edge TPU segment (a plan segment) that the compiler maps only partly, with its
     cost re-computed: the leading share of its nodes (`edgetpu_compiler.leading_nodes`, the share of its
     TFLite ops the compiler maps) on its Edge TPU, the rest on the target's CPU. Each part is costed as
     the schedule stage costs a segment (`placement.segment_ms` over the problem `build_problem` makes of
-    the scheduled model), so the Edge TPU part pays the link for what it hands to the CPU part."""
+    the scheduled model, priced by the caches of `plan`, the plan's segments, where given: `cache.recost`),
+    so the Edge TPU part pays the link for what it hands to the CPU part."""
     problem, _ = build_problem(scheduled, target, irm.static_shapes(scheduled), irm.constant_names(scheduled))
     index = {name: i for i, name in enumerate(problem.nodes)}
+    if plan:
+        problem = cache.recost(problem, [[(index[s["nodes"][0]], index[s["nodes"][-1]] + 1, s["device"])
+                                          for s in plan if s["nodes"]]])
     start, stop = index[seg["nodes"][0]], index[seg["nodes"][-1]] + 1
     assert [index[n] for n in seg["nodes"]] == list(range(start, stop)), f"{seg['id']} is not contiguous"
     k = edgetpu_compiler.leading_nodes(stop - start, mapped)

@@ -30,15 +30,21 @@ class PlanSegment:
     param_bytes: int
     predicted_ms: float
     threads: int = 0  # a group of a parallel step: its worker's threads (0: not one; not written)
+    # the id of an earlier segment of the same kind and backend that computes the same thing with the same
+    # weights (`ir.digest.graph_structure_sha256`): the package ships that one's artifact for both, its inputs
+    # and outputs in the same order; "" (not written) where none does
+    same_as: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "threads"}
-        return {**out, "threads": self.threads} if self.threads else out
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in ("threads", "same_as")}
+        return {**out, **({"threads": self.threads} if self.threads else {}),
+                **({"same_as": self.same_as} if self.same_as else {})}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "PlanSegment":
         return PlanSegment(d["id"], d["device"], d["backend"], d["artifact"], tuple(d["nodes"]), tuple(d["inputs"]),
-                           tuple(d["outputs"]), d["flops"], d["param_bytes"], d["predicted_ms"], d.get("threads", 0))
+                           tuple(d["outputs"]), d["flops"], d["param_bytes"], d["predicted_ms"], d.get("threads", 0),
+                           d.get("same_as", ""))
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,13 @@ class Plan:
     decisions: tuple[str, ...]
     # the tune stage's choice of each CPU span's backend by measurement (scheduling/selection.py)
     cpu_selection: dict[str, Any] = field(default_factory=dict)
+    # each cached accelerator instance the plan uses: capacity, weights placed, cached and streamed, its
+    # segments in the order they are co-compiled (scheduling/cache.py); empty where no device has a cache
+    caches: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                           if f.name != "cpu_selection" or self.cpu_selection}, indent=2) + "\n"
+                           if f.name not in ("cpu_selection", "caches") or getattr(self, f.name)}, indent=2) + "\n"
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -74,7 +83,7 @@ class Plan:
                     tuple(tuple(s) for s in d["pipeline_stages"]), tuple(tuple(s) for s in d.get("parallel_steps", ())),
                     d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
                     d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())),
-                    d.get("cpu_selection", {}))
+                    d.get("cpu_selection", {}), d.get("caches", {}))
 
     @staticmethod
     def load(directory: Path) -> "Plan":

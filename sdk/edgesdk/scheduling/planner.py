@@ -2,7 +2,8 @@
 
 `make_plan` builds the numeric problem (`graph.build_problem`), places the nodes (the placement DP
 for latency; for throughput the pipelining DP or the latency plan streamed, whichever the simulated
-stream runs faster), splits CPU runs by backend, re-schedules CPU runs for inter-operator parallelism
+stream runs faster), by place-and-recost over the accelerators' parameter caches (`cache.place`: each
+plan priced with each instance holding the weights placed on it), splits CPU runs by backend, re-schedules CPU runs for inter-operator parallelism
 (`interop`), cuts the segments (`segments`), simulates one inference and a stream of `STREAM_FRAMES`
 frames (`simulate`), costs the documented baselines (`baselines`), and assembles the frozen `Plan`.
 It reads and writes no file: the schedule stage writes what it returns.
@@ -19,11 +20,11 @@ import onnx
 from ..devices import registry
 from ..errors import UserError
 from ..ir import model as irm
-from . import baselines, interop, pipelining, placement, simulate
+from . import baselines, cache, interop, pipelining, placement, simulate
 from .graph import build_problem
 from .plan import Plan, PlanSegment
 from .problem import Problem
-from .segments import PlannedSegment, annotate, cut, logit_probes, placement_counts, split_by_backend
+from .segments import PlannedSegment, annotate, cut, logit_probes, placement_counts, shared, split_by_backend
 
 STREAM_FRAMES = 32  # frames the stream simulation plays to measure steady-state throughput
 COST_MODEL = ("per node: roofline of the target's figures plus per-op overhead; per tensor that changes "
@@ -50,9 +51,9 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     before legalize's rewrites, annotated the same way) adds the vendors' baselines on it: what their
     own compilers would do with the user's model."""
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
-    problem, cpu_backend = build_problem(model, target, shapes, consts)
+    built, cpu_backend = build_problem(model, target, shapes, consts)
     t0 = time.perf_counter()
-    chosen, streamed = _place(problem, mode)
+    chosen, streamed, problem, rounds = _place(built, mode)
     scheduler_s = time.perf_counter() - t0
     placed = split_by_backend(chosen, cpu_backend)
     t1 = time.perf_counter()
@@ -60,6 +61,7 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     scheduler_s += time.perf_counter() - t1
     probes = logit_probes(model)
     segments, models = cut(model, par.runs, problem, shapes, consts, probes)
+    segments = shared(segments, models)
     one, flow = _simulate(problem, placed, par)
     plan = Plan(
         target=target.name, mode=mode,
@@ -72,29 +74,80 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         predicted=_predicted(problem, placed, one, flow),
         utilization={k: round(v, 4) for k, v in flow.utilization.items()},
         cost_model=COST_MODEL, search=_search(mode, streamed),
-        baselines={**_baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0]),
-                   **_imported_baselines(as_imported, target)},
+        baselines={**_baselines(built, target), **_imported_baselines(as_imported, target)},
         placement=placement_counts(par.runs),
         decisions=tuple(_decisions(problem, chosen)),
+        caches=_caches(problem, target, chosen, segments, rounds),
     )
     return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, flow, scheduler_s)
 
 
-def _place(problem: Problem, mode: str) -> tuple[list, bool]:
-    """The chosen (start, stop, device) spans, and whether they are the latency plan streamed."""
+def _place(problem: Problem, mode: str) -> tuple[list, bool, Problem, tuple]:
+    """The chosen (start, stop, device) spans, whether they are the latency plan streamed, the problem
+    priced by their caches, and the place-and-recost rounds (`cache.place`)."""
+    streamed: dict[tuple, bool] = {}
+
+    def placer(view: Problem) -> list:
+        spans, flag = _place_once(view, mode)
+        streamed[tuple(spans)] = flag
+        return spans
+
+    def objective(priced: Problem, spans: list) -> float:
+        if mode == "throughput":
+            return -flow(priced, [spans]).throughput_fps
+        return simulate.one_inference(priced, spans).makespan_ms
+
     try:
-        latency_plan = list(placement.place(problem).segments)
-        if mode != "throughput":
-            return latency_plan, False
-        stages = list(pipelining.pipeline(problem).stages)
-        # The pipelining DP gives each device one contiguous stage. A graph whose CPU-only ops are spread
-        # out (a captioner's frame split, RepeatVector and vocabulary Dense) then puts almost everything
-        # on the CPU; the latency plan, streamed (devices holding several segments), can do better. Keep
-        # whichever the simulated stream runs faster.
-        fps = [simulate.stream(problem, plan, STREAM_FRAMES).throughput_fps for plan in (stages, latency_plan)]
+        placed = cache.place(problem, placer, objective)
     except ValueError as e:  # a node no device can run: legalize refuses these first, so a bug here
         raise UserError("schedule.infeasible", str(e), "run `edgesdk check` to see which device can run what") from None
+    # a plan the local moves made (cache.refine) keeps how its starting plan streams: by devices in turn
+    return placed.plan, streamed.get(tuple(placed.plan), mode == "throughput"), placed.problem, placed.rounds
+
+
+def _place_once(problem: Problem, mode: str) -> tuple[list, bool]:
+    """One placement on one view of the costs: the spans, and whether they are the latency plan streamed."""
+    latency_plan = [tuple(s) for s in placement.place(problem).segments]
+    if mode != "throughput":
+        return latency_plan, False
+    stages = [tuple(s) for s in pipelining.pipeline(problem).stages]
+    # The pipelining DP gives each device one contiguous stage. A graph whose CPU-only ops are spread
+    # out (a captioner's frame split, RepeatVector and vocabulary Dense) then puts almost everything
+    # on the CPU; the latency plan, streamed (devices holding several segments), can do better. Keep
+    # whichever the simulated stream runs faster.
+    fps = [flow(problem, [plan]).throughput_fps for plan in (stages, latency_plan)]
     return (latency_plan, True) if fps[1] > fps[0] else (stages, False)
+
+
+def flow(problem: Problem, plans: list, durations: dict[int, float] | None = None) -> simulate.Timeline:
+    """A stream of `STREAM_FRAMES` frames through `plans` (a plan, or a plan and replicas taking frames in
+    turn) as the bundle's runtime streams it (`simulate.worker_stream`: one worker per device, a
+    segment started as soon as its inputs are ready, the runtime's default depth of one frame in
+    flight per device plus one). `durations` (segment index -> ms) apply to the first plan."""
+    runs = [simulate.tasks(problem, plan, durations if k == 0 else None) for k, plan in enumerate(plans)]
+    devices = {t.device for run in runs for t in run}
+    return simulate.worker_stream(runs, STREAM_FRAMES, len(devices) + 1)
+
+
+def _caches(problem: Problem, target, chosen, segments: tuple[PlanSegment, ...], rounds) -> dict:
+    """The plan's record of each cached instance it uses (`cache.summary`), with its segments in cache
+    priority (the order the package co-compiles them in), and the place-and-recost rounds."""
+    scale, source = {}, {}
+    for m in registry.accelerators({d.kind for d in target.devices}):
+        if hasattr(m, "cache"):
+            spec = m.cache(target.device(m.kind))
+            scale.update(dict.fromkeys(target.logical_ids(m.kind), spec.stored_per_byte))
+            source.update(dict.fromkeys(target.logical_ids(m.kind), spec.source))
+    if not scale:
+        return {}
+    by_first = {s.nodes[0]: s.id for s in segments if s.nodes}
+    instances = cache.summary(problem, [chosen], scale, source)
+    for d, record in instances.items():
+        mine = [tuple(s) for s in chosen if s[2] == d]
+        record["compile_order"] = [by_first[problem.nodes[mine[k][0]]] for k in cache.priority(problem, mine)]
+    return {"instances": instances, "search": "place-and-recost (scheduling/cache.py): each plan priced with "
+            "each instance holding the distinct weights placed on it",
+            "rounds": [{"start": name, "round": r, "objective": score} for name, r, score in rounds]}
 
 
 def _spans(placed: list[PlannedSegment]) -> list[tuple[int, int, str]]:
@@ -106,8 +159,7 @@ def _simulate(problem: Problem, placed: list[PlannedSegment], par: interop.Inter
     inter-operator parallelism takes its parallel plan's time."""
     durations = {i: p.ms for i, p in par.plans.items()}
     spans = _spans(placed)
-    return (simulate.one_inference(problem, spans, durations),
-            simulate.stream(problem, spans, STREAM_FRAMES, durations=durations))
+    return simulate.one_inference(problem, spans, durations), flow(problem, [spans], durations)
 
 
 def _predicted(problem: Problem, placed: list[PlannedSegment], one, flow) -> dict[str, float]:
@@ -160,13 +212,12 @@ def _decisions(problem: Problem, segments) -> list[str]:
     return out
 
 
-def _baselines(problem: Problem, target, replicated: Callable[[], Problem], *, vendors_only: bool = False
-               ) -> dict[str, dict]:
+def _baselines(problem: Problem, target, *, vendors_only: bool = False) -> dict[str, dict]:
     """The documented rules (all on the CPU, greedy, each accelerator vendor's; `vendors_only`: the
-    vendors' alone), costed and simulated on the same cost model; a rule that cannot place the graph
-    says why. A vendor's data-parallel advice (the model on each of several instances) is costed on
-    `replicated()`, the problem with each instance holding all the weights, and streamed with the
-    frames dealt to the instances in turn."""
+    vendors' alone), costed and simulated on the same cost model, each plan priced by its own caches
+    (`cache.recost`); a rule that cannot place the graph says why. A vendor's data-parallel advice (the
+    model on each of several instances: each holds all its weights) is streamed with the frames dealt to
+    the instances in turn."""
     rules, copies = _vendor_rules(target)
     if not vendors_only:
         rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy, **rules}
@@ -178,14 +229,13 @@ def _baselines(problem: Problem, target, replicated: Callable[[], Problem], *, v
             out[name] = {"error": str(e)}
             continue
         out[name] = _costed(problem, segs)
-    whole = replicated() if copies else problem
     for name, (rule, ids) in copies.items():
         try:
-            plans = rule(whole, ids)
+            plans = rule(problem, ids)
         except ValueError as e:
             out[name] = {"error": str(e)}
             continue
-        out[name] = {**_costed(whole, plans[0], plans[1:]), "replicas": len(plans)}
+        out[name] = {**_costed(problem, plans[0], plans[1:]), "replicas": len(plans)}
     return out
 
 
@@ -213,14 +263,14 @@ def _imported_baselines(load: Callable[[], onnx.ModelProto] | None, target) -> d
     model = load()
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     problem, _ = build_problem(model, target, shapes, consts)
-    vendor = _baselines(problem, target, lambda: build_problem(model, target, shapes, consts, replicated=True)[0],
-                        vendors_only=True)
+    vendor = _baselines(problem, target, vendors_only=True)
     return {name + AS_IMPORTED: b for name, b in vendor.items()}
 
 
 def _costed(problem: Problem, segs, replicas=()) -> dict:
+    problem = cache.recost(problem, [segs, *replicas])
     one = simulate.one_inference(problem, segs)
-    flow = simulate.stream(problem, segs, STREAM_FRAMES, replicas=replicas)
+    stream = flow(problem, [segs, *replicas])
     sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
-    return {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(flow.throughput_fps, 2),
+    return {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(stream.throughput_fps, 2),
             "sequential_ms": round(sequential, 4), "segments": len(segs)}

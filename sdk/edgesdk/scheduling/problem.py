@@ -19,6 +19,12 @@ overhead (an invocation) once. So a segment's cost depends only on its node rang
 `inputs(i, j)`: tensors consumed by nodes i..j-1 and produced outside them (graph inputs included;
 constants are not tensors here). `outputs(i, j)`: tensors produced by nodes i..j-1 and consumed by a
 node outside them, or graph outputs.
+
+An accelerator with a parameter cache (the Edge TPU) streams over its link, on every invocation, the
+weights its cache does not hold. `cost` includes that at the fraction `streamed` gives per node and
+device; `stream_ms` is what the node would add if all its weights streamed, `weight_keys` names the
+distinct weights each node reads and `cache_bytes` what each instance's cache holds, so that
+`cache.recost` can price a plan with each instance holding the weights placed on it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ class Problem:
     overhead_ms: dict[str, float] = field(default_factory=dict)   # per segment invocation, per device
     links: dict[str, Link] = field(default_factory=dict)          # accelerator -> its link to the host
     weights_bytes: tuple[int, ...] = ()             # per node: parameter bytes (on-chip capacity checks)
+    # the parameter cache (scheduling/cache.py); all empty where no device has one
+    weight_keys: tuple[tuple[str, ...], ...] = ()   # per node: its distinct weights (a shared tensor: one key)
+    key_bytes: dict[str, int] = field(default_factory=dict)        # weight key -> its float32 bytes
+    cache_bytes: dict[str, float] = field(default_factory=dict)    # device -> float32 bytes its cache holds
+    stream_ms: tuple[dict[str, float], ...] = ()    # per node: device -> extra ms if all its weights stream
+    streamed: tuple[dict[str, float], ...] = ()     # per node: device -> the fraction `cost` includes
 
     def can(self, node: int, device: str) -> bool:
         return device in self.cost[node]

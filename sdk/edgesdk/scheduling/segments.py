@@ -7,6 +7,7 @@ records each as a frozen `plan.PlanSegment`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import onnx
@@ -15,6 +16,7 @@ from ..config import HOST
 from ..devices import registry
 from ..devices.cost import node_flops
 from ..ir import model as irm
+from ..ir.digest import graph_structure_sha256
 from . import placement
 from .plan import PlanSegment
 from .problem import Problem
@@ -89,6 +91,23 @@ def cut(model: onnx.ModelProto, runs: list[PlannedSegment], problem: Problem, sh
             tuple(inputs), tuple(outputs), sum(node_flops(g.node[n], shapes) for n in r.nodes), irm.param_bytes(seg),
             round(ms, 4), r.threads))
     return tuple(segments), models
+
+
+def shared(segments: tuple[PlanSegment, ...], models: dict[str, onnx.ModelProto]) -> tuple[PlanSegment, ...]:
+    """The segments with `same_as` set on each accelerator segment that computes what an earlier one of
+    the same device kind and backend computes, with the same weights (`graph_structure_sha256`): the
+    captioner's per-frame CNN, cut once per frame, ships as one artifact. CPU segments are not shared
+    (each is compiled and tuned on its own)."""
+    first: dict[tuple, str] = {}
+    out = []
+    for s in segments:
+        if s.device.split(":")[0] == HOST:
+            out.append(s)
+            continue
+        key = (s.device.split(":")[0], s.backend, graph_structure_sha256(models[s.id]))
+        rep = first.setdefault(key, s.id)
+        out.append(dataclasses.replace(s, same_as=rep) if rep != s.id else s)
+    return tuple(out)
 
 
 def _consumers(g: onnx.GraphProto, runs: list[PlannedSegment], consts) -> dict[str, set[int]]:

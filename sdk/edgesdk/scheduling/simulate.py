@@ -118,14 +118,8 @@ def stream(problem: Problem, segments: Sequence, frames: int, interval_ms: float
         done.append(max(e.end_ms for e in events[n_before:]))
 
     busy = {r: sum(e.end_ms - e.start_ms for e in events if e.resource == r) for r in resources}
-    window = done[(frames - 1) // 2:]
-    span = window[-1] - window[0]
-    if span > 0:
-        fps = 1000.0 * (len(window) - 1) / span
-    else:   # one frame, or frames finishing together: fall back to the average over the run
-        fps = 1000.0 * frames / done[-1] if done[-1] > 0 else math.inf
     return Timeline(tuple(events), resources, busy, max(done),
-                    tuple(d - s for s, d in zip(first, done)), fps)
+                    tuple(d - s for s, d in zip(first, done)), steady_fps(done))
 
 
 def _plan(problem: Problem, segments: Sequence) -> list[Segment]:
@@ -186,3 +180,106 @@ def gantt(timeline: Timeline, path, title: str = "") -> "Path":
     fig.savefig(path, format="png")
     plt.close(fig)
     return path
+
+
+# --- the runtime's stream, worker by worker -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    """A segment of one frame as the runtime's stream runs it (runtime/streaming.py): on one device's
+    worker, for `ms` (an accelerator's transfers included: its call holds the worker), once the tasks
+    `after` of the same frame are done."""
+
+    id: str
+    device: str
+    ms: float
+    after: tuple[str, ...] = ()
+
+
+def steady_fps(done_ms: Sequence[float]) -> float:
+    """Frames per second from the frames' completion times: over the last half of the frames, where a
+    pipeline is full ((completions in the window - 1) / (last - first in the window)); one frame, or
+    frames finishing together: the average over the run."""
+    window = list(done_ms[(len(done_ms) - 1) // 2:])
+    span = window[-1] - window[0] if window else 0.0
+    if span > 0:
+        return 1000.0 * (len(window) - 1) / span
+    return 1000.0 * len(done_ms) / done_ms[-1] if done_ms and done_ms[-1] > 0 else math.inf
+
+
+def worker_stream(plans: Sequence[Sequence[Task]], frames: int, depth: int) -> Timeline:
+    """`frames` frames through the runtime's stream policy (runtime/streaming.py), played in time:
+
+    - frame f runs the tasks of `plans[f % len(plans)]` (one plan; or a plan and its replicas, frames
+      dealt in turn);
+    - at most `depth` frames are in flight: frame f + depth is fed when frame f is yielded, and frames
+      are yielded in order, each once all its tasks are done (a caller taking each result at once);
+    - every device has one worker; an idle worker starts, among its device's tasks of the frames in
+      flight whose `after` tasks are done, the one first in (frame, position in its plan) order.
+
+    Exact for that policy when every task takes its `ms` (the runtime test with sleeping device
+    doubles checks the runtime against it). The timeline's events are the tasks (`segment`: the
+    position in its frame's plan), a frame's latency runs from its feeding to its yield, and the
+    throughput is `steady_fps` of the yields."""
+    if frames < 1 or depth < 1:
+        raise ValueError(f"frames and depth must be at least 1, got {frames} and {depth}")
+    devices = list(dict.fromkeys(t.device for plan in plans for t in plan))
+    busy = dict.fromkeys(devices, 0.0)
+    running: dict[str, tuple[float, int, Task]] = {}
+    done: dict[tuple[int, str], float] = {}
+    remaining: dict[int, int] = {}
+    queue: dict[str, list[tuple[int, int, Task]]] = {d: [] for d in devices}
+    yielded: list[float] = []
+    fed_at: list[float] = []
+    events: list[Event] = []
+    fed, now = 0, 0.0
+    while len(yielded) < frames:
+        while fed < frames and fed - len(yielded) < depth:      # feed up to `depth` frames in flight
+            plan = plans[fed % len(plans)]
+            remaining[fed] = len(plan)
+            fed_at.append(now)
+            for pos, task in enumerate(plan):
+                queue[task.device].append((fed, pos, task))
+            fed += 1
+        for d in devices:                                       # idle workers take their first ready task
+            if d in running:
+                continue
+            ready = [(f, pos, t) for f, pos, t in queue[d] if all((f, a) in done for a in t.after)]
+            if ready:
+                f, pos, task = min(ready, key=lambda x: (x[0], x[1]))
+                queue[d].remove((f, pos, task))
+                running[d] = (now + task.ms, f, task)
+                busy[d] += task.ms
+                events.append(Event(d, pos, "compute", now, now + task.ms, f))
+        if not running:
+            raise ValueError("the stream is stuck: a task waits for one that no plan of its frame has")
+        now = min(end for end, _, _ in running.values())
+        for d in [d for d, (end, _, _) in running.items() if end <= now]:
+            _, f, task = running.pop(d)
+            done[f, task.id] = now
+            remaining[f] -= 1
+        while len(yielded) < fed and remaining[len(yielded)] == 0:
+            yielded.append(now)
+    return Timeline(tuple(events), tuple(devices), busy, yielded[-1],
+                    tuple(y - f for y, f in zip(yielded, fed_at)), steady_fps(yielded))
+
+
+def tasks(problem: Problem, segments: Sequence, durations: dict[int, float] | None = None) -> list[Task]:
+    """A plan's segments as the runtime's stream runs them (`worker_stream`): each takes its
+    `placement.segment_ms` (or `durations[index]`), after the segments producing its inputs."""
+    from .placement import segment_ms
+
+    plan = _plan(problem, segments)
+    producer = {}
+    for s, (i, j, _) in enumerate(plan):
+        for k in range(i, j):
+            producer[k] = s
+    out = []
+    for s, (i, j, d) in enumerate(plan):
+        ins, _ = _io(problem, i, j)
+        after = sorted({producer[problem.tensors[t].producer] for t in ins if problem.tensors[t].producer is not None})
+        ms = (durations or {}).get(s)
+        ms = segment_ms(problem, i, j, d) if ms is None else problem.overhead_ms.get(d, 0.0) + ms
+        out.append(Task(f"s{s}", d, ms, tuple(f"s{a}" for a in after)))
+    return out

@@ -13,6 +13,7 @@ that only have it (it needs numpy < 2).
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from pathlib import Path
@@ -54,6 +55,17 @@ class TfliteRunner:
                 raise ManifestError(f"segment {segment.id}: its model's {what}s are {sorted(details)}; the manifest "
                                     f"lists {keys}")
         self._lock = threading.Lock()
+
+    def for_segment(self, segment: Segment) -> "TfliteRunner":
+        """This runner's interpreter for another segment that ships the same artifact on the same device (a
+        shared segment: its own tensor names, the same signature keys); calls of the two take turns."""
+        keys = sorted(spec.key for spec in (*segment.inputs, *segment.outputs))
+        if keys != sorted(spec.key for spec in (*self.segment.inputs, *self.segment.outputs)):
+            raise ManifestError(f"segment {segment.id} shares {segment.artifact} with segment {self.segment.id} "
+                                f"but lists other tensors ({keys})")
+        view = copy.copy(self)
+        view.segment, view.note = segment, ""
+        return view
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """ONNX-named, ONNX-layout float inputs → ONNX-named, ONNX-layout float32 outputs."""

@@ -15,6 +15,10 @@ and the build says so in its output and in the manifest: int8 ranges then do not
 `--calib-method minmax` (the default) takes each activation's range from the smallest and largest
 value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
 (backends/tflite/narrowing.py). The method goes into `compress.json` and the manifest's `calibration`.
+
+Shared segments (`PlanSegment.same_as`: a captioner's per-frame CNN) are quantized once, the first of
+them calibrated on every one's inputs (interleaved, at most `SHARED_SAMPLES` times the calibration
+samples); the others' records name it (`same_as`) and carry its int8 model with their own tensor names.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
 from ...scheduling.plan import Plan
 
+SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 
@@ -64,11 +69,26 @@ def run(artifact: Path, ctx) -> dict:
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
     for seg in quantized:
+        if seg.same_as:
+            continue
+        uses = [seg, *(s for s in quantized if s.same_as == seg.id)]
+        names = seg.inputs + seg.outputs
+        # every use's own tensors under this segment's names, interleaved: sample 0 of each use, then 1, ...
+        samples = [{k: a[t] for k, t in zip(names, u.inputs + u.outputs)} for a in acts for u in uses]
+        if len(uses) > 1:
+            samples = samples[:SHARED_SAMPLES * len(acts)]
+            ctx.log(f"compress: {seg.id}: also stands for {', '.join(u.id for u in uses[1:])} (the same graph and "
+                    f"weights): calibrated on {len(samples)} samples of their inputs")
         entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
-            segment=seg, model=onnx.load(str(sched / seg.artifact)),
-            samples=[{k: a[k] for k in seg.inputs + seg.outputs} for a in acts], out_dir=ctx.out / "segments",
+            segment=seg, model=onnx.load(str(sched / seg.artifact)), samples=samples, out_dir=ctx.out / "segments",
             method=ctx.options.calib_method, percentile=ctx.options.calib_percentile, log=ctx.log))
         record["segments"][seg.id] = entry
+        for u in uses[1:]:
+            rename = dict(zip(names, u.inputs + u.outputs))
+            record["segments"][u.id] = {**entry, "same_as": seg.id,
+                                        **{k: [{**t, "name": rename[t["name"]]} for t in entry[k]]
+                                           for k in ("inputs", "outputs")},
+                                        "accuracy_vs_float": {rename[o]: a for o, a in entry["accuracy_vs_float"].items()}}
         worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
