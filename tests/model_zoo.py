@@ -122,6 +122,55 @@ def keras_encoder(tokens: int = 16, width: int = 32, heads: int = 2) -> Path:
     return path
 
 
+def frame_cnn(frames: int = 4, size: int = 32) -> Path:
+    """One small CNN applied to every frame of a clip, as tf2onnx exports a Keras TimeDistributed CNN (the
+    captioner's shape, DESIGN §8): per frame a Slice of the 5-D clip (rank 5 with 4 dimensions above 1:
+    the Edge TPU refuses it, so it stays on the CPU between the frames), a Squeeze, then the same two
+    convolutions (one set of weights, He-initialized, seed 0) and a global average pool; the frames'
+    features concatenated into a Gemm over 10 classes. Written as ONNX: the Keras export's topological
+    order puts every Slice first, which hides the per-frame structure this model is for."""
+    path = CACHE / f"frame_cnn_{frames}x{size}.onnx"
+    if path.exists():
+        return path
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    he = lambda *s: (rng.standard_normal(s) * np.sqrt(2 / np.prod(s[1:]))).astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("w1", he(16, 3, 3, 3)), ("b1", rng.normal(0, 0.1, 16).astype(np.float32)),
+        ("w2", he(32, 16, 3, 3)), ("b2", rng.normal(0, 0.1, 32).astype(np.float32)),
+        ("fc", he(10, 32 * frames).T.copy()), ("fc_b", np.zeros(10, np.float32)),
+        ("axis1", np.array([1], np.int64)))]
+    nodes, features = [], []
+    for f in range(frames):
+        inits += [numpy_helper.from_array(np.array([f], np.int64), f"start{f}"),
+                  numpy_helper.from_array(np.array([f + 1], np.int64), f"end{f}")]
+        nodes += [helper.make_node("Slice", ["clip", f"start{f}", f"end{f}", "axis1"], [f"f{f}/frame"]),
+                  helper.make_node("Squeeze", [f"f{f}/frame", "axis1"], [f"f{f}/image"]),
+                  helper.make_node("Conv", [f"f{f}/image", "w1", "b1"], [f"f{f}/c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+                  helper.make_node("Relu", [f"f{f}/c1"], [f"f{f}/r1"]),
+                  helper.make_node("Conv", [f"f{f}/r1", "w2", "b2"], [f"f{f}/c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+                  helper.make_node("Relu", [f"f{f}/c2"], [f"f{f}/r2"]),
+                  helper.make_node("GlobalAveragePool", [f"f{f}/r2"], [f"f{f}/pool"]),
+                  helper.make_node("Flatten", [f"f{f}/pool"], [f"f{f}/features"])]
+        features.append(f"f{f}/features")
+    nodes += [helper.make_node("Concat", features, ["features"], axis=1),
+              helper.make_node("Gemm", ["features", "fc", "fc_b"], ["logits"])]
+    g = helper.make_graph(nodes, "frame_cnn",
+                          [helper.make_tensor_value_info("clip", TensorProto.FLOAT, [1, frames, 3, size, size])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.onnx")
+    onnx.save(model, str(tmp))
+    tmp.rename(path)
+    return path
+
+
 if __name__ == "__main__":
     print(mobilenet_v2())
     print(mobilenet_v2(96, 0.35))

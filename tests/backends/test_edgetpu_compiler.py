@@ -25,6 +25,7 @@ from edgesdk.scheduling.correction import corrected_prediction, edgetpu_correcti
 from edgesdk import backends
 from edgesdk.bundling.bundle import finish_segment
 from edgesdk.scheduling.plan import PlanSegment
+from tests.edgetpu_double import install_co_compiling_double
 
 # Verbatim from Coral's issue tracker, google-coral/edgetpu issue #342 ("Operations not mapped to TPU",
 # 2021-03-21, https://github.com/google-coral/edgetpu/issues/342): `edgetpu_compiler -s` without -a on a
@@ -375,28 +376,6 @@ def test_a_co_compiling_log_is_read_per_model():
     assert etc.split_log("no blocks here") == ["no blocks here"]
 
 
-MULTI_DOUBLE = r"""#!/bin/sh
-# TEST DOUBLE for Coral's edgetpu_compiler (the real one cannot be installed here): co-compiles by
-# copying each model, appends its argument list to calls.txt, and prints one block per model, the
-# first model caching 1 MiB, each later one nothing (the cache is full), every op mapped.
-out=.; models=""
-while [ $# -gt 0 ]; do case "$1" in -o) out=$2; shift 2;; -s) shift;; *) models="$models $1"; shift;; esac; done
-echo "$models" >> "$(dirname "$0")/calls.txt"
-echo "Edge TPU Compiler version 16.0.384591198 (test double)"
-echo ""
-first=1
-for m in $models; do
-  base=$(basename "$m" .tflite); cp "$m" "$out/${base}_edgetpu.tflite"
-  if [ $first = 1 ]; then chip=1.00MiB; off=0.00B; first=0; else chip=0.00B; off=512.00KiB; fi
-  echo "Input model: $m"
-  echo "On-chip memory used for caching model parameters: $chip"
-  echo "On-chip memory remaining for caching model parameters: 2.00KiB"
-  echo "Off-chip memory used for streaming uncached model parameters: $off"
-  echo "Number of operations that will run on Edge TPU: 6"
-  echo "Number of operations that will run on CPU: 0"
-  echo ""
-done
-"""
 
 
 def test_finish_group_co_compiles_one_tpus_models_in_one_call_in_the_order_given(tiny, tmp_path, monkeypatch):
@@ -408,11 +387,7 @@ def test_finish_group_co_compiles_one_tpus_models_in_one_call_in_the_order_given
     for name in ("s3", "s1", "s7"):
         shutil.copyfile(path, bundle / "segments" / f"{name}.tflite")
     onnx.save(model, str(tmp_path / "model.onnx"))
-    double = tmp_path / "bin" / "edgetpu_compiler"
-    double.parent.mkdir()
-    double.write_text(MULTI_DOUBLE)
-    double.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{double.parent}{os.pathsep}{os.environ['PATH']}")
+    double = install_co_compiling_double(tmp_path / "bin", monkeypatch)
     planned = [PlanSegment(sid, "edgetpu:0", "tflite", f"segments/{sid}.onnx", tuple(seg["nodes"]), ("x",), ("y",),
                            0.0, 0, seg["predicted_ms"]) for sid in ("s3", "s1", "s7")]
     done = finish_segments(backends.finisher("edgetpu"), bundle,
