@@ -47,8 +47,10 @@ def x86_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
 
 @pytest.fixture(scope="session")
 def arm_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
+    """MobileNetV2 for a stream on arm_2tpu: it fits one Edge TPU's cache, so the plan replicates it on
+    both TPUs, frames dealt in turn (data parallelism)."""
     out = tmp_path_factory.mktemp("arm-mnv2")
-    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db)
+    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput")
 
 
 @pytest.fixture(scope="session")

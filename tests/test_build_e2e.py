@@ -208,6 +208,28 @@ def test_arm_bundle_has_int8_tpu_segments(arm_mobilenet):
     assert "ai-edge-litert==" in req and "numpy==" in req
 
 
+def test_arm_mobilenet_stream_is_replicated_on_both_tpus(arm_mobilenet):
+    """MobileNetV2 fits one Edge TPU's cache: built for a stream, the plan is the model on edgetpu:0 and a
+    replica on edgetpu:1 taking every other frame, predicted about twice one TPU's frames/s and no slower
+    than Coral's own replication (the same plan, costed alike); the replica ships its own copy of the
+    int8 model, both co-compiled per TPU by the finish command."""
+    m = Manifest.load(arm_mobilenet.bundle)
+    plan = json.loads((arm_mobilenet.bundle / "plan.json").read_text())
+    assert plan["replicas"] == [{"edgetpu:0": "edgetpu:1", "edgetpu:1": "edgetpu:0"}], plan["search"]
+    (replica,) = m.replicas
+    own = [s for s in m.segments if not s.replica]
+    mine = [s for s in m.segments if s.replica == 1]
+    assert [s.id for s in mine] == [i for i in replica if i not in {s.id for s in own}]
+    assert {s.device for s in own if s.device != "cpu"} == {"edgetpu:0"}
+    assert {s.device for s in mine} == {"edgetpu:1"}
+    assert all(s.fallback_artifact.endswith(".edgetpu1.tflite") for s in mine)
+    assert m.edgetpu["co_compiled"]["edgetpu:1"] == [s.id for s in mine]
+    alone = plan["baselines"]["coral default (first unsupported op onwards on the cpu)"]["throughput_fps"]
+    coral = plan["baselines"]["coral replication (the model on every edge tpu, frames dealt in turn)"]
+    assert plan["predicted"]["throughput_fps"] >= 1.8 * alone
+    assert plan["predicted"]["throughput_fps"] >= 0.99 * coral["throughput_fps"]
+
+
 def test_arm_pretrained_int8_accuracy_bound(arm_ppocr):
     """int8 vs fp32 on logits (the input of the final softmax), on the pretrained PP-OCR classifier
     calibrated with 16 PNG text-line images (PP-OCR's preprocessing stated to the build) by the

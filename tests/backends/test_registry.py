@@ -35,7 +35,7 @@ def test_only_the_edge_tpu_has_a_finisher_and_it_says_how_to_finish():
     assert backends.finisher("cpu") is None and backends.finisher("gpu") is None
     assert f.finish_command(["segments/s0.tflite"]) == "edgetpu_compiler -s -o segments segments/s0.tflite"
     warning = f.unfinished_warning(["segments/s0.tflite", "segments/s2.tflite"])
-    assert warning.startswith("edgetpu_compiler is not installed: 2 Edge TPU segment(s) ship uncompiled")
+    assert warning.startswith("edgetpu_compiler is not installed: 2 Edge TPU model(s) ship uncompiled")
     assert warning.endswith("cd bundle && edgetpu_compiler -s -o segments segments/s0.tflite segments/s2.tflite")
     with pytest.raises(ValueError, match="already has a finisher"):
         backends.register_finisher(f)

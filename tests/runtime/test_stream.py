@@ -8,6 +8,7 @@ flight, an error reaching the caller with no thread left behind, and a clean ear
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -156,3 +157,50 @@ def test_a_malformed_frame_is_raised_after_the_good_frames_before_it(bundle):
     for i, out in enumerate(got):
         np.testing.assert_array_equal(out["y"], expected(i))
     assert not stream_threads()
+
+
+@pytest.fixture()
+def replicated(tmp_path) -> Path:
+    """The plan cpu: a = x + 1 -> edgetpu:0: b = a * 2 -> cpu: y = b + x, and a replica with the Edge TPU
+    segment on edgetpu:1 (the same model: data parallelism over two TPUs)."""
+    s0 = _segment(tmp_path, "s0", "cpu", "Add", ["x"], "a")
+    s1 = _segment(tmp_path, "s1", "edgetpu:0", "Mul", ["a"], "b")
+    s2 = _segment(tmp_path, "s2", "cpu", "Add", ["b", "x"], "y")
+    r1 = dataclasses.replace(s1, id="s1.r1", device="edgetpu:1", replica=1)
+    spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
+    manifest = mf.Manifest(schema_version=mf.SCHEMA_VERSION, sdk_version="test", min_runtime_version=mf.RUNTIME_VERSION,
+                           model={"name": "test"}, target={"name": "test"}, arch="x86_64", device_map={},
+                           inputs=(spec("x"),), outputs=(spec("y"),), segments=(s0, s1, s2, r1),
+                           pipeline_stages=(("s0",), ("s1",), ("s2",)), predicted={},
+                           replicas=(("s0", "s1.r1", "s2"),))
+    (tmp_path / "manifest.json").write_text(manifest.to_json())
+    return tmp_path
+
+
+def test_replicas_take_alternate_frames_in_order_and_equal_run(replicated):
+    model = BundleModel(replicated, log=lambda s: None)
+    assert mf.Manifest.load(replicated).replicas == (("s0", "s1.r1", "s2"),)
+    ran: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    for seg, runner in model.runners:
+        def run(feeds, _run=runner.run, _id=seg.id):
+            time.sleep(0.01)
+            with lock:
+                ran.append((_id, float(next(iter(feeds.values()))[0, 0])))
+            return _run(feeds)
+        runner.run = run
+    got = list(model.stream(frames(8)))
+    for i, out in enumerate(got):
+        np.testing.assert_array_equal(out["y"], (np.full(SHAPE, i - 3.5, np.float32) + 1) * 2 + (i - 3.5))
+    tpu = {a: sid for sid, a in ran if sid.startswith("s1")}    # each frame's "a" -> the TPU segment that took it
+    assert [tpu[i - 3.5 + 1] for i in range(8)] == ["s1", "s1.r1"] * 4
+    ran.clear()
+    model.run({"x": np.zeros(SHAPE, np.float32)})           # run() is the plan's own segments only
+    assert [sid for sid, _ in ran] == ["s0", "s1", "s2"]
+    assert not stream_threads()
+
+
+def test_a_replica_naming_an_unknown_segment_is_refused(replicated):
+    text = (replicated / "manifest.json").read_text().replace('"s1.r1",\n      "s2"', '"s9",\n      "s2"')
+    with pytest.raises(mf.ManifestError, match=r"manifest.replicas\[0\].*s9"):
+        mf.Manifest.from_json(text)

@@ -83,7 +83,7 @@ def test_place_and_recost_splits_weights_that_do_not_fit_one_cache():
     with every weight cached sees both TPUs as equal and round-robins the two segments only if it cuts
     there; the recost prices whatever it picks, and the result streams nothing."""
     p = _chain(["a", "b"], {"a": 6 * MB, "b": 6 * MB})
-    placed = cache.place(p, lambda view: [tuple(s) for s in placement.place(view).segments], _sequential)
+    placed = cache.place(p, lambda view: [[tuple(s) for s in placement.place(view).segments]], _sequential)
     occ = cache.occupancy(p, [placed.plan])
     assert all(o.streamed == 0 for o in occ.values()), placed.plan
     assert {d for _, _, d in placed.plan} == set(TPUS)
@@ -100,9 +100,9 @@ def test_place_and_recost_is_never_worse_than_the_first_view_and_iterates():
     p = _chain(keys, {"f": 7 * MB, "big": 20 * MB}, cpu_ms=12.0, tpu_ms=1.0)
     counted = 8 * 7 * MB + 20 * MB                                   # every use counted, as the built view does
     first = cache._priced(p, lambda k, d: max(0.0, 1 - 16 * MB / counted))
-    placer = lambda view: [tuple(s) for s in placement.place(view).segments]   # noqa: E731
+    placer = lambda view: [[tuple(s) for s in placement.place(view).segments]]   # noqa: E731
     placed = cache.place(first, placer, _sequential)
-    naive = placer(first)
+    naive = placer(first)[0]
     assert placed.score <= _sequential(cache.recost(first, [naive]), naive)
     frames_on_tpu = sum(j - i for i, j, d in placed.plan if d != "cpu" and j <= 8)
     assert frames_on_tpu == 8

@@ -114,9 +114,12 @@ def finish_group_command(groups: list[list[str]]) -> str:
     return " && ".join(finish_command(g) for g in groups if g)
 
 
-def unfinished_warning(tflite_files: list[str]) -> str:
-    return (f"edgetpu_compiler is not installed: {len(tflite_files)} Edge TPU segment(s) ship uncompiled and run "
-            f"their int8 model on the CPU until compiled; to finish: cd bundle && {finish_command(tflite_files)}")
+def unfinished_warning(tflite_files: list[str], command: str | None = None) -> str:
+    """The build's warning when the compiler is not installed, with the command that finishes the bundle
+    (`command`, default one call for all the files)."""
+    return (f"edgetpu_compiler is not installed: {len(tflite_files)} Edge TPU model(s) ship uncompiled and run "
+            f"their int8 model on the CPU until compiled; to finish: cd bundle && "
+            f"{command or finish_command(tflite_files)}")
 
 
 def finish(job: FinishJob) -> Finished:

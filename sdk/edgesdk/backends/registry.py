@@ -181,8 +181,8 @@ class Finisher:
     def finish_command(self, artifacts: list[str]) -> str:
         return self._call("finish_command", artifacts)
 
-    def unfinished_warning(self, artifacts: list[str]) -> str:
-        return self._call("unfinished_warning", artifacts)
+    def unfinished_warning(self, artifacts: list[str], command: str | None = None) -> str:
+        return self._call("unfinished_warning", artifacts, *([command] if command else []))
 
     def describe(self, correction: dict) -> str:
         return self._call("describe", correction)

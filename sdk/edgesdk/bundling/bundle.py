@@ -49,6 +49,7 @@ class _Shipped:
     tuned: dict[str, dict]
     finishing: dict  # the manifest's `edgetpu` record: compiled or not, the compilers' logs, corrections
     device_needs: tuple[str, ...]  # what the device needs beyond the runtime's packages, each line once
+    replicas: tuple[tuple[str, ...], ...] = ()  # per replica, the segment ids its frames run
 
 
 def package(src: Sources, target, options, out: Path, *, log: Callable[[str], None],
@@ -91,9 +92,14 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     tuned: dict[str, dict] = {}
     needs: dict[str, None] = {}
     compiled: dict[str, backends.Compiled] = {}
-    # 1. each segment compiled by its backend; a shared segment (`same_as`) ships its first use's artifact
-    by_id = {s.id: s for s in plan.segments}
-    for seg in plan.segments:
+    # 1. each segment compiled by its backend; a shared segment (`same_as`) ships its first use's artifact,
+    # and so does a replica's segment on the other accelerator (`Plan.replica_segments`)
+    replicas = plan.replica_segments()
+    own = {s.id for s in plan.segments}
+    replica_of = {s.id: k for k, rep in enumerate(replicas, 1) for s in rep if s.id not in own}
+    everything = [*plan.segments, *(s for rep in replicas for s in rep if s.id in replica_of)]
+    by_id = {s.id: s for s in everything}
+    for seg in everything:
         sid, kind = seg.id, seg.device.split(":")[0]
         if seg.same_as in compiled:
             compiled[sid] = _renamed(compiled[seg.same_as], by_id[seg.same_as], seg)
@@ -116,7 +122,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     compiler_logs: dict[str, dict] = {}
     corrections: list[dict] = []
     unfinished: dict[backends.Finisher, list[list[str]]] = {}
-    groups = finish_groups(plan)
+    groups = finish_groups(plan, everything)
     taken: set[str] = set()  # artifacts a device's call compiled already
     for device, ids in groups.items():
         finisher = backends.finisher(device.split(":")[0])
@@ -143,7 +149,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     segments = tuple(mf.Segment(id=sid, device=seg.device, backend=backends.backend(seg.backend).runner,
                                 artifact=art, inputs=compiled[sid].inputs, outputs=compiled[sid].outputs,
                                 fallback_artifact=fallback[sid], nodes=len(seg.nodes),
-                                predicted_ms=seg.predicted_ms, threads=seg.threads)
+                                predicted_ms=seg.predicted_ms, threads=seg.threads, replica=replica_of.get(sid, 0))
                      for sid, (art, seg) in shipped.items())
     finishing: dict = {}
     if any(s.fallback_artifact is not None for s in segments):
@@ -156,9 +162,10 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             plan = dataclasses.replace(plan, predicted=corrected_prediction(plan.predicted, corrections))
         for f, arts in unfinished.items():
             finishing["finish_command"] = f"cd bundle && {f.group_command(arts)}"
-            warn(f.unfinished_warning([a for g in arts for a in g]))
-    planned = tuple(dataclasses.replace(seg, artifact=art) for art, seg in shipped.values())
-    return _Shipped(dataclasses.replace(plan, segments=planned), segments, twins, tuned, finishing, tuple(needs))
+            warn(f.unfinished_warning([a for g in arts for a in g], f.group_command(arts)))
+    planned = tuple(dataclasses.replace(seg, artifact=art) for sid, (art, seg) in shipped.items() if sid not in replica_of)
+    return _Shipped(dataclasses.replace(plan, segments=planned), segments, twins, tuned, finishing, tuple(needs),
+                    tuple(tuple(s.id for s in rep) for rep in replicas))
 
 
 def _renamed(rep: backends.Compiled, rep_seg: PlanSegment, seg: PlanSegment) -> backends.Compiled:
@@ -178,12 +185,13 @@ def _own_copy(bundle: Path, artifact: str, device: str) -> str:
     return copy
 
 
-def finish_groups(plan: Plan) -> dict[str, list[str]]:
-    """Per device instance whose kind has a finishing compiler, its segments in the order to compile them
-    together: the plan's cache priority (`Plan.caches`, scheduling/cache.py), else plan order."""
+def finish_groups(plan: Plan, segments: list[PlanSegment] | None = None) -> dict[str, list[str]]:
+    """Per device instance whose kind has a finishing compiler, its segments (`segments`, default the
+    plan's) in the order to compile them together: the plan's cache priority (`Plan.caches`,
+    scheduling/cache.py), else plan order."""
     order = {d: rec.get("compile_order", []) for d, rec in plan.caches.get("instances", {}).items()}
     groups: dict[str, list[str]] = {}
-    for seg in plan.segments:
+    for seg in plan.segments if segments is None else segments:
         if backends.finisher(seg.device.split(":")[0]) is not None:
             groups.setdefault(seg.device, []).append(seg.id)
     for d, ids in groups.items():
@@ -260,6 +268,7 @@ def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warn
         target={"name": target.name, "sha256": target.digest(), "description": target.description},
         arch=target.host.arch, device_map=target.device_map(), inputs=inputs, outputs=outputs,
         segments=shipped.segments, pipeline_stages=plan.pipeline_stages, parallel_steps=plan.parallel_steps,
+        replicas=shipped.replicas,
         cpu_threads=target.host.cores,
         predicted=plan.predicted, toolchain=toolchain(), calibration=compress.get("calibration") or _cpu_int8(src)["calibration"],
         edgetpu=shipped.finishing,

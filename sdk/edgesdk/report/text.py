@@ -43,7 +43,7 @@ def placement_summary(plan: dict[str, Any]) -> str:
 
 def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
     """The tune stage's choice of each CPU span's backend: what was measured, where, and what won."""
-    if not selection:
+    if not selection or not selection.get("spans"):   # no CPU span: nothing was chosen
         return []
     if selection.get("measured_on") is None:  # chosen by policy (or, in older bundles, the plan kept)
         lines = [f"cpu backends: {selection.get('note', 'not measured')}"]
@@ -97,6 +97,10 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     out.append("")
     out.append(f"predicted   {m.predicted.get('latency_ms', 0):.3f} ms per inference, "
                f"{m.predicted.get('throughput_fps', 0):.1f} frames/s pipelined")
+    for k, ids in enumerate(m.replicas, 1):
+        moved = [s for s in m.segments if s.replica == k]
+        out.append(f"replica {k}   a stream's frames alternate between the plan and replica {k}: "
+                   + ", ".join(f"{s.id} on {s.device}" for s in moved) + " (run() uses the plan's own segments)")
     if m.edgetpu:
         state = "compiled" if m.edgetpu.get("edgetpu_compiled") else "NOT compiled (int8 runs on the CPU until compiled)"
         out.append(f"edge tpu    {state}")

@@ -70,7 +70,8 @@ class BundleModel:
                 self.log(f"runtime: {runner.note}")
             self.runners.append((seg, runner))
         self.load_seconds = time.perf_counter() - t0
-        self.steps = _steps(self.manifest, self.runners)
+        # `run` runs the plan's own segments; a stream deals frames over the plan and its replicas
+        self.steps = _steps(self.manifest, [(seg, r) for seg, r in self.runners if not seg.replica])
         width = max((len(step) for step in self.steps), default=1)
         # the calling thread keeps its own thread count: parallel steps run on workers only
         self._pool = concurrent.futures.ThreadPoolExecutor(width, "edgesdk-step") if width > 1 else None
@@ -107,8 +108,9 @@ class BundleModel:
     def stream(self, frames: Iterable[dict[str, np.ndarray]], *, depth: int | None = None,
                allow_nonfinite: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """Results of `frames`, in input order, pipelined over the devices (`streaming.py`): one worker
-        per device, at most `depth` frames in flight (default: one per device, plus one). An error in
-        any segment is raised here for its frame; closing the generator stops the workers."""
+        per device, at most `depth` frames in flight (default: one per device, plus one), frames dealt in
+        turn over the plan and its replicas (`Manifest.replicas`). An error in any segment is raised here
+        for its frame; closing the generator stops the workers."""
         from .streaming import stream
 
         devices = {seg.device for seg, _ in self.runners}
@@ -118,9 +120,12 @@ class BundleModel:
             for feeds in frames:
                 yield self._check(feeds, allow_nonfinite)
 
-        return stream(self.runners, _feeds, lambda runner, feeds: _call(runner, 0, feeds),
+        by_id = {seg.id: (seg, r) for seg, r in self.runners}
+        return stream([(seg, r) for seg, r in self.runners if not seg.replica], _feeds,
+                      lambda runner, feeds: _call(runner, 0, feeds),
                       lambda env: {n: _host(env[n]) for n in names}, checked(),
-                      depth if depth is not None else len(devices) + 1)
+                      depth if depth is not None else len(devices) + 1,
+                      replicas=[[by_id[i] for i in ids] for ids in self.manifest.replicas])
 
     def _check(self, feeds: dict[str, np.ndarray], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
         """The feeds in the model's dtypes, checked before any segment runs (`inputs.py`: ValueError for

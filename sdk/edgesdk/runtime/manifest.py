@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA_VERSION = 1
-RUNTIME_VERSION = "0.1.0"
+RUNTIME_VERSION = "0.2.0"  # 0.2.0: replicas (data parallelism in a stream) and segments sharing an artifact
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class Segment:
     predicted_ms: float = 0.0
     # Worker threads for this segment when it runs in a parallel step (0: the runtime's default).
     threads: int = 0
+    # A segment only a replica runs (`Manifest.replicas`): the number of that replica (0: the plan's own).
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,11 @@ class Manifest:
     # Inter-operator parallelism: segment ids that may run at once, one tuple per step, steps in
     # order; a segment in no step runs alone, in manifest order. Empty: every segment alone.
     parallel_steps: tuple[tuple[str, ...], ...] = ()
+    # Data parallelism in a stream: per replica k >= 1, the segment ids its frames run, in order (the
+    # plan's segments with the accelerators swapped: its own segments where a device moved, marked
+    # `replica: k`, and the plan's others); frame f runs replica f mod (1 + len(replicas)). `run` runs
+    # the plan's own segments (replica 0) only.
+    replicas: tuple[tuple[str, ...], ...] = ()
     # Threads each CPU backend uses (the target CPU's cores); 0: the backend's own default.
     cpu_threads: int = 0
     toolchain: dict[str, str] = field(default_factory=dict)
@@ -160,6 +167,7 @@ def segment_from_dict(d: dict[str, Any]) -> Segment:
         nodes=int(d.get("nodes", 0)),
         predicted_ms=float(d.get("predicted_ms", 0.0)),
         threads=int(d.get("threads", 0)),
+        replica=int(d.get("replica", 0)),
     )
 
 
@@ -187,6 +195,7 @@ def manifest_from_dict(d: Any) -> Manifest:
         pipeline_stages=tuple(tuple(s) for s in d["pipeline_stages"]),
         predicted=d.get("predicted", {}),
         parallel_steps=tuple(tuple(s) for s in d.get("parallel_steps", ())),
+        replicas=tuple(tuple(s) for s in d.get("replicas", ())),
         cpu_threads=d.get("cpu_threads", 0),
         toolchain=d.get("toolchain", {}),
         calibration=d.get("calibration", {}),
@@ -383,7 +392,7 @@ SEGMENT = _object(
     {"id": _text, "device": _pattern(_DEVICE_ID, "a logical device id (cpu, edgetpu:0, gpu:0)"),
      "backend": _literal(*BACKENDS), "artifact": _path, "inputs": _list(TENSOR), "outputs": _list(TENSOR)},
     {"fallback_artifact": _nullable(_path), "nodes": _integer(0, 2**31 - 1), "predicted_ms": _number,
-     "threads": _integer(0, 4096)},
+     "threads": _integer(0, 4096), "replica": _integer(0, 64)},
 )
 _IDS = _list(_list(_text))
 # the informational parts: only what `edgesdk inspect` reads is typed; the rest is shown as it is
@@ -420,7 +429,7 @@ MANIFEST = _object(
      "arch": _literal(*ARCHES), "device_map": _map(_text),
      "inputs": _list(TENSOR), "outputs": _list(TENSOR, min_len=1), "segments": _list(SEGMENT, min_len=1),
      "pipeline_stages": _IDS},
-    {"predicted": _map(_number), "parallel_steps": _IDS, "cpu_threads": _integer(0, 4096),
+    {"predicted": _map(_number), "parallel_steps": _IDS, "replicas": _IDS, "cpu_threads": _integer(0, 4096),
      "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
      "accuracy": _ACCURACY, "tuning": _TUNING, "warnings": _list(_text),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
@@ -438,7 +447,7 @@ def _check_references(d: dict[str, Any]) -> None:
     ids = [s["id"] for s in d["segments"]]
     if len(set(ids)) != len(ids):
         _fail("manifest.segments", f"segment id {_shown(next(i for i in ids if ids.count(i) > 1))} is used twice")
-    for field_name in ("pipeline_stages", "parallel_steps"):
+    for field_name in ("pipeline_stages", "parallel_steps", "replicas"):
         for i, step in enumerate(d.get(field_name, ())):
             for sid in step:
                 if sid not in ids:

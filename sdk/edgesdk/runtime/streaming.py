@@ -10,6 +10,11 @@ of the busiest device, as the schedule's simulator predicts, not the sum of all 
 No deadlock: a task depends only on tasks before it in that order, so the earliest unfinished task is
 ready, and its worker, when idle, takes it.
 
+Replicas (data parallelism): the plan may come with replicas, each the same segments with the
+accelerators swapped (edgetpu:0's work on edgetpu:1 and back); frame f runs plan f mod (1 + replicas),
+so two Edge TPUs each holding the whole model take alternate frames, and results still come out in
+input order.
+
 Bounded: at most `depth` frames are in flight (fed and not yet yielded); the caller's iterator is
 read only as results are taken. Results come out in input order.
 
@@ -31,25 +36,31 @@ import numpy as np
 class _Frame:
     env: dict
     done: dict[str, threading.Event]          # segment id -> finished (or skipped)
+    plan: int = 0                             # which of the plans (replicas) it runs
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
-           frames: Iterable[dict[str, np.ndarray]], depth: int) -> Iterator[dict[str, np.ndarray]]:
-    """`runners`: (segment, runner) in manifest order. `feeds_of(segment, runner, env)` picks a segment's
-    inputs, `call(runner, feeds)` runs it, `outputs(env)` makes a frame's result."""
+           frames: Iterable[dict[str, np.ndarray]], depth: int, replicas: list | None = None
+           ) -> Iterator[dict[str, np.ndarray]]:
+    """`runners`: (segment, runner) in manifest order; `replicas`: more such lists, frames dealt in turn
+    over all of them. `feeds_of(segment, runner, env)` picks a segment's inputs, `call(runner, feeds)`
+    runs it, `outputs(env)` makes a frame's result."""
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
-    producer = {t.name: seg.id for seg, _ in runners for t in seg.outputs}
-    waits = {seg.id: sorted({producer[t.name] for t in seg.inputs if t.name in producer}) for seg, _ in runners}
-    devices = list(dict.fromkeys(seg.device for seg, _ in runners))
+    plans = [runners, *(replicas or [])]
+    waits = []   # per plan: segment id -> the segments of the same frame it waits for
+    for plan in plans:
+        producer = {t.name: seg.id for seg, _ in plan for t in seg.outputs}
+        waits.append({seg.id: sorted({producer[t.name] for t in seg.inputs if t.name in producer}) for seg, _ in plan})
+    devices = list(dict.fromkeys(seg.device for plan in plans for seg, _ in plan))
     pending: dict[str, list] = {d: [] for d in devices}   # (frame, segment, runner), in global order
     cond = threading.Condition()
     stopping = False
 
     def ready(frame: _Frame, seg) -> bool:
-        return frame.error is not None or all(frame.done[sid].is_set() for sid in waits[seg.id])
+        return frame.error is not None or all(frame.done[sid].is_set() for sid in waits[frame.plan][seg.id])
 
     def work(device: str) -> None:
         while True:
@@ -82,7 +93,7 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
     in_flight: list[_Frame] = []
     try:
         source = iter(frames)
-        exhausted = False
+        exhausted, fed = False, 0
         refused: BaseException | None = None  # a frame the caller's iterator could not give (a bad input)
         while True:
             while not exhausted and len(in_flight) < depth:
@@ -94,11 +105,13 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                 except Exception as e:  # noqa: BLE001 -- raised after the good frames before it are yielded
                     refused, exhausted = e, True
                     break
-                frame = _Frame({k: np.asarray(v) for k, v in feeds.items()},
-                               {seg.id: threading.Event() for seg, _ in runners})
+                which = fed % len(plans)
+                fed += 1
+                frame = _Frame({name: np.asarray(v) for name, v in feeds.items()},
+                               {seg.id: threading.Event() for seg, _ in plans[which]}, which)
                 in_flight.append(frame)
                 with cond:
-                    for seg, runner in runners:
+                    for seg, runner in plans[which]:
                         pending[seg.device].append((frame, seg, runner))
                     cond.notify_all()
             if not in_flight:

@@ -166,29 +166,34 @@ class Placed:
     rounds: tuple[tuple[str, int, float], ...]   # (starting view, round, score) of every plan tried
 
 
-def place(problem: Problem, placer: Callable[[Problem], list], objective: Callable[[Problem, list], float]
+def place(problem: Problem, placer: Callable[[Problem], list[list]], objective: Callable[[Problem, list], float]
           ) -> Placed:
-    """Place-and-recost (module docstring): `placer(view) -> spans` is a DP, `objective(problem,
-    spans)` scores a plan on its recosted problem (lower is better). Without caches in the problem,
-    one placement."""
+    """Place-and-recost (module docstring): `placer(view) -> [spans, ...]` gives a DP's candidate plans on
+    a view of the costs, `objective(problem, spans)` scores a plan on its recosted problem (lower is
+    better); each round goes on from its best candidate. Without caches in the problem, one placement."""
     if not problem.cache_bytes or not any(problem.weight_keys):
-        plan = [tuple(s) for s in placer(problem)]
-        return Placed(plan, problem, objective(problem, plan), (("as built", 0, objective(problem, plan)),))
+        plans = [[tuple(s) for s in plan] for plan in placer(problem)]
+        scores = [objective(problem, plan) for plan in plans]
+        k = min(range(len(plans)), key=lambda i: (scores[i], i))
+        return Placed(plans[k], problem, scores[k], (("as built", 0, round(scores[k], 6)),))
     best: Placed | None = None
     rounds = []
     for name, start in (("weights spread over every cache", problem), ("every weight cached", all_cached(problem))):
         seen, current = set(), start
         for r in range(MAX_ROUNDS):
-            plan = placer(current)
-            key = tuple(_spans(plan))
-            if key in seen:
+            round_best = None
+            for plan in placer(current):
+                plan = [tuple(s) for s in plan]
+                score = objective(recost(problem, [plan]), plan)
+                if round_best is None or score < round_best[1] - 1e-9 * abs(round_best[1]):
+                    round_best = (plan, score)
+            plan, score = round_best
+            if tuple(plan) in seen:
                 break
-            seen.add(key)
-            true = recost(problem, [plan])
-            score = objective(true, plan)
+            seen.add(tuple(plan))
             rounds.append((name, r, round(score, 6)))
-            if best is None or score < best.score * (1 - 1e-9):
-                best = Placed(plan, true, score, ())
+            if best is None or score < best.score - 1e-9 * abs(best.score):
+                best = Placed(plan, problem, score, ())
             current = view(problem, [plan])
     plan, score, tried = refine(problem, best.plan, best.score, objective)
     if tried:

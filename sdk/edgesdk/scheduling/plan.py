@@ -10,7 +10,7 @@ written again is the same bytes (plan.json is in every bundle, which must be rep
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +70,22 @@ class Plan:
     # each cached accelerator instance the plan uses: capacity, weights placed, cached and streamed, its
     # segments in the order they are co-compiled (scheduling/cache.py); empty where no device has a cache
     caches: dict[str, Any] = field(default_factory=dict)
+    # data parallelism in a stream: each replica's device map (two Edge TPUs: edgetpu:0 and edgetpu:1
+    # swapped); frame f runs replica f mod (1 + len(replicas)), replica 0 being the plan itself
+    replicas: tuple[dict[str, str], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                           if f.name not in ("cpu_selection", "caches") or getattr(self, f.name)}, indent=2) + "\n"
+                           if f.name not in ("cpu_selection", "caches", "replicas") or getattr(self, f.name)},
+                          indent=2) + "\n"
+
+    def replica_segments(self) -> tuple[tuple[PlanSegment, ...], ...]:
+        """Per replica k >= 1, the segments its frames run, in plan order: each segment on a device the
+        replica moves as a segment of its own, `<id>.r<k>` on the other device and `same_as` the segment
+        it repeats (the package ships one artifact per device for them); the others as they are."""
+        return tuple(tuple(replace(s, id=f"{s.id}.r{k}", device=m[s.device], same_as=s.same_as or s.id)
+                           if s.device in m else s for s in self.segments)
+                     for k, m in enumerate(self.replicas, 1))
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -83,7 +95,8 @@ class Plan:
                     tuple(tuple(s) for s in d["pipeline_stages"]), tuple(tuple(s) for s in d.get("parallel_steps", ())),
                     d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
                     d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())),
-                    d.get("cpu_selection", {}), d.get("caches", {}))
+                    d.get("cpu_selection", {}), d.get("caches", {}),
+                    tuple(dict(m) for m in d.get("replicas", ())))
 
     @staticmethod
     def load(directory: Path) -> "Plan":

@@ -53,7 +53,8 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     built, cpu_backend = build_problem(model, target, shapes, consts)
     t0 = time.perf_counter()
-    chosen, streamed, problem, rounds = _place(built, mode)
+    placed_ = _place(built, mode)
+    chosen, problem, maps = placed_.spans, placed_.problem, placed_.replicas
     scheduler_s = time.perf_counter() - t0
     placed = split_by_backend(chosen, cpu_backend)
     t1 = time.perf_counter()
@@ -62,7 +63,7 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     probes = logit_probes(model)
     segments, models = cut(model, par.runs, problem, shapes, consts, probes)
     segments = shared(segments, models)
-    one, flow = _simulate(problem, placed, par)
+    one, stream = _simulate(problem, placed, par, maps)
     plan = Plan(
         target=target.name, mode=mode,
         inputs=tuple(i.name for i in model.graph.input if i.name not in consts),
@@ -71,52 +72,91 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         pipeline_stages=_pipeline_stages(mode, chosen, segments, cpu_backend),
         parallel_steps=tuple(tuple(st) for st in par.steps),
         inter_op=interop.summary(par, placed),
-        predicted=_predicted(problem, placed, one, flow),
-        utilization={k: round(v, 4) for k, v in flow.utilization.items()},
-        cost_model=COST_MODEL, search=_search(mode, streamed),
+        predicted=_predicted(problem, placed, one, stream),
+        utilization={k: round(v, 4) for k, v in stream.utilization.items()},
+        cost_model=COST_MODEL, search=_search(mode, placed_.how, len(maps)),
         baselines={**_baselines(built, target), **_imported_baselines(as_imported, target)},
         placement=placement_counts(par.runs),
         decisions=tuple(_decisions(problem, chosen)),
-        caches=_caches(problem, target, chosen, segments, rounds),
+        caches=_caches(problem, target, chosen, segments, placed_.rounds, maps),
+        replicas=maps,
     )
-    return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, flow, scheduler_s)
+    return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, stream, scheduler_s)
 
 
-def _place(problem: Problem, mode: str) -> tuple[list, bool, Problem, tuple]:
-    """The chosen (start, stop, device) spans, whether they are the latency plan streamed, the problem
-    priced by their caches, and the place-and-recost rounds (`cache.place`)."""
-    streamed: dict[tuple, bool] = {}
+REPLICA_GAIN = 0.02  # a replicated stream must predict this much more frames/s than the plan alone
 
-    def placer(view: Problem) -> list:
-        spans, flag = _place_once(view, mode)
-        streamed[tuple(spans)] = flag
-        return spans
+
+@dataclass(frozen=True)
+class _Placed:
+    spans: list                         # the chosen (start, stop, device) spans
+    how: str                            # "latency" (the placement DP), "pipeline" (the pipelining DP), "moved"
+    replicas: tuple[dict[str, str], ...]  # device maps of the replicas that take frames in turn (throughput)
+    problem: Problem                    # priced by the caches of the plan and its replicas
+    rounds: tuple                       # the place-and-recost rounds (`cache.place`)
+
+
+def _place(built: Problem, mode: str) -> _Placed:
+    """The chosen spans by place-and-recost (`cache.place`) over the DPs' candidates (latency: the
+    placement DP; throughput: the pipelining DP and the latency plan streamed, each also replicated where
+    that streams faster), and how they were found."""
+    how: dict[tuple, str] = {}
+    replicated: dict[tuple, tuple] = {}
+
+    def placer(view: Problem) -> list[list]:
+        latency_plan = [tuple(s) for s in placement.place(view).segments]
+        how.setdefault(tuple(latency_plan), "latency")
+        if mode != "throughput":
+            return [latency_plan]
+        # The pipelining DP gives each device one contiguous stage. A graph whose CPU-only ops are spread
+        # out (a captioner's frame split, RepeatVector and vocabulary Dense) then puts almost everything on
+        # the CPU; the latency plan, streamed (devices holding several segments), can do better.
+        stages = [tuple(s) for s in pipelining.pipeline(view).stages]
+        how.setdefault(tuple(stages), "pipeline")
+        return [stages, latency_plan]
 
     def objective(priced: Problem, spans: list) -> float:
-        if mode == "throughput":
-            return -flow(priced, [spans]).throughput_fps
-        return simulate.one_inference(priced, spans).makespan_ms
+        if mode != "throughput":
+            return simulate.one_inference(priced, spans).makespan_ms
+        fps = flow(priced, [spans]).throughput_fps
+        maps = replica_maps(built, spans)
+        if maps:
+            copies = [replicate(spans, m) for m in maps]
+            both = flow(cache.recost(built, [spans, *copies]), [spans, *copies]).throughput_fps
+            if both > fps * (1 + REPLICA_GAIN):
+                replicated[tuple(spans)] = tuple(maps)
+                return -both
+        replicated.pop(tuple(spans), None)
+        return -fps
 
     try:
-        placed = cache.place(problem, placer, objective)
+        placed = cache.place(built, placer, objective)
     except ValueError as e:  # a node no device can run: legalize refuses these first, so a bug here
         raise UserError("schedule.infeasible", str(e), "run `edgesdk check` to see which device can run what") from None
-    # a plan the local moves made (cache.refine) keeps how its starting plan streams: by devices in turn
-    return placed.plan, streamed.get(tuple(placed.plan), mode == "throughput"), placed.problem, placed.rounds
+    key = tuple(placed.plan)
+    objective(placed.problem, placed.plan)        # the chosen plan's replication decided last
+    maps = replicated.get(key, ())
+    problem = cache.recost(built, [placed.plan, *(replicate(placed.plan, m) for m in maps)]) if maps else placed.problem
+    return _Placed(placed.plan, how.get(key, "moved"), maps, problem, placed.rounds)
 
 
-def _place_once(problem: Problem, mode: str) -> tuple[list, bool]:
-    """One placement on one view of the costs: the spans, and whether they are the latency plan streamed."""
-    latency_plan = [tuple(s) for s in placement.place(problem).segments]
-    if mode != "throughput":
-        return latency_plan, False
-    stages = [tuple(s) for s in pipelining.pipeline(problem).stages]
-    # The pipelining DP gives each device one contiguous stage. A graph whose CPU-only ops are spread
-    # out (a captioner's frame split, RepeatVector and vocabulary Dense) then puts almost everything
-    # on the CPU; the latency plan, streamed (devices holding several segments), can do better. Keep
-    # whichever the simulated stream runs faster.
-    fps = [flow(problem, [plan]).throughput_fps for plan in (stages, latency_plan)]
-    return (latency_plan, True) if fps[1] > fps[0] else (stages, False)
+def replica_maps(problem: Problem, spans) -> list[dict[str, str]]:
+    """Device maps of a plan's replicas: for each accelerator kind with several instances, replica k moves
+    instance i's segments to instance i + k (mod their count), k = 1 .. count - 1 (two Edge TPUs: the plan
+    with edgetpu:0 and edgetpu:1 swapped). None where the plan uses no such kind."""
+    kinds: dict[str, list[str]] = {}
+    for d in problem.devices:
+        if d != "cpu":
+            kinds.setdefault(problem.kind(d), []).append(d)
+    used = {problem.kind(d) for _, _, d in spans if d != "cpu"}
+    count = max((len(kinds[k]) for k in used), default=1)
+    return [{d: ids[(i + k) % len(ids)] for kind in used for ids in [kinds[kind]] for i, d in enumerate(ids)}
+            for k in range(1, count)]
+
+
+def replicate(spans, device_map: dict[str, str]) -> list:
+    """The spans with each device moved by `device_map` (a replica of the plan)."""
+    return [(i, j, device_map.get(d, d)) for i, j, d in spans]
 
 
 def flow(problem: Problem, plans: list, durations: dict[int, float] | None = None) -> simulate.Timeline:
@@ -129,9 +169,11 @@ def flow(problem: Problem, plans: list, durations: dict[int, float] | None = Non
     return simulate.worker_stream(runs, STREAM_FRAMES, len(devices) + 1)
 
 
-def _caches(problem: Problem, target, chosen, segments: tuple[PlanSegment, ...], rounds) -> dict:
-    """The plan's record of each cached instance it uses (`cache.summary`), with its segments in cache
-    priority (the order the package co-compiles them in), and the place-and-recost rounds."""
+def _caches(problem: Problem, target, chosen, segments: tuple[PlanSegment, ...], rounds,
+            maps: tuple[dict[str, str], ...] = ()) -> dict:
+    """The plan's record of each cached instance it uses (`cache.summary`) with its replicas (`maps`), its
+    segments in cache priority (the order the package co-compiles them in; a replica's segment as
+    `<id>.r<k>`, `Plan.replica_segments`), and the place-and-recost rounds."""
     scale, source = {}, {}
     for m in registry.accelerators({d.kind for d in target.devices}):
         if hasattr(m, "cache"):
@@ -141,10 +183,15 @@ def _caches(problem: Problem, target, chosen, segments: tuple[PlanSegment, ...],
     if not scale:
         return {}
     by_first = {s.nodes[0]: s.id for s in segments if s.nodes}
-    instances = cache.summary(problem, [chosen], scale, source)
+    named = [(tuple(s), by_first[problem.nodes[s[0]]]) for s in chosen]
+    for k, m in enumerate(maps, 1):
+        named += [(span, f"{sid}.r{k}") for (i, j, d), sid in named[:len(chosen)] if d in m
+                  for span in [(i, j, m[d])]]
+    copies = [replicate(chosen, m) for m in maps]
+    instances = cache.summary(problem, [chosen, *copies], scale, source)
     for d, record in instances.items():
-        mine = [tuple(s) for s in chosen if s[2] == d]
-        record["compile_order"] = [by_first[problem.nodes[mine[k][0]]] for k in cache.priority(problem, mine)]
+        mine = [(span, sid) for span, sid in named if span[2] == d]
+        record["compile_order"] = [mine[k][1] for k in cache.priority(problem, [span for span, _ in mine])]
     return {"instances": instances, "search": "place-and-recost (scheduling/cache.py): each plan priced with "
             "each instance holding the distinct weights placed on it",
             "rounds": [{"start": name, "round": r, "objective": score} for name, r, score in rounds]}
@@ -154,12 +201,14 @@ def _spans(placed: list[PlannedSegment]) -> list[tuple[int, int, str]]:
     return [(r.nodes[0], r.nodes[-1] + 1, r.device) for r in placed]
 
 
-def _simulate(problem: Problem, placed: list[PlannedSegment], par: interop.InterOp):
-    """One inference and a stream, played on the placement's runs; a CPU run scheduled for
-    inter-operator parallelism takes its parallel plan's time."""
+def _simulate(problem: Problem, placed: list[PlannedSegment], par: interop.InterOp,
+              maps: tuple[dict[str, str], ...] = ()):
+    """One inference and a stream (with the plan's replicas taking frames in turn), played on the
+    placement's runs; a CPU run scheduled for inter-operator parallelism takes its parallel plan's time."""
     durations = {i: p.ms for i, p in par.plans.items()}
     spans = _spans(placed)
-    return simulate.one_inference(problem, spans, durations), flow(problem, [spans], durations)
+    return (simulate.one_inference(problem, spans, durations),
+            flow(problem, [spans, *(replicate(spans, m) for m in maps)], durations))
 
 
 def _predicted(problem: Problem, placed: list[PlannedSegment], one, flow) -> dict[str, float]:
@@ -177,15 +226,23 @@ def _pipeline_stages(mode: str, chosen, segments: tuple[PlanSegment, ...], cpu_b
     return tuple(tuple(next(ids) for _ in split_by_backend([stage], cpu_backend)) for stage in chosen)
 
 
-def _search(mode: str, streamed: bool) -> str:
+def _search(mode: str, how: str, replicas: int) -> str:
+    caches = ("; placed and recosted with each Edge TPU holding the weights placed on it (scheduling/cache.py)")
     if mode == "latency":
-        return ("contiguous segments of the graph's topological order, one device each; optimal for the "
-                "sequential latency (placement DP)")
-    if streamed:
-        return ("the latency plan streamed (each device running its segments in turn): its simulated "
+        text = ("contiguous segments of the graph's topological order, one device each; optimal for the "
+                "sequential latency under the costs it was placed on (placement DP)")
+    elif how == "latency":
+        text = ("the latency plan streamed (each device running its segments in turn): its simulated "
                 "frames/s beat the pipelining DP's (contiguous stages on distinct devices)")
-    return ("contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
-            "faster in the simulated stream than the latency plan")
+    elif how == "pipeline":
+        text = ("contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
+                "faster in the simulated stream than the latency plan")
+    else:
+        text = "a DP's plan with segments moved or split between the accelerators, faster in the simulated stream"
+    if replicas:
+        text += (f"; replicated: {replicas + 1} copies with the accelerators swapped take frames in turn, "
+                 f"more than {REPLICA_GAIN:.0%} faster in the simulated stream than one")
+    return text + caches
 
 
 def _decisions(problem: Problem, segments) -> list[str]:
