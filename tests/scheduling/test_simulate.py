@@ -236,3 +236,30 @@ def test_gantt_writes_a_png(tmp_path):
     out = gantt(one_inference(p, [(0, 1, "cpu"), (1, 2, TPU0)]), tmp_path / "g.png", "two branches")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems_and_plans(), st.integers(1, 4), st.integers(1, 3))
+def test_the_runtimes_stream_is_costed_by_segment_and_bounded(case, frames, depth):
+    """`tasks` gives each segment its `placement.segment_ms` (the reference definition) and waits for
+    the segments producing its inputs; `worker_stream` keeps each device busy exactly the sum of its
+    tasks, finishes no later than everything one after another and no sooner than one frame's
+    critical path, and one frame in flight at a time takes frames times one frame's time."""
+    from edgesdk.scheduling.placement import segment_ms as reference
+    from edgesdk.scheduling.simulate import tasks, worker_stream
+
+    p, plan = case
+    run = tasks(p, plan)
+    assert [t.ms for t in run] == pytest.approx([reference(p, *s) for s in plan], abs=1e-9)
+    for s, t in enumerate(run):
+        ins = {p.tensors[x].producer for x in range(len(p.tensors)) if p.tensors[x].producer is not None
+               and not plan[s][0] <= p.tensors[x].producer < plan[s][1]
+               and any(plan[s][0] <= c < plan[s][1] for c in p.tensors[x].consumers)}
+        assert set(t.after) == {f"s{k}" for k, (i, j, _) in enumerate(plan) if any(i <= q < j for q in ins)}
+    total = sum(t.ms for t in run)
+    flow = worker_stream([run], frames, depth)
+    for d in {t.device for t in run}:
+        assert flow.busy_ms[d] == pytest.approx(frames * sum(t.ms for t in run if t.device == d), abs=1e-9)
+    assert critical_path(p, plan) - 1e-9 <= flow.makespan_ms <= frames * total + 1e-9
+    one = worker_stream([run], 1, 1).makespan_ms
+    assert worker_stream([run], frames, 1).makespan_ms == pytest.approx(frames * one, abs=1e-9)

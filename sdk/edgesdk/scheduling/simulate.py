@@ -21,6 +21,7 @@ path, and makespan <= the sum of all task times (= sum of segment_ms, nothing ov
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -225,11 +226,20 @@ def worker_stream(plans: Sequence[Sequence[Task]], frames: int, depth: int) -> T
     if frames < 1 or depth < 1:
         raise ValueError(f"frames and depth must be at least 1, got {frames} and {depth}")
     devices = list(dict.fromkeys(t.device for plan in plans for t in plan))
+    # per plan: each task's position, and the positions waiting for it
+    where = [{t.id: pos for pos, t in enumerate(plan)} for plan in plans]
+    waiting_for = [[[] for _ in plan] for plan in plans]
+    for k, plan in enumerate(plans):
+        for pos, t in enumerate(plan):
+            for a in t.after:
+                if a not in where[k]:
+                    raise ValueError(f"the stream is stuck: task {t.id} waits for {a}, which its plan does not have")
+                waiting_for[k][where[k][a]].append(pos)
     busy = dict.fromkeys(devices, 0.0)
-    running: dict[str, tuple[float, int, Task]] = {}
-    done: dict[tuple[int, str], float] = {}
+    running: dict[str, tuple[float, int, int]] = {}              # device -> (end, frame, position)
+    missing: dict[int, list[int]] = {}                          # frame -> per position, tasks still awaited
     remaining: dict[int, int] = {}
-    queue: dict[str, list[tuple[int, int, Task]]] = {d: [] for d in devices}
+    ready: dict[str, list[tuple[int, int]]] = {d: [] for d in devices}   # heaps of (frame, position)
     yielded: list[float] = []
     fed_at: list[float] = []
     events: list[Event] = []
@@ -238,27 +248,30 @@ def worker_stream(plans: Sequence[Sequence[Task]], frames: int, depth: int) -> T
         while fed < frames and fed - len(yielded) < depth:      # feed up to `depth` frames in flight
             plan = plans[fed % len(plans)]
             remaining[fed] = len(plan)
+            missing[fed] = [len(t.after) for t in plan]
             fed_at.append(now)
             for pos, task in enumerate(plan):
-                queue[task.device].append((fed, pos, task))
+                if not task.after:
+                    heapq.heappush(ready[task.device], (fed, pos))
             fed += 1
         for d in devices:                                       # idle workers take their first ready task
-            if d in running:
-                continue
-            ready = [(f, pos, t) for f, pos, t in queue[d] if all((f, a) in done for a in t.after)]
-            if ready:
-                f, pos, task = min(ready, key=lambda x: (x[0], x[1]))
-                queue[d].remove((f, pos, task))
-                running[d] = (now + task.ms, f, task)
+            if d not in running and ready[d]:
+                f, pos = heapq.heappop(ready[d])
+                task = plans[f % len(plans)][pos]
+                running[d] = (now + task.ms, f, pos)
                 busy[d] += task.ms
                 events.append(Event(d, pos, "compute", now, now + task.ms, f))
         if not running:
-            raise ValueError("the stream is stuck: a task waits for one that no plan of its frame has")
+            raise ValueError("the stream is stuck: a task waits for one that never runs")
         now = min(end for end, _, _ in running.values())
         for d in [d for d, (end, _, _) in running.items() if end <= now]:
-            _, f, task = running.pop(d)
-            done[f, task.id] = now
+            _, f, pos = running.pop(d)
             remaining[f] -= 1
+            k = f % len(plans)
+            for q in waiting_for[k][pos]:
+                missing[f][q] -= 1
+                if missing[f][q] == 0:
+                    heapq.heappush(ready[plans[k][q].device], (f, q))
         while len(yielded) < fed and remaining[len(yielded)] == 0:
             yielded.append(now)
     return Timeline(tuple(events), tuple(devices), busy, yielded[-1],
@@ -267,19 +280,28 @@ def worker_stream(plans: Sequence[Sequence[Task]], frames: int, depth: int) -> T
 
 def tasks(problem: Problem, segments: Sequence, durations: dict[int, float] | None = None) -> list[Task]:
     """A plan's segments as the runtime's stream runs them (`worker_stream`): each takes its
-    `placement.segment_ms` (or `durations[index]`), after the segments producing its inputs."""
-    from .placement import segment_ms
-
+    `placement.segment_ms` (or its device's overhead plus `durations[index]`), after the segments
+    producing its inputs. One pass over the tensors (the reference `segment_ms` is one per segment)."""
     plan = _plan(problem, segments)
-    producer = {}
+    span = [0] * len(problem.nodes)
     for s, (i, j, _) in enumerate(plan):
-        for k in range(i, j):
-            producer[k] = s
+        span[i:j] = [s] * (j - i)
+    ms = [problem.overhead_ms.get(d, 0.0) + sum(problem.node_ms(k, d) for k in range(i, j)) for i, j, d in plan]
+    after: list[set[int]] = [set() for _ in plan]
+    for t in problem.tensors:
+        p = None if t.producer is None else span[t.producer]
+        takers = {span[c] for c in t.consumers} - {p}
+        for s in takers:                             # an input of each other segment that reads it
+            if p is not None:
+                after[s].add(p)
+            d = plan[s][2]
+            if d != "cpu":
+                ms[s] += problem.links[d].ms(t.nbytes)
+        if p is not None and (takers or t.graph_output) and plan[p][2] != "cpu":
+            ms[p] += problem.links[plan[p][2]].ms(t.nbytes)   # an output of its producer's segment
     out = []
     for s, (i, j, d) in enumerate(plan):
-        ins, _ = _io(problem, i, j)
-        after = sorted({producer[problem.tensors[t].producer] for t in ins if problem.tensors[t].producer is not None})
-        ms = (durations or {}).get(s)
-        ms = segment_ms(problem, i, j, d) if ms is None else problem.overhead_ms.get(d, 0.0) + ms
-        out.append(Task(f"s{s}", d, ms, tuple(f"s{a}" for a in after)))
+        given = (durations or {}).get(s)
+        time = ms[s] if given is None else problem.overhead_ms.get(d, 0.0) + given
+        out.append(Task(f"s{s}", d, time, tuple(f"s{a}" for a in sorted(after[s]))))
     return out
