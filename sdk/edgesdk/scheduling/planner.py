@@ -11,6 +11,7 @@ It reads and writes no file: the schedule stage writes what it returns.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,16 +45,37 @@ class Scheduled:
 
 
 def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
-              as_imported: Callable[[], onnx.ModelProto] | None = None) -> Scheduled:
+              as_imported: Callable[[], onnx.ModelProto] | None = None, rewritten: bool = False) -> Scheduled:
     """Place every node of `model` (legalized: each node annotated with the devices that can run it)
     on a device of `target` by cost, for `mode` latency or throughput, and cut the segments.
-    `as_imported` (called only where a vendor of the target's accelerators has rules: the model
-    before legalize's rewrites, annotated the same way) adds the vendors' baselines on it: what their
-    own compilers would do with the user's model."""
+    `as_imported` (the model before legalize's rewrites, annotated the same way: what `--no-rewrites`
+    gives; loaded at most once) adds the vendors' baselines on it, where a vendor of the target's
+    accelerators has rules: what their own compilers would do with the user's model. Where legalize
+    `rewritten` the model, it is also placed as imported, and the plan is made of whichever of the two
+    predicts faster (latency: one inference; throughput: frames/s), so legalize's rewrites never make
+    a plan slower than `--no-rewrites` would; `decisions` says which and by how much."""
+    load = functools.cache(as_imported) if as_imported is not None else None
+    t0 = time.perf_counter()
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     built, cpu_backend = build_problem(model, target, shapes, consts)
-    t0 = time.perf_counter()
     placed_ = _place(built, mode)
+    choice = []
+    if rewritten and load is not None:
+        imported = load()
+        i_shapes, i_consts = irm.static_shapes(imported), irm.constant_names(imported)
+        i_built, i_backend = build_problem(imported, target, i_shapes, i_consts)
+        i_placed = _place(i_built, mode)
+        ours, theirs = _score(placed_, mode), _score(i_placed, mode)
+        unit = "ms per inference" if mode == "latency" else "frames/s"
+        shown = (lambda v: f"{v:.3f} {unit}") if mode == "latency" else (lambda v: f"{-v:.1f} {unit}")
+        if theirs < ours:
+            choice.append(f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) "
+                          f"{shown(theirs)}: the plan places the model as imported, every op as the user "
+                          "exported it (what --no-rewrites gives)")
+            model, shapes, consts, built, cpu_backend, placed_ = imported, i_shapes, i_consts, i_built, i_backend, i_placed
+        else:
+            choice.append(f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) "
+                          f"{shown(theirs)}: the plan keeps the rewrites")
     chosen, problem, maps = placed_.spans, placed_.problem, placed_.replicas
     scheduler_s = time.perf_counter() - t0
     placed = split_by_backend(chosen, cpu_backend)
@@ -75,9 +97,9 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         predicted=_predicted(problem, placed, one, stream),
         utilization={k: round(v, 4) for k, v in stream.utilization.items()},
         cost_model=COST_MODEL, search=_search(mode, placed_.how, len(maps)),
-        baselines={**_baselines(built, target), **_imported_baselines(as_imported, target)},
+        baselines={**_baselines(built, target), **_imported_baselines(load, target)},
         placement=placement_counts(par.runs),
-        decisions=tuple(_decisions(problem, chosen)),
+        decisions=tuple(choice + _decisions(problem, chosen)),
         caches=_caches(problem, target, chosen, segments, placed_.rounds, maps),
         replicas=maps,
     )
@@ -138,6 +160,13 @@ def _place(built: Problem, mode: str) -> _Placed:
     maps = replicated.get(key, ())
     problem = cache.recost(built, [placed.plan, *(replicate(placed.plan, m) for m in maps)]) if maps else placed.problem
     return _Placed(placed.plan, how.get(key, "moved"), maps, problem, placed.rounds)
+
+
+def _score(placed: "_Placed", mode: str) -> float:
+    """A placement's objective, lower better: one inference's ms, or minus a stream's frames/s."""
+    if mode == "latency":
+        return simulate.one_inference(placed.problem, placed.spans).makespan_ms
+    return -flow(placed.problem, [placed.spans, *(replicate(placed.spans, m) for m in placed.replicas)]).throughput_fps
 
 
 def replica_maps(problem: Problem, spans) -> list[dict[str, str]]:

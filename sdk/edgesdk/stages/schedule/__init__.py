@@ -29,13 +29,15 @@ different devices overlap where the graph allows) for the predicted latency and 
 The documented baselines (all on the CPU; Coral's default; Coral's parameter-count split over the
 TPUs; Coral's data parallelism; greedy first-capable-accelerator) are costed and simulated beside it;
 the vendor's rules also on the model as imported, none of legalize's rewrites (what Coral's compiler
-alone gets). A CPU segment is split by
+alone gets). Where legalize rewrote the model, the model as imported is placed too, and the plan is made
+of whichever predicts faster: legalize never makes a plan slower than `--no-rewrites`. A CPU segment is split by
 backend (TVM, or onnxruntime for the ops TVM lacks), and each segment is cut out of the graph as a
 standalone model (`scheduling.segments`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import onnx
@@ -53,9 +55,11 @@ READS = ("import", "legalize")
 
 def run(artifact: Path, ctx) -> dict:
     model = onnx.load(str(artifact / "model.onnx"))
+    legalized = json.loads((artifact / "legalize.json").read_text())
     scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op,
                           as_imported=lambda: annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")),
-                                                        ctx.target))
+                                                        ctx.target),
+                          rewritten=bool(legalized.get("rewrites") or legalized.get("approximations")))
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:

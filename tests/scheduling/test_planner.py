@@ -1,0 +1,68 @@
+"""`planner.make_plan` end to end on small ONNX graphs for arm_2tpu: a model that fits one Edge TPU is
+replicated on both for a stream; legalize's rewrites are kept only where they predict faster than the model
+as imported (`--no-rewrites`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.config import load_target
+from edgesdk.ir import model as irm
+from edgesdk.scheduling.planner import make_plan
+
+
+def _convs(capable: str, n: int = 6, channels: int = 32) -> onnx.ModelProto:
+    """n 3x3 convolutions with ReLUs on 1x32x28x28, every node marked runnable on `capable`."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for k in range(n):
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal((channels, channels, 3, 3)) * 0.1).astype(np.float32), f"w{k}"))
+        nodes += [helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"])]
+        x = f"r{k}"
+    for node in nodes:
+        irm.set_meta(node, irm.CAPABLE_KEY, capable)
+    g = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 28, 28])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, channels, 28, 28])], inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+TARGET = load_target("arm_2tpu")[0]
+
+
+def test_a_model_that_fits_one_tpu_is_replicated_for_a_stream():
+    m = _convs("edgetpu,cpu/tvm")
+    stream = make_plan(m, TARGET, mode="throughput", inter_op=False)
+    assert stream.plan.replicas == ({"edgetpu:0": "edgetpu:1", "edgetpu:1": "edgetpu:0"},), stream.plan.search
+    alone = stream.plan.baselines["coral default (first unsupported op onwards on the cpu)"]["throughput_fps"]
+    assert stream.plan.predicted["throughput_fps"] >= 1.8 * alone
+    assert "replicated" in stream.plan.search
+    # each TPU holds the whole model, and co-compiles its copy
+    instances = stream.plan.caches["instances"]
+    assert set(instances) == {"edgetpu:0", "edgetpu:1"}
+    assert instances["edgetpu:0"]["weights_bytes"] == instances["edgetpu:1"]["weights_bytes"] > 0
+    assert instances["edgetpu:1"]["compile_order"] == [f"{s.id}.r1" for s in stream.plan.segments
+                                                       if s.device == "edgetpu:0"]
+    # one inference is never replicated
+    assert make_plan(m, TARGET, mode="latency", inter_op=False).plan.replicas == ()
+
+
+def test_legalize_never_makes_the_plan_slower_than_no_rewrites():
+    """The 'legalized' graph runs on the CPU only, the graph 'as imported' on the Edge TPU: the plan places
+    the model as imported and says why; the other way round it keeps the legalized graph."""
+    on_cpu, on_tpu = _convs("cpu/tvm"), _convs("edgetpu,cpu/tvm")
+    worse = make_plan(on_cpu, TARGET, mode="latency", inter_op=False, as_imported=lambda: on_tpu, rewritten=True)
+    assert {s.device for s in worse.plan.segments} == {"edgetpu:0"}
+    assert worse.plan.decisions[0].startswith("legalize's rewrites predict") and "places the model as imported" in \
+        worse.plan.decisions[0]
+    better = make_plan(on_tpu, TARGET, mode="latency", inter_op=False, as_imported=lambda: on_cpu, rewritten=True)
+    assert {s.device for s in better.plan.segments} == {"edgetpu:0"}
+    assert "keeps the rewrites" in better.plan.decisions[0]
+    # nothing rewritten: the model as imported is not placed (nor loaded, on a target without vendor rules)
+    loaded = []
+    x86 = load_target("x86")[0]
+    make_plan(_convs("cpu/tvm"), x86, mode="latency", inter_op=False, as_imported=lambda: loaded.append(1) or on_cpu)
+    assert not loaded
