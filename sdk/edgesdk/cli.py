@@ -178,6 +178,7 @@ def build(
     calib_percentile: float = typer.Option(99.99, "--calib-percentile", help="With --calib-method percentile: the percentile kept in each tail, in (50, 100]."),
     calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs: KEY=VALUE,... of color (RGB, BGR, GRAY), scale (1/255), mean, std (per channel joined by ':'), layout (NCHW, NHWC); input = (pixel * scale - mean) / std."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each ReLU-sum approximation's error \\[default: the target's legalize.max_abs_error]."),
+    max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (the output's calibrated range / 255), e.g. 0.5; with --max-abs-error too, the tighter of the two."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
     no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
     mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
@@ -214,7 +215,8 @@ def build(
                            tuning_db=tuning_db, rpc_tracker=rpc_tracker, rpc_key=rpc_key,
                            calib=calib, calib_samples=calib_samples,
                            calib_method=calib_method, calib_percentile=calib_percentile,
-                           calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback,
+                           calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None,
+                           max_error_lsb=max_error_lsb or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, seed=seed, until=until,
                            start=start)
@@ -271,6 +273,7 @@ def check(
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
     calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs (see edgesdk build --help)."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each approximation's error \\[default: the target's]."),
+    max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (see edgesdk build --help)."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic calibration samples."),
     nodes: bool = typer.Option(False, "--nodes", help="List every node, not only each op type."),
@@ -283,7 +286,8 @@ def check(
     options = BuildOptions(model=model, target=target, out=Path("."), input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch, calib=calib,
                            calib_samples=calib_samples, calib_preprocess=calib_preprocess,
-                           max_abs_error=max_abs_error or None, allow_cpu_fallback=allow_cpu_fallback, seed=seed)
+                           max_abs_error=max_abs_error or None, max_error_lsb=max_error_lsb or None,
+                           allow_cpu_fallback=allow_cpu_fallback, seed=seed)
     report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))
     if as_json:
         print(json.dumps(report, indent=2, default=float))

@@ -89,6 +89,9 @@ class BuildOptions:
     calib_percentile: float = 99.99
     calib_preprocess: str | None = None  # how --calib images become inputs (ir/calibration.py)
     max_abs_error: float | None = None  # legalize's approximation bound; None: the target's
+    # legalize's approximation bound in int8 steps of each approximated output (its range on the calibration
+    # data / 255); None: max_abs_error. Given both, each approximation keeps the tighter
+    max_error_lsb: float | None = None
     allow_cpu_fallback: bool = False
     legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)
     mode: str = "latency"

@@ -112,6 +112,26 @@ def test_a_bound_that_cannot_be_met_fails_naming_the_node_or_falls_back(tmp_path
     assert {"Softplus", "Erf"} <= ops and "LeakyRelu" not in ops  # the exact rewrite still applies
 
 
+def test_the_bound_in_int8_steps_of_each_output(tmp_path):
+    """--max-error-lsb K bounds each approximation by K int8 steps of its own output (the range it takes on
+    the calibrated input range / 255): half a step needs more knots than two, each meets its bound, and
+    with --max-abs-error too the tighter bound holds."""
+    src = _model(tmp_path / "m.onnx")
+    fine, _ = _build(src, tmp_path / "half", max_error_lsb=0.5)
+    coarse, _ = _build(src, tmp_path / "two", max_error_lsb=2.0)
+    for record, k in ((fine, 0.5), (coarse, 2.0)):
+        for a in record["approximations"]:
+            assert a["bound_from"].startswith(f"{k:g} int8 steps of the output, ")
+            step = float(a["bound_from"].rsplit(", ", 1)[1].split()[0])
+            assert a["bound"] == pytest.approx(k * step, rel=5e-3)   # the step as printed, 3 digits
+            assert a["grid_error"] <= a["bound"]
+    knots = lambda r: {tuple(a["nodes"]): len(a["knots"]) for a in r["approximations"]}  # noqa: E731
+    assert all(knots(fine)[n] > knots(coarse)[n] for n in knots(fine)), (knots(fine), knots(coarse))
+    both, _ = _build(src, tmp_path / "both", max_error_lsb=2.0, max_abs_error=1e-3)
+    for a in both["approximations"]:
+        assert a["bound"] <= 1e-3 and a["grid_error"] <= 1e-3
+
+
 def test_no_rewrites_and_cpu_targets_leave_the_graph_alone(tmp_path):
     from edgesdk.pipeline import BuildOptions, build
 

@@ -164,17 +164,19 @@ def _approximations(model: onnx.ModelProto, nodes: list[support.NodeSupport], mo
 
 def _fit(model: onnx.ModelProto, found: list[regions.Region], ranges: dict[str, tuple[float, float]], eps: float,
          options: Any, warn: Log) -> tuple[list[Fitted], list[dict]]:
-    """Each region's ReLU sum within `eps` on its range, and the regions kept on the CPU (or an error)."""
+    """Each region's ReLU sum within its bound (`_bound`) on its range, and the regions kept on the CPU
+    (or an error)."""
     fitted, failures = [], []
     for region in found:
         lo, hi = ranges[region.input]
         f = region.function(model)
         ops = [model.graph.node[j].op_type for j in region.nodes]
+        bound, why = _bound(options, eps, f, lo, hi)
         entry = {"output": region.output, "input": region.input, "nodes": list(region.refused), "ops": ops,
                  "range": [lo, hi], "range_from": "calibration data" if options.calib else
-                 "synthetic calibration samples (uniform(-1, 1) inputs)"}
+                 "synthetic calibration samples (uniform(-1, 1) inputs)", "bound": bound, "bound_from": why}
         try:
-            approx = relu_sum.fit(f, lo, hi, eps)
+            approx = relu_sum.fit(f, lo, hi, bound)
         except relu_sum.ApproximationError as e:
             failures.append((region, entry, str(e)))
             continue
@@ -182,16 +184,33 @@ def _fit(model: onnx.ModelProto, found: list[regions.Region], ranges: dict[str, 
         fitted.append((region, approx, f, entry))
     if failures and not options.allow_cpu_fallback:
         raise UserError("legalize.approximation-bound",
-                        f"{len(failures)} function(s) cannot be approximated within {eps:g} on their range",
-                        "raise legalize.max_abs_error in the target (or --max-abs-error), or keep them on the "
-                        "CPU with --allow-cpu-fallback",
+                        f"{len(failures)} function(s) cannot be approximated within their bound on their range",
+                        "raise legalize.max_abs_error in the target (or --max-abs-error, --max-error-lsb), or keep "
+                        "them on the CPU with --allow-cpu-fallback",
                         notes=[f"{', '.join(r.refused)} ({' -> '.join(e['ops'])}) on [{e['range'][0]:.4g}, "
-                               f"{e['range'][1]:.4g}]: {why}" for r, e, why in failures])
+                               f"{e['range'][1]:.4g}], bound {e['bound']:.3g} ({e['bound_from']}): {why}"
+                               for r, e, why in failures])
     fallbacks = []
     for region, entry, why in failures:
         fallbacks.append({**entry, "reason": why})
         warn(f"{', '.join(region.refused)}: kept on the CPU ({why})")
     return fitted, fallbacks
+
+
+def _bound(options: Any, eps: float, f, lo: float, hi: float) -> tuple[float, str]:
+    """A region's error bound and where it comes from: `max_error_lsb` int8 steps of its output (the
+    range f takes on [lo, hi], over 255), the tighter of that and `--max-abs-error` where both are given;
+    else `eps` (--max-abs-error or the target's legalize.max_abs_error)."""
+    lsb = getattr(options, "max_error_lsb", None)
+    if not lsb:
+        source = "--max-abs-error" if getattr(options, "max_abs_error", None) else "the target's legalize.max_abs_error"
+        return eps, source
+    ys = f(np.linspace(lo, hi, 2049))
+    step = float(np.ptp(ys)) / 255 or float(np.finfo(np.float32).eps)
+    bound, why = lsb * step, f"{lsb:g} int8 steps of the output, {step:.3g} each"
+    if getattr(options, "max_abs_error", None) and options.max_abs_error < bound:
+        return options.max_abs_error, f"--max-abs-error, tighter than {why}"
+    return bound, why
 
 
 def _substitute(model: onnx.ModelProto, fitted: list[Fitted], sample: list[dict], *, int8: bool) -> onnx.ModelProto:

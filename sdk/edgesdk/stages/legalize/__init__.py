@@ -13,7 +13,8 @@ Steps (`legalization.legalize`), each only where an accelerator of the target re
    float rounding each rule states;
 2. ReLU-sum approximations (`legalization.relu_sum`) of the unary functions an accelerator lacks,
    each whole unary region from its input (`legalization.regions`), fitted on the range the
-   calibration data shows, within `legalize.max_abs_error` of the target (or `--max-abs-error`).
+   calibration data shows, within `legalize.max_abs_error` of the target (or `--max-abs-error`), or
+   within `--max-error-lsb K` int8 steps of the approximated output (its range / 255).
    A function that cannot meet the bound fails the build naming its nodes, or with
    `--allow-cpu-fallback` stays as it was (on the CPU);
 3. the graph optimizations of the import stage (`edgesdk.passes`), on the rewritten graph.
@@ -31,7 +32,7 @@ from ...ir import model as irm
 from ...ir.digest import tree_sha256
 from ...legalization.legalize import legalize
 
-OPTIONS = ("max_abs_error", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess", "seed")
+OPTIONS = ("max_abs_error", "max_error_lsb", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess", "seed")
 READS = ("import",)  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
