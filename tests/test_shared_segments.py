@@ -62,6 +62,17 @@ def test_the_frames_are_one_artifact_per_tpu_co_compiled_in_cache_priority(frame
         models = list(dict.fromkeys(by_id[i].fallback_artifact for i in ids))
         assert models in made, (made, models)
     assert m.edgetpu["edgetpu_compiled"] is True
+    # the double caches 1 MiB of each call's first model and streams all of every later one: the capacity it
+    # had is recorded per TPU, and a later model's segments are priced again as streaming every weight
+    for device, cache in m.edgetpu["caches"].items():
+        assert cache["capacity_bytes"] == 2**20 + 2 * 2**10 and cache["cached_bytes"] == 2**20
+    later = {i for ids in m.edgetpu["co_compiled"].values() for i in ids
+             if by_id[i].fallback_artifact != by_id[ids[0]].fallback_artifact}
+    corrected = {c["segment"]: c for c in m.edgetpu.get("cache_corrections", [])}
+    assert later and set(corrected) <= later
+    for sid, c in corrected.items():
+        assert c["streamed_share"] == 1.0 and c["predicted_ms_after"] > c["predicted_ms_before"]
+        assert by_id[sid].predicted_ms == c["predicted_ms_after"]
 
 
 def test_the_shared_interpreter_gives_onnxruntimes_answer(frames_bundle):

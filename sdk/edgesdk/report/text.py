@@ -113,6 +113,9 @@ def inspect_bundle(manifest, bundle: Path) -> str:
                     f"{_bytes(cache['streamed_bytes'])} streamed (the compiler's log)" if cache else "")
             out.append(f"            {device}: {len(ids)} segment(s) in {len(arts)} model(s) co-compiled in this "
                        f"order (cache priority): {', '.join(ids)}{held}")
+        for c in m.edgetpu.get("cache_corrections") or []:
+            out.append(f"            {c['segment']}: the compiler streams {c['streamed_share']:.0%} of its parameters; "
+                       f"predicted {c['predicted_ms_before']:.3f} -> {c['predicted_ms_after']:.3f} ms")
         out += [f"            {line}" for line in edgetpu_mapping(m.edgetpu)]
     out += cpu_selection_summary(m.tuning.get("cpu_selection") or {})
     if m.calibration:

@@ -40,6 +40,30 @@ def edgetpu_correction(seg: dict, mapped: edgetpu_compiler.Mapping, scheduled: o
             "predicted_ms_before": seg["predicted_ms"], "predicted_ms_after": round(head + tail, 4)}
 
 
+CACHE_TOLERANCE = 0.01  # a segment re-costed by the compiler's cache figures is corrected when it moves more
+
+
+def cache_correction(seg: dict, on_chip: int, off_chip: int, scheduled: onnx.ModelProto, target) -> dict | None:
+    """The record of an Edge TPU segment whose compiler cached another share of its weights than the
+    plan priced (`cache.recost`): the segment re-costed with the share the compiler's log reports
+    streaming, off_chip / (on_chip + off_chip) of its parameters (a shared model's figures for each of
+    its segments), or None where that moves its time by less than `CACHE_TOLERANCE`."""
+    if on_chip + off_chip <= 0:
+        return None
+    problem, _ = build_problem(scheduled, target, irm.static_shapes(scheduled), irm.constant_names(scheduled))
+    index = {name: i for i, name in enumerate(problem.nodes)}
+    start, stop = index[seg["nodes"][0]], index[seg["nodes"][-1]] + 1
+    share = off_chip / (on_chip + off_chip)
+    inside = range(start, stop)
+    priced = cache._priced(problem, lambda k, d: share if k in inside else problem.streamed[k].get(d, 0.0))
+    after = placement.segment_ms(priced, start, stop, seg["device"])
+    if abs(after - seg["predicted_ms"]) <= CACHE_TOLERANCE * max(seg["predicted_ms"], 1e-9):
+        return None
+    return {"segment": seg["id"], "on_chip_bytes": on_chip, "off_chip_bytes": off_chip,
+            "streamed_share": round(share, 4), "predicted_ms_before": seg["predicted_ms"],
+            "predicted_ms_after": round(after, 4)}
+
+
 def corrected_prediction(predicted: dict, corrections: list[dict]) -> dict:
     """The plan's predicted latency with the corrected segments. `sequential_ms` is the sum of the
     segments' times along the plan, so it moves by the sum of their differences. The simulated
