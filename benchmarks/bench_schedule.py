@@ -7,7 +7,8 @@ Models: DESIGN §8's captioner (8 frames of 224x224x3 -> TimeDistributed DenseNe
 pool: 1,024 features) -> LSTM(512) encoder -> LSTM(512) decoder over 16 steps -> Dense over 10,000
 words; built here in Keras with random weights, cached as .keras; its LSTMs are Loops after tf2onnx,
 unrolled by import), the Keras applications `benchmarks/bench_import.py` caches (weights=None), and
-`bench_cpu.py`'s transformer encoder (2 post-norm layers, d 256, 4 heads, 128 tokens, random weights).
+`bench_cpu.py`'s transformer encoder (2 post-norm layers, d 256, 4 heads, 128 tokens, random weights),
+and the pretrained PP-OCR classifier, v4 recognizer and v4 detector at bench_cpu.py's input shapes.
 Each is built up to the schedule stage in `--mode latency`, then again from schedule in
 `--mode throughput` (builds under .cache/bench-schedule/, reused through the stage cache); figures
 come from plan.json, i.e. from the simulator over the cost model of `devices/cost.py` with
@@ -31,7 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-MODELS = ["captioner", "MobileNetV2", "ResNet50", "InceptionV3", "NASNetMobile", "transformer-encoder"]
+MODELS = ["captioner", "MobileNetV2", "ResNet50", "InceptionV3", "NASNetMobile", "EfficientNetB0", "transformer-encoder",
+          "PP-OCR-cls", "PP-OCRv4-rec", "PP-OCRv4-det"]
+# the pretrained PP-OCR models of the rapidocr-onnxruntime wheel (`make models`), at bench_cpu.py's shapes
+PPOCR = {"PP-OCR-cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", (1, 3, 48, 192)),
+         "PP-OCRv4-rec": ("ch_PP-OCRv4_rec_infer.onnx", (1, 3, 48, 320)),
+         "PP-OCRv4-det": ("ch_PP-OCRv4_det_infer.onnx", (1, 3, 480, 480))}
 CACHE = ROOT / ".cache" / "bench-schedule"
 RESEARCH = {"captioner": {"dp_speedup": 39.0, "pipelined_speedup": 55.0, "pipelined_fps": 59.0}}
 
@@ -68,13 +74,19 @@ def measure(name: str) -> dict:
         from bench_cpu import transformer_encoder
 
         path = transformer_encoder()
+    elif name in PPOCR:
+        path = None
     else:
         path = keras_app(name)[0]
     row: dict = {"model": name}
     out = CACHE / name
+    shapes = {}
+    if name in PPOCR:
+        path, shapes = ROOT / ".cache" / "models" / PPOCR[name][0], {"x": PPOCR[name][1]}
     for mode in ("latency", "throughput"):
         t0 = time.perf_counter()
-        result = build(BuildOptions(model=path, target="arm_2tpu", out=out, until="schedule", mode=mode))
+        result = build(BuildOptions(model=path, target="arm_2tpu", out=out, until="schedule", mode=mode,
+                                    input_shapes=shapes))
         plan = json.loads((stage_dir(out, "schedule") / "plan.json").read_text())
         row[mode] = {"predicted": plan["predicted"], "placement": plan["placement"],
                      "segments": len(plan["segments"]), "baselines": plan["baselines"],
