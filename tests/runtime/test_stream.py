@@ -42,20 +42,25 @@ def _segment(root: Path, sid: str, device: str, op: str, inputs: list[str], outp
                       tuple(spec(i) for i in inputs if not i.endswith("_c")), (spec(output),))
 
 
-@pytest.fixture()
-def bundle(tmp_path) -> Path:
-    """cpu: a = x + 1 -> edgetpu:0: b = a * 2 -> edgetpu:1: c = relu(b) -> cpu: y = c + x"""
-    segments = (_segment(tmp_path, "s0", "cpu", "Add", ["x"], "a"),
-                _segment(tmp_path, "s1", "edgetpu:0", "Mul", ["a"], "b"),
-                _segment(tmp_path, "s2", "edgetpu:1", "Relu", ["b"], "c"),
-                _segment(tmp_path, "s3", "cpu", "Add", ["c", "x"], "y"))
+def write_bundle(root: Path, segments: tuple[mf.Segment, ...], **more) -> Path:
+    """The manifest of a bundle taking x and giving y through `segments` (each a stage of its own)."""
     spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
+    own = tuple(s for s in segments if not s.replica)
     manifest = mf.Manifest(schema_version=mf.SCHEMA_VERSION, sdk_version="test", min_runtime_version=mf.RUNTIME_VERSION,
                            model={"name": "test"}, target={"name": "test"}, arch="x86_64", device_map={},
                            inputs=(spec("x"),), outputs=(spec("y"),), segments=segments,
-                           pipeline_stages=tuple((s.id,) for s in segments), predicted={})
-    (tmp_path / "manifest.json").write_text(manifest.to_json())
-    return tmp_path
+                           pipeline_stages=tuple((s.id,) for s in own), predicted={}, **more)
+    (root / "manifest.json").write_text(manifest.to_json())
+    return root
+
+
+@pytest.fixture()
+def bundle(tmp_path) -> Path:
+    """cpu: a = x + 1 -> edgetpu:0: b = a * 2 -> edgetpu:1: c = relu(b) -> cpu: y = c + x"""
+    return write_bundle(tmp_path, (_segment(tmp_path, "s0", "cpu", "Add", ["x"], "a"),
+                                   _segment(tmp_path, "s1", "edgetpu:0", "Mul", ["a"], "b"),
+                                   _segment(tmp_path, "s2", "edgetpu:1", "Relu", ["b"], "c"),
+                                   _segment(tmp_path, "s3", "cpu", "Add", ["c", "x"], "y")))
 
 
 def frames(n: int, log: list | None = None):
@@ -167,14 +172,7 @@ def replicated(tmp_path) -> Path:
     s1 = _segment(tmp_path, "s1", "edgetpu:0", "Mul", ["a"], "b")
     s2 = _segment(tmp_path, "s2", "cpu", "Add", ["b", "x"], "y")
     r1 = dataclasses.replace(s1, id="s1.r1", device="edgetpu:1", replica=1)
-    spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
-    manifest = mf.Manifest(schema_version=mf.SCHEMA_VERSION, sdk_version="test", min_runtime_version=mf.RUNTIME_VERSION,
-                           model={"name": "test"}, target={"name": "test"}, arch="x86_64", device_map={},
-                           inputs=(spec("x"),), outputs=(spec("y"),), segments=(s0, s1, s2, r1),
-                           pipeline_stages=(("s0",), ("s1",), ("s2",)), predicted={},
-                           replicas=(("s0", "s1.r1", "s2"),))
-    (tmp_path / "manifest.json").write_text(manifest.to_json())
-    return tmp_path
+    return write_bundle(tmp_path, (s0, s1, s2, r1), replicas=(("s0", "s1.r1", "s2"),))
 
 
 def test_replicas_take_alternate_frames_in_order_and_equal_run(replicated):

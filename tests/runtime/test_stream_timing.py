@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from edgesdk.runtime import BundleModel
-from edgesdk.runtime import manifest as mf
 from edgesdk.scheduling import simulate
-from tests.runtime.test_stream import SHAPE, _segment, frames
+from tests.runtime.test_stream import _segment, frames, write_bundle
 
 FRAMES = 40
 
@@ -37,14 +36,8 @@ PLANS = {
 
 
 def _bundle(root: Path, plan) -> Path:
-    segments = tuple(_segment(root, sid, device, op, inputs, output) for sid, device, op, inputs, output, _ in plan)
-    spec = lambda n: mf.TensorSpec(n, SHAPE, "float32")  # noqa: E731
-    manifest = mf.Manifest(schema_version=mf.SCHEMA_VERSION, sdk_version="test", min_runtime_version=mf.RUNTIME_VERSION,
-                           model={"name": "test"}, target={"name": "test"}, arch="x86_64", device_map={},
-                           inputs=(spec("x"),), outputs=(spec("y"),), segments=segments,
-                           pipeline_stages=tuple((s.id,) for s in segments), predicted={})
-    (root / "manifest.json").write_text(manifest.to_json())
-    return root
+    return write_bundle(root, tuple(_segment(root, sid, device, op, inputs, output)
+                                    for sid, device, op, inputs, output, _ in plan))
 
 
 @pytest.mark.parametrize("name", PLANS)
