@@ -56,26 +56,13 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     a plan slower than `--no-rewrites` would; `decisions` says which and by how much."""
     load = functools.cache(as_imported) if as_imported is not None else None
     t0 = time.perf_counter()
-    shapes, consts = irm.static_shapes(model), irm.constant_names(model)
-    built, cpu_backend = build_problem(model, target, shapes, consts)
-    placed_ = _place(built, mode)
+    best = _Candidate.of(model, target, mode)
     choice = []
     if rewritten and load is not None:
-        imported = load()
-        i_shapes, i_consts = irm.static_shapes(imported), irm.constant_names(imported)
-        i_built, i_backend = build_problem(imported, target, i_shapes, i_consts)
-        i_placed = _place(i_built, mode)
-        ours, theirs = _score(placed_, mode), _score(i_placed, mode)
-        unit = "ms per inference" if mode == "latency" else "frames/s"
-        shown = (lambda v: f"{v:.3f} {unit}") if mode == "latency" else (lambda v: f"{-v:.1f} {unit}")
-        if theirs < ours:
-            choice.append(f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) "
-                          f"{shown(theirs)}: the plan places the model as imported, every op as the user "
-                          "exported it (what --no-rewrites gives)")
-            model, shapes, consts, built, cpu_backend, placed_ = imported, i_shapes, i_consts, i_built, i_backend, i_placed
-        else:
-            choice.append(f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) "
-                          f"{shown(theirs)}: the plan keeps the rewrites")
+        best, said = _with_or_without_rewrites(best, _Candidate.of(load(), target, mode), mode)
+        choice.append(said)
+    model, shapes, consts, built, cpu_backend = best.model, best.shapes, best.consts, best.built, best.cpu_backend
+    placed_ = best.placed
     chosen, problem, maps = placed_.spans, placed_.problem, placed_.replicas
     scheduler_s = time.perf_counter() - t0
     placed = split_by_backend(chosen, cpu_backend)
@@ -107,6 +94,36 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
 
 
 REPLICA_GAIN = 0.02  # a replicated stream must predict this much more frames/s than the plan alone
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A model placed: the legalized one, or the one as imported."""
+
+    model: onnx.ModelProto
+    shapes: dict
+    consts: set
+    built: Problem
+    cpu_backend: list[str]
+    placed: "_Placed"
+
+    @staticmethod
+    def of(model: onnx.ModelProto, target, mode: str) -> "_Candidate":
+        shapes, consts = irm.static_shapes(model), irm.constant_names(model)
+        built, cpu_backend = build_problem(model, target, shapes, consts)
+        return _Candidate(model, shapes, consts, built, cpu_backend, _place(built, mode))
+
+
+def _with_or_without_rewrites(legalized: _Candidate, imported: _Candidate, mode: str) -> tuple[_Candidate, str]:
+    """Whichever of the legalized model and the model as imported (`--no-rewrites`) predicts faster, and the
+    decision in words with both figures."""
+    ours, theirs = _score(legalized.placed, mode), _score(imported.placed, mode)
+    shown = ((lambda v: f"{v:.3f} ms per inference") if mode == "latency" else (lambda v: f"{-v:.1f} frames/s"))
+    said = f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) {shown(theirs)}: "
+    if theirs < ours:
+        return imported, said + ("the plan places the model as imported, every op as the user exported it "
+                                 "(what --no-rewrites gives)")
+    return legalized, said + "the plan keeps the rewrites"
 
 
 @dataclass(frozen=True)
