@@ -415,3 +415,28 @@ def test_finish_groups_follow_the_plans_cache_priority():
     assert finish_groups(Plan.from_json(plan.to_json())) == finish_groups(plan)
     without = Plan.from_json(plan.to_json().replace('"caches"', '"ignored"'))
     assert finish_groups(without) == {"edgetpu:0": ["s1", "s3", "s4"], "edgetpu:1": ["s2"]}
+
+
+@pytest.mark.parametrize("script, says", [
+    ("echo 'Internal compiler error. Aborting!'; exit 1", "edgetpu_compiler failed on a.tflite, b.tflite (exit 1)"),
+    ('for m in "$@"; do case "$m" in *.tflite) cp "$m" "$3/$(basename "$m" .tflite)_edgetpu.tflite";; esac; done\n'
+     "echo 'Input model: a.tflite'", "printed 1 model block(s) for 2 co-compiled models (a.tflite, b.tflite)"),
+    ("exit 0", "edgetpu_compiler wrote no compiled model for a.tflite, b.tflite"),
+])
+def test_a_co_compiling_call_that_fails_says_which_models(tmp_path, monkeypatch, script, says):
+    """A TEST DOUBLE compiler that fails, or prints fewer model blocks than it was given: a clear error
+    naming the models, never a log credited to the wrong model."""
+    from edgesdk.errors import UserError
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "edgetpu_compiler").write_text(f"#!/bin/sh\n# TEST DOUBLE for Coral's edgetpu_compiler\n{script}\n")
+    (bindir / "edgetpu_compiler").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    models = []
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.tflite").write_bytes(b"model")
+        models.append(tmp_path / f"{name}.tflite")
+    with pytest.raises(UserError) as err:
+        etc.compile_models(models, tmp_path)
+    assert err.value.code == "package.edgetpu-compiler" and says in err.value.message

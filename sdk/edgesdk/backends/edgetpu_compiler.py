@@ -167,9 +167,12 @@ def compile_models(tflites: Sequence[Path], out_dir: Path) -> list[tuple[Path, C
     cmd = [exe, "-s", "-o", str(out_dir), *map(str, tflites)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 * len(tflites))
     compiled = [out_dir / f"{t.stem}_edgetpu.tflite" for t in tflites]
-    if proc.returncode != 0 or not all(c.exists() for c in compiled):
-        raise UserError("package.edgetpu-compiler", f"edgetpu_compiler failed on {names} (exit {proc.returncode})",
-                        "see its output above; the uncompiled int8 models still run on the CPU",
+    missing = [t.name for t, c in zip(tflites, compiled) if not c.exists()]
+    if proc.returncode != 0 or missing:
+        what = (f"edgetpu_compiler failed on {names} (exit {proc.returncode})" if proc.returncode else
+                f"edgetpu_compiler wrote no compiled model for {', '.join(missing)}")
+        raise UserError("package.edgetpu-compiler", what,
+                        "see its output below; the uncompiled int8 models still run on the CPU",
                         notes=(proc.stdout + proc.stderr).strip().splitlines()[-10:])
     blocks = split_log(proc.stdout)
     if len(tflites) > 1 and len(blocks) != len(tflites):
