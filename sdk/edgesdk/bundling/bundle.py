@@ -10,7 +10,7 @@ import importlib.metadata
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -117,49 +117,8 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             tuned[sid] = c.tuned
         needs.update(dict.fromkeys(c.device_needs))
     # 2. each device instance's segments finished together by its kind's compiler, in cache priority
-    shipped: dict[str, tuple[str, PlanSegment]] = {sid: (c.artifact, by_id[sid]) for sid, c in compiled.items()}
-    fallback: dict[str, str] = {sid: c.fallback_artifact for sid, c in compiled.items()}
-    compiler_logs: dict[str, dict] = {}
-    corrections: list[dict] = []
-    cache_corrections: list[dict] = []  # segments priced again by what the compiler cached (scheduling.correction)
-    scheduled = None
-    unfinished: dict[backends.Finisher, list[list[str]]] = {}
-    groups = finish_groups(plan, everything)
-    taken: set[str] = set()  # artifacts a device's call compiled already
-    for device, ids in groups.items():
-        finisher = backends.finisher(device.split(":")[0])
-        # one artifact once per device; one that another device compiled too gets a copy of its own there
-        # (the compiler names its output after its input, and the two TPUs' co-compiled models differ)
-        mine: dict[str, list[str]] = {}
-        for i in ids:
-            mine.setdefault(compiled[i].artifact, []).append(i)
-        arts = [_own_copy(bundle, a, device) if a in taken else a for a in mine]
-        taken.update(mine)
-        for a, users in zip(arts, mine.values()):   # a copy is also what the CPU runs without the TPU
-            fallback.update({sid: a for sid in users if a not in mine})
-        if not finisher.available():
-            unfinished.setdefault(finisher, []).append(arts)
-            shipped.update({sid: (a, by_id[sid]) for a, users in zip(arts, mine.values()) for sid in users})
-            continue
-        items = [(a, by_id[sid]) for a, users in zip(arts, mine.values()) for sid in users]
-        done = finish_segments(finisher, bundle, items, src.scheduled / "model.onnx", target, plan)
-        for (art, record, correction, seg) in done:
-            if correction:
-                corrections.append(correction)
-                warn(finisher.describe(correction))
-            elif "off_chip_bytes" in record:   # priced again with the share the compiler really streams
-                scheduled = scheduled or onnx.load(str(src.scheduled / "model.onnx"))
-                cached = cache_correction(seg.to_json(), record["on_chip_bytes"], record["off_chip_bytes"],
-                                          scheduled, target)
-                if cached:
-                    cache_corrections.append(cached)
-                    seg = dataclasses.replace(seg, predicted_ms=cached["predicted_ms_after"])
-                    (warn if cached["predicted_ms_after"] > cached["predicted_ms_before"] else log)(
-                        f"{seg.id}: edgetpu_compiler caches {_mib(record['on_chip_bytes'])} of its parameters "
-                        f"on {seg.device} and streams {_mib(record['off_chip_bytes'])} every invocation "
-                        f"({cached['streamed_share']:.0%}); predicted {cached['predicted_ms_before']:.3f} -> "
-                        f"{cached['predicted_ms_after']:.3f} ms")
-            shipped[seg.id], compiler_logs[seg.id] = (art, seg), record
+    done = _finish(plan, everything, compiled, src, target, bundle, log, warn)
+    shipped, fallback = done.shipped, done.fallback
     segments = tuple(mf.Segment(id=sid, device=seg.device, backend=backends.backend(seg.backend).runner,
                                 artifact=art, inputs=compiled[sid].inputs, outputs=compiled[sid].outputs,
                                 fallback_artifact=fallback[sid], nodes=len(seg.nodes),
@@ -167,23 +126,83 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
                      for sid, (art, seg) in shipped.items())
     finishing: dict = {}
     if any(s.fallback_artifact is not None for s in segments):
-        finishing = {"edgetpu_compiled": not unfinished, "compiler": compiler_logs,
-                     "co_compiled": {d: list(ids) for d, ids in groups.items()}}
-        if compiler_logs:
-            finishing["caches"] = _caches_from_logs(groups, compiler_logs)
-        if corrections:
-            finishing["corrections"] = corrections
-        if cache_corrections:
-            finishing["cache_corrections"] = cache_corrections
-        if corrections or cache_corrections:
-            plan = dataclasses.replace(plan, predicted=corrected_prediction(plan.predicted,
-                                                                            corrections + cache_corrections))
-        for f, arts in unfinished.items():
+        finishing = {"edgetpu_compiled": not done.unfinished, "compiler": done.logs,
+                     "co_compiled": {d: list(ids) for d, ids in done.groups.items()}}
+        if done.logs:
+            finishing["caches"] = _caches_from_logs(done.groups, done.logs)
+        if done.corrections:
+            finishing["corrections"] = done.corrections
+        if done.cache_corrections:
+            finishing["cache_corrections"] = done.cache_corrections
+        # the plan's own segments move its latency; a replica's run only in a stream
+        moved = [c for c in done.corrections + done.cache_corrections if c["segment"] not in replica_of]
+        if moved:
+            plan = dataclasses.replace(plan, predicted=corrected_prediction(plan.predicted, moved))
+        for f, arts in done.unfinished.items():
             finishing["finish_command"] = f"cd bundle && {f.group_command(arts)}"
             warn(f.unfinished_warning([a for g in arts for a in g], f.group_command(arts)))
     planned = tuple(dataclasses.replace(seg, artifact=art) for sid, (art, seg) in shipped.items() if sid not in replica_of)
     return _Shipped(dataclasses.replace(plan, segments=planned), segments, twins, tuned, finishing, tuple(needs),
                     tuple(tuple(s.id for s in rep) for rep in replicas))
+
+
+@dataclass
+class _Finished:
+    """What the devices' own compilers made of the segments (`_finish`)."""
+
+    shipped: dict[str, tuple[str, PlanSegment]]  # segment id -> (artifact that ships, the segment as corrected)
+    fallback: dict[str, str | None]  # segment id -> what the CPU runs without the device
+    groups: dict[str, list[str]]  # device -> its segments in the order compiled together
+    logs: dict[str, dict] = field(default_factory=dict)  # segment id -> its model's compiler record
+    corrections: list[dict] = field(default_factory=list)  # segments the compiler maps only partly
+    cache_corrections: list[dict] = field(default_factory=list)  # segments priced again by what it cached
+    unfinished: dict = field(default_factory=dict)  # finisher -> its groups of artifacts, where not installed
+
+
+def _finish(plan: Plan, everything: list[PlanSegment], compiled: dict[str, backends.Compiled], src: Sources,
+            target, bundle: Path, log, warn) -> _Finished:
+    """Each device instance's segments finished by its kind's compiler in one call, in the plan's cache
+    priority: an artifact once per device, a copy of its own on a second device (the compiler names its
+    output after its input, and the two devices' co-compiled models differ); each segment corrected
+    where the compiler maps only part of it or caches another share of its weights than planned."""
+    by_id = {s.id: s for s in everything}
+    out = _Finished({sid: (c.artifact, by_id[sid]) for sid, c in compiled.items()},
+                    {sid: c.fallback_artifact for sid, c in compiled.items()}, finish_groups(plan, everything))
+    scheduled = None
+    taken: set[str] = set()  # artifacts a device's call compiled already
+    for device, ids in out.groups.items():
+        finisher = backends.finisher(device.split(":")[0])
+        mine: dict[str, list[str]] = {}
+        for i in ids:
+            mine.setdefault(compiled[i].artifact, []).append(i)
+        arts = [_own_copy(bundle, a, device) if a in taken else a for a in mine]
+        taken.update(mine)
+        for a, users in zip(arts, mine.values()):   # a copy is also what the CPU runs without the device
+            out.fallback.update({sid: a for sid in users if a not in mine})
+        items = [(a, by_id[sid]) for a, users in zip(arts, mine.values()) for sid in users]
+        if not finisher.available():
+            out.unfinished.setdefault(finisher, []).append(arts)
+            out.shipped.update({seg.id: (a, seg) for a, seg in items})
+            continue
+        for art, record, correction, seg in finish_segments(finisher, bundle, items, src.scheduled / "model.onnx",
+                                                            target, plan):
+            if correction:
+                out.corrections.append(correction)
+                warn(finisher.describe(correction))
+            elif "off_chip_bytes" in record:   # priced again with the share the compiler really streams
+                scheduled = scheduled or onnx.load(str(src.scheduled / "model.onnx"))
+                cached = cache_correction(seg.to_json(), record["on_chip_bytes"], record["off_chip_bytes"],
+                                          scheduled, target)
+                if cached:
+                    out.cache_corrections.append(cached)
+                    seg = dataclasses.replace(seg, predicted_ms=cached["predicted_ms_after"])
+                    (warn if cached["predicted_ms_after"] > cached["predicted_ms_before"] else log)(
+                        f"{seg.id}: edgetpu_compiler caches {_mib(record['on_chip_bytes'])} of its parameters "
+                        f"on {seg.device} and streams {_mib(record['off_chip_bytes'])} every invocation "
+                        f"({cached['streamed_share']:.0%}); predicted {cached['predicted_ms_before']:.3f} -> "
+                        f"{cached['predicted_ms_after']:.3f} ms")
+            out.shipped[seg.id], out.logs[seg.id] = (art, seg), record
+    return out
 
 
 def _mib(n: int) -> str:

@@ -143,11 +143,11 @@ def view(problem: Problem, plans: Sequence[Sequence]) -> Problem:
     fraction that instance streams of it; a node elsewhere as if moved there alone: the keys the
     instance holds at their fraction, each other key against the instance's free space."""
     occ = occupancy(problem, plans)
+    held = {d: set(o.order) for d, o in occ.items()}
 
     def fraction(k: int, d: str) -> float:
         o = occ[d]
-        held = set(o.order)
-        return _fraction(problem, k, lambda key: o.uncached.get(key, 0.0) if key in held else
+        return _fraction(problem, k, lambda key: o.uncached.get(key, 0.0) if key in held[d] else
                          max(0.0, 1.0 - o.free / problem.key_bytes[key]) if problem.key_bytes.get(key) else 0.0)
 
     return _priced(problem, fraction)
