@@ -98,6 +98,11 @@ def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
     assert coral_alone["segments"] == 2 and plan["predicted"]["latency_ms"] < coral_alone["latency_ms"]
     report = (tmp_path / "o/.build/3-schedule/schedule.html").read_text()
     assert report.count("data:image/png;base64,") == 2 and "<th>bytes moved</th>" in report
+    # each Edge TPU's cache and co-compile order, and the decisions where there are any
+    assert "<h2>Parameter caches</h2>" in report
+    assert ("<h2>Decisions</h2>" in report) == bool(plan["decisions"])
+    for device in plan["caches"]["instances"]:
+        assert f"<td>{device}</td>" in report
     assert all(0 <= u <= 1 for u in plan["utilization"].values())
 
 

@@ -27,12 +27,36 @@ def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list
 <p>Cost model: {html.escape(plan['cost_model'])}.</p>
 <h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
 <tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
-{_inter_op(plan)}
+{_caches(plan)}{_decisions(plan)}{_inter_op(plan)}
 <h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
 {images}
 <h2>Placement</h2><table><tr><th>node</th><th>op</th><th>device</th><th>reason</th><th>predicted ms</th><th>bytes moved</th></tr>
 {placement}</table>
 """
+
+
+def _caches(plan: dict[str, Any]) -> str:
+    """Each accelerator's parameter cache under the plan (and its replicas), the co-compile order, the
+    place-and-recost rounds."""
+    caches = plan.get("caches") or {}
+    if not caches:
+        return ""
+    rows = "".join(f"<tr><td>{d}</td><td>{c['capacity_bytes']:,}</td><td>{c['weights_bytes']:,}</td>"
+                   f"<td>{c['cached_bytes']:,}</td><td>{c['streamed_bytes']:,}</td>"
+                   f"<td>{html.escape(', '.join(c['compile_order']))}</td><td>{html.escape(c['capacity_source'])}</td></tr>"
+                   for d, c in caches["instances"].items())
+    rounds = ", ".join(f"{html.escape(r['start'])} {r['round']}: {r['objective']:g}" for r in caches["rounds"])
+    replicas = "".join(f"<p>Replica {k}: frames alternate with the devices moved as {html.escape(str(m))}.</p>"
+                       for k, m in enumerate(plan.get("replicas", ()), 1))
+    return ("<h2>Parameter caches</h2><table><tr><th>device</th><th>capacity bytes</th><th>distinct weights</th>"
+            "<th>cached</th><th>streamed every inference</th><th>co-compile order</th><th>capacity from</th></tr>"
+            f"{rows}</table><p>{html.escape(caches['search'])}; rounds (objective, lower is better): {rounds}.</p>"
+            + replicas)
+
+
+def _decisions(plan: dict[str, Any]) -> str:
+    items = "".join(f"<li>{html.escape(d)}</li>" for d in plan.get("decisions", ()))
+    return f"<h2>Decisions</h2><ul>{items}</ul>" if items else ""
 
 
 def _inter_op(plan: dict[str, Any]) -> str:
