@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import yaml
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.pipeline import BuildOptions, build
+from tests.model_zoo import ROOT
 
 
 def _save(tmp_path, nodes, inits, shape_in, shape_out):
@@ -145,3 +147,39 @@ def test_throughput_mode_is_never_slower_than_the_latency_plan_streamed(tmp_path
     assert any(s["device"].startswith("edgetpu") for s in thr["segments"])
     assert thr["predicted"]["throughput_fps"] > thr["baselines"]["all on the cpu"]["throughput_fps"]
     assert "streamed" in thr["search"]
+
+
+def test_an_approximation_the_plan_puts_on_the_cpu_is_left_exact(tmp_path):
+    """arm_2tpu with its Edge TPUs on a USB 2.0 port (40 MB/s), and a Softplus over a million elements
+    between two Floors (which no accelerator runs): legalize approximates it for the Edge TPU, but the
+    two USB transfers there cost more than the ReLU sum (two convolutions) on the ARM CPU, so the plan
+    keeps it on the CPU, where the Softplus itself is cheaper still. The schedule tries the region as exported, finds it faster, and the
+    plan runs the exact Softplus; the decision says so with both figures."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Floor", ["x"], ["f"]), helper.make_node("Softplus", ["f"], ["s"], name="softplus"),
+             helper.make_node("Floor", ["s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 256, 256])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 256, 256])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    np.save(calib / "x.npy", rng.uniform(-0.5, 0.5, (4, 1, 16, 256, 256)).astype(np.float32))
+    target = yaml.safe_load((ROOT / "targets" / "arm_2tpu.yaml").read_text())
+    tpu = next(d for d in target["devices"] if d["kind"] == "edgetpu")
+    tpu["link"]["name"] = "USB 2.0"
+    tpu["link"]["bandwidth"] = {"value": 40.0, "unit": "MB/s", "source": "test: USB 2.0 high speed, about 40 MB/s"}
+    (tmp_path / "usb2.yaml").write_text(yaml.safe_dump(target))
+    build(BuildOptions(model=path, target=str(tmp_path / "usb2.yaml"), out=tmp_path / "o", until="schedule",
+                       calib=calib))
+    legalized = json.loads((tmp_path / "o/.build/2-legalize/legalize.json").read_text())
+    assert [a["nodes"] for a in legalized["approximations"]] == [["softplus"]]
+    assert (tmp_path / "o/.build/2-legalize/exact.onnx").exists()
+    plan = json.loads((tmp_path / "o/.build/3-schedule/plan.json").read_text())
+    said = plan["decisions"][0]
+    assert said.startswith("legalize's approximations predict") and said.endswith("the plan leaves them exact"), said
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "o/.build/3-schedule/model.onnx")).graph.node]
+    assert ops == ["Floor", "Softplus", "Floor"], ops
+    assert {s["device"] for s in plan["segments"]} == {"cpu"}

@@ -77,6 +77,7 @@ def analyze(model: onnx.ModelProto, target: Target, options: Any, inputs: list[d
     """`edgesdk check`: everything legalize would do and what it would leave, on a copy."""
     result = _legalized(_copy(model), target, options, inputs, log, warn)
     del result["model"], result["support"]
+    result.pop("exact_model", None)
     return result
 
 
@@ -106,8 +107,11 @@ def _rewrite(model: onnx.ModelProto, target: Target, options: Any, inputs: list[
     # 1. exact rewrites of the op types an accelerator refuses
     model, chosen, result["rewrites"] = _exact_rewrites(model, nodes, models, log)
     # 2. ReLU-sum approximations of the unary functions an accelerator lacks, on their calibration ranges
+    exact_model = model
     model, feeds, approximated = _approximations(model, tables.model(model), models, options, inputs, eps, log, warn)
     result.update(approximated)
+    if result["approximations"]:   # what `with_approximations` rebuilds a subset of them on
+        result["exact_model"] = exact_model
     # 3. the import stage's graph optimizations, on what the rewrites left; how far the outputs moved
     if chosen or result["approximations"]:
         model, result["optimized"], result["end_to_end"] = _optimize(
@@ -228,6 +232,33 @@ def _substitute(model: onnx.ModelProto, fitted: list[Fitted], sample: list[dict]
     # the last exit first: earlier exits rename their consumers, the later approximations included
     for k, (region, approx, _, entry) in enumerate(sorted(fitted, key=lambda t: -max(t[0].nodes))):
         _approximate(model, region, approx, k)
+        entry["prefix"] = _prefix(k)   # its nodes' names start so
+    return model
+
+
+def _prefix(k: int) -> str:
+    return f"relu_sum{k}_"
+
+
+def with_approximations(exact_model: onnx.ModelProto, approximations: list[dict], keep: set[int],
+                        target: Target) -> onnx.ModelProto:
+    """The legalized model again with only the approximations numbered `keep` (positions in the report's
+    list) in place, the others' regions left as exported, for the CPU: `exact_model` is the model after
+    legalize's exact rewrites, before any approximation (the stage's `exact.onnx`); the ReLU sums are
+    the report's (knots, weights, c0, c1), not fitted again. Then the graph optimizations, and each node
+    marked with the devices that can run it, as `legalize` does."""
+    refused = {n for e in approximations for n in e["nodes"]}
+    found = {r.output: r for r in regions.find(exact_model, refused)}
+    chosen = [(found[e["output"]], relu_sum.Approximation(
+        e["lo"], e["hi"], tuple(e["knots"]), e["c0"], e["c1"], tuple(e["weights"]), e["grid_error"]), e["prefix"])
+        for k, e in enumerate(approximations) if k in keep]
+    model = _copy(exact_model)
+    for region, approx, prefix in sorted(chosen, key=lambda t: -max(t[0].nodes)):
+        _approximate(model, region, approx, int(prefix[len("relu_sum"):-1]))
+    model, _ = passes.optimize(model)
+    model = _infer(model)
+    for node, s in zip(model.graph.node, support.Tables([d.kind for d in target.devices]).model(model)):
+        irm.set_meta(node, irm.CAPABLE_KEY, ",".join(s.capable))
     return model
 
 
@@ -252,9 +283,9 @@ def _approximate(model: onnx.ModelProto, region: regions.Region, approx: relu_su
     new_output = f"{region.output}__relu_sum"
     shape = irm.static_shapes(model).get(region.input)
     if shape is not None and all(d > 0 for d in shape):
-        new_nodes, inits = relu_sum.to_onnx_conv(approx, region.input, new_output, f"relu_sum{k}_", tuple(shape))
+        new_nodes, inits = relu_sum.to_onnx_conv(approx, region.input, new_output, _prefix(k), tuple(shape))
     else:
-        new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, f"relu_sum{k}_")
+        new_nodes, inits = relu_sum.to_onnx(approx, region.input, new_output, _prefix(k))
     regions.replace(model, region, new_nodes, inits, new_output)
 
 

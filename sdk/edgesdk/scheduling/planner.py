@@ -45,7 +45,9 @@ class Scheduled:
 
 
 def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
-              as_imported: Callable[[], onnx.ModelProto] | None = None, rewritten: bool = False) -> Scheduled:
+              as_imported: Callable[[], onnx.ModelProto] | None = None, rewritten: bool = False,
+              approximations: list[dict] = (),
+              with_approximations: Callable[[set[int]], onnx.ModelProto] | None = None) -> Scheduled:
     """Place every node of `model` (legalized: each node annotated with the devices that can run it)
     on a device of `target` by cost, for `mode` latency or throughput, and cut the segments.
     `as_imported` (the model before legalize's rewrites, annotated the same way: what `--no-rewrites`
@@ -53,11 +55,23 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     accelerators has rules: what their own compilers would do with the user's model. Where legalize
     `rewritten` the model, it is also placed as imported, and the plan is made of whichever of the two
     predicts faster (latency: one inference; throughput: frames/s), so legalize's rewrites never make
-    a plan slower than `--no-rewrites` would; `decisions` says which and by how much."""
+    a plan slower than `--no-rewrites` would; `decisions` says which and by how much. Per region: where
+    the plan places every node of one of legalize's `approximations` (its report entries) on the CPU,
+    the model is made again with that region as exported (`with_approximations(keep)`: the legalized
+    model with only the approximations numbered `keep`), placed, and kept where it predicts faster."""
     load = functools.cache(as_imported) if as_imported is not None else None
     t0 = time.perf_counter()
     best = _Candidate.of(model, target, mode)
     choice = []
+    if approximations and with_approximations is not None:
+        on_cpu = _approximations_on_cpu(best, approximations)
+        if on_cpu:
+            keep = set(range(len(approximations))) - on_cpu
+            fewer = _Candidate.of(with_approximations(keep), target, mode)
+            best, said = _faster(best, fewer, mode, "legalize's approximations",
+                                 f"with approximation(s) {', '.join(map(str, sorted(on_cpu)))} (all their nodes on the "
+                                 f"cpu) left as exported", "keeps them approximated on the cpu", "leaves them exact")
+            choice.append(said)
     if rewritten and load is not None:
         best, said = _with_or_without_rewrites(best, _Candidate.of(load(), target, mode), mode)
         choice.append(said)
@@ -117,13 +131,31 @@ class _Candidate:
 def _with_or_without_rewrites(legalized: _Candidate, imported: _Candidate, mode: str) -> tuple[_Candidate, str]:
     """Whichever of the legalized model and the model as imported (`--no-rewrites`) predicts faster, and the
     decision in words with both figures."""
-    ours, theirs = _score(legalized.placed, mode), _score(imported.placed, mode)
+    return _faster(legalized, imported, mode, "legalize's rewrites", "the model as imported (no rewrites)",
+                   "keeps the rewrites", "places the model as imported, every op as the user exported it "
+                   "(what --no-rewrites gives)")
+
+
+def _faster(ours: _Candidate, other: _Candidate, mode: str, our_name: str, other_name: str, keep: str, take: str
+            ) -> tuple[_Candidate, str]:
+    """Whichever of two placed candidates predicts faster (a tie keeps `ours`), and why, with both figures."""
+    a, b = _score(ours.placed, mode), _score(other.placed, mode)
     shown = ((lambda v: f"{v:.3f} ms per inference") if mode == "latency" else (lambda v: f"{-v:.1f} frames/s"))
-    said = f"legalize's rewrites predict {shown(ours)}, the model as imported (no rewrites) {shown(theirs)}: "
-    if theirs < ours:
-        return imported, said + ("the plan places the model as imported, every op as the user exported it "
-                                 "(what --no-rewrites gives)")
-    return legalized, said + "the plan keeps the rewrites"
+    said = f"{our_name} predict {shown(a)}, {other_name} {shown(b)}: the plan "
+    return (other, said + take) if b < a else (ours, said + keep)
+
+
+def _approximations_on_cpu(candidate: _Candidate, approximations: list[dict]) -> set[int]:
+    """The approximations (positions in legalize's report) whose nodes the candidate's plan all puts on the
+    cpu (an approximation's nodes are named with its `prefix`; one whose nodes the graph optimizations
+    removed is not counted)."""
+    device = {candidate.built.nodes[k]: d for i, j, d in candidate.placed.spans for k in range(i, j)}
+    out = set()
+    for k, e in enumerate(approximations):
+        mine = [d for name, d in device.items() if e.get("prefix") and name.startswith(e["prefix"])]
+        if mine and all(d == "cpu" for d in mine):
+            out.add(k)
+    return out
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ def run(artifact: Path, ctx) -> dict:
     del result["support"]
 
     irm.save(model, ctx.out / "model.onnx")
+    if "exact_model" in result:   # before the approximations: the schedule may keep some regions exact
+        irm.save(result.pop("exact_model"), ctx.out / "exact.onnx")
     (ctx.out / "legalize.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     by_reason = collections.Counter((r["device"], r["op"], r["code"]) for r in result["refusals"])
     for (dev, op, code), n in sorted(by_reason.items()):

@@ -30,7 +30,9 @@ The documented baselines (all on the CPU; Coral's default; Coral's parameter-cou
 TPUs; Coral's data parallelism; greedy first-capable-accelerator) are costed and simulated beside it;
 the vendor's rules also on the model as imported, none of legalize's rewrites (what Coral's compiler
 alone gets). Where legalize rewrote the model, the model as imported is placed too, and the plan is made
-of whichever predicts faster: legalize never makes a plan slower than `--no-rewrites`. A CPU segment is split by
+of whichever predicts faster: legalize never makes a plan slower than `--no-rewrites`. Before that,
+per region: an approximation whose nodes the plan puts all on the CPU is tried left as exported
+(legalize's `exact.onnx` with the other approximations put back), and kept so where that is faster. A CPU segment is split by
 backend (TVM, or onnxruntime for the ops TVM lacks), and each segment is cut out of the graph as a
 standalone model (`scheduling.segments`).
 """
@@ -43,7 +45,7 @@ from pathlib import Path
 import onnx
 
 from ...ir import model as irm
-from ...legalization.legalize import annotated
+from ...legalization.legalize import annotated, with_approximations
 from ...scheduling.explain import write_report
 from ...scheduling.planner import make_plan
 
@@ -59,7 +61,10 @@ def run(artifact: Path, ctx) -> dict:
     scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op,
                           as_imported=lambda: annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")),
                                                         ctx.target),
-                          rewritten=bool(legalized.get("rewrites") or legalized.get("approximations")))
+                          rewritten=bool(legalized.get("rewrites") or legalized.get("approximations")),
+                          approximations=legalized.get("approximations", []),
+                          with_approximations=lambda keep: with_approximations(
+                              onnx.load(str(artifact / "exact.onnx")), legalized["approximations"], keep, ctx.target))
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:
