@@ -103,6 +103,8 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
         sid, kind = seg.id, seg.device.split(":")[0]
         if seg.same_as in compiled:
             compiled[sid] = _renamed(compiled[seg.same_as], by_id[seg.same_as], seg)
+            if seg.same_as in twins:   # the build host's golden run uses the same twin for it
+                twins[sid] = twins[seg.same_as]
             continue
         compressed = ({**compress["segments"][sid], "dir": str(src.compressed)} if sid in compress["segments"] else
                       {**int8["segments"][sid], "dir": str(src.tuned / "int8")} if sid in int8["segments"] else None)
