@@ -360,6 +360,16 @@ class PowToMul(pattern.RewriteRuleClassBase):
 # --- matrix products --------------------------------------------------------------------------
 
 
+def _constant_matrix(a, b):
+    """A Gemm's B as a constant 2-D array where A is float, else why not (a sentence)."""
+    if reason := _not_float(a):
+        return reason
+    weights = constant(b)
+    if weights is None or weights.ndim != 2:
+        return f"{b.name} is not a constant matrix"
+    return weights
+
+
 class GemmToFullyConnected(pattern.RewriteRuleClassBase):
     """TFLite's FULLY_CONNECTED: weights [N, K], bias [N], no scales."""
 
@@ -368,12 +378,9 @@ class GemmToFullyConnected(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b, y):
         result = pattern.MatchResult()
-        node = y.producer()
-        if reason := _not_float(a):
-            return result.fail(reason)
-        weights = constant(b)
-        if weights is None or weights.ndim != 2:
-            return result.fail(f"{b.name} is not a constant matrix")
+        node, weights = y.producer(), _constant_matrix(a, b)
+        if isinstance(weights, str):
+            return result.fail(weights)
         if node.attributes.get_int("transA", 0):
             # The lowering takes A transposed as a layout (no op); a Transpose here would be one.
             return result.fail("transA=1")
@@ -530,12 +537,9 @@ class GemmRowsToConv(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b, y):
         result = pattern.MatchResult()
-        node = y.producer()
-        if reason := _not_float(a):
-            return result.fail(reason)
-        weights = constant(b)
-        if weights is None or weights.ndim != 2:
-            return result.fail(f"{b.name} is not a constant matrix")
+        node, weights = y.producer(), _constant_matrix(a, b)
+        if isinstance(weights, str):
+            return result.fail(weights)
         if node.attributes.get_int("transA", 0) or not node.attributes.get_int("transB", 0) \
                 or node.attributes.get_float("alpha", 1.0) != 1:
             return result.fail("not in fully-connected form (gemm-to-fully-connected first)")
