@@ -4,6 +4,8 @@ as imported (`--no-rewrites`)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -46,6 +48,11 @@ def test_a_model_that_fits_one_tpu_is_replicated_for_a_stream():
     assert instances["edgetpu:0"]["weights_bytes"] == instances["edgetpu:1"]["weights_bytes"] > 0
     assert instances["edgetpu:1"]["compile_order"] == [f"{s.id}.r1" for s in stream.plan.segments
                                                        if s.device == "edgetpu:0"]
+    # the build's summary says so
+    from edgesdk.report.text import placement_summary
+
+    summary = placement_summary(json.loads(stream.plan.to_json()))
+    assert "replica 1: a stream's frames alternate with a copy of the plan on edgetpu:0 -> edgetpu:1" in summary
     # one inference is never replicated
     assert make_plan(m, TARGET, mode="latency", inter_op=False).plan.replicas == ()
 

@@ -32,6 +32,9 @@ def placement_summary(plan: dict[str, Any]) -> str:
     p = plan["predicted"]
     by_dev = ", ".join(f"{d}: {n} nodes" for d, n in plan["placement"].items())
     lines.append(f"placement: {by_dev}")
+    for k, moved in enumerate(plan.get("replicas") or (), 1):
+        lines.append(f"replica {k}: a stream's frames alternate with a copy of the plan on "
+                     + ", ".join(f"{a} -> {b}" for a, b in moved.items()))
     lines.append(f"predicted: {p['latency_ms']:.3f} ms per inference, {p['throughput_fps']:.1f} frames/s on a stream "
                  f"(simulated on the cost model of devices/cost.py)")
     for name, b in (plan.get("baselines") or {}).items():
