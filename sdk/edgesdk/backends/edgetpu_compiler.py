@@ -154,10 +154,6 @@ def finish_group(jobs: Sequence[FinishJob]) -> list[Finished]:
     return out
 
 
-def compile_segment(tflite: Path, out_dir: Path) -> tuple[Path, CompileLog]:
-    return compile_models([tflite], out_dir)[0]
-
-
 def compile_models(tflites: Sequence[Path], out_dir: Path) -> list[tuple[Path, CompileLog]]:
     """`tflites` co-compiled in one call (one Edge TPU's models, the first given the cache first): each
     compiled model and its block of the log."""

@@ -158,9 +158,6 @@ class Finisher:
     def _call(self, function: str, *args):
         return getattr(importlib.import_module(self.module), function)(*args)
 
-    def run(self, job: FinishJob) -> Finished:
-        return self._call("finish", job)
-
     def run_group(self, jobs: list[FinishJob]) -> list[Finished]:
         """The jobs of one device instance, together where the module compiles groups, else one by one."""
         module = importlib.import_module(self.module)
