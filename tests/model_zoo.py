@@ -65,6 +65,51 @@ def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
     return path
 
 
+def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:
+    """ResNet-18 (He et al.: 7x7 stem, max pool, four stages of two basic blocks, 64-512 channels) built
+    in Keras, random weights (seed 0, BatchNorm statistics set as for MobileNetV2), as ONNX with a fixed
+    NHWC input {batch}x{size}x{size}x3. Keras has no ResNet-18 among its applications."""
+    path = CACHE / f"resnet18_{size}_b{batch}_{classes}.onnx"
+    if path.exists():
+        return path
+    import tensorflow as tf
+    import tf2onnx
+
+    layers = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+
+    def bn_relu(x, relu=True):
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    def block(x, filters, stride):
+        y = bn_relu(layers.Conv2D(filters, 3, stride, padding="same", use_bias=False)(x))
+        y = bn_relu(layers.Conv2D(filters, 3, 1, padding="same", use_bias=False)(y), relu=False)
+        if stride != 1 or x.shape[-1] != filters:
+            x = bn_relu(layers.Conv2D(filters, 1, stride, use_bias=False)(x), relu=False)
+        return layers.ReLU()(layers.Add()([x, y]))
+
+    inputs = tf.keras.Input((size, size, 3))
+    x = bn_relu(layers.Conv2D(64, 7, 2, padding="same", use_bias=False)(inputs))
+    x = layers.MaxPooling2D(3, 2, padding="same")(x)
+    for filters, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        x = block(block(x, filters, stride), filters, 1)
+    x = layers.Dense(classes)(layers.GlobalAveragePooling2D()(x))
+    model = tf.keras.Model(inputs, x, name="resnet18")
+    for layer in model.layers:
+        if isinstance(layer, layers.BatchNormalization):
+            layer.momentum = 0.0
+    model(tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1), training=True)
+    spec = (tf.TensorSpec((batch, size, size, 3), tf.float32, name="input"),)
+    proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=13)
+    proto.ir_version = min(proto.ir_version, 10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(proto.SerializeToString())
+    tmp.rename(path)
+    return path
+
+
 def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100) -> Path:
     """DESIGN §8's DenseNet-LSTM captioner at sizes a CI run can afford: `frames` frames of
     size x size x 3 -> DenseNet121 per frame (no top, average pool: 1,024 features) -> LSTM(units)

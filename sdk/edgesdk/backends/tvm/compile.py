@@ -27,7 +27,7 @@ import onnx
 
 from ...errors import UserError
 from ...runtime.manifest import TensorSpec
-from . import fast_math
+from . import fast_math, sparse
 from .database import _apply_database, _open_database
 from .rewrites import integer_powers_as_products, narrow_rows_widened
 from .schedules import _PIXEL_BLOCK, _cpu_default_schedules, _gpu_default_schedules
@@ -210,6 +210,9 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
 
     channels_last = _channels_last_convs(tvm_target)
     head = [
+        # pruned convolutions (a constant weight mostly zeros) on the CPU: sparse kernels (sparse.py),
+        # before ConvertLayout makes the dense ones channels-last
+        *([sparse.SparseConvs(channels_last)] if tvm_target.kind.name == "llvm" else []),
         # Inference form: batch norm becomes multiply-add that FoldConstant folds into
         # the weights.
         relax.transform.DecomposeOpsForInference(),

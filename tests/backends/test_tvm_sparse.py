@@ -1,0 +1,181 @@
+"""backends/tvm/sparse.py: pruned convolutions packed with fixed loop lengths (blocked ELL) and computed
+by TIR kernels in CHWN (a batch) or W-vectorized (batch 1), compiled into TVM libraries where a constant
+weight is mostly zeros; each checked against onnxruntime on the pruned dense model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+from edgesdk.backends.tvm import compile as tvm_compile
+from edgesdk.backends.tvm import sparse
+from tests.numeric import assert_close
+
+
+def nm_pruned(weight: np.ndarray, n: int, m: int) -> np.ndarray:
+    """`weight` with the n largest of every m consecutive input channels kept (a last short group keeps
+    min(n, its size))."""
+    out = np.zeros_like(weight)
+    for start in range(0, weight.shape[1], m):
+        group = np.abs(weight[:, start:start + m])
+        keep = np.argsort(-group, axis=1, kind="stable")[:, :n]
+        np.put_along_axis(out[:, start:start + m], keep, np.take_along_axis(weight[:, start:start + m], keep, 1), 1)
+    return out
+
+
+@st.composite
+def pruned_weights(draw):
+    co, ci = draw(st.integers(1, 9)), draw(st.integers(1, 40))
+    k = draw(st.sampled_from([1, 3, 5]))
+    seed = draw(st.integers(0, 2**16))
+    density = draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]))
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((co, ci, k, k)).astype(np.float32)
+    w[rng.random(w.shape) >= density] = 0
+    return w
+
+
+@settings(max_examples=60, deadline=None)
+@given(pruned_weights(), st.sampled_from([1, 4, 16, 64]))
+def test_blocked_ell_decodes_to_the_pruned_weights_exactly(w, block):
+    ell = sparse.pack(w, block)
+    assert np.array_equal(sparse.decode(ell), w)
+    assert ell.kept == np.count_nonzero(w)
+    assert ell.values.shape[:2] == (w.shape[0], -(-w.shape[1] // block))
+    # every padding entry reads a row of its own block
+    rows_per_channel = w.shape[2] * w.shape[3]
+    blocks = ell.rows // rows_per_channel // block
+    assert np.array_equal(blocks, np.broadcast_to(np.arange(ell.values.shape[1])[None, :, None], blocks.shape))
+
+
+def test_n_m_pruning_fills_its_lists_exactly():
+    w = nm_pruned(np.random.default_rng(0).standard_normal((8, 32, 3, 3)).astype(np.float32), 2, 4)
+    ell = sparse.pack(w, 16)
+    assert ell.padding == 0.0
+    assert ell.values.shape == (8, 2, 16 // 4 * 2 * 9)
+
+
+def conv_model(n, ci, co, h, w, k, stride, pads, weight, dilation=1, relu=True) -> onnx.ModelProto:
+    bias = np.random.default_rng(1).standard_normal(co).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if relu else "y"], pads=list(pads), strides=[stride] * 2,
+                              dilations=[dilation] * 2)]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                            [n, ci, h, w])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def ort_run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {model.graph.input[0].name: x})[0]
+
+
+def tvm_run(model: onnx.ModelProto, x: np.ndarray, tmp_path) -> tuple[np.ndarray, int]:
+    """The model compiled for this host by TVM, run on `x`; and how many sparse kernels its library has."""
+    import tvm
+
+    lib = tmp_path / "segment.so"
+    tvm_compile.compile_onnx(model, {"kind": "llvm", "mcpu": "native"}, lib)
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(lib)), tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(x)).numpy()
+    lowered = tvm_compile._lowered(model, tvm.target.Target({"kind": "llvm"}))
+    kernels = sum(1 for gv in lowered.functions if gv.name_hint.startswith("sparse_conv2d"))
+    return out, kernels
+
+
+# (batch, in channels, out channels, height, width, kernel, stride, pads, N:M or sparsity, dilation):
+# tails everywhere: widths 7, 14 and 56, channels not a multiple of M, stride 2, asymmetric padding
+CASES = [
+    (16, 16, 8, 7, 7, 3, 1, (1, 1, 1, 1), (2, 4), 1),
+    (16, 6, 10, 14, 14, 3, 2, (1, 1, 1, 1), (1, 4), 1),
+    (8, 13, 12, 14, 14, 1, 1, (0, 0, 0, 0), (1, 4), 1),
+    (2, 24, 16, 56, 56, 3, 1, (1, 1, 1, 1), 0.9, 1),
+    (1, 16, 8, 56, 56, 3, 1, (1, 1, 1, 1), (2, 4), 1),
+    (1, 6, 10, 7, 7, 3, 2, (1, 1, 1, 1), (1, 4), 1),
+    (1, 10, 9, 14, 14, 3, 2, (0, 1, 1, 0), 0.75, 1),
+    (1, 12, 8, 14, 14, 3, 1, (2, 2, 2, 2), (2, 4), 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"n{c[0]}-c{c[1]}-w{c[4]}-k{c[5]}-s{c[6]}-{c[8]}" for c in CASES])
+def test_sparse_kernel_equals_onnxruntime_on_the_pruned_dense_model(case, tmp_path):
+    n, ci, co, h, w, k, stride, pads, method, dilation = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    weight = rng.standard_normal((co, ci, k, k)).astype(np.float32)
+    if isinstance(method, tuple):
+        weight = nm_pruned(weight, *method)
+    else:
+        weight[np.abs(weight) < np.quantile(np.abs(weight), method)] = 0
+    model = conv_model(n, ci, co, h, w, k, stride, pads, weight, dilation)
+    x = rng.standard_normal((n, ci, h, w)).astype(np.float32)
+    got, kernels = tvm_run(model, x, tmp_path)
+    assert kernels == 1
+    assert_close(got, ort_run(model, x), "sparse conv")
+
+
+def test_a_dense_convolution_keeps_the_dense_kernel(tmp_path):
+    weight = np.random.default_rng(0).standard_normal((8, 8, 3, 3)).astype(np.float32)
+    weight[:, :3] = 0  # 37.5 % zeros: below MIN_SPARSITY
+    model = conv_model(2, 8, 8, 14, 14, 3, 1, (1, 1, 1, 1), weight)
+    x = np.random.default_rng(1).standard_normal((2, 8, 14, 14)).astype(np.float32)
+    got, kernels = tvm_run(model, x, tmp_path)
+    assert kernels == 0
+    assert_close(got, ort_run(model, x), "dense conv")
+
+
+def residual_block(n: int, dense_middle: bool) -> onnx.ModelProto:
+    """conv -> relu -> conv -> add(input) -> relu -> max pool, all sparse (or the middle one dense)."""
+    rng = np.random.default_rng(3)
+    w1 = nm_pruned(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), 1, 4)
+    w2 = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    w2 = w2 if dense_middle else nm_pruned(w2, 2, 4)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1] * 4),
+             helper.make_node("Add", ["c2", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                             [n, 16, 14, 14])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def permutes(model: onnx.ModelProto) -> int:
+    """The layout changes (`permute_dims`) in `model` imported into Relax after SparseConvs."""
+    import tvm
+    from tvm import relax
+
+    mod = sparse.SparseConvs(channels_last=True)(tvm_compile._import(model))
+    found = []
+
+    @relax.expr_functor.visitor
+    class Count(relax.PyExprVisitor):
+        def visit_call_(self, call):
+            super().visit_call_(call)
+            if call.op == tvm.ir.Op.get("relax.permute_dims"):
+                found.append(call)
+
+    Count().visit_expr(mod["main"])
+    return len(found)
+
+
+@pytest.mark.parametrize("dense_middle", [False, True])
+def test_layout_changes_only_at_the_edges_of_sparse_runs(dense_middle, tmp_path):
+    model = residual_block(16, dense_middle)
+    # all sparse: into CHWN for the run (the residual input once more) and back once; a dense middle
+    # convolution adds its own way out of CHWN and back
+    assert permutes(model) == (2 if not dense_middle else 4) + 1
+    x = np.random.default_rng(2).standard_normal((16, 16, 14, 14)).astype(np.float32)
+    got, kernels = tvm_run(model, x, tmp_path)
+    assert kernels == (1 if dense_middle else 2)
+    assert_close(got, ort_run(model, x), "residual block")
