@@ -185,6 +185,9 @@ def build(
     no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
     cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert \\[default: all]; 'planned': the schedule's cut, nothing measured."),
     cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's int8 kernels, with the ops full int8 hurts most kept float where needed, and onnxruntime's), each admitted only where it passes the accuracy gate on held-out calibration samples \\[default: the target's CPU precision, fp32]."),
+    prune: Optional[str] = typer.Option(None, "--prune", help="Prune the CPU segments' convolution and matrix weights: 2:4 or 1:4 (N of every M input channels kept), magnitude:S (the smallest share S of each layer's weights, e.g. magnitude:0.75), column-combine[:G] (one input channel of every G kept per output channel, G=4 by default). Without retraining: the build reports the pruned model's fidelity to the dense one; pruned convolutions run sparse TVM kernels where measured faster."),
+    prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \[default: all but the first and last]."),
+    prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -207,6 +210,13 @@ def build(
         raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
                          "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
     chosen_backends = _parse_cpu_backends(cpu_backends)
+    if prune is not None:
+        from .compression import parse_method
+
+        prune = parse_method(prune).text  # refused here, exit 2, before anything runs
+    elif prune_layers is not None or prune_correct:
+        raise UsageError("cli.prune-options", "--prune-layers and --prune-correct need --prune",
+                         "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
@@ -218,7 +228,8 @@ def build(
                            calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None,
                            max_error_lsb=max_error_lsb or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
-                           cpu_backends=chosen_backends, cpu_precision=cpu_precision, seed=seed, until=until,
+                           cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
+                           prune_layers=prune_layers, prune_correct=prune_correct, seed=seed, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)

@@ -99,6 +99,9 @@ class BuildOptions:
     # the backends a whole CPU span is measured on beside the plan's cut (--cpu-backends); None: all; ("planned",): none
     cpu_backends: tuple[str, ...] | None = None
     cpu_precision: str | None = None  # fp32 or int8 (--cpu-precision); None: the target's CPU `precision`
+    prune: str | None = None  # --prune METHOD (compression/prune.py): 2:4, 1:4, magnitude:S, column-combine[:G]
+    prune_layers: str | None = None  # --prune-layers: names or globs; None: all but the first and last
+    prune_correct: bool = False  # --prune-correct: least-squares correction of the kept weights
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from

@@ -151,7 +151,7 @@ def residual_block(n: int, dense_middle: bool) -> onnx.ModelProto:
 
 
 def permutes(model: onnx.ModelProto) -> int:
-    """The layout changes (`permute_dims`) in `model` imported into Relax after SparseConvs."""
+    """The layout changes in `model` imported into Relax after SparseConvs (its transposes as kernels)."""
     import tvm
     from tvm import relax
 
@@ -162,7 +162,8 @@ def permutes(model: onnx.ModelProto) -> int:
     class Count(relax.PyExprVisitor):
         def visit_call_(self, call):
             super().visit_call_(call)
-            if call.op == tvm.ir.Op.get("relax.permute_dims"):
+            if call.op == tvm.ir.Op.get("relax.permute_dims") or (
+                    call.op == tvm.ir.Op.get("relax.call_tir") and call.args[0].name_hint.startswith("layout_transpose")):
                 found.append(call)
 
     Count().visit_expr(mod["main"])

@@ -16,6 +16,8 @@ from pathlib import Path
 import onnx
 
 from .. import __version__, backends
+from ..compression import build as pruning
+from ..config import HOST
 from ..ir import index_ranges
 from ..ir.calibration import load_calibration
 from ..runtime import manifest as mf
@@ -72,8 +74,10 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     samples, _ = load_calibration(options, imported["inputs"])
     host_model = BundleModel(bundle, artifacts=shipped.twins, log=log)
     golden.write_golden(bundle, manifest, host_model, samples)
-    accuracy = golden.accuracy(host_model, onnx.load(str(src.imported / "model.onnx")), shipped.plan,
-                               samples[:golden.ACCURACY_SAMPLES])
+    pruned = _pruned(src)
+    reference, name = ((pruned[0], "the pruned fp32 model (--prune)") if pruned else
+                       (onnx.load(str(src.imported / "model.onnx")), "the imported fp32 model"))
+    accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
     _judge(accuracy, shipped.plan.segments, log, warn)
     # 4. the file table, and the reproducible tarball
     manifest = dataclasses.replace(manifest, accuracy=accuracy)
@@ -88,6 +92,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
 def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log, warn) -> _Shipped:
     compress = json.loads((src.compressed / "compress.json").read_text())
     int8 = _cpu_int8(src)
+    pruned = _pruned(src)
     twins: dict[str, Path] = {}
     tuned: dict[str, dict] = {}
     needs: dict[str, None] = {}
@@ -108,8 +113,11 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             continue
         compressed = ({**compress["segments"][sid], "dir": str(src.compressed)} if sid in compress["segments"] else
                       {**int8["segments"][sid], "dir": str(src.tuned / "int8")} if sid in int8["segments"] else None)
+        model = onnx.load(str(src.scheduled / seg.artifact))
+        if pruned and kind == HOST:  # --prune: the CPU's layers read the compress stage's pruned weights
+            model = pruning.apply(model, *pruned)
         c = compiled[sid] = backends.backend(seg.backend).compile(backends.CompileJob(
-            segment=seg, model=onnx.load(str(src.scheduled / seg.artifact)),
+            segment=seg, model=model,
             device=target.device(kind), segments_dir=bundle / "segments",
             tuning_db=src.tuned / "tuning_db" / kind, compressed=compressed,
             twin_dir=twin_dir, log=log))
@@ -317,8 +325,29 @@ def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warn
         edgetpu=shipped.finishing,
         tuning=tuning_provenance(json.loads((src.tuned / "tune.json").read_text()), shipped.tuned,
                                  plan.cpu_selection),
+        pruning=pruning_summary(compress, shipped.tuned),
         warnings=tuple(warnings()),
     )
+
+
+def _pruned(src: Sources) -> tuple[onnx.ModelProto, list[dict]] | None:
+    """The compress stage's pruned model and its per-layer records (`--prune`), or None."""
+    path = src.compressed / "pruned.onnx"
+    if not path.exists():
+        return None
+    record = json.loads((src.compressed / "compress.json").read_text())["pruning"]
+    return onnx.load(str(path)), record["layers"]
+
+
+def pruning_summary(compress: dict, tuned: dict[str, dict]) -> dict:
+    """The manifest's `pruning`: the compress stage's record in short, and the sparse kernels compiled."""
+    entry = compress.get("pruning")
+    if not entry:
+        return {}
+    return {"method": entry["method"], "layers": len(entry["layers"]), "sparsity": entry["sparsity"],
+            "corrected": "correction" in entry, "retrained": False,
+            "fidelity": entry["fidelity"], "accelerator_layers_dense": entry.get("accelerator_layers_dense", []),
+            "sparse_kernels": sum(t.get("sparse_kernels", 0) for t in tuned.values())}
 
 
 def _cpu_int8(src: Sources) -> dict:

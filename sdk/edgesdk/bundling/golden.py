@@ -41,15 +41,17 @@ def write_golden(bundle: Path, manifest: mf.Manifest, host_model: BundleModel, s
     savez(bundle / "golden" / "boundaries.npz", {n: golden_all[n] for n in crossing})
 
 
-def accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: Plan, samples: list[dict]) -> dict:
-    """The bundle against the fp32 model, on logits where a trailing softmax would hide errors."""
+def accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: Plan, samples: list[dict],
+             reference_name: str = "the imported fp32 model") -> dict:
+    """The bundle against the fp32 model (a pruned build's: the pruned one), on logits where a trailing
+    softmax would hide errors."""
     probes = {o: p for o, p in plan.probes.items()
               if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
     names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
     got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]
     ref = [ort_backend.run(reference, f, names) for f in samples]
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
-    out = {"reference": "onnxruntime on the imported fp32 model", "samples": len(samples), "tensors": tensors}
+    out = {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "tensors": tensors}
     if probes:
         p = next(iter(probes.values()))
         # per position along the last (class) axis: a sequence model has one decision per step

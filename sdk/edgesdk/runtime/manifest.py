@@ -103,6 +103,9 @@ class Manifest:
     edgetpu: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
     tuning: dict[str, Any] = field(default_factory=dict)
+    # --prune: the method, the layers pruned and their sparsity, the correction, the pruned model's fidelity
+    # to the dense one on the calibration data, and how many convolutions run sparse kernels; {}: not pruned
+    pruning: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> {sha256, size}
 
@@ -202,6 +205,7 @@ def manifest_from_dict(d: Any) -> Manifest:
         edgetpu=d.get("edgetpu", {}),
         accuracy=d.get("accuracy", {}),
         tuning=d.get("tuning", {}),
+        pruning=d.get("pruning", {}),
         warnings=tuple(d.get("warnings", ())),
         files=d.get("files", {}),
     )
@@ -432,6 +436,8 @@ MANIFEST = _object(
     {"predicted": _map(_number), "parallel_steps": _IDS, "replicas": _IDS, "cpu_threads": _integer(0, 4096),
      "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
      "accuracy": _ACCURACY, "tuning": _TUNING, "warnings": _list(_text),
+     "pruning": _object({}, {"method": _text, "layers": _integer(0, 2**31 - 1), "sparsity": _number,
+                             "corrected": _flag, "sparse_kernels": _integer(0, 2**31 - 1)}, extra=True),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
                    key_spec=_path)},
 )

@@ -46,6 +46,7 @@ class TvmResult:
     # untuned functions that got the fixed default schedule (CPU: `_cpu_default_schedules`)
     default_scheduled: int = 0
     rewrites: dict[str, int] = field(default_factory=dict)  # `_rewritten`'s rewrites of the graph, by kind
+    sparse_kernels: int = 0  # pruned convolutions computed by sparse kernels (sparse.py)
 
 
 def importer_ops() -> frozenset[str]:
@@ -84,6 +85,7 @@ def compile_onnx(
     mod = _lower(_import(rewritten), tvm_target)
     inputs, outputs = _interface(model, mod)
     tasks = _count_unscheduled(mod)
+    sparse_kernels = sum(1 for gvar in mod.functions if gvar.name_hint.startswith("sparse_conv2d"))
     with tvm_target, tvm.transform.PassContext(opt_level=3):
         if tuning_db is not None:
             database = _open_database(Path(tuning_db), target, must_exist=True)
@@ -104,7 +106,7 @@ def compile_onnx(
     _export(executable, target, Path(out_path))
     return TvmResult(
         inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled,
-        rewrites=rewrites,
+        rewrites=rewrites, sparse_kernels=sparse_kernels,
     )
 
 

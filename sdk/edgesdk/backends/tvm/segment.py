@@ -26,13 +26,16 @@ def compile_segment(job: CompileJob) -> Compiled:
     res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db)
     if res.rewrites:
         job.log(f"package: {sid}: rewritten for TVM: " + ", ".join(f"{k} x{n}" for k, n in res.rewrites.items()))
+    if res.sparse_kernels:
+        job.log(f"package: {sid}: {res.sparse_kernels} pruned convolution(s) compiled as sparse kernels")
     twin = None
     if needs_twin(codegen):
         job.twin_dir.mkdir(exist_ok=True)
         twin = job.twin_dir / f"{sid}.so"
         compile_onnx(job.model, HOST_CODEGEN, twin)
     return Compiled(f"segments/{sid}.so", res.inputs, res.outputs, twin=twin,
-                    tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled},
+                    tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled,
+                           **({"sparse_kernels": res.sparse_kernels} if res.sparse_kernels else {})},
                     device_needs=CUDA_NEEDS if codegen.get("kind") == "cuda" else ())
 
 

@@ -1,4 +1,4 @@
-"""compress: quantize every Edge TPU segment to a full-int8 TFLite model.
+"""compress: quantize every Edge TPU segment to a full-int8 TFLite model; with `--prune`, prune the CPU's layers.
 
 Needs: the plan and its segment models; calibration data (`--calib DIR`), or none.
 Guarantees: `segments/<id>.tflite` for each Edge TPU segment, converted by TensorFlow's converter
@@ -16,6 +16,16 @@ and the build says so in its output and in the manifest: int8 ranges then do not
 value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
 (backends/tflite/narrowing.py). The method goes into `compress.json` and the manifest's `calibration`.
 
+Pruning (`--prune METHOD`, `--prune-layers`, `--prune-correct`; compression/): the prunable layers
+(convolutions with one group, Gemm and MatMul with constant weights) that run on the CPU, all but the
+first and last of them unless `--prune-layers` says otherwise, are pruned in the whole model and written
+as `pruned.onnx`; the package stage puts those weights into the CPU segments. An accelerator's layers stay
+dense: the Edge TPU computes every weight, zero or not. With `--prune-correct`, the kept weights are refit
+by least squares on three quarters of the calibration samples. `compress.json`'s `pruning` records each
+layer and the pruned model's fidelity to the dense one (cosine, max error, top-1 agreement, per layer and
+end to end; on the held-out quarter when corrected): fidelity on the calibration data, not accuracy, and
+no retraining. The Edge TPU segments are then calibrated on the pruned model's activations.
+
 Shared segments (`PlanSegment.same_as`: a captioner's per-frame CNN) are quantized once, the first of
 them calibrated on every one's inputs (interleaved, at most `SHARED_SAMPLES` times the calibration
 samples); the others' records name it (`same_as`) and carry its int8 model with their own tensor names.
@@ -30,12 +40,19 @@ import onnx
 
 from ... import backends
 from ...backends import onnxruntime as ort_backend
+from ...compression import build as pruning
+from ...compression import correct_weights, fidelity
+from ...config import HOST
+from ...ir import model as irm
 from ...ir.calibration import load_calibration
 from ...ir.digest import tree_sha256
 from ...scheduling.plan import Plan
+from ...scheduling.selection import held_out_split
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
-OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed")
+OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed",
+           "prune", "prune_layers", "prune_correct")
+PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
@@ -51,7 +68,7 @@ def run(artifact: Path, ctx) -> dict:
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
     record: dict = {"segments": {}, "calibration": {}}
-    if not quantized:
+    if not quantized and not ctx.options.prune:
         (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
         return {"int8_segments": 0}
 
@@ -62,9 +79,16 @@ def run(artifact: Path, ctx) -> dict:
     record["calibration"] = calib_info
     if calib_info["synthetic"]:
         ctx.warn(f"no --calib data: int8 ranges come from {len(samples)} synthetic samples (uniform in [-1, 1]); "
-                 "accuracy on real inputs may be worse")
+                 "accuracy on real inputs may be worse" if quantized else
+                 f"no --calib data: the pruned model's fidelity is measured on {len(samples)} synthetic samples "
+                 "(uniform in [-1, 1]); give real inputs with --calib")
 
     full = onnx.load(str(sched / "model.onnx"))
+    if ctx.options.prune:
+        full = _prune(full, plan, samples, ctx, record)
+    if not quantized:
+        (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
+        return {"int8_segments": 0, "pruning": _summary(record["pruning"])}
     wanted = sorted({t for s in quantized for t in s.inputs + s.outputs})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
@@ -92,5 +116,59 @@ def run(artifact: Path, ctx) -> dict:
         worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
-    return {"int8_segments": len(quantized), "calibration": calib_info,
-            "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
+    out = {"int8_segments": len(quantized), "calibration": calib_info,
+           "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
+    return {**out, "pruning": _summary(record["pruning"])} if "pruning" in record else out
+
+
+def _prune(dense: onnx.ModelProto, plan: Plan, samples: list[dict], ctx, record: dict) -> onnx.ModelProto:
+    """The model with its CPU layers pruned (and corrected), written as PRUNED; its record in `record`."""
+    opts = ctx.options
+    accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
+    pruned, layers, chosen, accel = pruning.prune_for_build(dense, opts.prune, opts.prune_layers, accelerated)
+    entry: dict = {"method": opts.prune, "layers_spec": opts.prune_layers or "all but the first and last",
+                   "retrained": False, "layers": layers}
+    if accel:
+        entry["accelerator_layers_dense"] = [x.name for x in accel]
+        ctx.log(f"compress: prune: the Edge TPU gains nothing from sparsity (it computes every weight, zero or not): "
+                f"its {len(accel)} prunable layer(s) stay dense; only the CPU's layers are pruned")
+    if not chosen:
+        ctx.warn(f"--prune {opts.prune}: no layer to prune on the CPU ("
+                 + ("--prune-layers chose none of its layers" if opts.prune_layers else
+                    "it runs no prunable layer besides the first and last, which stay dense by default")
+                 + "); the model is unchanged")
+    fit, held = held_out_split(samples) if opts.prune_correct else (samples, samples)
+    if opts.prune_correct and chosen:
+        before = fidelity(dense, pruned, held, [])["end_to_end"]
+        ctx.log(f"compress: prune: refitting the kept weights of {len(chosen)} layer(s) by least squares on "
+                f"{len(fit)} calibration sample(s)")
+        pruned, corrected = correct_weights(dense, pruned, chosen, layers, fit)
+        entry["correction"] = {"method": "least squares on the kept weights (damped conjugate gradients)",
+                               "samples": len(fit), "held_out": len(held) if held is not fit else 0,
+                               "end_to_end_before": before, "layers": corrected}
+    outputs = [r["output"] for r in layers]
+    measured = fidelity(dense, pruned, held, outputs)
+    entry["fidelity"] = {"against": "the dense model (onnxruntime), on "
+                         + ("the held-out calibration samples" if held is not fit else "the calibration samples"),
+                         "samples": measured["samples"], "end_to_end": measured["end_to_end"]}
+    for r in layers:
+        r["fidelity"] = measured["layers"][r["output"]]
+    kept = sum(r["kept"] for r in layers)
+    size = sum(r["size"] for r in layers)
+    entry["sparsity"] = round(1 - kept / size, 4) if size else 0.0
+    record["pruning"] = entry
+    irm.save(pruned, ctx.out / PRUNED)
+    for name, f in measured["end_to_end"].items():
+        top1 = f"top-1 agreement {f['top1_agreement']:.3f}, " if f["top1_agreement"] is not None else ""
+        ctx.log(f"compress: prune {opts.prune}: {len(chosen)} layer(s), {entry['sparsity']:.1%} of their weights zero; "
+                f"fidelity of {name} to the dense model: cosine {f['cosine']:.5f}, {top1}"
+                f"max error {f['max_error_of_scale']:.2%} of its scale (no retraining"
+                f"{', least-squares correction' if 'correction' in entry else ''})")
+    return pruned
+
+
+def _summary(entry: dict) -> dict:
+    """The stage record's short form of the pruning: what the build summary shows."""
+    return {"method": entry["method"], "layers": len(entry["layers"]), "sparsity": entry["sparsity"],
+            "corrected": "correction" in entry, "fidelity": entry["fidelity"]["end_to_end"],
+            "accelerator_layers_dense": len(entry.get("accelerator_layers_dense", []))}

@@ -40,6 +40,8 @@ from pathlib import Path
 import onnx
 
 from ... import backends
+from ...compression import build as pruning
+from ...config import HOST
 from ...errors import UserError
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
@@ -49,7 +51,7 @@ from ...scheduling import selection
 from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
-           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile")
+           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
@@ -153,6 +155,15 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
     # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
     reads = bool(selection.spans(plan)) and (why is None or boards is not None or selection.POLICY in allowed)
     model = onnx.load(str(artifact / "model.onnx")) if reads else None
+    segment_model = lambda s: onnx.load(str(artifact / s.artifact))  # noqa: E731
+    dense, layers = model, []
+    if ctx.options.prune and model is not None:
+        # the candidates are timed on the weights the compress stage will prune (the same masks: the same
+        # function of the same model and options); the segments this stage writes stay dense
+        accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
+        model, layers, _, _ = pruning.prune_for_build(model, ctx.options.prune, ctx.options.prune_layers, accelerated)
+        segment_model = lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)  # noqa: E731
+        ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ({ctx.options.prune})")
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
@@ -168,11 +179,14 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
                 raise
             ctx.warn(f"tune: {e.message}; each CPU span's backend is chosen by policy instead. {e.hint}")
     selected = selection.select(
-        plan, model, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples, allowed=allowed,
+        plan, model, segment_model, ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
         boards=boards if board is not None else None, board=board)
+    if layers:  # the segments re-cut from the pruned model get their dense weights back
+        selected = dataclasses.replace(selected, models={k: pruning.apply(m, dense, layers)
+                                                         for k, m in selected.models.items()})
     if selected.quantized:
         calib_info = {**calib_info, "method": ctx.options.calib_method}
         if ctx.options.calib_method == "percentile":

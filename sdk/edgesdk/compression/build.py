@@ -1,0 +1,67 @@
+"""Pruning as a build does it: the layers of the CPU's share of a plan, pruned in the whole model, and the
+pruned weights put into the segment models cut from that model.
+
+The tune stage times the CPU candidates on `prune_for_build`'s weights and the compress stage makes them
+(with the optional correction, which changes values, never which weights are kept), so both see the
+same masks by construction: the same function of the same model, method and layer choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import onnx
+
+from ..ir import model as irm
+from .prune import Layer, parse_method, prunable, prune_model, select_layers
+
+
+def cpu_layers(model: onnx.ModelProto, accelerated: Collection[str]) -> tuple[list[Layer], list[Layer]]:
+    """The prunable layers of `model` (`prune.prunable`) whose nodes run on the CPU, and those that do not
+    (an accelerator such as the Edge TPU computes every weight, zero or not: pruning gains it nothing).
+    `accelerated`: the names of the nodes placed on accelerators (`irm.node_name`, as the plan names them)."""
+    on_accel = {o for i, n in enumerate(model.graph.node) if irm.node_name(n, i) in accelerated for o in n.output}
+    layers = prunable(model)
+    return [x for x in layers if x.output not in on_accel], [x for x in layers if x.output in on_accel]
+
+
+def prune_for_build(model: onnx.ModelProto, method: str, spec: str | None,
+                    accelerated: Collection[str] = ()) -> tuple[onnx.ModelProto, list[dict], list[Layer], list[Layer]]:
+    """`model` with its CPU layers chosen by `spec` (`prune.select_layers`: all but the first and last of
+    them by default) pruned by `method`; the per-layer records, the layers pruned, and the accelerator
+    layers left dense."""
+    cpu, accel = cpu_layers(model, accelerated)
+    chosen = select_layers(cpu, spec)
+    pruned, records = prune_model(model, parse_method(method), chosen)
+    outputs = {x.name: x.output for x in chosen}
+    return pruned, [{**r, "output": outputs[r["layer"]]} for r in records], chosen, accel
+
+
+def apply(segment: onnx.ModelProto, pruned: onnx.ModelProto, records: list[dict]) -> onnx.ModelProto:
+    """A copy of `segment` (cut from the model `pruned` was pruned from) whose pruned layers read their
+    pruned weights: each node whose output is a pruned layer's output gets the weight `pruned` gives it.
+    Nodes are matched by output name (unique in a graph); a weight left without a user is dropped."""
+    weights = {i.name: i for i in pruned.graph.initializer}
+    by_output = {n.output[0]: n.input[1] for n in pruned.graph.node
+                 if n.output and len(n.input) > 1 and n.input[1] in weights}
+    layer_outputs = {r["output"] for r in records}
+    out = onnx.ModelProto()
+    out.CopyFrom(segment)
+    g = out.graph
+    inits = {i.name: i for i in g.initializer}
+    for node in g.node:
+        if not node.output or node.output[0] not in layer_outputs or len(node.input) < 2:
+            continue
+        name = by_output[node.output[0]]
+        if name in inits:
+            inits[name].CopyFrom(weights[name])
+        else:
+            g.initializer.append(weights[name])
+            inits[name] = g.initializer[-1]
+        node.input[1] = name
+    used = {x for n in g.node for x in n.input}
+    for name, init in list(inits.items()):
+        if name not in used and name not in {v.name for v in g.output}:
+            g.initializer.remove(init)
+    return out
+
