@@ -16,22 +16,20 @@ from ..ir import model as irm
 from .prune import Layer, parse_method, prunable, prune_model, select_layers
 
 
-def cpu_layers(model: onnx.ModelProto, accelerated: Collection[str]) -> tuple[list[Layer], list[Layer]]:
-    """The prunable layers of `model` (`prune.prunable`) whose nodes run on the CPU, and those that do not
-    (an accelerator such as the Edge TPU computes every weight, zero or not: pruning gains it nothing).
-    `accelerated`: the names of the nodes placed on accelerators (`irm.node_name`, as the plan names them)."""
+def on_cpu(model: onnx.ModelProto, layers: list[Layer], accelerated: Collection[str]) -> tuple[list[Layer], list[Layer]]:
+    """`layers` split into those whose nodes run on the CPU and those on an accelerator (an accelerator such
+    as the Edge TPU computes every weight, zero or not: pruning gains it nothing). `accelerated`: the names
+    of the nodes placed on accelerators (`irm.node_name`, as the plan names them)."""
     on_accel = {o for i, n in enumerate(model.graph.node) if irm.node_name(n, i) in accelerated for o in n.output}
-    layers = prunable(model)
     return [x for x in layers if x.output not in on_accel], [x for x in layers if x.output in on_accel]
 
 
 def prune_for_build(model: onnx.ModelProto, method: str, spec: str | None,
                     accelerated: Collection[str] = ()) -> tuple[onnx.ModelProto, list[dict], list[Layer], list[Layer]]:
-    """`model` with its CPU layers chosen by `spec` (`prune.select_layers`: all but the first and last of
-    them by default) pruned by `method`; the per-layer records, the layers pruned, and the accelerator
-    layers left dense."""
-    cpu, accel = cpu_layers(model, accelerated)
-    chosen = select_layers(cpu, spec)
+    """`model` with the layers `spec` chooses (`prune.select_layers`: all but the model's first and last by
+    default) pruned by `method` where they run on the CPU; the per-layer records, the layers pruned, and the
+    chosen layers an accelerator runs, left dense."""
+    chosen, accel = on_cpu(model, select_layers(prunable(model), spec), accelerated)
     pruned, records = prune_model(model, parse_method(method), chosen)
     outputs = {x.name: x.output for x in chosen}
     return pruned, [{**r, "output": outputs[r["layer"]]} for r in records], chosen, accel

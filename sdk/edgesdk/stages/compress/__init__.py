@@ -161,7 +161,7 @@ def _prune(dense: onnx.ModelProto, plan: Plan, samples: list[dict], ctx, record:
     for name, f in measured["end_to_end"].items():
         top1 = f"top-1 agreement {f['top1_agreement']:.3f}, " if f["top1_agreement"] is not None else ""
         ctx.log(f"compress: prune {opts.prune}: {len(chosen)} layer(s), {entry['sparsity']:.1%} of their weights zero; "
-                f"fidelity of {name} to the dense model: cosine {f['cosine']:.5f}, {top1}"
+                f"fidelity of output '{name}' to the dense model: cosine {f['cosine']:.5f}, {top1}"
                 f"max error {f['max_error_of_scale']:.2%} of its scale (no retraining"
                 f"{', least-squares correction' if 'correction' in entry else ''})")
     return pruned
