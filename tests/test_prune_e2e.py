@@ -67,7 +67,7 @@ def x86_pruned(tmp_path_factory, cnn):
     out = tmp_path_factory.mktemp("prune-x86")
     # --cpu-backends planned: the schedule's TVM cut, nothing timed (the choice is issue 17's, tested there)
     options = BuildOptions(model=cnn, target="x86", out=out / "b", prune="2:4", cpu_backends=("planned",),
-                           calib_samples=8, tuning_db=out / "db")
+                           sparse_kernels="sparse", calib_samples=8, tuning_db=out / "db")
     return options, build(options)
 
 
@@ -96,7 +96,9 @@ def test_the_manifest_reports_fidelity_and_the_sparse_kernels(x86_pruned):
     m = Manifest.load(result.bundle)
     p = m.pruning
     assert p["method"] == "2:4" and p["layers"] == 3 and p["sparsity"] == 0.5 and not p["corrected"]
-    assert p["sparse_kernels"] == 3  # conv2, conv3 and conv4: half their weights zero, TVM's sparse kernels
+    assert p["sparse_kernels"] == 3  # conv2, conv3 and conv4: half their weights zero, forced onto sparse kernels
+    (choices,) = [t["sparse_choices"] for t in m.tuning["segments"].values() if "sparse_choices" in t]
+    assert [c["why"] for c in choices] == ["forced: --sparse-kernels sparse"] * 3
     fid = p["fidelity"]
     assert "dense model" in fid["against"] and fid["samples"] == 8
     logits = fid["end_to_end"]["logits"]
@@ -143,7 +145,8 @@ def test_a_build_without_prune_changes_no_weight(tmp_path, cnn):
 @pytest.mark.parametrize("args, code, needles", [
     (["--prune", "3:2"], 2, ["'3:2'", "2:4, 1:4"]),
     (["--prune", "magnitude:1.5"], 2, ["magnitude:1.5"]),
-    (["--prune-layers", "conv2"], 2, ["--prune-layers and --prune-correct need --prune"]),
+    (["--prune-layers", "conv2"], 2, ["--prune-layers, --prune-correct and --sparse-kernels need --prune"]),
+    (["--prune", "2:4", "--sparse-kernels", "fast"], 2, ["--sparse-kernels fast: expected measured, sparse or dense"]),
     (["--prune", "2:4", "--prune-layers", "conv9,conv2"], 2, ["no prunable layer matches 'conv9'", "conv1, conv2"]),
 ])
 def test_bad_prune_options_are_refused(tmp_path, cnn, args, code, needles):

@@ -188,6 +188,7 @@ def build(
     prune: Optional[str] = typer.Option(None, "--prune", help="Prune the CPU segments' convolution and matrix weights: 2:4 or 1:4 (N of every M input channels kept), magnitude:S (the smallest share S of each layer's weights, e.g. magnitude:0.75), column-combine[:G] (one input channel of every G kept per output channel, G=4 by default). Without retraining: the build reports the pruned model's fidelity to the dense one; pruned convolutions run sparse TVM kernels where measured faster."),
     prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \[default: all but the first and last]."),
     prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
+    sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -210,12 +211,15 @@ def build(
         raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
                          "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
     chosen_backends = _parse_cpu_backends(cpu_backends)
+    if sparse_kernels not in ("measured", "sparse", "dense"):
+        raise UsageError("cli.bad-sparse-kernels", f"--sparse-kernels {sparse_kernels}: expected measured, sparse or dense",
+                         "measured chooses per layer by timing both kernels; sparse or dense forces one")
     if prune is not None:
         from .compression import parse_method
 
         prune = parse_method(prune).text  # refused here, exit 2, before anything runs
-    elif prune_layers is not None or prune_correct:
-        raise UsageError("cli.prune-options", "--prune-layers and --prune-correct need --prune",
+    elif prune_layers is not None or prune_correct or sparse_kernels != "measured":
+        raise UsageError("cli.prune-options", "--prune-layers, --prune-correct and --sparse-kernels need --prune",
                          "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
@@ -229,7 +233,8 @@ def build(
                            max_error_lsb=max_error_lsb or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
-                           prune_layers=prune_layers, prune_correct=prune_correct, seed=seed, until=until,
+                           prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
+                           seed=seed, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)

@@ -102,6 +102,7 @@ class BuildOptions:
     prune: str | None = None  # --prune METHOD (compression/prune.py): 2:4, 1:4, magnitude:S, column-combine[:G]
     prune_layers: str | None = None  # --prune-layers: names or globs; None: all but the first and last
     prune_correct: bool = False  # --prune-correct: least-squares correction of the kept weights
+    sparse_kernels: str = "measured"  # --sparse-kernels: a pruned layer's kernel: measured, sparse or dense
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from

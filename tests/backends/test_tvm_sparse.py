@@ -64,6 +64,7 @@ def conv_model(n, ci, co, h, w, k, stride, pads, weight, dilation=1, relu=True) 
     bias = np.random.default_rng(1).standard_normal(co).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if relu else "y"], pads=list(pads), strides=[stride] * 2,
                               dilations=[dilation] * 2)]
+    forced(nodes[0])
     if relu:
         nodes.append(helper.make_node("Relu", ["c"], ["y"]))
     graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
@@ -71,6 +72,12 @@ def conv_model(n, ci, co, h, w, k, stride, pads, weight, dilation=1, relu=True) 
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def forced(node) -> None:
+    """The sparse kernel forced on `node` where its weight is sparse (as --sparse-kernels sparse does):
+    these tests check its numbers, whatever it measures against the dense one here."""
+    node.metadata_props.add(key="edgesdk.kernel", value="sparse")
 
 
 def ort_run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -143,6 +150,8 @@ def residual_block(n: int, dense_middle: bool) -> onnx.ModelProto:
              helper.make_node("Add", ["c2", "x"], ["s"]),
              helper.make_node("Relu", ["s"], ["r"]),
              helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    forced(nodes[0])
+    forced(nodes[2])
     graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
                                                                              [n, 16, 14, 14])],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
@@ -180,3 +189,21 @@ def test_layout_changes_only_at_the_edges_of_sparse_runs(dense_middle, tmp_path)
     got, kernels = tvm_run(model, x, tmp_path)
     assert kernels == (1 if dense_middle else 2)
     assert_close(got, ort_run(model, x), "residual block")
+
+
+def test_the_measured_choice_follows_the_times_it_keeps(tmp_path):
+    """`Measured` times both kernels once, keeps the times, and chooses the sparse kernel only where it was
+    faster; a kept time is replayed, not measured again (the tune and package stages choose alike)."""
+    import json
+
+    target = tvm_compile._resolve_target({"kind": "llvm", "mcpu": "native"})[0]
+    weight = nm_pruned(np.random.default_rng(0).standard_normal((16, 16, 3, 3)).astype(np.float32), 1, 4)
+    shape = sparse.ConvShape(4, 16, 14, 14, 16, 3, 3, (1, 1, 1, 1))
+    cache = tmp_path / "times.json"
+    first = sparse.Measured(target, cache)(shape, weight)
+    assert first["kernel"] == ("sparse" if first["sparse_ms"] < first["dense_ms"] else "dense")
+    (key,) = json.loads(cache.read_text())
+    for sparse_ms, dense_ms, want in ((1.0, 2.0, "sparse"), (2.0, 1.0, "dense"), (1.0, 1.0, "dense")):
+        cache.write_text(json.dumps({key: {"sparse_ms": sparse_ms, "dense_ms": dense_ms}}))
+        choice = sparse.Measured(target, cache)(shape, weight)
+        assert (choice["kernel"], choice["sparse_ms"], choice["dense_ms"]) == (want, sparse_ms, dense_ms)

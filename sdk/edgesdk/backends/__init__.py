@@ -4,8 +4,8 @@ The three that compile segments are registered by name, and Coral's compiler as 
 finisher (`registry.py`).
 """
 
-from .registry import (AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished, Finisher,
-                       QuantizeJob, TuneJob, backend, backends, finisher, register, register_finisher, registered,
+from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
+                       Finisher, QuantizeJob, TuneJob, backend, backends, finisher, register, register_finisher, registered,
                        unregister, unregister_finisher)
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
@@ -40,6 +40,6 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
                  lowering="edgesdk.backends.onnxruntime:lowering_reason"))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
-__all__ = ["AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher",
+__all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher",
            "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register", "register_finisher", "registered",
            "unregister", "unregister_finisher"]

@@ -24,6 +24,12 @@ from ..errors import UsageError
 from ..runtime.manifest import TensorSpec
 
 
+# In a device kind's tuning database: kernel times a backend measured to choose between its own kernels
+# (TVM: a pruned convolution's sparse or dense kernel), so that the tune stage's measurement and the package
+# stage's compilation choose alike; like the tune stage's timing cache, left out of the database's digest.
+KERNEL_TIMES = "kernel_times.json"
+
+
 @dataclass(frozen=True)
 class CompileJob:
     """One plan segment for a backend to compile into a bundle."""

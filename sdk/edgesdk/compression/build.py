@@ -24,13 +24,22 @@ def on_cpu(model: onnx.ModelProto, layers: list[Layer], accelerated: Collection[
     return [x for x in layers if x.output not in on_accel], [x for x in layers if x.output in on_accel]
 
 
-def prune_for_build(model: onnx.ModelProto, method: str, spec: str | None,
-                    accelerated: Collection[str] = ()) -> tuple[onnx.ModelProto, list[dict], list[Layer], list[Layer]]:
+KERNEL_META = "edgesdk.kernel"  # on a pruned layer's node: "sparse" or "dense", the kernel --sparse-kernels forces
+
+
+def prune_for_build(model: onnx.ModelProto, method: str, spec: str | None, accelerated: Collection[str] = (),
+                    kernel: str = "measured") -> tuple[onnx.ModelProto, list[dict], list[Layer], list[Layer]]:
     """`model` with the layers `spec` chooses (`prune.select_layers`: all but the model's first and last by
     default) pruned by `method` where they run on the CPU; the per-layer records, the layers pruned, and the
-    chosen layers an accelerator runs, left dense."""
+    chosen layers an accelerator runs, left dense. `kernel` "sparse" or "dense" marks each pruned layer's node
+    (KERNEL_META) with the kernel a backend must compute it with; "measured" leaves the choice to the backend."""
     chosen, accel = on_cpu(model, select_layers(prunable(model), spec), accelerated)
     pruned, records = prune_model(model, parse_method(method), chosen)
+    if kernel != "measured":
+        marked = {x.output for x in chosen}
+        for node in pruned.graph.node:
+            if node.output and node.output[0] in marked:
+                irm.set_meta(node, KERNEL_META, kernel)
     outputs = {x.name: x.output for x in chosen}
     return pruned, [{**r, "output": outputs[r["layer"]]} for r in records], chosen, accel
 
@@ -38,10 +47,10 @@ def prune_for_build(model: onnx.ModelProto, method: str, spec: str | None,
 def apply(segment: onnx.ModelProto, pruned: onnx.ModelProto, records: list[dict]) -> onnx.ModelProto:
     """A copy of `segment` (cut from the model `pruned` was pruned from) whose pruned layers read their
     pruned weights: each node whose output is a pruned layer's output gets the weight `pruned` gives it.
-    Nodes are matched by output name (unique in a graph); a weight left without a user is dropped."""
+    Nodes are matched by output name (unique in a graph) and take the pruned node's KERNEL_META, if any; a
+    weight left without a user is dropped."""
     weights = {i.name: i for i in pruned.graph.initializer}
-    by_output = {n.output[0]: n.input[1] for n in pruned.graph.node
-                 if n.output and len(n.input) > 1 and n.input[1] in weights}
+    nodes = {n.output[0]: n for n in pruned.graph.node if n.output and len(n.input) > 1 and n.input[1] in weights}
     layer_outputs = {r["output"] for r in records}
     out = onnx.ModelProto()
     out.CopyFrom(segment)
@@ -50,7 +59,10 @@ def apply(segment: onnx.ModelProto, pruned: onnx.ModelProto, records: list[dict]
     for node in g.node:
         if not node.output or node.output[0] not in layer_outputs or len(node.input) < 2:
             continue
-        name = by_output[node.output[0]]
+        name = nodes[node.output[0]].input[1]
+        kernel = irm.get_meta(nodes[node.output[0]], KERNEL_META)
+        if kernel is not None:
+            irm.set_meta(node, KERNEL_META, kernel)
         if name in inits:
             inits[name].CopyFrom(weights[name])
         else:

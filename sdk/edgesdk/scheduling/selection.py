@@ -734,7 +734,7 @@ def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, h
     for s in cand.segments:
         h.update(models[s.id].SerializeToString(deterministic=True))
     tunes = any(backends.backend(s.backend).tunes for s in cand.segments)
-    records = tree_sha256(tuning_db) if tunes and tuning_db.is_dir() else ""
+    records = tree_sha256(tuning_db, exclude=(backends.KERNEL_TIMES,)) if tunes and tuning_db.is_dir() else ""
     h.update(json.dumps([cand.name, [(s.id, s.backend, s.inputs, s.outputs) for s in cand.segments], records, host,
                          threads, _versions(cand)] + ([samples] if samples else [])).encode())
     return h.hexdigest()

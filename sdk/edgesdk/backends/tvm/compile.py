@@ -31,7 +31,7 @@ from . import fast_math, sparse
 from .database import _apply_database, _open_database
 from .rewrites import integer_powers_as_products, narrow_rows_widened
 from .schedules import _PIXEL_BLOCK, _cpu_default_schedules, _gpu_default_schedules
-from .targets import _export, _resolve_target
+from .targets import _export, _resolve_target, missing_host_features, target_arch
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class TvmResult:
     default_scheduled: int = 0
     rewrites: dict[str, int] = field(default_factory=dict)  # `_rewritten`'s rewrites of the graph, by kind
     sparse_kernels: int = 0  # pruned convolutions computed by sparse kernels (sparse.py)
+    sparse_choices: tuple[dict, ...] = ()  # each pruned convolution's kernel: sparse or dense, timed or by policy
 
 
 def importer_ops() -> frozenset[str]:
@@ -62,7 +63,8 @@ def importer_ops() -> frozenset[str]:
 
 
 def compile_onnx(
-    model: onnx.ModelProto, target: dict, out_path: Path, *, tuning_db: Path | None = None
+    model: onnx.ModelProto, target: dict, out_path: Path, *, tuning_db: Path | None = None,
+    kernel_times: Path | None = None,
 ) -> TvmResult:
     """Compile an ONNX segment for `target` into the shared library `out_path`.
 
@@ -76,13 +78,21 @@ def compile_onnx(
     schedules. aarch64 targets are linked by `aarch64-linux-gnu-gcc`.
     CUDA needs no GPU here: the library carries the kernels as CUDA source, which the GPU
     host compiles when it loads the library (nvcc checks them here when installed).
+    A CPU convolution whose constant weight is mostly zeros (a pruned model) gets the sparse kernel of
+    sparse.py where it is measured faster than the dense one on this host (times kept in `kernel_times`),
+    or by policy where this host cannot run the target's code (`TvmResult.sparse_choices`).
     """
     import tvm
     from tvm import relax
 
     target, tvm_target = _resolve_target(target)
     rewritten, rewrites = _rewritten(model, tvm_target)
-    mod = _lower(_import(rewritten), tvm_target)
+    choices: list[list[dict]] = []
+    runs_here = tvm_target.kind.name == "llvm" and target_arch(target) == target_arch({"kind": "llvm"}) \
+        and not missing_host_features(target)
+    choose = sparse.Measured(target, kernel_times, tuning_db) if runs_here else sparse.by_policy
+    choose = sparse.forced(_forced_kernels(model), choose)
+    mod = _lower(_import(rewritten), tvm_target, choose, choices)
     inputs, outputs = _interface(model, mod)
     tasks = _count_unscheduled(mod)
     sparse_kernels = sum(1 for gvar in mod.functions if gvar.name_hint.startswith("sparse_conv2d"))
@@ -106,7 +116,7 @@ def compile_onnx(
     _export(executable, target, Path(out_path))
     return TvmResult(
         inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled,
-        rewrites=rewrites, sparse_kernels=sparse_kernels,
+        rewrites=rewrites, sparse_kernels=sparse_kernels, sparse_choices=tuple(choices[0] if choices else ()),
     )
 
 
@@ -201,7 +211,7 @@ def _dims_text(tensor_type: onnx.TypeProto.Tensor) -> str:
     return "[" + ",".join(dims) + "]"
 
 
-def _lower(mod: Any, tvm_target: Any) -> Any:
+def _lower(mod: Any, tvm_target: Any, choose: Any = None, choices: list | None = None) -> Any:
     """Legalize and fuse `mod` into TIR functions, none of them scheduled yet.
 
     The same function feeds task extraction and compilation, so the fused functions, and
@@ -214,7 +224,7 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
     head = [
         # pruned convolutions (a constant weight mostly zeros) on the CPU: sparse kernels (sparse.py),
         # before ConvertLayout makes the dense ones channels-last
-        *([sparse.SparseConvs(channels_last)] if tvm_target.kind.name == "llvm" else []),
+        *([_sparse_pass(channels_last, choose, choices)] if tvm_target.kind.name == "llvm" else []),
         # Inference form: batch norm becomes multiply-add that FoldConstant folds into
         # the weights.
         relax.transform.DecomposeOpsForInference(),
@@ -255,6 +265,39 @@ def _lower(mod: Any, tvm_target: Any) -> Any:
     ]
     with tvm_target, tvm.transform.PassContext(opt_level=3):
         return tvm.transform.Sequential(passes)(mod)
+
+
+# a pruned layer's node may carry the kernel `edgesdk build --sparse-kernels` forces (compression/build.py)
+KERNEL_META = "edgesdk.kernel"
+
+
+def _forced_kernels(model: onnx.ModelProto) -> dict[str, str]:
+    """The kernel forced on each Conv node marked KERNEL_META, by its weight's digest (sparse.weight_digest)."""
+    from onnx import numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        kernel = next((p.value for p in node.metadata_props if p.key == KERNEL_META), None)
+        if kernel is not None and node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in weights:
+            out[sparse.weight_digest(numpy_helper.to_array(weights[node.input[1]]))] = kernel
+    return out
+
+
+def _sparse_pass(channels_last: bool, choose: Any, choices: list | None) -> Any:
+    """sparse.SparseConvs with `choose` (by policy when None), its choices appended to `choices`."""
+    import tvm
+
+    inner = sparse.SparseConvs(channels_last, choose or sparse.by_policy)
+
+    @tvm.transform.module_pass(opt_level=0, name="SparseConvsRecorded")
+    def transform(mod: Any, ctx: Any) -> Any:
+        out = inner(mod)
+        if choices is not None:
+            choices.extend(inner.choices)
+        return out
+
+    return transform
 
 
 def _ClipAsRelaxOps() -> Any:  # noqa: N802 -- a pass, named as TVM's are

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import platform
 
-from ..registry import CompileJob, Compiled, TuneJob
+from ..registry import KERNEL_TIMES, CompileJob, Compiled, TuneJob
 from .compile import compile_onnx, importer_ops
 from .targets import missing_host_features, target_arch
 from .tuning import tune_onnx, untuned_reason
@@ -23,11 +23,14 @@ def compile_segment(job: CompileJob) -> Compiled:
     sid = seg.id
     job.log(f"package: {sid}: compiling {len(seg.nodes)} nodes with TVM for {describe(codegen)}")
     db = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
-    res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db)
+    res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db,
+                       kernel_times=job.tuning_db / KERNEL_TIMES if job.tuning_db.is_dir() else None)
     if res.rewrites:
         job.log(f"package: {sid}: rewritten for TVM: " + ", ".join(f"{k} x{n}" for k, n in res.rewrites.items()))
-    if res.sparse_kernels:
-        job.log(f"package: {sid}: {res.sparse_kernels} pruned convolution(s) compiled as sparse kernels")
+    if res.sparse_choices:
+        dense = sum(c["kernel"] != "sparse" for c in res.sparse_choices)
+        job.log(f"package: {sid}: pruned convolutions: {len(res.sparse_choices) - dense} on sparse kernels, {dense} "
+                f"kept on the dense kernel ({res.sparse_choices[0]['why'].split(':')[0].split(' faster')[0]})")
     twin = None
     if needs_twin(codegen):
         job.twin_dir.mkdir(exist_ok=True)
@@ -35,7 +38,8 @@ def compile_segment(job: CompileJob) -> Compiled:
         compile_onnx(job.model, HOST_CODEGEN, twin)
     return Compiled(f"segments/{sid}.so", res.inputs, res.outputs, twin=twin,
                     tuned={"tasks": res.tasks, "tuned": res.tuned, "default_scheduled": res.default_scheduled,
-                           **({"sparse_kernels": res.sparse_kernels} if res.sparse_kernels else {})},
+                           **({"sparse_kernels": res.sparse_kernels, "sparse_choices": list(res.sparse_choices)}
+                              if res.sparse_choices else {})},
                     device_needs=CUDA_NEEDS if codegen.get("kind") == "cuda" else ())
 
 

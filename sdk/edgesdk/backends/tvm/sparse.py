@@ -29,7 +29,15 @@ Measured on one ResNet-18 layer (64 -> 64 channels, 3x3, 56x56, batch 16, AMD EP
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -193,6 +201,133 @@ def schedule(func: Any, shape: ConvShape) -> Any:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
 
 
+REVISION = 1  # of the kernels and their schedules: measured choices made with another are measured again
+TIMING_RUNS = 7  # a kernel's time: the median of this many runs after one warm-up
+
+
+def by_policy(shape: ConvShape, weight: np.ndarray) -> dict:
+    """The choice where this host cannot run the target's code: the sparse kernel, untimed."""
+    return {"kernel": "sparse", "why": f"policy: at least {MIN_SPARSITY:.0%} zeros (not timed: this host cannot "
+                                       "run the target's code)"}
+
+
+def weight_digest(weight: np.ndarray) -> str:
+    return hashlib.sha256(str(weight.shape).encode() + np.ascontiguousarray(weight, np.float32).tobytes()).hexdigest()
+
+
+def forced(kernels: dict[str, str], otherwise: Callable[[ConvShape, np.ndarray], dict]) -> Callable:
+    """A choice that takes the kernel `kernels` forces on a weight (by `weight_digest`: `edgesdk build
+    --sparse-kernels sparse|dense`), else asks `otherwise`."""
+    def choose(shape: ConvShape, weight: np.ndarray) -> dict:
+        kernel = kernels.get(weight_digest(weight))
+        if kernel is None:
+            return otherwise(shape, weight)
+        return {"kernel": kernel, "why": f"forced: --sparse-kernels {kernel}"}
+
+    return choose
+
+
+class Measured:
+    """Each pruned convolution's kernel chosen by timing both on this host: the sparse kernel, and the dense
+    kernel the backend would compile for the same convolution (its tuning record where `database` holds one,
+    else the default schedule), each alone. Times are kept in `cache` (JSON, keyed by the convolution's
+    shapes, the packed format's loop lengths, the target, this host's CPU and REVISION) so that the tune
+    stage's measurement and the package stage's compilation make the same choice."""
+
+    def __init__(self, target: dict, cache: Path | None, database: Path | None = None):
+        self.target, self.cache, self.database = target, cache, database
+        self.entries = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+
+    def __call__(self, shape: ConvShape, weight: np.ndarray) -> dict:
+        from .targets import host_cpu
+
+        ell = pack(weight)
+        key = hashlib.sha256(json.dumps([dataclasses.asdict(shape), ell.values.shape, self.target, host_cpu(),
+                                         REVISION], sort_keys=True, default=str).encode()).hexdigest()
+        times = self.entries.get(key)
+        if times is None:
+            times = {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target)),
+                     "dense_ms": _median_ms(dense_runner(shape, self.target, self.database))}
+            self.entries[key] = times
+            if self.cache is not None:
+                tmp = self.cache.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
+                tmp.replace(self.cache)
+        faster = times["sparse_ms"] < times["dense_ms"]
+        return {"kernel": "sparse" if faster else "dense", **times,
+                "why": "measured " + ("faster" if faster else "not faster") + " than the dense kernel"}
+
+
+def _median_ms(run: Any) -> float:
+    run()
+    times = []
+    for _ in range(TIMING_RUNS):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict) -> Any:
+    """A function that runs the sparse kernel of `shape` and `ell` once, on random inputs."""
+    import tvm
+
+    func = schedule(kernel(shape, ell.values.shape[1], ell.values.shape[2]), shape)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tvm.target.Target(target))
+    hp, wp = shape.padded
+    oh, ow = shape.out
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor(a) for a in (rng.standard_normal((shape.ci, hp, wp, shape.n)).astype(np.float32),
+                                            ell.values, shape.offsets(ell), np.zeros((shape.co, oh, ow, shape.n),
+                                                                                     np.float32))]
+    return lambda: lib["main"](*args)
+
+
+def dense_runner(shape: ConvShape, target: dict, database: Path | None = None) -> Any:
+    """A function that runs, once on random inputs, the dense kernel the backend compiles for `shape`: the
+    convolution's own function from the backend's lowering of it alone (x86: channels-last), with the
+    database's record where it holds one, else the default schedule."""
+    import onnx
+    import tvm
+    from onnx import helper, numpy_helper
+    from tvm import relax
+
+    from . import compile as tc
+    from .database import _apply_database, _open_database
+    from .schedules import _cpu_default_schedules
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((shape.co, shape.ci, shape.kh, shape.kw)).astype(np.float32)  # dense: no recursion
+    top, left, bottom, right = shape.pads
+    node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[top, left, bottom, right], strides=list(shape.stride),
+                            dilations=list(shape.dilation))
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", 1, [shape.n, shape.ci, shape.h,
+                                                                                      shape.w])],
+                              [helper.make_tensor_value_info("y", 1, None)], [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    resolved, tt = tc._resolve_target(target)
+    mod = tc._lower(tc._import(tc._rewritten(model, tt)[0]), tt)
+    with tt, tvm.transform.PassContext(opt_level=3):
+        if database is not None and (database / "database_workload.json").exists():
+            mod = _apply_database(mod, _open_database(database, resolved, must_exist=True))
+        mod, _ = _cpu_default_schedules(mod, resolved)
+    shapes: dict[str, list] = {}
+
+    @relax.expr_functor.visitor
+    class Calls(relax.PyExprVisitor):
+        def visit_call_(self, call):
+            super().visit_call_(call)
+            if call.op == tvm.ir.Op.get("relax.call_tir"):
+                shapes[call.args[0].name_hint] = [(tuple(int(d) for d in a.ty.shape.values), str(a.ty.dtype))
+                                                  for a in (*call.args[1].fields, call)]
+
+    Calls().visit_expr(mod["main"])
+    name = next(g for g in shapes if "conv2d" in g)
+    lib = tvm.compile(tvm.IRModule({"main": mod[name].with_attr("global_symbol", "main")}), target=tt)
+    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(d)) for s, d in shapes[name]]
+    return lambda: lib["main"](*args)
+
+
 def transpose(shape: tuple[int, ...], axes: list[int], dtype: str = "float32") -> Any:
     """A scheduled TIR function `y = permute_dims(x, axes)` for a 4-D `x` of `shape`: the output's last axis
     innermost and vectorized, the output axis that walks the input's last axis just outside it, so that both
@@ -230,19 +365,22 @@ def _vector_split(sch: Any, loop: Any, extent: int) -> tuple[Any, Any]:
 LANES_MAX = 16
 
 
-def SparseConvs(channels_last: bool, min_sparsity: float = MIN_SPARSITY) -> Any:  # noqa: N802 -- a pass
+def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], dict] = by_policy,  # noqa: N802
+                min_sparsity: float = MIN_SPARSITY) -> Any:
     """Give each sparse constant-weight `relax.nn.conv2d` (one group, float32, static shapes) its sparse
     kernel, in CHWN with the layout changes only at the edges of sparse runs: TVM's ConvertLayout first
     makes every convolution CHWN (the elementwise operators, pooling and residual additions between them
     follow), then each sparse one becomes its kernel (a zero pad and a `call_tir`) and each dense one goes
     back to its own layout between two transposes (NHWC where `channels_last`, else NCHW), which TVM's
-    ConvertLayout and `_CancelTransposePairs` treat as before. A module without a sparse convolution is
-    returned as it is. The pass's `replaced` list gets the count of sparse kernels per run."""
+    ConvertLayout and `_CancelTransposePairs` treat as before. A convolution with a sparse weight keeps the
+    dense kernel where `choose` (`by_policy`, or `Measured`: timed on this host) says so; a module where no
+    convolution gets the sparse kernel is returned as it is. The pass's `choices` list gets, per run, each
+    such convolution's choice (its shape, kernel, times and why)."""
     import tvm
     from tvm import relax
 
     conv2d = tvm.ir.Op.get("relax.nn.conv2d")
-    counts: list[int] = []
+    choices: list[list[dict]] = []
 
     def sparse_weight(call) -> np.ndarray | None:
         if call.op != conv2d:
@@ -259,13 +397,31 @@ def SparseConvs(channels_last: bool, min_sparsity: float = MIN_SPARSITY) -> Any:
             return None
         return w if np.count_nonzero(w) <= (1.0 - min_sparsity) * w.size else None
 
+    def conv_shape(call, w: np.ndarray) -> ConvShape:
+        dims = [int(d) for d in call.args[0].ty.shape.values]
+        n, ci, h, wd = dims if call.attrs.data_layout == "NCHW" else (dims[3], dims[0], dims[1], dims[2])
+        return ConvShape(n, ci, h, wd, w.shape[0], w.shape[2], w.shape[3], tuple(int(v) for v in call.attrs.padding),
+                         tuple(int(v) for v in call.attrs.strides), tuple(int(v) for v in call.attrs.dilation))
+
+    def identity(shape: ConvShape, w: np.ndarray) -> str:
+        return hashlib.sha256(repr(dataclasses.astuple(shape)).encode() + w.tobytes()).hexdigest()
+
+    decided: dict[str, dict] = {}
+
     @relax.expr_functor.visitor
     class Finder(relax.PyExprVisitor):
-        found = False
+        """Each sparse convolution's kernel chosen, in graph order."""
 
         def visit_call_(self, call):
             super().visit_call_(call)
-            self.found = self.found or sparse_weight(call) is not None
+            w = sparse_weight(call)
+            if w is None or call.attrs.data_layout != "NCHW":
+                return
+            shape = conv_shape(call, w)
+            key = identity(shape, w)
+            if key not in decided:
+                decided[key] = {"shape": dataclasses.asdict(shape), "zeros": round(1 - np.count_nonzero(w) / w.size, 4),
+                                **choose(shape, w)}
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -276,7 +432,7 @@ def SparseConvs(channels_last: bool, min_sparsity: float = MIN_SPARSITY) -> Any:
             if call.op != conv2d or call.attrs.data_layout != "CHWN":
                 return call
             w = sparse_weight(call)
-            if w is None:
+            if w is None or decided[identity(conv_shape(call, w), w)]["kernel"] != "sparse":
                 return self._dense(call)
             self.replaced += 1
             return self._sparse(call, w)
@@ -336,19 +492,19 @@ def SparseConvs(channels_last: bool, min_sparsity: float = MIN_SPARSITY) -> Any:
 
     @tvm.transform.module_pass(opt_level=0, name="SparseConvs")
     def transform(mod: Any, _ctx: Any) -> Any:
+        decided.clear()
         finder = Finder()
         for func in mod.functions.values():
             if isinstance(func, relax.Function):
                 finder.visit_expr(func)
-        if not finder.found:
-            counts.append(0)
+        choices.append(list(decided.values()))
+        if not any(c["kernel"] == "sparse" for c in decided.values()):
             return mod
         mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["CHWN", "OIHW"]})(mod)
         rewriter = Rewriter(mod)
         for gvar, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-        counts.append(rewriter.replaced)
         mod = rewriter.builder_.get()
         layouts = Layouts(mod)
         for gvar, func in list(mod.functions_items()):
@@ -356,5 +512,5 @@ def SparseConvs(channels_last: bool, min_sparsity: float = MIN_SPARSITY) -> Any:
                 layouts.builder_.update_func(gvar, layouts.visit_expr(func))
         return relax.transform.DeadCodeElimination()(layouts.builder_.get())
 
-    transform.replaced = counts
+    transform.choices = choices
     return transform

@@ -51,7 +51,7 @@ from ...scheduling.selection import held_out_split
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed",
-           "prune", "prune_layers", "prune_correct")
+           "prune", "prune_layers", "prune_correct", "sparse_kernels")
 PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 
@@ -125,7 +125,8 @@ def _prune(dense: onnx.ModelProto, plan: Plan, samples: list[dict], ctx, record:
     """The model with its CPU layers pruned (and corrected), written as PRUNED; its record in `record`."""
     opts = ctx.options
     accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-    pruned, layers, chosen, accel = pruning.prune_for_build(dense, opts.prune, opts.prune_layers, accelerated)
+    pruned, layers, chosen, accel = pruning.prune_for_build(dense, opts.prune, opts.prune_layers, accelerated,
+                                                            opts.sparse_kernels)
     entry: dict = {"method": opts.prune, "layers_spec": opts.prune_layers or "all but the first and last",
                    "retrained": False, "layers": layers}
     if accel:

@@ -51,7 +51,8 @@ from ...scheduling import selection
 from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
-           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers")
+           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers",
+           "sparse_kernels")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
@@ -70,8 +71,11 @@ def cache_inputs(options, target) -> dict:
     Its timing cache is left out: it only replays what this stage measured (a rebuild that measures
     nothing new chooses the same), and a build's own measurements must not make the next one a miss."""
     db = _db_path(options, target)
-    # a database not made yet is an empty one: the build makes it
-    return {"tuning_db_sha256": tree_sha256(db, exclude=(TIMING_CACHE,))}
+    # a database not made yet is an empty one: the build makes it; the backends' kernel times are its
+    # measurements too (left out alike)
+    kinds = [d.name for d in db.iterdir() if d.is_dir()] if db.is_dir() else []
+    return {"tuning_db_sha256": tree_sha256(db, exclude=(TIMING_CACHE, *(f"{k}/{backends.KERNEL_TIMES}"
+                                                                          for k in kinds)))}
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -161,7 +165,8 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
         # the candidates are timed on the weights the compress stage will prune (the same masks: the same
         # function of the same model and options); the segments this stage writes stay dense
         accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-        model, layers, _, _ = pruning.prune_for_build(model, ctx.options.prune, ctx.options.prune_layers, accelerated)
+        model, layers, _, _ = pruning.prune_for_build(model, ctx.options.prune, ctx.options.prune_layers, accelerated,
+                                                      ctx.options.sparse_kernels)
         segment_model = lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)  # noqa: E731
         ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ({ctx.options.prune})")
     io = json.loads((ctx.artifact("import") / "import.json").read_text())

@@ -1,0 +1,202 @@
+"""ResNet-18's convolutions, dense against pruned (issue 19): time per layer and effective GFLOP/s.
+
+    .venv/bin/python benchmarks/bench_sparse.py [--batches 16,1] [--trials 48] [--runs 15] [--rounds 3]
+
+Each distinct convolution of ResNet-18 at 224x224 (He et al.; the 7x7 stem stays dense and is left out),
+random weights (seed 0), at each batch size, measured in one process, interleaved (`--rounds` rounds, each
+timing every variant `--runs` times in turn after a warm-up), medians:
+  - onnxruntime, dense: the convolution alone as an ONNX model (NCHW in and out), all graph optimizations,
+    2 intra-op threads, spinning off;
+  - TVM dense, untuned: the convolution's own kernel as the TVM backend compiles it on x86 (channels-last,
+    the default schedule), timed alone (its layout changes belong to the network's edges);
+  - TVM dense, tuned: the same kernel with MetaSchedule's best of `--trials` candidates (a database per
+    run under .cache/bench-sparse);
+  - sparse, for 2:4, 1:4, magnitude 75 % and 90 %, column combining (groups of 4): the kernel of
+    backends/tvm/sparse.py as the compiler builds it (CHWN with a batch, W-vectorized at batch 1), timed alone.
+Effective GFLOP/s counts the dense layer's FLOPs (2 per multiply-add) over the time. The per-network line sums
+each layer's time times its count in ResNet-18. Writes benchmarks/sparse_layers.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+CACHE = ROOT / ".cache" / "bench-sparse"
+THREADS = 2
+TARGET = {"kind": "llvm", "mcpu": "native", "num-cores": THREADS}
+# (in channels, out channels, input size, kernel, stride, count in ResNet-18)
+LAYERS = [(64, 64, 56, 3, 1, 4), (64, 128, 56, 3, 2, 1), (64, 128, 56, 1, 2, 1), (128, 128, 28, 3, 1, 3),
+          (128, 256, 28, 3, 2, 1), (128, 256, 28, 1, 2, 1), (256, 256, 14, 3, 1, 3), (256, 512, 14, 3, 2, 1),
+          (256, 512, 14, 1, 2, 1), (512, 512, 7, 3, 1, 3)]
+METHODS = ["2:4", "1:4", "magnitude:0.75", "magnitude:0.9", "column-combine:4"]
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def conv_model(n: int, ci: int, co: int, size: int, k: int, stride: int, weight: np.ndarray):
+    import onnx
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[k // 2] * 4, strides=[stride] * 2)
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", 1, [n, ci, size, size])],
+                              [helper.make_tensor_value_info("y", 1, None)], [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def timer(fn, runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def ort_runner(model, x):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = THREADS, 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, {"x": x})
+
+
+def tvm_kernel(model, db: Path | None):
+    """The convolution's own kernel from the TVM backend's lowering (x86: channels-last), default schedule
+    or the database's record; a runner of it on random inputs of its shapes."""
+    import tvm
+    from tvm import relax
+
+    from edgesdk.backends.tvm import compile as tc
+    from edgesdk.backends.tvm.database import _apply_database, _open_database
+    from edgesdk.backends.tvm.schedules import _cpu_default_schedules
+
+    target, tt = tc._resolve_target(TARGET)
+    mod = tc._lower(tc._import(tc._rewritten(model, tt)[0]), tt)
+    with tt, tvm.transform.PassContext(opt_level=3):
+        if db is not None:
+            mod = _apply_database(mod, _open_database(db, target, must_exist=True))
+        mod, _ = _cpu_default_schedules(mod, target)
+    shapes = {}
+
+    @relax.expr_functor.visitor
+    class Calls(relax.PyExprVisitor):
+        def visit_call_(self, call):
+            super().visit_call_(call)
+            if call.op == tvm.ir.Op.get("relax.call_tir"):
+                args = [(tuple(int(d) for d in a.ty.shape.values), str(a.ty.dtype)) for a in call.args[1].fields]
+                shapes[call.args[0].name_hint] = args + [(tuple(int(d) for d in call.ty.shape.values), "float32")]
+
+    Calls().visit_expr(mod["main"])
+    (name,) = [g.name_hint for g in mod.functions if "conv2d" in g.name_hint and g.name_hint in shapes]
+    lib = tvm.compile(tvm.IRModule({"main": mod[name].with_attr("global_symbol", "main")}), target=tt)
+    args = [tvm.runtime.tensor(np.random.default_rng(1).standard_normal(s).astype(d)) for s, d in shapes[name]]
+    return lambda: lib["main"](*args)
+
+
+def sparse_kernel(n, ci, co, size, k, stride, weight):
+    import tvm
+
+    from edgesdk.backends.tvm import compile as tc
+    from edgesdk.backends.tvm import sparse
+
+    shape = sparse.ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
+    ell = sparse.pack(weight)
+    func = sparse.schedule(sparse.kernel(shape, *ell.values.shape[1:]), shape)
+    _, tt = tc._resolve_target(TARGET)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tt)
+    hp, wp = shape.padded
+    oh, ow = shape.out
+    x = np.random.default_rng(1).standard_normal((ci, hp, wp, n)).astype(np.float32)
+    args = [tvm.runtime.tensor(a) for a in (x, ell.values, shape.offsets(ell), np.zeros((co, oh, ow, n), np.float32))]
+    return (lambda: lib["main"](*args)), ell.padding
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="16,1")
+    ap.add_argument("--trials", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "sparse_layers.json"))
+    args = ap.parse_args()
+    import os
+
+    os.environ.setdefault("TVM_NUM_THREADS", str(THREADS))
+    from edgesdk.backends.tvm.targets import host_cpu
+    from edgesdk.backends.tvm.tuning import tune_onnx
+    from edgesdk.compression import mask, parse_method
+
+    results: dict = {"host": f"{platform.processor() or 'x86_64'} {host_cpu()[0]}, {THREADS} threads",
+                     "trials": args.trials, "batches": {}}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        rows = []
+        for ci, co, size, k, stride, count in LAYERS:
+            rng = np.random.default_rng(0)
+            dense = (rng.standard_normal((co, ci, k, k)) / np.sqrt(ci * k * k)).astype(np.float32)
+            model = conv_model(batch, ci, co, size, k, stride, dense)
+            x = rng.standard_normal((batch, ci, size, size)).astype(np.float32)
+            name = f"{ci}->{co} {k}x{k}/{stride} @{size}"
+            db = CACHE / f"db-b{batch}" / name.replace(" ", "_").replace(">", "").replace("/", "s").replace("@", "at")
+            if args.trials:
+                db.mkdir(parents=True, exist_ok=True)
+                log(f"b{batch} {name}: tuning the dense kernel ({args.trials} trials)")
+                tune_onnx(model, TARGET, db, trials=args.trials, log=lambda s: None)
+            runners = {"onnxruntime dense": ort_runner(model, x), "TVM dense untuned": tvm_kernel(model, None)}
+            if args.trials:
+                runners["TVM dense tuned"] = tvm_kernel(model, db)
+            padding = {}
+            for method in METHODS:
+                pruned = dense * mask(dense, parse_method(method))
+                runners[method], padding[method] = sparse_kernel(batch, ci, co, size, k, stride, pruned)
+            times: dict[str, list[float]] = {k: [] for k in runners}
+            for fn in runners.values():
+                fn()
+            for _ in range(args.rounds):
+                for key, fn in runners.items():
+                    times[key] += timer(fn, args.runs)
+            out = size // stride
+            flops = 2 * batch * co * ci * k * k * out * out
+            row = {"layer": name, "count": count, "gflop": flops / 1e9, "padding": padding,
+                   "ms": {key: statistics.median(v) for key, v in times.items()}}
+            row["gflops"] = {key: flops / ms / 1e6 for key, ms in row["ms"].items()}
+            rows.append(row)
+            log(f"b{batch} {name}: " + ", ".join(f"{key} {ms:.3f} ms" for key, ms in row["ms"].items()))
+        results["batches"][str(batch)] = rows
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(tables(results))
+
+
+def tables(results: dict) -> str:
+    lines = [f"Host: {results['host']}; TVM dense tuned: {results['trials']} MetaSchedule trials per layer."]
+    for batch, rows in results["batches"].items():
+        keys = list(rows[0]["ms"])
+        lines += ["", f"### batch {batch}: ms per layer (effective GFLOP/s)", "",
+                  "| layer | x | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        for r in rows:
+            lines.append(f"| {r['layer']} | {r['count']} | " + " | ".join(
+                f"{r['ms'][k]:.3f} ({r['gflops'][k]:.0f})" for k in keys) + " |")
+        total = {k: sum(r["ms"][k] * r["count"] for r in rows) for k in keys}
+        lines.append("| **ResNet-18's convolutions** | | " + " | ".join(f"**{total[k]:.2f}**" for k in keys) + " |")
+        base = total.get("TVM dense tuned", total["TVM dense untuned"])
+        lines.append("| speedup over TVM dense tuned | | " + " | ".join(f"{base / total[k]:.2f}x" for k in keys) + " |")
+        lines.append("| speedup over onnxruntime dense | | " + " | ".join(
+            f"{total['onnxruntime dense'] / total[k]:.2f}x" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
