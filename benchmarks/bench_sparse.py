@@ -115,7 +115,7 @@ def sparse_kernel(n, ci, co, size, k, stride, weight):
 
     shape = sparse.ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
     ell = sparse.pack(weight)
-    func = sparse.schedule(sparse.kernel(shape, *ell.values.shape[1:]), shape)
+    func = sparse.schedule(sparse.kernel(shape, *ell.values.shape[1:]))
     _, tt = tc._resolve_target(TARGET)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tt)
     hp, wp = shape.padded

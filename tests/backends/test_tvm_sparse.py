@@ -207,3 +207,32 @@ def test_the_measured_choice_follows_the_times_it_keeps(tmp_path):
         cache.write_text(json.dumps({key: {"sparse_ms": sparse_ms, "dense_ms": dense_ms}}))
         choice = sparse.Measured(target, cache)(shape, weight)
         assert (choice["kernel"], choice["sparse_ms"], choice["dense_ms"]) == (want, sparse_ms, dense_ms)
+
+
+def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_record(tmp_path):
+    """The sparse kernel is a task of the tune stage's search (its design space `sparse.design`: the tile
+    sizes sampled, measured on random offsets that the kernel clamps to its input), and the library
+    compiled with the database takes its record and still equals onnxruntime."""
+    import tvm
+
+    from edgesdk.backends.tvm.database import _apply_database, _open_database
+    from edgesdk.backends.tvm.tuning import tune_onnx
+
+    target = {"kind": "llvm", "mcpu": "native", "num-cores": 2}
+    weight = nm_pruned(np.random.default_rng(4).standard_normal((16, 16, 3, 3)).astype(np.float32), 1, 4)
+    model = conv_model(8, 16, 16, 14, 14, 3, 1, (1, 1, 1, 1), weight)
+    summary = tune_onnx(model, target, tmp_path / "db", trials=12)
+    (task,) = [t for t in summary["per_task"] if t["name"].startswith("sparse_conv2d")]
+    # searched, its untuned baseline measured (a record of its design space's trace, as each candidate is)
+    assert task["searched"] and task["untuned_ms"] is not None and task["records"] >= 1, task
+    resolved, tt = tvm_compile._resolve_target(target)
+    with tt:
+        mod = _apply_database(tvm_compile._lowered(model, tt), _open_database(tmp_path / "db", resolved,
+                                                                              must_exist=True))
+    kernels = [f for g, f in mod.functions_items() if g.name_hint.startswith("sparse_conv2d")]
+    assert kernels and all(f.attrs.get("tirx.is_scheduled", False) for f in kernels)
+    result = tvm_compile.compile_onnx(model, target, tmp_path / "tuned.so", tuning_db=tmp_path / "db")
+    assert result.sparse_kernels == 1 and result.tuned == result.tasks
+    x = np.random.default_rng(5).standard_normal((8, 16, 14, 14)).astype(np.float32)
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "tuned.so")), tvm.cpu())
+    assert_close(vm["main"](tvm.runtime.tensor(x)).numpy(), ort_run(model, x), "tuned sparse conv")

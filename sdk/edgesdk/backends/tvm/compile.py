@@ -101,11 +101,14 @@ def compile_onnx(
             database = _open_database(Path(tuning_db), target, must_exist=True)
             mod = _apply_database(mod, database)
         tuned = tasks - _count_unscheduled(mod)
+        mod = sparse.schedule_rest(mod)  # the sparse kernels without a record: their default schedule
+        sparse_defaults = tasks - tuned - _count_unscheduled(mod)
         if "gpu" in tvm_target.keys:
             mod = _gpu_default_schedules(mod)
             default_scheduled = tasks - tuned - _count_unscheduled(mod)
         else:
             mod, default_scheduled = _cpu_default_schedules(mod, target)
+            default_scheduled += sparse_defaults
         backend = _backend_pipeline(tvm_target)
         finish = tvm.transform.Sequential(
             backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)

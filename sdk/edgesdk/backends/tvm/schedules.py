@@ -115,7 +115,10 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
     """`func` scheduled by `_cpu_default_schedules`' heuristic: the schedule, with its trace so
     that it can be a tuning record too, or None."""
     import tvm
+    from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
+
+    from . import sparse
 
     context = ms.TuneContext(
         mod=tvm.IRModule({"main": func}),
@@ -123,6 +126,11 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
         space_generator=ms.space_generator.PostOrderApply(postprocs=postprocs(), mutator_probs={}),
         rand_state=1,
     )
+    if sparse.is_kernel(func):  # its own design space (sparse.design), its default decisions as they are
+        sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+        sparse.design(sch, sch.get_sblock("sparse_conv"))
+        sch.enter_postproc()
+        return sch if all(p.apply(sch) for p in context.space_generator.postprocs) else None
     spaces = context.generate_design_space()
     if not spaces:
         return None

@@ -146,59 +146,105 @@ def kernel(shape: ConvShape, blocks: int, count: int) -> Any:
     read through a flat view of the same memory, y (Co, OH, OW, N)."""
     from tvm.script import tirx as T
 
+    register_rule()
     n, co = shape.n, shape.co
     hp, wp = shape.padded
     oh, ow = shape.out
     sh, sw = shape.stride
     size = shape.ci * hp * wp * n
+    last = size - 1 - ((oh - 1) * sh * wp + (ow - 1) * sw) * n - (n - 1)  # the largest offset in bounds
 
     @T.prim_func(s_tir=True, private=True)
     def main(data: T.Buffer((shape.ci, hp, wp, n), "float32"), values: T.Buffer((co, blocks, count), "float32"),
              offsets: T.Buffer((co, blocks, count), "int32"), y: T.Buffer((co, oh, ow, n), "float32")):
-        T.func_attr({"tirx.noalias": True})
+        # opaque to FuseOps (fused, it would be another function); marked for `is_kernel`
+        T.func_attr({"tirx.noalias": True, "op_pattern": OPAQUE, "edgesdk.sparse_conv": True})
         x = T.decl_buffer((size,), "float32", data=data.data)  # the same memory, flat: offsets index it
         for o, h, w, b, k, p in T.grid(co, oh, ow, n, blocks, count):
             with T.sblock("sparse_conv"):
                 vo, vh, vw, vb, vk, vp = T.axis.remap("SSSSRR", [o, h, w, b, k, p])
                 T.reads(values[vo, vk, vp], offsets[vo, vk, vp], data[0:shape.ci, 0:hp, 0:wp, 0:n])
                 T.writes(y[vo, vh, vw, vb])
+                T.sblock_attr({"schedule_rule": RULE})
                 with T.init():
                     y[vo, vh, vw, vb] = T.float32(0)
+                # clamped to the input: a no-op for a packed weight's offsets; MetaSchedule measures
+                # candidates on random ones
                 y[vo, vh, vw, vb] = y[vo, vh, vw, vb] + values[vo, vk, vp] * x[
-                    offsets[vo, vk, vp] + (vh * sh * wp + vw * sw) * n + vb]
+                    T.max(T.min(offsets[vo, vk, vp], last), 0) + (vh * sh * wp + vw * sw) * n + vb]
 
     return main
 
 
-def schedule(func: Any, shape: ConvShape) -> Any:
-    """`func` (from `kernel`) scheduled: parallel over output rows (and pixel tiles), the channel blocks
-    outside the output channels, then the kept weights; batch > 1 vectorizes the batch under a row of
-    pixels, batch 1 the output row under a few output rows. Returns the scheduled PrimFunc."""
-    import tvm
-    from tvm import s_tir
+RULE = "edgesdk.sparse_conv"  # the kernel block's `schedule_rule`: MetaSchedule's design space is `design`
 
+
+def design(sch: Any, block: Any) -> Any:
+    """The kernel's schedule in `sch`, its tile sizes sampled (MetaSchedule's search mutates them; unmutated,
+    the decisions are the default schedule's): parallel over output rows (and pixel tiles), the channel blocks
+    outside the output channels, then the kept weights; with a batch, the batch vectorized under a row of
+    pixels; at batch 1, the output row vectorized under a few output rows. Returns `sch`."""
     from .schedules import largest_divisor
 
-    oh, ow = shape.out
-    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
-    block = sch.get_sblock("sparse_conv")
     o, h, w, b, k, p = sch.get_loops(block)
-    if shape.n > 1:
-        wo, wi = sch.split(w, [None, largest_divisor(ow, PIXELS)])
+    oh, ow, n = (int(sch.get(loop).extent) for loop in (h, w, b))
+    if n > 1:
+        pixels = largest_divisor(ow, PIXELS)
+        wo, wi = sch.split(w, sch.sample_perfect_tile(w, n=2, max_innermost_factor=PIXELS,
+                                                      decision=[ow // pixels, pixels]))
         sch.reorder(h, wo, k, o, p, wi, b)
         sch.parallel(sch.fuse(h, wo))
         sch.vectorize(b)
         sch.unroll(wi)
     else:
-        ho, hi = sch.split(h, [None, largest_divisor(oh, ROWS)])
-        wo, wi = sch.split(w, [None, largest_divisor(ow, LANES)])
+        rows, lanes = largest_divisor(oh, ROWS), largest_divisor(ow, LANES)
+        ho, hi = sch.split(h, sch.sample_perfect_tile(h, n=2, max_innermost_factor=ROWS, decision=[oh // rows, rows]))
+        wo, wi = sch.split(w, sch.sample_perfect_tile(w, n=2, max_innermost_factor=LANES,
+                                                      decision=[ow // lanes, lanes]))
         sch.reorder(ho, wo, k, o, p, hi, b, wi)
         sch.parallel(sch.fuse(ho, wo))
         sch.vectorize(wi)
         sch.unroll(hi)
     sch.decompose_reduction(block, k)
-    # scheduled, and opaque to FuseOps (a fused function would be unscheduled again)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
+    return sch
+
+
+def register_rule() -> None:
+    """Make `design` the design space MetaSchedule's ApplyCustomRule finds for blocks annotated RULE (it looks
+    the rule up per target key: "cpu" for x86 and aarch64)."""
+    import tvm
+
+    tvm.register_global_func(f"s_tir.meta_schedule.cpu.{RULE}", lambda sch, block: [design(sch, block)],
+                             override=True)
+
+
+def schedule(func: Any) -> Any:
+    """`func` (from `kernel`) with the default schedule (`design`'s decisions unsampled)."""
+    import tvm
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    design(sch, sch.get_sblock("sparse_conv"))
+    return scheduled(sch.mod["main"])
+
+
+def scheduled(func: Any) -> Any:
+    """`func` marked scheduled (compilation schedules nothing more in it)."""
+    return func.with_attr("tirx.is_scheduled", True)
+
+
+def is_kernel(func: Any) -> bool:
+    """Whether `func` is an unscheduled sparse kernel (a task MetaSchedule may tune)."""
+    return (func.attrs is not None and func.attrs.get("edgesdk.sparse_conv", False)
+            and not func.attrs.get("tirx.is_scheduled", False))
+
+
+def schedule_rest(mod: Any) -> Any:
+    """Every sparse kernel in `mod` the tuning database did not schedule, with the default schedule."""
+    for gvar, func in list(mod.functions_items()):
+        if is_kernel(func):
+            mod[gvar] = schedule(func)
+    return mod
 
 
 REVISION = 1  # of the kernels and their schedules: measured choices made with another are measured again
@@ -246,7 +292,7 @@ class Measured:
                                          REVISION], sort_keys=True, default=str).encode()).hexdigest()
         times = self.entries.get(key)
         if times is None:
-            times = {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target)),
+            times = {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target, self.database)),
                      "dense_ms": _median_ms(dense_runner(shape, self.target, self.database))}
             self.entries[key] = times
             if self.cache is not None:
@@ -268,11 +314,18 @@ def _median_ms(run: Any) -> float:
     return round(statistics.median(times), 4)
 
 
-def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict) -> Any:
-    """A function that runs the sparse kernel of `shape` and `ell` once, on random inputs."""
+def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict, database: Path | None = None) -> Any:
+    """A function that runs the sparse kernel of `shape` and `ell` once, on random inputs: with the
+    database's record where it holds one (as compilation schedules it), else the default schedule."""
     import tvm
 
-    func = schedule(kernel(shape, ell.values.shape[1], ell.values.shape[2]), shape)
+    from .database import _apply_database, _open_database
+
+    mod = tvm.IRModule({"main": kernel(shape, ell.values.shape[1], ell.values.shape[2])})
+    if database is not None and (database / "database_workload.json").exists():
+        with tvm.target.Target(target):
+            mod = _apply_database(mod, _open_database(database, target, must_exist=True))
+    func = schedule_rest(mod)["main"]
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tvm.target.Target(target))
     hp, wp = shape.padded
     oh, ow = shape.out
@@ -444,8 +497,7 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
             shape = ConvShape(n, ci, h, wd, w.shape[0], w.shape[2], w.shape[3], pads,
                               tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation))
             ell = pack(w)
-            func = schedule(kernel(shape, ell.values.shape[1], ell.values.shape[2]), shape)
-            gvar = self.builder_.add_func(func, "sparse_conv2d")
+            gvar = self.builder_.add_func(kernel(shape, ell.values.shape[1], ell.values.shape[2]), "sparse_conv2d")
             data = call.args[0]
             top, left, bottom, right = pads
             if any(pads):

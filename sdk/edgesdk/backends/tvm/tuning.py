@@ -172,6 +172,8 @@ def _extract_tasks(models: list[onnx.ModelProto], tvm_target: Any) -> list[_Task
     merged: dict[str, _Task] = {}
     for model in models:
         for task in ms.relax_integration.extract_tasks(_lowered(model, tvm_target), tvm_target):
+            if task.dispatched[0]["main"].attrs.get("tirx.is_scheduled", False):
+                continue  # scheduled when lowered (the sparse kernels' layout transposes)
             key = _workload_key(task.dispatched[0])
             if key in merged:
                 merged[key].weight += int(task.weight)

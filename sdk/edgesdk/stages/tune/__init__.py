@@ -85,7 +85,7 @@ def run(artifact: Path, ctx) -> dict:
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
-    kinds = _search(plan, artifact, db, boards, ctx)
+    kinds = _search(plan, artifact, db, boards, ctx, _pruned_loader(plan, artifact, ctx))
     selected = _select(plan, artifact, db, ctx, boards)
     _write_plan(selected, artifact, ctx.out)
     (ctx.out / "int8.json").write_text(json.dumps({"segments": selected.quantized, "calibration": selected.calibration},
@@ -100,8 +100,21 @@ def run(artifact: Path, ctx) -> dict:
     return record
 
 
-def _search(plan: Plan, artifact: Path, db: Path, boards, ctx) -> dict[str, dict]:
-    """Each tuning backend's search over its segments, one device kind at a time: the summary per kind."""
+def _pruned_loader(plan: Plan, artifact: Path, ctx):
+    """A segment's model as the tune stage searches and times it: with `--prune`, its CPU layers pruned as
+    the compress stage will prune them (the same masks: the same function of the same model and options),
+    so that the search tunes the functions the pruned segments compile to; else as scheduled."""
+    if not ctx.options.prune:
+        return lambda s: onnx.load(str(artifact / s.artifact))
+    accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
+    model, layers, _, _ = pruning.prune_for_build(onnx.load(str(artifact / "model.onnx")), ctx.options.prune,
+                                                  ctx.options.prune_layers, accelerated, ctx.options.sparse_kernels)
+    return lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)
+
+
+def _search(plan: Plan, artifact: Path, db: Path, boards, ctx, load) -> dict[str, dict]:
+    """Each tuning backend's search over its segments (`load`ed), one device kind at a time: the summary per
+    kind."""
     by_kind: dict[str, list] = {}  # the segments of a tuning backend, per device kind (one such backend today)
     for seg in plan.segments:
         if backends.backend(seg.backend).tunes:
@@ -124,7 +137,7 @@ def _search(plan: Plan, artifact: Path, db: Path, boards, ctx) -> dict[str, dict
                 + (f" or {_duration(left)}" if left is not None else "") + f", measured {where}")
         bar = _Bar(ctx, kind)
         summary = backends.backend(segments[0].backend).tune(backends.TuneJob(
-            kind=kind, models=tuple(onnx.load(str(artifact / s.artifact)) for s in segments), device=device,
+            kind=kind, models=tuple(load(s) for s in segments), device=device,
             tuning_db=db / kind,  # one database per device kind: MetaSchedule keys records by workload, not target
             trials=ctx.options.trials, time_budget_s=left, seed=ctx.options.seed, boards=boards,
             log_dir=ctx.out / "logs" / kind, progress=bar, log=ctx.log))
