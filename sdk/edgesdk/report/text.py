@@ -124,8 +124,10 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     if m.calibration:
         out.append(f"calibration {'SYNTHETIC' if m.calibration.get('synthetic') else 'from ' + str(m.calibration.get('source'))}"
                    f", {m.calibration.get('samples')} samples")
+    out += pruning_summary(m.pruning)
+    reference = "the pruned fp32 model" if m.pruning else "fp32"
     for name, a in (m.accuracy.get("tensors") or {}).items():
-        out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs fp32")
+        out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs {reference}")
     if "top1_agreement" in m.accuracy:
         out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy.get('samples', '?')} samples")
     size = sum(f["size"] for f in m.files.values())
@@ -133,6 +135,24 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for w in m.warnings:
         out.append(f"warning     {w}")
     return "\n".join(out)
+
+
+def pruning_summary(p: dict[str, Any]) -> list[str]:
+    """A pruned bundle's method, sparsity, sparse kernels and fidelity to the dense model (docs/pruning.md)."""
+    if not p:
+        return []
+    out = [f"pruning     {p['method']}: {p['layers']} layer(s), {p['sparsity']:.1%} of their weights zero"
+           f"{', least-squares correction' if p.get('corrected') else ''}, no retraining; "
+           f"{p.get('sparse_kernels', 0)} convolution(s) on sparse kernels"]
+    if p.get("accelerator_layers_dense"):
+        out.append(f"            {len(p['accelerator_layers_dense'])} layer(s) on an accelerator kept dense "
+                   "(the Edge TPU gains nothing from sparsity)")
+    fid = p.get("fidelity") or {}
+    for name, f in (fid.get("end_to_end") or {}).items():
+        top1 = f", top-1 agreement {f['top1_agreement']:.1%}" if f.get("top1_agreement") is not None else ""
+        out.append(f"            fidelity of {name} to the dense model: cosine {f['cosine']:.5f}{top1}, max error "
+                   f"{f['max_error_of_scale']:.2%} of its scale ({fid.get('samples', '?')} samples; not accuracy)")
+    return out
 
 
 def edgetpu_mapping(edgetpu: dict[str, Any]) -> list[str]:

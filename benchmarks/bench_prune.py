@@ -1,0 +1,159 @@
+"""Whole models pruned (issue 19): the pruned bundle against the dense bundle and onnxruntime, with fidelity.
+
+    .venv/bin/python benchmarks/bench_prune.py [--models ResNet-18,MobileNetV2,ResNet50] [--batches 1,16]
+                                               [--methods 1:4,2:4] [--runs 10] [--rounds 3] [--no-build]
+
+For each model (random weights: ResNet-18 built in Keras by tests/model_zoo.py, MobileNetV2 and ResNet50 from
+tf.keras.applications, weights=None) and batch size, builds for `targets/x86.yaml` into .cache/bench-prune
+(one tuning database, --trials 0, 8 synthetic calibration samples):
+  - dense: the default build (each CPU span on the backend the tune stage measured fastest);
+  - pruned, per method: `--prune METHOD` (all but the first and last layers), the same measured choice, each
+    pruned convolution on the sparse kernel only where it was timed faster than the dense one.
+Then, interleaved (`--rounds` rounds, each runtime in a process of its own, `--runs` inferences after 3
+warm-up ones; the median of all): onnxruntime (all graph optimizations, 2 threads) on the dense ONNX file a
+user has, and every bundle (`BundleModel.run`). The pruned bundle's fidelity to the dense model (the build's
+record, on its calibration samples), its sparse kernels and the tune stage's candidate times come from the
+manifest. Writes benchmarks/prune.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+CACHE = ROOT / ".cache" / "bench-prune"
+THREADS = 2
+from bench_cpu import ORT_CHILD  # noqa: E402  (after the path above)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def model_file(name: str, batch: int) -> tuple[Path, list[str]]:
+    """The model file and the build arguments that give it `batch`."""
+    if name == "ResNet-18":
+        from tests import model_zoo
+
+        return model_zoo.resnet18(224, batch), []
+    from bench_import import keras_app
+
+    return keras_app(name)[0], ["--batch", str(batch)]
+
+
+def build(model: Path, args: list[str], out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model), *args, "--target", "x86", "-o", str(out),
+           "--tuning-db", str(CACHE / "db"), "--calib-samples", "8", "--json", *extra]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(out.parent / f"{out.name}.log", "w") as err:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")})
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: see {out.parent / f'{out.name}.log'}")
+    return {"seconds": round(time.perf_counter() - t0, 1)}
+
+
+def reference(model: Path, out: Path) -> Path:
+    return model if model.suffix == ".onnx" else out / ".build" / "1-import" / "converted.onnx"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="ResNet-18,MobileNetV2,ResNet50")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--methods", default="1:4,2:4")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prune.json"))
+    args = ap.parse_args()
+    os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(THREADS)
+    from edgesdk.runtime import BundleModel
+    from edgesdk.runtime.manifest import Manifest
+    from edgesdk.scheduling import selection
+
+    results: dict = {"host": selection.host_name(), "threads": THREADS, "rows": []}
+    for name in args.models.split(","):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            model, margs = model_file(name, batch)
+            variants = {"dense": []} | {m: ["--prune", m] for m in args.methods.split(",")}
+            dirs = {v: CACHE / f"{name}-b{batch}-{v.replace(':', '_')}" for v in variants}
+            builds = {}
+            for v, extra in variants.items():
+                if not args.no_build:
+                    log(f"{name} b{batch}: building {v}")
+                    builds[v] = build(model, margs, dirs[v], extra)
+            ref = reference(model, dirs["dense"])
+            manifest = Manifest.load(dirs["dense"] / "bundle")
+            rng = np.random.default_rng(0)
+            feeds = {t.name: rng.uniform(-1, 1, t.shape).astype(t.dtype) for t in manifest.inputs}
+            npz = CACHE / f"{name}-b{batch}-feeds.npz"
+            np.savez(npz, **feeds)
+
+            def ort_alone() -> list[float]:
+                done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(ref), str(npz), str(THREADS),
+                                       str(args.runs)], capture_output=True, text=True, check=True)
+                return json.loads(done.stdout.strip().splitlines()[-1])
+
+            calls = {"onnxruntime": ort_alone}
+            for v in variants:
+                calls[v] = lambda v=v: selection.measure_alone(dirs[v] / "bundle", npz, warmup=3, runs=args.runs)
+            laps: dict[str, list[float]] = {k: [] for k in calls}
+            for _ in range(args.rounds):
+                for label, call in calls.items():
+                    laps[label] += call()
+            med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
+            dense_out = next(iter(BundleModel(dirs["dense"] / "bundle", log=lambda s: None).run(feeds).values()))
+            for v in variants:
+                m = Manifest.load(dirs[v] / "bundle")
+                plan = json.loads((dirs[v] / "bundle" / "plan.json").read_text())
+                spans = plan.get("cpu_selection", {}).get("spans", [])
+                row = {"model": name, "batch": batch, "variant": v, "ms": med[v], "onnxruntime_ms": med["onnxruntime"],
+                       "over_ort": round(med[v] / med["onnxruntime"], 3),
+                       "dense_over_this": round(med["dense"] / med[v], 3),
+                       "chosen": [s["chosen"] for s in spans],
+                       "candidates_ms": [{k: c.get("ms") for k, c in s.get("candidates", {}).items()} for s in spans],
+                       "build": builds.get(v, {})}
+                if m.pruning:
+                    row["pruning"] = {k: m.pruning[k] for k in ("method", "layers", "sparsity", "sparse_kernels")}
+                    row["fidelity"] = next(iter(m.pruning["fidelity"]["end_to_end"].values()))
+                    choices = [c for t in m.tuning.get("segments", {}).values() for c in t.get("sparse_choices", [])]
+                    row["sparse_choices"] = {"sparse": sum(c["kernel"] == "sparse" for c in choices),
+                                             "dense": sum(c["kernel"] == "dense" for c in choices)}
+                    got = next(iter(BundleModel(dirs[v] / "bundle", log=lambda s: None).run(feeds).values()))
+                    row["cosine_to_dense_bundle_here"] = float(np.dot(got.ravel(), dense_out.ravel()) / (
+                        np.linalg.norm(got) * np.linalg.norm(dense_out)))
+                results["rows"].append(row)
+                log(f"{name} b{batch} {v}: {med[v]:.2f} ms (onnxruntime {med['onnxruntime']:.2f} ms)")
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    lines = [f"Host: {results['host']}, {results['threads']} threads.", "",
+             "| model | batch | variant | bundle ms | onnxruntime ms (dense) | **bundle / ort** | dense bundle / this | "
+             "chosen (tune stage: candidates ms) | sparse kernels (kept dense) | fidelity: cosine / top-1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        cands = "; ".join(", ".join(f"{k} {v:.1f}" for k, v in c.items() if v is not None) for c in r["candidates_ms"])
+        sk = (f"{r['sparse_choices']['sparse']} ({r['sparse_choices']['dense']})" if "sparse_choices" in r else "-")
+        fid = (f"{r['fidelity']['cosine']:.4f} / {r['fidelity']['top1_agreement']:.3f}" if "fidelity" in r else "-")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {r['ms']:.2f} | {r['onnxruntime_ms']:.2f} | "
+                     f"**{r['over_ort']:.2f}** | {r['dense_over_this']:.2f} | {', '.join(r['chosen'])} ({cands}) | "
+                     f"{sk} | {fid} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
