@@ -4,8 +4,9 @@
                                                [--methods 1:4,2:4] [--runs 10] [--rounds 3] [--no-build]
 
 For each model (random weights: ResNet-18 built in Keras by tests/model_zoo.py, MobileNetV2 and ResNet50 from
-tf.keras.applications, weights=None) and batch size, builds for `targets/x86.yaml` into .cache/bench-prune
-(one tuning database, --trials 0, 8 synthetic calibration samples):
+tf.keras.applications, weights=None) and batch size, builds for `targets/x86.yaml` with `mcpu` set to this
+host's CPU (`x86_host`, as bench_tune.py: the kernels use the vector width onnxruntime uses here) into
+.cache/bench-prune (one tuning database, --trials 0, 8 synthetic calibration samples):
   - dense: the default build (each CPU span on the backend the tune stage measured fastest);
   - pruned, per method: `--prune METHOD` (all but the first and last layers), the same measured choice, each
     pruned convolution on the sparse kernel only where it was timed faster than the dense one.
@@ -52,7 +53,9 @@ def model_file(name: str, batch: int) -> tuple[Path, list[str]]:
 
 
 def build(model: Path, args: list[str], out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model), *args, "--target", "x86", "-o", str(out),
+    from bench_tune import host_target
+
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model), *args, "--target", str(host_target()), "-o", str(out),
            "--tuning-db", str(CACHE / "db"), "--calib-samples", "8", "--json", *extra]
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

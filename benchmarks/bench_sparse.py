@@ -6,7 +6,8 @@ Each distinct convolution of ResNet-18 at 224x224 (He et al.; the 7x7 stem stays
 random weights (seed 0), at each batch size, measured in one process, interleaved (`--rounds` rounds, each
 timing every variant `--runs` times in turn after a warm-up), medians:
   - onnxruntime, dense: the convolution alone as an ONNX model (NCHW in and out), all graph optimizations,
-    2 intra-op threads, spinning off;
+    2 intra-op threads, in a process of its own each round (in this one, TVM's idle worker threads spin on the
+    2 cores and slowed onnxruntime 2x);
   - TVM dense, untuned: the convolution's own kernel as the TVM backend compiles it on x86 (channels-last,
     the default schedule), timed alone (its layout changes belong to the network's edges);
   - TVM dense, tuned: the same kernel with MetaSchedule's best of `--trials` candidates (a database per
@@ -64,14 +65,27 @@ def timer(fn, runs: int) -> list[float]:
     return out
 
 
-def ort_runner(model, x):
-    import onnxruntime as ort
+def ort_child(model, x, runs: int):
+    """A function that times `runs` inferences of `model` by onnxruntime in a child process (after 5 warm-up
+    ones) and returns them."""
+    import subprocess
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = THREADS, 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return lambda: session.run(None, {"x": x})
+    import onnx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cpu import ORT_CHILD
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path, feeds = CACHE / "conv.onnx", CACHE / "conv-feeds.npz"
+    onnx.save(model, str(path))
+    np.savez(feeds, x=x)
+
+    def run() -> list[float]:
+        done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(path), str(feeds), str(THREADS), str(runs)],
+                              capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 def tvm_kernel(model, db: Path | None):
@@ -155,17 +169,19 @@ def main() -> None:
                 db.mkdir(parents=True, exist_ok=True)
                 log(f"b{batch} {name}: tuning the dense kernel ({args.trials} trials)")
                 tune_onnx(model, TARGET, db, trials=args.trials, log=lambda s: None)
-            runners = {"onnxruntime dense": ort_runner(model, x), "TVM dense untuned": tvm_kernel(model, None)}
+            ort_alone = ort_child(model, x, args.runs)
+            runners = {"TVM dense untuned": tvm_kernel(model, None)}
             if args.trials:
                 runners["TVM dense tuned"] = tvm_kernel(model, db)
             padding = {}
             for method in METHODS:
                 pruned = dense * mask(dense, parse_method(method))
                 runners[method], padding[method] = sparse_kernel(batch, ci, co, size, k, stride, pruned)
-            times: dict[str, list[float]] = {k: [] for k in runners}
+            times: dict[str, list[float]] = {"onnxruntime dense": [], **{k: [] for k in runners}}
             for fn in runners.values():
                 fn()
             for _ in range(args.rounds):
+                times["onnxruntime dense"] += ort_alone()
                 for key, fn in runners.items():
                     times[key] += timer(fn, args.runs)
             out = size // stride

@@ -221,6 +221,14 @@ def test_the_candidates_are_timed_pruned_and_whichever_wins_runs_the_pruned_mode
         for t in onnx.load(str(path)).graph.initializer:
             if t.name in dense:
                 assert np.array_equal(numpy_helper.to_array(t), dense[t.name]), (path.name, t.name)
+    # the TVM candidate timed each pruned convolution's two kernels once, kept with the database: the package
+    # stage chose from those times (the same choice as the candidate measured)
+    times = json.loads((stage_dir(tmp_path / "b", "tune") / "tuning_db" / "cpu" / "kernel_times.json").read_text())
+    assert len(times) == 3 and all({"sparse_ms", "dense_ms"} <= set(t) for t in times.values())
+    for seg in Manifest.load(result.bundle).tuning.get("segments", {}).values():
+        for c in seg.get("sparse_choices", []):
+            assert {"sparse_ms": c["sparse_ms"], "dense_ms": c["dense_ms"]} in times.values()
+            assert c["kernel"] == ("sparse" if c["sparse_ms"] < c["dense_ms"] else "dense")
     x = np.random.default_rng(6).standard_normal(SHAPE).astype(np.float32)
     got = BundleModel(result.bundle, log=lambda s: None).run({"x": x})["logits"]
     session = ort.InferenceSession(pruned_model(tmp_path / "b").SerializeToString(), providers=["CPUExecutionProvider"])

@@ -207,6 +207,9 @@ def test_the_measured_choice_follows_the_times_it_keeps(tmp_path):
         cache.write_text(json.dumps({key: {"sparse_ms": sparse_ms, "dense_ms": dense_ms}}))
         choice = sparse.Measured(target, cache)(shape, weight)
         assert (choice["kernel"], choice["sparse_ms"], choice["dense_ms"]) == (want, sparse_ms, dense_ms)
+    # the package stage reads the tune stage's copy and adds nothing to it
+    sparse.Measured(target, tmp_path / "read-only.json", keep=False)(shape, weight)
+    assert not (tmp_path / "read-only.json").exists()
 
 
 def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_record(tmp_path):

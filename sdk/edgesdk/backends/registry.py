@@ -42,6 +42,9 @@ class CompileJob:
     compressed: dict | None  # the compress stage's entry for the segment, its "dir" added; None if none
     twin_dir: Path  # a build of the segment for this host, when the bundle's cannot run here (never shipped)
     log: Callable[[str], None]
+    # the backend may add the kernel times it measures to the tuning database (KERNEL_TIMES): the tune stage's
+    # candidates do, so that the package stage, reading the tune stage's copy, replays them
+    keep_kernel_times: bool = False
 
 
 @dataclass(frozen=True)

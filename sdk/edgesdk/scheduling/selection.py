@@ -544,7 +544,8 @@ def _write(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pa
                           "dir": str(work / "quantized")}
         compiled = b.compile(backends.CompileJob(segment=s, model=models[s.id], device=target.host,
                                                  segments_dir=work / "segments", tuning_db=tuning_db,
-                                                 compressed=compressed, twin_dir=work / "twin", log=lambda line: None))
+                                                 compressed=compressed, twin_dir=work / "twin", log=lambda line: None,
+                                                 keep_kernel_times=True))
         segments.append(mf.Segment(id=s.id, device=HOST, backend=b.runner, artifact=compiled.artifact,
                                    inputs=compiled.inputs, outputs=compiled.outputs, nodes=len(s.nodes),
                                    threads=s.threads))

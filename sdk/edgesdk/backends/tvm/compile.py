@@ -64,7 +64,7 @@ def importer_ops() -> frozenset[str]:
 
 def compile_onnx(
     model: onnx.ModelProto, target: dict, out_path: Path, *, tuning_db: Path | None = None,
-    kernel_times: Path | None = None,
+    kernel_times: Path | None = None, keep_kernel_times: bool = False,
 ) -> TvmResult:
     """Compile an ONNX segment for `target` into the shared library `out_path`.
 
@@ -79,8 +79,9 @@ def compile_onnx(
     CUDA needs no GPU here: the library carries the kernels as CUDA source, which the GPU
     host compiles when it loads the library (nvcc checks them here when installed).
     A CPU convolution whose constant weight is mostly zeros (a pruned model) gets the sparse kernel of
-    sparse.py where it is measured faster than the dense one on this host (times kept in `kernel_times`),
-    or by policy where this host cannot run the target's code (`TvmResult.sparse_choices`).
+    sparse.py where it is measured faster than the dense one on this host (times read from `kernel_times`,
+    and new ones added to it with `keep_kernel_times`), or by policy where this host cannot run the
+    target's code (`TvmResult.sparse_choices`).
     """
     import tvm
     from tvm import relax
@@ -90,7 +91,7 @@ def compile_onnx(
     choices: list[list[dict]] = []
     runs_here = tvm_target.kind.name == "llvm" and target_arch(target) == target_arch({"kind": "llvm"}) \
         and not missing_host_features(target)
-    choose = sparse.Measured(target, kernel_times, tuning_db) if runs_here else sparse.by_policy
+    choose = sparse.Measured(target, kernel_times, tuning_db, keep=keep_kernel_times) if runs_here else sparse.by_policy
     choose = sparse.forced(_forced_kernels(model), choose)
     mod = _lower(_import(rewritten), tvm_target, choose, choices)
     inputs, outputs = _interface(model, mod)

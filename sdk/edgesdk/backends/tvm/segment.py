@@ -24,7 +24,7 @@ def compile_segment(job: CompileJob) -> Compiled:
     job.log(f"package: {sid}: compiling {len(seg.nodes)} nodes with TVM for {describe(codegen)}")
     db = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
     res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db,
-                       kernel_times=job.tuning_db / KERNEL_TIMES if job.tuning_db.is_dir() else None)
+                       kernel_times=job.tuning_db / KERNEL_TIMES, keep_kernel_times=job.keep_kernel_times)
     if res.rewrites:
         job.log(f"package: {sid}: rewritten for TVM: " + ", ".join(f"{k} x{n}" for k, n in res.rewrites.items()))
     if res.sparse_choices:

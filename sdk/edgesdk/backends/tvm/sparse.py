@@ -189,7 +189,7 @@ def design(sch: Any, block: Any) -> Any:
     o, h, w, b, k, p = sch.get_loops(block)
     oh, ow, n = (int(sch.get(loop).extent) for loop in (h, w, b))
     if n > 1:
-        pixels = largest_divisor(ow, PIXELS)
+        pixels = largest_divisor(ow, min(PIXELS, pixel_block(n)))
         wo, wi = sch.split(w, sch.sample_perfect_tile(w, n=2, max_innermost_factor=PIXELS,
                                                       decision=[ow // pixels, pixels]))
         sch.reorder(h, wo, k, o, p, wi, b)
@@ -207,6 +207,30 @@ def design(sch: Any, block: Any) -> Any:
         sch.unroll(hi)
     sch.decompose_reduction(block, k)
     return sch
+
+
+def vector_registers() -> tuple[int, int]:
+    """fp32 lanes per vector register and the number of vector registers of the target being compiled
+    (`tvm.target.Target.current()`): AVX-512 16 and 32, AVX2 8 and 16, aarch64 NEON 4 and 32."""
+    import tvm
+    from tvm.target import codegen
+
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return 8, 16
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if triple.startswith("aarch64"):
+        return 4, 32
+    features = set(codegen.llvm_get_cpu_features(target))
+    return (16, 32) if "avx512f" in features else (8, 16)
+
+
+def pixel_block(n: int) -> int:
+    """With a batch of `n` as the vector: the most output pixels whose accumulators (n / lanes registers each)
+    fit the target's vector registers beside the broadcast weight and a load (AVX-512, n 16: 14; AVX2: 6; an
+    AVX2 block of 14 spilled and ran 1.5x slower)."""
+    lanes, registers = vector_registers()
+    return max(1, (registers - 4) // max(1, -(-n // lanes)))
 
 
 def register_rule() -> None:
@@ -278,10 +302,11 @@ class Measured:
     kernel the backend would compile for the same convolution (its tuning record where `database` holds one,
     else the default schedule), each alone. Times are kept in `cache` (JSON, keyed by the convolution's
     shapes, the packed format's loop lengths, the target, this host's CPU and REVISION) so that the tune
-    stage's measurement and the package stage's compilation make the same choice."""
+    stage's measurement and the package stage's compilation make the same choice; `keep` False reads the
+    cache without adding to it (the package stage reads the tune stage's copy)."""
 
-    def __init__(self, target: dict, cache: Path | None, database: Path | None = None):
-        self.target, self.cache, self.database = target, cache, database
+    def __init__(self, target: dict, cache: Path | None, database: Path | None = None, *, keep: bool = True):
+        self.target, self.cache, self.database, self.keep = target, cache, database, keep
         self.entries = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
 
     def __call__(self, shape: ConvShape, weight: np.ndarray) -> dict:
@@ -295,7 +320,8 @@ class Measured:
             times = {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target, self.database)),
                      "dense_ms": _median_ms(dense_runner(shape, self.target, self.database))}
             self.entries[key] = times
-            if self.cache is not None:
+            if self.cache is not None and self.keep:
+                self.cache.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self.cache.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
                 tmp.replace(self.cache)
