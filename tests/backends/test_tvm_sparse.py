@@ -164,7 +164,7 @@ def permutes(model: onnx.ModelProto) -> int:
     import tvm
     from tvm import relax
 
-    mod = sparse.SparseConvs(channels_last=True)(tvm_compile._import(model))
+    mod = sparse.SparseConvs(channels_last=True, prepare=tvm_compile._ClipAsRelaxOps())(tvm_compile._import(model))
     found = []
 
     @relax.expr_functor.visitor
@@ -239,3 +239,33 @@ def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_rec
     x = np.random.default_rng(5).standard_normal((8, 16, 14, 14)).astype(np.float32)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "tuned.so")), tvm.cpu())
     assert_close(vm["main"](tvm.runtime.tensor(x)).numpy(), ort_run(model, x), "tuned sparse conv")
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_depthwise_convolution_stays_in_the_sparse_run(stride, tmp_path):
+    """MobileNetV2's inverted residual: a pruned 1x1 expansion, a dense depthwise 3x3, a pruned 1x1
+    projection. With a batch the depthwise layer gets a CHWN kernel of its own, so the run has no layout
+    change inside it; the whole equals onnxruntime."""
+    rng = np.random.default_rng(7)
+    expand = nm_pruned(rng.standard_normal((32, 16, 1, 1)).astype(np.float32), 1, 4)
+    depthwise = rng.standard_normal((32, 1, 3, 3)).astype(np.float32)
+    project = nm_pruned(rng.standard_normal((16, 32, 1, 1)).astype(np.float32), 1, 4)
+    nodes = [helper.make_node("Conv", ["x", "we"], ["e"]),
+             helper.make_node("Relu", ["e"], ["re"]),
+             helper.make_node("Conv", ["re", "wd"], ["d"], group=32, pads=[1] * 4, strides=[stride] * 2),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["rd"]),
+             helper.make_node("Conv", ["rd", "wp"], ["y"])]
+    forced(nodes[0])
+    forced(nodes[4])
+    graph = helper.make_graph(nodes, "inverted_residual",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, 16, 14, 14])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(a, k) for k, a in
+                               (("we", expand), ("wd", depthwise), ("wp", project),
+                                ("lo", np.float32(0.0)), ("hi", np.float32(6.0)))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    assert permutes(model) == 2  # into CHWN at the input, out of it at the output
+    x = rng.standard_normal((8, 16, 14, 14)).astype(np.float32)
+    got, kernels = tvm_run(model, x, tmp_path)
+    assert kernels == 2
+    assert_close(got, ort_run(model, x), "inverted residual")

@@ -226,13 +226,13 @@ def _lower(mod: Any, tvm_target: Any, choose: Any = None, choices: list | None =
 
     channels_last = _channels_last_convs(tvm_target)
     head = [
-        # pruned convolutions (a constant weight mostly zeros) on the CPU: sparse kernels (sparse.py),
-        # before ConvertLayout makes the dense ones channels-last
-        *([_sparse_pass(channels_last, choose, choices)] if tvm_target.kind.name == "llvm" else []),
         # Inference form: batch norm becomes multiply-add that FoldConstant folds into
         # the weights.
         relax.transform.DecomposeOpsForInference(),
         relax.transform.CanonicalizeBindings(),
+        # pruned convolutions (a constant weight mostly zeros) on the CPU: sparse kernels (sparse.py),
+        # before ConvertLayout makes the dense ones channels-last
+        *([_sparse_pass(channels_last, choose, choices)] if tvm_target.kind.name == "llvm" else []),
     ]
     layout = [
         # Clip as Relax ops, which ConvertLayout moves along with the convolutions
@@ -292,7 +292,8 @@ def _sparse_pass(channels_last: bool, choose: Any, choices: list | None) -> Any:
     """sparse.SparseConvs with `choose` (by policy when None), its choices appended to `choices`."""
     import tvm
 
-    inner = sparse.SparseConvs(channels_last, choose or sparse.by_policy)
+    # Clip as Relax ops first, where the module has a sparse convolution: its ConvertLayout to CHWN moves them too
+    inner = sparse.SparseConvs(channels_last, choose or sparse.by_policy, prepare=_ClipAsRelaxOps())
 
     @tvm.transform.module_pass(opt_level=0, name="SparseConvsRecorded")
     def transform(mod: Any, ctx: Any) -> Any:

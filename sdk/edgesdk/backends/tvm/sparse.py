@@ -407,6 +407,48 @@ def dense_runner(shape: ConvShape, target: dict, database: Path | None = None) -
     return lambda: lib["main"](*args)
 
 
+DEPTHWISE_MIN_BATCH = 4  # a depthwise convolution inside a CHWN run gets its own CHWN kernel from this batch on
+
+
+def depthwise_kernel(shape: ConvShape) -> Any:
+    """A scheduled TIR function `main(data, weight, y)`: a depthwise convolution (one channel per group) in
+    CHWN, data padded (C, Hp, Wp, N), weight (C, KH, KW), y (C, OH, OW, N); the batch vectorized under a row
+    of output pixels, as the sparse kernel's (`design`)."""
+    import tvm
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    from .schedules import largest_divisor
+
+    c, n, kh, kw = shape.ci, shape.n, shape.kh, shape.kw
+    hp, wp = shape.padded
+    oh, ow = shape.out
+    (sh, sw), (dh, dw) = shape.stride, shape.dilation
+
+    @T.prim_func(s_tir=True, private=True)
+    def main(data: T.Buffer((c, hp, wp, n), "float32"), weight: T.Buffer((c, kh, kw), "float32"),
+             y: T.Buffer((c, oh, ow, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": OPAQUE})
+        for ch, h, w, b, i, j in T.grid(c, oh, ow, n, kh, kw):
+            with T.sblock("depthwise_conv"):
+                vc, vh, vw, vb, vi, vj = T.axis.remap("SSSSRR", [ch, h, w, b, i, j])
+                with T.init():
+                    y[vc, vh, vw, vb] = T.float32(0)
+                y[vc, vh, vw, vb] = y[vc, vh, vw, vb] + data[vc, vh * sh + vi * dh, vw * sw + vj * dw, vb] * \
+                    weight[vc, vi, vj]
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": main}))
+    block = sch.get_sblock("depthwise_conv")
+    ch, h, w, b, i, j = sch.get_loops(block)
+    wo, wi = sch.split(w, [None, largest_divisor(ow, min(PIXELS, pixel_block(n)))])
+    sch.reorder(ch, h, wo, i, j, wi, b)
+    sch.parallel(sch.fuse(ch, h))
+    sch.vectorize(b)
+    sch.unroll(wi)
+    sch.decompose_reduction(block, i)
+    return scheduled(sch.mod["main"])
+
+
 def transpose(shape: tuple[int, ...], axes: list[int], dtype: str = "float32") -> Any:
     """A scheduled TIR function `y = permute_dims(x, axes)` for a 4-D `x` of `shape`: the output's last axis
     innermost and vectorized, the output axis that walks the input's last axis just outside it, so that both
@@ -445,7 +487,7 @@ LANES_MAX = 16
 
 
 def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], dict] = by_policy,  # noqa: N802
-                min_sparsity: float = MIN_SPARSITY) -> Any:
+                min_sparsity: float = MIN_SPARSITY, prepare: Any = None) -> Any:
     """Give each sparse constant-weight `relax.nn.conv2d` (one group, float32, static shapes) its sparse
     kernel, in CHWN with the layout changes only at the edges of sparse runs: TVM's ConvertLayout first
     makes every convolution CHWN (the elementwise operators, pooling and residual additions between them
@@ -454,7 +496,8 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
     ConvertLayout and `_CancelTransposePairs` treat as before. A convolution with a sparse weight keeps the
     dense kernel where `choose` (`by_policy`, or `Measured`: timed on this host) says so; a module where no
     convolution gets the sparse kernel is returned as it is. The pass's `choices` list gets, per run, each
-    such convolution's choice (its shape, kernel, times and why)."""
+    such convolution's choice (its shape, kernel, times and why). `prepare`, a pass, runs first on a module
+    that gets a sparse kernel (compile.py: Clip as Relax ops, which ConvertLayout moves along)."""
     import tvm
     from tvm import relax
 
@@ -535,6 +578,9 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
         def _dense(self, call):
             data, weight = call.args
             attrs = call.attrs
+            depthwise = self._depthwise(call)
+            if depthwise is not None:
+                return depthwise
             layout, kernel_layout, axes = ("NHWC", "HWIO", [3, 1, 2, 0]) if channels_last else \
                 ("NCHW", "OIHW", [3, 0, 1, 2])
             if channels_last and isinstance(weight, tvm.ir.expr.Constant):
@@ -547,6 +593,28 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
                                      data_layout=layout, kernel_layout=kernel_layout, out_layout=layout,
                                      out_dtype=attrs.out_dtype)
             return relax.op.permute_dims(out, back)
+
+        def _depthwise(self, call):
+            """A depthwise convolution (one channel per group) with a batch, computed in CHWN where it is (a
+            kernel of its own), so that a MobileNet's depthwise layers do not leave a sparse run."""
+            data, weight = call.args
+            dims = [int(d) for d in data.ty.shape.values]
+            groups = int(call.attrs.groups)
+            if not isinstance(weight, tvm.ir.expr.Constant) or groups == 1 or dims[3] < DEPTHWISE_MIN_BATCH:
+                return None
+            w = weight.value.numpy()
+            if w.dtype != np.float32 or groups != dims[0] or w.shape[:2] != (groups, 1):
+                return None
+            ci, h, wd, n = dims
+            pads = tuple(int(v) for v in call.attrs.padding)
+            shape = ConvShape(n, ci, h, wd, ci, w.shape[2], w.shape[3], pads,
+                              tuple(int(v) for v in call.attrs.strides), tuple(int(v) for v in call.attrs.dilation))
+            top, left, bottom, right = pads
+            if any(pads):
+                data = relax.op.nn.pad(data, [0, 0, top, bottom, left, right, 0, 0])
+            gvar = self.builder_.add_func(depthwise_kernel(shape), "depthwise_chwn")
+            oh, ow = shape.out
+            return relax.call_tir(gvar, [data, relax.const(w[:, 0])], relax.TensorType((ci, oh, ow, n), "float32"))
 
     permute_dims = tvm.ir.Op.get("relax.permute_dims")
 
@@ -578,6 +646,8 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
         choices.append(list(decided.values()))
         if not any(c["kernel"] == "sparse" for c in decided.values()):
             return mod
+        if prepare is not None:
+            mod = prepare(mod)
         mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["CHWN", "OIHW"]})(mod)
         rewriter = Rewriter(mod)
         for gvar, func in list(mod.functions_items()):
