@@ -41,21 +41,27 @@ def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:
     if path.exists():
         return path
     import tensorflow as tf
-    import tf2onnx
 
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.applications.MobileNetV2(
         input_shape=(size, size, 3), alpha=alpha, weights=None, classifier_activation=None
     )
-    # weights=None leaves every BatchNorm at mean 0 / variance 1, so activations shrink layer by
-    # layer to ~1e-10, which int8 cannot represent. One training-mode pass with momentum 0 sets
-    # the statistics a trained network would have on such inputs; the weights stay random.
+    return _with_bn_statistics_as_onnx(model, size, 1, path)
+
+
+def _with_bn_statistics_as_onnx(model, size: int, batch: int, path: Path) -> Path:
+    """`model` (Keras, random weights) with its BatchNorm statistics set, exported to ONNX at `path` with a
+    fixed NHWC input {batch}x{size}x{size}x3. weights=None leaves every BatchNorm at mean 0 / variance 1, so
+    activations shrink layer by layer to ~1e-10, which int8 cannot represent; one training-mode pass with
+    momentum 0 sets the statistics a trained network would have on such inputs, the weights stay random."""
+    import tensorflow as tf
+    import tf2onnx
+
     for layer in model.layers:
         if isinstance(layer, tf.keras.layers.BatchNormalization):
             layer.momentum = 0.0
-    images = tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1)
-    model(images, training=True)
-    spec = (tf.TensorSpec((1, size, size, 3), tf.float32, name="input"),)
+    model(tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1), training=True)
+    spec = (tf.TensorSpec((batch, size, size, 3), tf.float32, name="input"),)
     proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=13)
     proto.ir_version = min(proto.ir_version, 10)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +79,6 @@ def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:
     if path.exists():
         return path
     import tensorflow as tf
-    import tf2onnx
 
     layers = tf.keras.layers
     tf.keras.utils.set_random_seed(0)
@@ -95,19 +100,7 @@ def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:
     for filters, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
         x = block(block(x, filters, stride), filters, 1)
     x = layers.Dense(classes)(layers.GlobalAveragePooling2D()(x))
-    model = tf.keras.Model(inputs, x, name="resnet18")
-    for layer in model.layers:
-        if isinstance(layer, layers.BatchNormalization):
-            layer.momentum = 0.0
-    model(tf.random.stateless_uniform((16, size, size, 3), seed=(1, 2), minval=-1, maxval=1), training=True)
-    spec = (tf.TensorSpec((batch, size, size, 3), tf.float32, name="input"),)
-    proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=13)
-    proto.ir_version = min(proto.ir_version, 10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(proto.SerializeToString())
-    tmp.rename(path)
-    return path
+    return _with_bn_statistics_as_onnx(tf.keras.Model(inputs, x, name="resnet18"), size, batch, path)
 
 
 def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100) -> Path:
