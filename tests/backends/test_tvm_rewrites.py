@@ -75,7 +75,7 @@ def test_cuda_segment_library_has_no_powf(tmp_path, monkeypatch):
     job = types.SimpleNamespace(
         segment=types.SimpleNamespace(id="s0", nodes=["n"] * 12), model=layer_norm_as_ops(),
         device=types.SimpleNamespace(codegen=CUDA), segments_dir=tmp_path, tuning_db=tmp_path / "db",
-        compressed=None, twin_dir=tmp_path / "twin", log=logged.append)
+        compressed=None, twin_dir=tmp_path / "twin", log=logged.append, keep_kernel_times=False)
     compile_segment(job)
     assert powf_exponents(tmp_path / "s0.so") == {0.5}
     assert any("rewritten for TVM: integer Pow as products (NVRTC's fast math: powf is NaN below 0) x3" in line
