@@ -47,6 +47,7 @@ BLOCK = 16  # input channels per block: 16 channels x 3 kernel rows x a row of p
 PIXELS = 14  # batch > 1: output pixels of a row sharing each weight load (at most; a divisor of the width)
 ROWS = 7  # batch 1: output rows sharing each weight load (at most; a divisor of the height)
 OPAQUE = 8  # TVM's OpPatternKind kOpaque
+LANES_MAX = 16  # a transpose's vector: at most this many lanes
 LANES = 8  # batch 1: the vector along the output row (at most; a divisor of the width)
 
 
@@ -366,7 +367,6 @@ def dense_runner(shape: ConvShape, target: dict, database: Path | None = None) -
     """A function that runs, once on random inputs, the dense kernel the backend compiles for `shape`: the
     convolution's own function from the backend's lowering of it alone (x86: channels-last), with the
     database's record where it holds one, else the default schedule."""
-    import onnx
     import tvm
     from onnx import helper, numpy_helper
     from tvm import relax
@@ -466,24 +466,17 @@ def transpose(shape: tuple[int, ...], axes: list[int], dtype: str = "float32") -
     order += [loops[walks_input]] if walks_input != last else []
     sch.reorder(*order, loops[last])
     sch.parallel(sch.fuse(*order[:2]) if len(order) > 2 else order[0])
-    vector, _ = _vector_split(sch, loops[last], out[last])
-    sch.vectorize(vector)
+    sch.vectorize(_vector(sch, loops[last], out[last]))
     func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
     return func.without_attr("global_symbol")
 
 
-def _vector_split(sch: Any, loop: Any, extent: int) -> tuple[Any, Any]:
-    """`loop` split so that its inner part is at most 16 lanes (a divisor of `extent`)."""
+def _vector(sch: Any, loop: Any, extent: int) -> Any:
+    """`loop`, or its inner part where it is split: at most LANES_MAX lanes (a divisor of `extent`)."""
     from .schedules import largest_divisor
 
     lanes = largest_divisor(extent, LANES_MAX)
-    if lanes == extent:
-        return loop, None
-    outer, inner = sch.split(loop, [None, lanes])
-    return inner, outer
-
-
-LANES_MAX = 16
+    return loop if lanes == extent else sch.split(loop, [None, lanes])[1]
 
 
 def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], dict] = by_policy,  # noqa: N802
