@@ -85,8 +85,9 @@ def run(artifact: Path, ctx) -> dict:
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
-    kinds = _search(plan, artifact, db, boards, ctx, _pruned_loader(plan, artifact, ctx))
-    selected = _select(plan, artifact, db, ctx, boards)
+    pruned = _pruned(plan, artifact, ctx)
+    kinds = _search(plan, artifact, db, boards, ctx, _loader(artifact, pruned))
+    selected = _select(plan, artifact, db, ctx, boards, pruned)
     _write_plan(selected, artifact, ctx.out)
     (ctx.out / "int8.json").write_text(json.dumps({"segments": selected.quantized, "calibration": selected.calibration},
                                                   indent=2) + "\n")
@@ -100,15 +101,24 @@ def run(artifact: Path, ctx) -> dict:
     return record
 
 
-def _pruned_loader(plan: Plan, artifact: Path, ctx):
-    """A segment's model as the tune stage searches and times it: with `--prune`, its CPU layers pruned as
-    the compress stage will prune them (the same masks: the same function of the same model and options),
-    so that the search tunes the functions the pruned segments compile to; else as scheduled."""
+def _pruned(plan: Plan, artifact: Path, ctx) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict]] | None:
+    """With `--prune`: the model as scheduled, the same with its CPU layers pruned as the compress stage will
+    prune them (the same masks: the same function of the same model and options), and the pruned layers'
+    records; None without. The search tunes, and the selection times, what the pruned segments compile to."""
     if not ctx.options.prune:
-        return lambda s: onnx.load(str(artifact / s.artifact))
+        return None
+    dense = onnx.load(str(artifact / "model.onnx"))
     accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-    model, layers, _, _ = pruning.prune_for_build(onnx.load(str(artifact / "model.onnx")), ctx.options.prune,
-                                                  ctx.options.prune_layers, accelerated, ctx.options.sparse_kernels)
+    model, layers, _, _ = pruning.prune_for_build(dense, ctx.options.prune, ctx.options.prune_layers, accelerated,
+                                                  ctx.options.sparse_kernels)
+    return dense, model, layers
+
+
+def _loader(artifact: Path, pruned):
+    """A segment's model as this stage searches and times it: as scheduled, its layers pruned where `pruned`."""
+    if pruned is None:
+        return lambda s: onnx.load(str(artifact / s.artifact))
+    _, model, layers = pruned
     return lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)
 
 
@@ -162,7 +172,7 @@ def _report(kind: str, summary: dict, ctx) -> None:
         ctx.log(f"tune: {kind}: --time-budget reached; the next build with the same --trials resumes the search")
 
 
-def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection.Selected:
+def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None) -> selection.Selected:
     """Every CPU span on the backend measured fastest (`scheduling.selection`): on this host, or on
     `boards` where this host cannot run the target's CPU code."""
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
@@ -171,17 +181,14 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
     # the model and the calibration samples only where a span will be measured, or checked for the policy's
     # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
     reads = bool(selection.spans(plan)) and (why is None or boards is not None or selection.POLICY in allowed)
-    model = onnx.load(str(artifact / "model.onnx")) if reads else None
-    segment_model = lambda s: onnx.load(str(artifact / s.artifact))  # noqa: E731
-    dense, layers = model, []
-    if ctx.options.prune and model is not None:
-        # the candidates are timed on the weights the compress stage will prune (the same masks: the same
-        # function of the same model and options); the segments this stage writes stay dense
-        accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-        model, layers, _, _ = pruning.prune_for_build(model, ctx.options.prune, ctx.options.prune_layers, accelerated,
-                                                      ctx.options.sparse_kernels)
-        segment_model = lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)  # noqa: E731
+    layers: list[dict] = []
+    if pruned is not None and reads:
+        # the candidates are timed on the weights the compress stage will prune; the segments this stage
+        # writes stay dense
+        dense, model, layers = pruned
         ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ({ctx.options.prune})")
+    else:
+        model = onnx.load(str(artifact / "model.onnx")) if reads else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
@@ -197,7 +204,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None) -> selection
                 raise
             ctx.warn(f"tune: {e.message}; each CPU span's backend is chosen by policy instead. {e.hint}")
     selected = selection.select(
-        plan, model, segment_model, ctx.target, samples, allowed=allowed,
+        plan, model, _loader(artifact, pruned), ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
