@@ -88,55 +88,10 @@ def ort_child(model, x, runs: int):
     return run
 
 
-def tvm_kernel(model, db: Path | None):
-    """The convolution's own kernel from the TVM backend's lowering (x86: channels-last), default schedule
-    or the database's record; a runner of it on random inputs of its shapes."""
-    import tvm
-    from tvm import relax
-
-    from edgesdk.backends.tvm import compile as tc
-    from edgesdk.backends.tvm.database import _apply_database, _open_database
-    from edgesdk.backends.tvm.schedules import _cpu_default_schedules
-
-    target, tt = tc._resolve_target(TARGET)
-    mod = tc._lower(tc._import(tc._rewritten(model, tt)[0]), tt)
-    with tt, tvm.transform.PassContext(opt_level=3):
-        if db is not None:
-            mod = _apply_database(mod, _open_database(db, target, must_exist=True))
-        mod, _ = _cpu_default_schedules(mod, target)
-    shapes = {}
-
-    @relax.expr_functor.visitor
-    class Calls(relax.PyExprVisitor):
-        def visit_call_(self, call):
-            super().visit_call_(call)
-            if call.op == tvm.ir.Op.get("relax.call_tir"):
-                args = [(tuple(int(d) for d in a.ty.shape.values), str(a.ty.dtype)) for a in call.args[1].fields]
-                shapes[call.args[0].name_hint] = args + [(tuple(int(d) for d in call.ty.shape.values), "float32")]
-
-    Calls().visit_expr(mod["main"])
-    (name,) = [g.name_hint for g in mod.functions if "conv2d" in g.name_hint and g.name_hint in shapes]
-    lib = tvm.compile(tvm.IRModule({"main": mod[name].with_attr("global_symbol", "main")}), target=tt)
-    args = [tvm.runtime.tensor(np.random.default_rng(1).standard_normal(s).astype(d)) for s, d in shapes[name]]
-    return lambda: lib["main"](*args)
-
-
-def sparse_kernel(n, ci, co, size, k, stride, weight):
-    import tvm
-
-    from edgesdk.backends.tvm import compile as tc
+def shape_of(n: int, ci: int, co: int, size: int, k: int, stride: int):
     from edgesdk.backends.tvm import sparse
 
-    shape = sparse.ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
-    ell = sparse.pack(weight)
-    func = sparse.schedule(sparse.kernel(shape, *ell.values.shape[1:]))
-    _, tt = tc._resolve_target(TARGET)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tt)
-    hp, wp = shape.padded
-    oh, ow = shape.out
-    x = np.random.default_rng(1).standard_normal((ci, hp, wp, n)).astype(np.float32)
-    args = [tvm.runtime.tensor(a) for a in (x, ell.values, shape.offsets(ell), np.zeros((co, oh, ow, n), np.float32))]
-    return (lambda: lib["main"](*args)), ell.padding
+    return sparse.ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
 
 
 def main() -> None:
@@ -150,6 +105,8 @@ def main() -> None:
     import os
 
     os.environ.setdefault("TVM_NUM_THREADS", str(THREADS))
+    from edgesdk.backends.tvm import compile as tc
+    from edgesdk.backends.tvm import sparse
     from edgesdk.backends.tvm.targets import host_cpu
     from edgesdk.backends.tvm.tuning import tune_onnx
     from edgesdk.compression import mask, parse_method
@@ -170,13 +127,16 @@ def main() -> None:
                 log(f"b{batch} {name}: tuning the dense kernel ({args.trials} trials)")
                 tune_onnx(model, TARGET, db, trials=args.trials, log=lambda s: None)
             ort_alone = ort_child(model, x, args.runs)
-            runners = {"TVM dense untuned": tvm_kernel(model, None)}
+            # the kernels as the backend compiles and times them (backends/tvm/sparse.py)
+            shape = shape_of(batch, ci, co, size, k, stride)
+            target = tc._resolve_target(TARGET)[0]
+            runners = {"TVM dense untuned": sparse.dense_runner(shape, target)}
             if args.trials:
-                runners["TVM dense tuned"] = tvm_kernel(model, db)
+                runners["TVM dense tuned"] = sparse.dense_runner(shape, target, db)
             padding = {}
             for method in METHODS:
-                pruned = dense * mask(dense, parse_method(method))
-                runners[method], padding[method] = sparse_kernel(batch, ci, co, size, k, stride, pruned)
+                ell = sparse.pack(dense * mask(dense, parse_method(method)))
+                runners[method], padding[method] = sparse.sparse_runner(shape, ell, target), ell.padding
             times: dict[str, list[float]] = {"onnxruntime dense": [], **{k: [] for k in runners}}
             for fn in runners.values():
                 fn()
