@@ -1,7 +1,8 @@
 """Whole models pruned (issue 19): the pruned bundle against the dense bundle and onnxruntime, with fidelity.
 
     .venv/bin/python benchmarks/bench_prune.py [--models ResNet-18,MobileNetV2,ResNet50] [--batches 1,16]
-                                               [--methods 1:4,2:4] [--runs 10] [--rounds 3] [--no-build]
+                                               [--methods 1:4,2:4] [--plans 0.5,1] [--runs 10] [--rounds 3]
+                                               [--no-build]
 
 For each model (random weights: ResNet-18 built in Keras by tests/model_zoo.py, MobileNetV2 and ResNet50 from
 tf.keras.applications, weights=None) and batch size, builds for `targets/x86.yaml` with `mcpu` set to this
@@ -9,7 +10,10 @@ host's CPU (`x86_host`, as bench_tune.py: the kernels use the vector width onnxr
 .cache/bench-prune (one tuning database, --trials 0, 8 synthetic calibration samples):
   - dense: the default build (each CPU span on the backend the tune stage measured fastest);
   - pruned, per method: `--prune METHOD` (all but the first and last layers), the same measured choice, each
-    pruned convolution on the sparse kernel only where it was timed faster than the dense one.
+    pruned convolution on the sparse kernel only where it was timed faster than the dense one;
+  - per-layer plans, per fraction F of `--plans`: `--prune-plan auto --prune METHODS --latency-budget B`, where
+    B = dense - F * (dense - fastest), the dense and fastest plans' predicted CPU times as a first auto build
+    with an unbounded budget measured them (F = 1: the fastest plan, each layer on its fastest option).
 Then, interleaved (`--rounds` rounds, each runtime in a process of its own, `--runs` inferences after 3
 warm-up ones; the median of all): onnxruntime (all graph optimizations, 2 threads) on the dense ONNX file a
 user has, and every bundle (`BundleModel.run`). The pruned bundle's fidelity to the dense model (the build's
@@ -76,6 +80,7 @@ def main() -> None:
     ap.add_argument("--models", default="ResNet-18,MobileNetV2,ResNet50")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--methods", default="1:4,2:4")
+    ap.add_argument("--plans", default="", help="fractions of the predicted saving for --prune-plan auto budgets")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-build", action="store_true")
@@ -97,6 +102,21 @@ def main() -> None:
                 if not args.no_build:
                     log(f"{name} b{batch}: building {v}")
                     builds[v] = build(model, margs, dirs[v], extra)
+            if args.plans:
+                probe = CACHE / f"{name}-b{batch}-plan-probe"
+                auto = ["--prune-plan", "auto", "--prune", args.methods]
+                if not args.no_build:
+                    log(f"{name} b{batch}: measuring the per-layer options (an auto plan, unbounded budget)")
+                    build(model, margs, probe, [*auto, "--latency-budget", "1e9"])
+                first = json.loads((probe / ".build" / "4-tune" / "prune_plan.json").read_text())
+                for f in args.plans.split(","):
+                    v = f"plan@{f}"
+                    budget = first["dense_ms"] - float(f) * (first["dense_ms"] - first["fastest_ms"])
+                    variants[v] = [*auto, "--latency-budget", f"{budget:.4f}"]
+                    dirs[v] = CACHE / f"{name}-b{batch}-plan-{f}"
+                    if not args.no_build:
+                        log(f"{name} b{batch}: building {v} (budget {budget:.3f} ms)")
+                        builds[v] = build(model, margs, dirs[v], variants[v])
             ref = reference(model, dirs["dense"])
             manifest = Manifest.load(dirs["dense"] / "bundle")
             rng = np.random.default_rng(0)
@@ -128,6 +148,12 @@ def main() -> None:
                        "chosen": [s["chosen"] for s in spans],
                        "candidates_ms": [{k: c.get("ms") for k, c in s.get("candidates", {}).items()} for s in spans],
                        "build": builds.get(v, {})}
+                if m.pruning.get("plan", {}).get("source") == "auto":
+                    planned = json.loads((dirs[v] / ".build" / "4-tune" / "prune_plan.json").read_text())
+                    row["plan"] = {k: planned.get(k) for k in ("budget_ms", "dense_ms", "predicted_ms", "fastest_ms",
+                                                               "measured_ms", "loss")}
+                    row["plan"]["layers"] = {k: sum(x == k for x in planned["layers"].values())
+                                             for k in ["dense", *args.methods.split(",")]}
                 if m.pruning:
                     row["pruning"] = {k: m.pruning[k] for k in ("method", "layers", "sparsity", "sparse_kernels")}
                     row["fidelity"] = next(iter(m.pruning["fidelity"]["end_to_end"].values()))
@@ -155,6 +181,18 @@ def table(results: dict) -> str:
         lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {r['ms']:.2f} | {r['onnxruntime_ms']:.2f} | "
                      f"**{r['over_ort']:.2f}** | {r['dense_over_this']:.2f} | {', '.join(r['chosen'])} ({cands}) | "
                      f"{sk} | {fid} |")
+    plans = [r for r in results["rows"] if "plan" in r]
+    if plans:
+        lines += ["", "Per-layer plans (`--prune-plan auto`): the budget, the plan's predicted CPU time (its layers' "
+                  "kernels timed alone), the tune stage's measured time of the chosen candidates, and the bundle's:", "",
+                  "| model | batch | variant | budget ms | predicted ms | bundle ms | layers per option | summed loss | "
+                  "fidelity: cosine / top-1 |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in plans:
+            p = r["plan"]
+            fid = (f"{r['fidelity']['cosine']:.4f} / {r['fidelity']['top1_agreement']:.3f}" if "fidelity" in r else "-")
+            per = ", ".join(f"{k} {n}" for k, n in p["layers"].items())
+            lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {p['budget_ms']:.2f} | {p['predicted_ms']:.2f} "
+                         f"| {r['ms']:.2f} | {per} | {p['loss']:.4f} | {fid} |")
     return "\n".join(lines)
 
 

@@ -2,13 +2,14 @@
 
 A tiny model whose one segment is an Edge TPU segment on arm_2tpu, so compress really converts it to
 int8 with TensorFlow: when tune's output changes, tune's readers (package) run again, and compress,
-which never reads tune, is a cache hit."""
+which reads of tune only its pruning plan, is a cache hit unless that plan changed."""
 
 from __future__ import annotations
 
 import pytest
 
-from edgesdk.pipeline import PHASE_NAMES, BuildOptions, StageContext, build, stage_dir, stage_reads
+from edgesdk.pipeline import (PHASE_NAMES, BuildOptions, StageContext, build, stage_dir, stage_read_files,
+                              stage_reads)
 from tests.test_interrupted_build import tiny_model
 
 
@@ -42,3 +43,24 @@ def test_every_stage_declares_what_it_reads_and_may_read_nothing_else(tmp_path):
     assert ctx.artifact("schedule") == stage_dir(tmp_path, "schedule")
     with pytest.raises(RuntimeError, match="READS"):
         ctx.artifact("tune")
+    # of the tune stage, compress reads the pruning plan alone
+    files = {p.name: stage_read_files(importlib.import_module(p.module), p.name) for p in PHASES}
+    assert files["compress"] == {"tune": ("prune_plan.json",)}
+    ctx = StageContext(None, tmp_path, None, tmp_path / ".build", tmp_path, print, reads=("import", "schedule"),
+                       read_files=files["compress"])
+    assert ctx.file("tune", "prune_plan.json") == stage_dir(tmp_path, "tune") / "prune_plan.json"
+    with pytest.raises(RuntimeError, match="READS_FILES"):
+        ctx.file("tune", "tune.json")
+
+
+def test_compress_reruns_when_the_pruning_plan_changes_not_when_the_rest_of_tune_does(tmp_path):
+    options = BuildOptions(model=tiny_model(tmp_path / "m.onnx", 0), target="arm_2tpu", out=tmp_path / "out",
+                           tuning_db=tmp_path / "db", prune="2:4", prune_layers="all", calib_samples=4)
+    build(options)
+    assert all(_cached(build(options)).values())
+    (stage_dir(options.out, "tune") / "digest").write_text("0" * 64)  # the rest of tune's output changed
+    assert _cached(build(options))["compress"] is True
+    plan = stage_dir(options.out, "tune") / "prune_plan.json"
+    plan.write_text(plan.read_text().replace('"source"', '"edited": 1, "source"'))
+    assert _cached(build(options)) == {"import": True, "legalize": True, "schedule": True, "tune": True,
+                                       "compress": False, "package": False}

@@ -115,6 +115,45 @@ def _native_stderr_silenced(active: bool):
         os.close(devnull)
 
 
+def _check_prune_options(prune: str | None, plan: str | None, budget: float | None, eval_data: Path | None,
+                         layers: str | None, correct: bool, kernels: str) -> str | None:
+    """The pruning options refused where they do not go together (exit 2, before anything runs); `--prune`
+    in its canonical spelling (a list with `--prune-plan auto`)."""
+    from .compression import parse_method
+    from .compression.plan import parse_candidates
+
+    if plan is None and budget is not None:
+        raise UsageError("cli.prune-options", "--latency-budget needs --prune-plan auto",
+                         "e.g. --prune-plan auto --latency-budget 40 --prune 2:4,1:4")
+    if plan == "auto":
+        if budget is None or budget <= 0:
+            raise UsageError("cli.prune-options", "--prune-plan auto needs --latency-budget MS (above 0)",
+                             "the model's CPU time per inference on this host that the plan must fit, e.g. "
+                             "--latency-budget 40")
+        if prune is not None:
+            prune = ",".join(m.text for m in parse_candidates(prune))
+    elif plan is not None:
+        if not Path(plan).is_file():
+            raise UsageError("prune.plan-unreadable", f"--prune-plan {plan}: no such file",
+                             "give 'auto' or a plan file written by an earlier build (its tune/prune_plan.json)")
+        if prune is not None or layers is not None:
+            raise UsageError("cli.prune-options", "--prune-plan FILE names each layer's method: --prune and "
+                             "--prune-layers do not go with it", "edit the plan file instead")
+    elif prune is not None:
+        if "," in prune:
+            raise UsageError("cli.prune-options", f"--prune {prune}: a list of methods needs --prune-plan auto",
+                             "one method prunes every chosen layer alike, e.g. --prune 2:4")
+        prune = parse_method(prune).text
+    elif layers is not None or correct or kernels != "measured" or eval_data is not None:
+        raise UsageError("cli.prune-options",
+                         "--prune-layers, --prune-correct, --sparse-kernels and --eval need --prune or --prune-plan",
+                         "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
+    if eval_data is not None and not Path(eval_data).is_dir():
+        raise UsageError("cli.eval-not-found", f"--eval {eval_data}: not a directory",
+                         "give a directory of labelled samples: .npy/.npz files or images, and labels.txt")
+    return prune
+
+
 def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -189,6 +228,9 @@ def build(
     prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \[default: all but the first and last]."),
     prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
     sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
+    prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's tune/prune_plan.json) to prune exactly as it says."),
+    latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, that the plan must be predicted within."),
+    eval_data: Optional[Path] = typer.Option(None, "--eval", help="With --prune or --prune-plan: a directory of labelled samples (as --calib reads them, and labels.txt: one integer class per line, per sample in file-name order): top-1 accuracy of the dense and the pruned model is reported beside fidelity."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -214,13 +256,8 @@ def build(
     if sparse_kernels not in ("measured", "sparse", "dense"):
         raise UsageError("cli.bad-sparse-kernels", f"--sparse-kernels {sparse_kernels}: expected measured, sparse or dense",
                          "measured chooses per layer by timing both kernels; sparse or dense forces one")
-    if prune is not None:
-        from .compression import parse_method
-
-        prune = parse_method(prune).text  # refused here, exit 2, before anything runs
-    elif prune_layers is not None or prune_correct or sparse_kernels != "measured":
-        raise UsageError("cli.prune-options", "--prune-layers, --prune-correct and --sparse-kernels need --prune",
-                         "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
+    prune = _check_prune_options(prune, prune_plan, latency_budget, eval_data, prune_layers, prune_correct,
+                                 sparse_kernels)
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
@@ -234,6 +271,7 @@ def build(
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
                            prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
+                           prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
                            seed=seed, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))

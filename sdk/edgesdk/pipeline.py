@@ -4,16 +4,18 @@ Each stage is a module under `edgesdk.stages` with
 
     OPTIONS: tuple[str, ...]          # the BuildOptions fields its result depends on
     READS: tuple[str, ...]            # the earlier stages whose outputs it reads (import: none, the model)
+    READS_FILES: dict[str, tuple]     # optional: single files of other earlier stages it reads, by stage
     def cache_inputs(options, target) -> dict   # optional: outside state it reads (a database)
     def run(artifact: Path, ctx: StageContext) -> dict   # writes into ctx.out, returns its record
 
 `artifact` is the output of the last stage in READS (for import, the model file); `ctx.artifact(name)`
-gives any other stage in READS and refuses one that is not. A stage writes its own directory,
+gives any other stage in READS and refuses one that is not; `ctx.file(stage, name)` gives a file named
+in READS_FILES (compress reads the tune stage's pruning plan, not the rest of its output). A stage writes its own directory,
 `stage_dir(DIR, stage)` = `DIR/.build/<n>-<stage>/`, immutable once written: the stage writes into
 a temporary directory that is renamed into place when it succeeds.
 
-Cache key of a stage = sha256(the digests of the outputs it READS (import: of the model file), the
-target (unless USES_TARGET is False), the values of the options it names, its outside state, the
+Cache key of a stage = sha256(the digests of the outputs it READS (import: of the model file) and of
+the files it READS_FILES (None where absent), the target (unless USES_TARGET is False), the values of the options it names, its outside state, the
 sdk's code). So a stage re-runs when what it reads changes, and only then: a new tuning database
 re-runs tune and package, not compress's int8 conversion, which never reads it. A stage whose key
 matches the one stored beside its output is a cache hit and does not run. `--from S` forces S and
@@ -70,6 +72,16 @@ def stage_reads(module: Any, stage: str) -> tuple[str, ...]:
     return reads
 
 
+def stage_read_files(module: Any, stage: str) -> dict[str, tuple[str, ...]]:
+    """The single files of earlier stages a stage module reads (READS_FILES), by stage."""
+    i = PHASE_NAMES.index(stage)
+    files = {k: tuple(v) for k, v in getattr(module, "READS_FILES", {}).items()}
+    if any(r not in PHASE_NAMES[:i] for r in files):
+        raise ValueError(f"stage {stage} READS_FILES {sorted(files)}: only earlier stages "
+                         f"({', '.join(PHASE_NAMES[:i])})")
+    return files
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     model: Path
@@ -103,6 +115,9 @@ class BuildOptions:
     prune_layers: str | None = None  # --prune-layers: names or globs; None: all but the first and last
     prune_correct: bool = False  # --prune-correct: least-squares correction of the kept weights
     sparse_kernels: str = "measured"  # --sparse-kernels: a pruned layer's kernel: measured, sparse or dense
+    prune_plan: str | None = None  # --prune-plan: "auto" (with latency_budget) or a plan file (compression/plan.py)
+    latency_budget: float | None = None  # --latency-budget MS: the auto plan's CPU time budget
+    eval_data: Path | None = None  # --eval DIR: labelled samples, the pruned model's accuracy beside the dense one's
     seed: int = 0
     until: str | None = None
     start: str | None = None  # --from
@@ -127,6 +142,15 @@ class StageContext:
     progress: Callable[[str | None], None] | None = None
     # the stages this one declared in READS (its cache key covers exactly those); None: not checked
     reads: tuple[str, ...] | None = None
+    # the single files of other stages it declared in READS_FILES; None: not checked
+    read_files: dict[str, tuple[str, ...]] | None = None
+
+    def file(self, stage: str, name: str) -> Path:
+        """A file of an earlier stage's output that this stage names in READS_FILES (it may not exist)."""
+        if self.read_files is not None and name not in self.read_files.get(stage, ()):
+            raise RuntimeError(f"a stage read {stage}/{name} without naming it in READS_FILES, so its cache key "
+                               f"does not cover it")
+        return stage_dir(self.build_dir.parent, stage) / name
 
     def artifact(self, stage: str) -> Path:
         """The output directory of an earlier stage, one this stage READS."""
@@ -195,12 +219,15 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
         for i, phase in enumerate(PHASES[: stop + 1]):
             stage = importlib.import_module(phase.module)
             reads = stage_reads(stage, phase.name)
+            read_files = stage_read_files(stage, phase.name)
             opts = {name: options.value(name) for name in getattr(stage, "OPTIONS", ())}
             if hasattr(stage, "cache_inputs"):  # state outside the build dir the stage reads
                 opts["external"] = stage.cache_inputs(options, target)
             # a stage that never reads the target (import) keeps its cache when only the target changes
             uses_target = getattr(stage, "USES_TARGET", True)
+            files = {f"{r}/{n}": _file_digest(stage_dir(out, r) / n) for r, names in read_files.items() for n in names}
             key = value_sha256({"stage": phase.name, "reads": {r: digests[r] for r in reads},
+                                **({"files": files} if files else {}),
                                 "model": None if reads else model_digest,
                                 "target": target.digest() if uses_target else None, "options": opts, "sdk": sdk})
             dest = stage_dir(out, phase.name)
@@ -213,7 +240,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 on_stage(phase.name, "start", 0.0)
                 t0 = time.perf_counter()
                 record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log,
-                                    progress, reads)
+                                    progress, reads, read_files)
                 secs = time.perf_counter() - t0
                 results.append(StageResult(phase.name, False, secs, record))
                 on_stage(phase.name, "done", secs)
@@ -229,6 +256,10 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             (out / "bundle.tar.gz").unlink(missing_ok=True)
         raise
     return BuildResult(out, results, bundle)
+
+
+def _file_digest(path: Path) -> str | None:
+    return file_sha256(path) if path.is_file() else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -267,13 +298,15 @@ def _cache_hit(dest: Path, key: str) -> bool:
 def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target: Target, target_path: Path,
                options: BuildOptions, build_dir: Path, log: Callable[[str], None],
                progress: Callable[[str | None], None] | None = None,
-               reads: tuple[str, ...] | None = None) -> dict[str, Any]:
+               reads: tuple[str, ...] | None = None,
+               read_files: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
     build_dir.mkdir(parents=True, exist_ok=True)
     tmp = build_dir / f".{dest.name}.tmp"
     try:  # from the first write on: a Ctrl-C anywhere leaves no temporary directory behind
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress, reads=reads)
+        ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress, reads=reads,
+                           read_files=read_files)
         t0 = time.perf_counter()
         record = stage.run(artifact, ctx)
         record = {"stage": phase.name, "seconds": round(time.perf_counter() - t0, 3),

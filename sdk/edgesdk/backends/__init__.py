@@ -5,14 +5,15 @@ finisher (`registry.py`).
 """
 
 from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
-                       Finisher, QuantizeJob, TuneJob, backend, backends, finisher, register, register_finisher, registered,
-                       unregister, unregister_finisher)
+                       Finisher, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
+                       register_finisher, registered, unregister, unregister_finisher)
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
                  tuner="edgesdk.backends.tvm.segment:tune_segments",
                  coverage="edgesdk.backends.tvm.segment:untuned",
                  lowering="edgesdk.backends.tvm.segment:lowering_reason",
+                 layer_timer="edgesdk.backends.tvm.layer_times:time_layers",
                  # 1: x86 convolutions' prime-width rows computed wider (rewrites.py); 2: exp, sigmoid, tanh, erf
                  # as vectorizable polynomials on CPUs (fast_math.py); 3: pruned convolutions as sparse kernels (sparse.py);
                  # 4: depthwise convolutions inside sparse runs in CHWN, the pixel block fitted to the registers
@@ -41,6 +42,6 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
                  lowering="edgesdk.backends.onnxruntime:lowering_reason"))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
-__all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished", "Finisher",
-           "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register", "register_finisher", "registered",
-           "unregister", "unregister_finisher"]
+__all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",
+           "Finisher", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register",
+           "register_finisher", "registered", "unregister", "unregister_finisher"]

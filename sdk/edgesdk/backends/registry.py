@@ -48,6 +48,19 @@ class CompileJob:
 
 
 @dataclass(frozen=True)
+class LayerTimesJob:
+    """Layers of a model to time alone on this host, dense and with pruned weights (a per-layer pruning
+    plan's times: compression/plan.py), and the model's dense CPU segments to time whole."""
+
+    model: Any  # the whole model (onnx.ModelProto), for the layers' shapes
+    weights: dict  # each layer's output name -> {method: its pruned weight (numpy)}
+    segments: tuple  # the dense CPU segment models (onnx.ModelProto), each timed whole
+    device: Any  # the target's CPU entry
+    tuning_db: Path  # the CPU's tuning database: its records schedule what is timed; its KERNEL_TIMES keeps times
+    log: Callable[[str], None]
+
+
+@dataclass(frozen=True)
 class Compiled:
     artifact: str  # relative to the bundle root
     inputs: tuple[TensorSpec, ...]
@@ -210,6 +223,10 @@ class Backend:
     # hold tuned records for every function of these segments, or None: the tune stage's policy where it
     # cannot time the target's CPU
     coverage: str = ""
+    # for a backend with sparse kernels: "module:function" taking a LayerTimesJob, returning {"segments_ms": the
+    # segments' summed time, "layers": {output: {"dense_ms": ..., "sparse_ms": {method: ...}}}} for the layers it
+    # times (the others absent); what `--prune-plan auto` chooses by
+    layer_timer: str = ""
     # bumped whenever what `compiler` makes of a graph, or how the runtime's runner runs it, changes: the
     # tune stage's timing cache keys on it, so a candidate timed the old way is measured anew, not replayed
     revision: int = 0
@@ -232,6 +249,9 @@ class Backend:
 
     def quantize(self, job: QuantizeJob) -> dict:
         return _function(self.quantizer, f"backend {self.name!r} names no quantizer")(job)
+
+    def time_layers(self, job: LayerTimesJob) -> dict:
+        return _function(self.layer_timer, f"backend {self.name!r} names no layer timer")(job)
 
     def lowering_check(self) -> Callable[..., str | None]:
         return _function(self.lowering, f"backend {self.name!r} names no lowering check")

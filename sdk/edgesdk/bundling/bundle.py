@@ -347,7 +347,9 @@ def pruning_summary(compress: dict, tuned: dict[str, dict]) -> dict:
     return {"method": entry["method"], "layers": len(entry["layers"]), "sparsity": entry["sparsity"],
             "corrected": "correction" in entry, "retrained": False,
             "fidelity": entry["fidelity"], "accelerator_layers_dense": entry.get("accelerator_layers_dense", []),
-            "sparse_kernels": sum(t.get("sparse_kernels", 0) for t in tuned.values())}
+            "sparse_kernels": sum(t.get("sparse_kernels", 0) for t in tuned.values()),
+            **({"plan": entry["plan"]} if entry.get("plan") else {}),
+            **({"accuracy": entry["accuracy"]} if "accuracy" in entry else {})}
 
 
 def _cpu_int8(src: Sources) -> dict:

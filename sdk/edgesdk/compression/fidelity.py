@@ -247,3 +247,24 @@ def correct_weights(dense_model: onnx.ModelProto, pruned_model: onnx.ModelProto,
             corrected = oriented(fitted.reshape(view.shape).astype(stored.dtype), layer)
             weight.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(corrected), weight.name))
     return out, report
+
+
+def accuracy(models: Mapping[str, onnx.ModelProto], samples: Sequence[Mapping[str, np.ndarray]],
+             labels: np.ndarray) -> dict:
+    """Top-1 accuracy of each of `models` (by name) on labelled `samples`: the arg max over the last axis of
+    the first graph output, one row per label (all axes but the last joined, over the samples in order).
+    Raises ValueError where the rows and the labels do not match."""
+    out: dict = {}
+    for name, model in models.items():
+        output = model.graph.output[0].name
+        scores = _joined(run_samples(model, samples), output)
+        if scores.ndim < 2 or scores.shape[-1] < 2:
+            raise ValueError(f"output '{output}' has shape {list(scores.shape)}: not class scores (rows of 2 or more)")
+        rows = scores.reshape(-1, scores.shape[-1])
+        if len(rows) != len(labels):
+            raise ValueError(f"{len(labels)} labels for {len(rows)} rows of output '{output}' "
+                             f"({len(samples)} sample(s) of {len(rows) // max(1, len(samples))} row(s))")
+        if labels.min(initial=0) < 0 or labels.max(initial=0) >= rows.shape[1]:
+            raise ValueError(f"labels must be classes 0..{rows.shape[1] - 1} of output '{output}'")
+        out[name] = round(float(np.mean(np.argmax(rows, -1) == labels)), 6)
+    return {"output": models[next(iter(models))].graph.output[0].name, "labels": int(len(labels)), "top1": out}

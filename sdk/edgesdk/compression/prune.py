@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -200,9 +201,10 @@ def oriented(weight: np.ndarray, layer: Layer) -> np.ndarray:
     return weight.T if layer.transposed else weight
 
 
-def prune_model(model: onnx.ModelProto, method: PruneMethod,
+def prune_model(model: onnx.ModelProto, method: PruneMethod | Mapping[str, PruneMethod],
                 layers: list[Layer]) -> tuple[onnx.ModelProto, list[dict]]:
     """A copy of `model` with each layer's weight multiplied by its mask, and a record per layer.
+    `method`: one for every layer, or each layer's by its name (a per-layer plan, `plan.py`).
 
     A weight is pruned in place where the selected layers are its only users and want the same mask;
     otherwise each selected layer gets its own pruned copy, `<weight>__pruned` (numbered if taken),
@@ -217,10 +219,11 @@ def prune_model(model: onnx.ModelProto, method: PruneMethod,
     uses.update(v.name for v in (*g.input, *g.output))
     taken = set(inits) | set(uses) | {o for sub in graphs(g) for n in sub.node for o in n.output}
 
+    methods = method if isinstance(method, Mapping) else {x.name: method for x in layers}
     by_weight: dict[str, list[tuple[Layer, np.ndarray]]] = collections.defaultdict(list)
     for layer in layers:
         dense = numpy_helper.to_array(inits[layer.weight])
-        by_weight[layer.weight].append((layer, oriented(mask(oriented(dense, layer), method), layer)))
+        by_weight[layer.weight].append((layer, oriented(mask(oriented(dense, layer), methods[layer.name]), layer)))
 
     records = []
     for name, group in by_weight.items():
@@ -240,7 +243,7 @@ def prune_model(model: onnx.ModelProto, method: PruneMethod,
                 g.initializer.append(numpy_helper.from_array(pruned, target))
                 nodes[layer.output].input[1] = target
             records.append({"layer": layer.name, "op": layer.op, "weight": target, "shape": list(dense.shape),
-                            "method": method.text, "sparsity": round(float(np.mean(pruned == 0)), 6),
+                            "method": methods[layer.name].text, "sparsity": round(float(np.mean(pruned == 0)), 6),
                             "kept": int(keep.sum()), "size": int(keep.size)})
         if not in_place and uses[name] == 0:
             g.initializer.remove(inits[name])

@@ -100,8 +100,10 @@ def load_image(path: Path, pre: Preprocess, dtype: str = "float32") -> np.ndarra
     return np.ascontiguousarray(x[None]).astype(dtype)
 
 
-def load_calibration(options, inputs: list[dict]) -> tuple[list[dict[str, np.ndarray]], dict]:
-    """Calibration feeds keyed by input name, each shaped exactly like the model's input."""
+def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
+                     ) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """Calibration feeds keyed by input name, each shaped exactly like the model's input. `flag`: the option
+    that named the directory, as the errors say it."""
     n = options.calib_samples
     if options.calib is None:
         rng = np.random.default_rng(options.seed)
@@ -109,16 +111,16 @@ def load_calibration(options, inputs: list[dict]) -> tuple[list[dict[str, np.nda
         return feeds, {"synthetic": True, "samples": n, "distribution": "uniform(-1, 1)", "seed": options.seed}
     root = Path(options.calib)
     if not root.is_dir():
-        raise UserError("compress.calib-not-found", f"--calib {root}: not a directory",
+        raise UserError("compress.calib-not-found", f"{flag} {root}: not a directory",
                         "give a directory of images, .npy files (one per sample) or .npz files (one array per input)")
     files = sorted(p for p in root.iterdir() if p.suffix.lower() in (".npy", ".npz", *IMAGE_SUFFIXES))
     if not files:
-        raise UserError("compress.calib-empty", f"--calib {root}: no images, .npy or .npz files",
+        raise UserError("compress.calib-empty", f"{flag} {root}: no images, .npy or .npz files",
                         "save calibration samples with numpy.save, shaped like the model input, or give images")
     images = [f for f in files if f.suffix.lower() in IMAGE_SUFFIXES]
     if images:
         if len(images) != len(files) or len(inputs) != 1:
-            raise UserError("compress.calib-mixed", f"--calib {root}: images calibrate a model with one image input "
+            raise UserError("compress.calib-mixed", f"{flag} {root}: images calibrate a model with one image input "
                             f"and only alone (the model has {len(inputs)} input(s); the directory has "
                             f"{len(images)} image(s) among {len(files)} files)", "give either images or numpy files")
         pre = parse_preprocess(getattr(options, "calib_preprocess", None), inputs[0]["shape"])
@@ -157,3 +159,31 @@ def load_calibration(options, inputs: list[dict]) -> tuple[list[dict[str, np.nda
         feeds += [{k: v[j] for k, v in stacks.items()} for j in range(count)]
     feeds = feeds[:n]
     return feeds, {"synthetic": False, "samples": len(feeds), "source": str(root), "files": len(files)}
+
+
+LABELS = "labels.txt"  # in an --eval directory: one integer class per output row, in sample order
+
+
+def load_labelled(root: Path, inputs: list[dict], preprocess: str | None
+                  ) -> tuple[list[dict[str, np.ndarray]], np.ndarray, dict]:
+    """`--eval DIR`: every sample in DIR, read as `--calib` reads its samples (files in name order, a stack's
+    samples in order), and LABELS: one integer class per line (blank lines and `#` comments skipped), one for
+    each row of the model's first output over all samples (a batch-16 model: 16 per sample)."""
+    options = type("Eval", (), {"calib": root, "calib_samples": 10 ** 9, "calib_preprocess": preprocess, "seed": 0})
+    samples, info = load_calibration(options, inputs, flag="--eval")
+    path = Path(root) / LABELS
+    if not path.is_file():
+        raise UserError("compress.eval-labels-missing", f"--eval {root}: no {LABELS}",
+                        f"write one integer class per line to {path}, one per sample (per batch row), in the order "
+                        "of the sample files' names")
+    labels = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            labels.append(int(text))
+        except ValueError:
+            raise UserError("compress.eval-label", f"{path}:{number}: '{text}' is not an integer class",
+                            "one integer class per line") from None
+    return samples, np.asarray(labels, dtype=np.int64), {**info, "labels": len(labels), "source": str(root)}

@@ -152,6 +152,18 @@ def pruning_summary(p: dict[str, Any]) -> list[str]:
         top1 = f", top-1 agreement {f['top1_agreement']:.1%}" if f.get("top1_agreement") is not None else ""
         out.append(f"            fidelity of {name} to the dense model: cosine {f['cosine']:.5f}{top1}, max error "
                    f"{f['max_error_of_scale']:.2%} of its scale ({fid.get('samples', '?')} samples; not accuracy)")
+    acc = p.get("accuracy")
+    if acc:
+        top1 = acc["top1"]
+        out.append(f"            top-1 accuracy on {acc['labels']} labelled sample(s) (--eval): dense {top1['dense']:.2%}, "
+                   f"pruned {top1['pruned']:.2%}" + (f", corrected {top1['corrected']:.2%}" if "corrected" in top1 else ""))
+    plan = p.get("plan") or {}
+    if plan.get("source") == "auto":
+        measured = f", measured {plan['measured_ms']:.3f} ms" if "measured_ms" in plan else ""
+        out.append(f"            per-layer plan chosen under a {plan['budget_ms']:g} ms budget: dense {plan['dense_ms']:.3f} ms, "
+                   f"predicted {plan['predicted_ms']:.3f} ms{measured} (CPU time on the build host)")
+    elif plan.get("source"):
+        out.append(f"            per-layer plan: {plan['source']}")
     return out
 
 

@@ -316,19 +316,24 @@ class Measured:
         ell = pack(weight)
         key = hashlib.sha256(json.dumps([dataclasses.asdict(shape), ell.values.shape, self.target, host_cpu(),
                                          REVISION], sort_keys=True, default=str).encode()).hexdigest()
+        times = self.cached(key, lambda: {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target, self.database)),
+                                          "dense_ms": _median_ms(dense_runner(shape, self.target, self.database))})
+        faster = times["sparse_ms"] < times["dense_ms"]
+        return {"kernel": "sparse" if faster else "dense", **times,
+                "why": "measured " + ("faster" if faster else "not faster") + " than the dense kernel"}
+
+
+    def cached(self, key: str, measure: Callable[[], dict]) -> dict:
+        """The entry under `key`, measured (and kept, with `keep`) where the cache has none."""
         times = self.entries.get(key)
         if times is None:
-            times = {"sparse_ms": _median_ms(sparse_runner(shape, ell, self.target, self.database)),
-                     "dense_ms": _median_ms(dense_runner(shape, self.target, self.database))}
-            self.entries[key] = times
+            times = self.entries[key] = measure()
             if self.cache is not None and self.keep:
                 self.cache.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self.cache.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
                 tmp.replace(self.cache)
-        faster = times["sparse_ms"] < times["dense_ms"]
-        return {"kernel": "sparse" if faster else "dense", **times,
-                "why": "measured " + ("faster" if faster else "not faster") + " than the dense kernel"}
+        return times
 
 
 def _median_ms(run: Any) -> float:

@@ -42,22 +42,27 @@ from ... import backends
 from ...backends import onnxruntime as ort_backend
 from ...compression import build as pruning
 from ...compression import correct_weights, fidelity
-from ...config import HOST
+from ...compression.fidelity import accuracy
+from ...errors import UserError
 from ...ir import model as irm
-from ...ir.calibration import load_calibration
+from ...ir.calibration import LABELS, load_calibration, load_labelled
 from ...ir.digest import tree_sha256
 from ...scheduling.plan import Plan
 from ...scheduling.selection import held_out_split
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed",
-           "prune", "prune_layers", "prune_correct", "sparse_kernels")
+           "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data")
 PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
+# and of the tune stage only its pruning plan: a new tuning database reruns tune, not the int8 conversion here
+READS_FILES = {"tune": (pruning.PLAN_FILE,)}
 
 
 def cache_inputs(options, target) -> dict:
-    return {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None}
+    return {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None,
+            **({"eval_sha256": tree_sha256(Path(options.eval_data)) if Path(options.eval_data).is_dir() else None}
+               if options.eval_data else {})}
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -68,7 +73,8 @@ def run(artifact: Path, ctx) -> dict:
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     (ctx.out / "segments").mkdir()
     record: dict = {"segments": {}, "calibration": {}}
-    if not quantized and not ctx.options.prune:
+    prunes = bool(ctx.options.prune or ctx.options.prune_plan)
+    if not quantized and not prunes:
         (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
         return {"int8_segments": 0}
 
@@ -84,8 +90,8 @@ def run(artifact: Path, ctx) -> dict:
                  "(uniform in [-1, 1]); give real inputs with --calib")
 
     full = onnx.load(str(sched / "model.onnx"))
-    if ctx.options.prune:
-        full = _prune(full, plan, samples, ctx, record)
+    if prunes:
+        full = _prune(full, samples, ctx, record)
     if not quantized:
         (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
         return {"int8_segments": 0, "pruning": _summary(record["pruning"])}
@@ -121,24 +127,31 @@ def run(artifact: Path, ctx) -> dict:
     return {**out, "pruning": _summary(record["pruning"])} if "pruning" in record else out
 
 
-def _prune(dense: onnx.ModelProto, plan: Plan, samples: list[dict], ctx, record: dict) -> onnx.ModelProto:
-    """The model with its CPU layers pruned (and corrected), written as PRUNED; its record in `record`."""
+def _prune(dense: onnx.ModelProto, samples: list[dict], ctx, record: dict) -> onnx.ModelProto:
+    """The model with the tune stage's plan pruned (and corrected), written as PRUNED; its record in `record`."""
     opts = ctx.options
-    accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-    pruned, layers, chosen, accel = pruning.prune_for_build(dense, opts.prune, opts.prune_layers, accelerated,
-                                                            opts.sparse_kernels)
-    entry: dict = {"method": opts.prune, "layers_spec": opts.prune_layers or "all but the first and last",
+    plan_file = ctx.file("tune", pruning.PLAN_FILE)
+    planned = json.loads(plan_file.read_text())
+    pruned, layers, chosen = pruning.prune_for_build(dense, pruning.load_plan(plan_file, dense), opts.sparse_kernels)
+    methods = sorted({r["method"] for r in layers})
+    entry: dict = {"method": ", ".join(methods) if methods else (opts.prune or "none"),
+                   "plan": {k: v for k, v in planned.items() if k in ("source", "budget_ms", "predicted_ms",
+                                                                      "measured_ms", "dense_ms")},
+                   "layers_spec": opts.prune_layers or ("the plan's" if opts.prune_plan else "all but the first and last"),
                    "retrained": False, "layers": layers}
+    accel = planned.get("accelerator_layers_dense", [])
     if accel:
-        entry["accelerator_layers_dense"] = [x.name for x in accel]
+        entry["accelerator_layers_dense"] = accel
         ctx.log(f"compress: prune: the Edge TPU gains nothing from sparsity (it computes every weight, zero or not): "
                 f"its {len(accel)} prunable layer(s) stay dense; only the CPU's layers are pruned")
     if not chosen:
-        ctx.warn(f"--prune {opts.prune}: no layer to prune on the CPU ("
-                 + ("--prune-layers chose none of its layers" if opts.prune_layers else
-                    "it runs no prunable layer besides the first and last, which stay dense by default")
-                 + "); the model is unchanged")
+        ctx.warn((f"--prune-plan {opts.prune_plan}: the plan prunes no layer on the CPU" if opts.prune_plan else
+                  f"--prune {opts.prune}: no layer to prune on the CPU ("
+                  + ("--prune-layers chose none of its layers" if opts.prune_layers else
+                     "it runs no prunable layer besides the first and last, which stay dense by default") + ")")
+                 + "; the model is unchanged")
     fit, held = held_out_split(samples) if opts.prune_correct else (samples, samples)
+    uncorrected = pruned
     if opts.prune_correct and chosen:
         before = fidelity(dense, pruned, held, [])["end_to_end"]
         ctx.log(f"compress: prune: refitting the kept weights of {len(chosen)} layer(s) by least squares on "
@@ -157,19 +170,42 @@ def _prune(dense: onnx.ModelProto, plan: Plan, samples: list[dict], ctx, record:
     kept = sum(r["kept"] for r in layers)
     size = sum(r["size"] for r in layers)
     entry["sparsity"] = round(1 - kept / size, 4) if size else 0.0
+    if opts.eval_data:
+        entry["accuracy"] = _accuracy(dense, uncorrected, pruned if "correction" in entry else None, ctx)
     record["pruning"] = entry
     irm.save(pruned, ctx.out / PRUNED)
     for name, f in measured["end_to_end"].items():
         top1 = f"top-1 agreement {f['top1_agreement']:.3f}, " if f["top1_agreement"] is not None else ""
-        ctx.log(f"compress: prune {opts.prune}: {len(chosen)} layer(s), {entry['sparsity']:.1%} of their weights zero; "
+        ctx.log(f"compress: prune {entry['method']}: {len(chosen)} layer(s), {entry['sparsity']:.1%} of their weights zero; "
                 f"fidelity of output '{name}' to the dense model: cosine {f['cosine']:.5f}, {top1}"
                 f"max error {f['max_error_of_scale']:.2%} of its scale (no retraining"
                 f"{', least-squares correction' if 'correction' in entry else ''})")
     return pruned
 
 
+def _accuracy(dense: onnx.ModelProto, pruned: onnx.ModelProto, corrected: onnx.ModelProto | None, ctx) -> dict:
+    """`--eval DIR`: top-1 accuracy on its labelled samples of the dense model, the pruned one and (with
+    `--prune-correct`) the corrected one, by onnxruntime."""
+    io = json.loads((ctx.artifact("import") / "import.json").read_text())
+    samples, labels, info = load_labelled(Path(ctx.options.eval_data), io["inputs"], ctx.options.calib_preprocess)
+    models = {"dense": dense, "pruned": pruned, **({"corrected": corrected} if corrected is not None else {})}
+    try:
+        got = accuracy(models, samples, labels)
+    except ValueError as e:
+        raise UserError("compress.eval-labels", f"--eval {ctx.options.eval_data}: {e}",
+                        f"{LABELS} holds one integer class per row of the model's first output, in sample order") from None
+    top1 = got["top1"]
+    final = "corrected" if corrected is not None else "pruned"
+    ctx.log(f"compress: prune: top-1 accuracy on {got['labels']} labelled sample(s) of --eval: dense "
+            f"{top1['dense']:.2%}, pruned {top1['pruned']:.2%}"
+            + (f", corrected {top1['corrected']:.2%}" if corrected is not None else "")
+            + f" ({(top1[final] - top1['dense']) * 100:+.2f} points)")
+    return {**got, "samples": info["samples"], "source": info["source"]}
+
+
 def _summary(entry: dict) -> dict:
     """The stage record's short form of the pruning: what the build summary shows."""
     return {"method": entry["method"], "layers": len(entry["layers"]), "sparsity": entry["sparsity"],
             "corrected": "correction" in entry, "fidelity": entry["fidelity"]["end_to_end"],
-            "accelerator_layers_dense": len(entry.get("accelerator_layers_dense", []))}
+            "accelerator_layers_dense": len(entry.get("accelerator_layers_dense", [])),
+            **({"accuracy": entry["accuracy"]["top1"]} if "accuracy" in entry else {})}

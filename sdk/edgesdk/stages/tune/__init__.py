@@ -41,18 +41,20 @@ import onnx
 
 from ... import backends
 from ...compression import build as pruning
+from ...compression import plan as prune_plan
+from ...compression.prune import parse_method, prunable
 from ...config import HOST
-from ...errors import UserError
+from ...errors import UsageError, UserError
 from ...ir import model as irm
 from ...ir.calibration import load_calibration
-from ...ir.digest import tree_sha256
+from ...ir.digest import file_sha256, tree_sha256
 from ...scheduling import boards as on_boards
 from ...scheduling import selection
 from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
            "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers",
-           "sparse_kernels")
+           "sparse_kernels", "prune_plan", "latency_budget")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
@@ -74,8 +76,12 @@ def cache_inputs(options, target) -> dict:
     # a database not made yet is an empty one: the build makes it; the backends' kernel times are its
     # measurements too (left out alike)
     kinds = [d.name for d in db.iterdir() if d.is_dir()] if db.is_dir() else []
+    plan = options.prune_plan
     return {"tuning_db_sha256": tree_sha256(db, exclude=(TIMING_CACHE, *(f"{k}/{backends.KERNEL_TIMES}"
-                                                                          for k in kinds)))}
+                                                                          for k in kinds))),
+            # a plan file's content, not its path
+            **({"prune_plan_sha256": file_sha256(Path(plan)) if Path(plan).is_file() else None}
+               if plan not in (None, "auto") else {})}
 
 
 def run(artifact: Path, ctx) -> dict:
@@ -85,9 +91,11 @@ def run(artifact: Path, ctx) -> dict:
     boards = None
     if ctx.options.rpc_tracker or ctx.options.rpc_key:
         boards = backends.Boards.parse(ctx.options.rpc_tracker or "", ctx.options.rpc_key or "")
-    pruned = _pruned(plan, artifact, ctx)
+    pruned = _pruned(plan, artifact, db, ctx)
     kinds = _search(plan, artifact, db, boards, ctx, _loader(artifact, pruned))
     selected = _select(plan, artifact, db, ctx, boards, pruned)
+    if pruned is not None:
+        _plan_measured(selected, ctx)
     _write_plan(selected, artifact, ctx.out)
     (ctx.out / "int8.json").write_text(json.dumps({"segments": selected.quantized, "calibration": selected.calibration},
                                                   indent=2) + "\n")
@@ -101,17 +109,131 @@ def run(artifact: Path, ctx) -> dict:
     return record
 
 
-def _pruned(plan: Plan, artifact: Path, ctx) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict]] | None:
-    """With `--prune`: the model as scheduled, the same with its CPU layers pruned as the compress stage will
-    prune them (the same masks: the same function of the same model and options), and the pruned layers'
-    records; None without. The search tunes, and the selection times, what the pruned segments compile to."""
-    if not ctx.options.prune:
+def _pruned(plan: Plan, artifact: Path, db: Path, ctx) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict]] | None:
+    """With `--prune` or `--prune-plan`: the per-layer plan written (`pruning.PLAN_FILE`, what the compress
+    stage prunes by), then the model as scheduled, the same with the plan's layers pruned as the compress
+    stage will prune them (the same function of the same model and plan), and the pruned layers' records;
+    None without. The search tunes, and the selection times, what the pruned segments compile to."""
+    opts = ctx.options
+    if not (opts.prune or opts.prune_plan):
         return None
     dense = onnx.load(str(artifact / "model.onnx"))
     accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
-    model, layers, _, _ = pruning.prune_for_build(dense, ctx.options.prune, ctx.options.prune_layers, accelerated,
-                                                  ctx.options.sparse_kernels)
-    return dense, model, layers
+    if opts.prune_plan not in (None, "auto"):
+        wanted = prune_plan.read_plan(Path(opts.prune_plan), prunable(dense))  # None: dense
+        layers, accel = pruning.on_cpu(dense, [x for x in prunable(dense) if x.name in wanted], accelerated)
+        methods = {x.name: wanted[x.name] for x in layers if wanted[x.name] is not None}
+        record: dict = {"source": str(opts.prune_plan)}
+        ctx.log(f"tune: prune plan from {opts.prune_plan}: {len(methods)} layer(s) to prune")
+    else:
+        layers, accel = pruning.candidates(dense, opts.prune_layers, accelerated)
+        if opts.prune_plan == "auto":
+            methods, record = _auto_plan(plan, artifact, dense, layers, db, ctx)
+        else:
+            methods, record = pruning.uniform(layers, opts.prune), {"source": f"--prune {opts.prune}"}
+    pruning.save_plan(ctx.out / pruning.PLAN_FILE, dense, methods, layers,
+                      accelerator_layers_dense=[x.name for x in accel], **record)
+    model, records, _ = pruning.prune_for_build(dense, methods, opts.sparse_kernels)
+    return dense, model, records
+
+
+def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list, db: Path, ctx
+               ) -> tuple[dict, dict]:
+    """`--prune-plan auto`: each candidate layer's method chosen under `--latency-budget` by dynamic
+    programming over its kernels' times measured on this host and its sensitivity (compression/plan.py)."""
+    opts = ctx.options
+    why = selection.unmeasurable(ctx.target)
+    if why is not None:
+        raise UsageError("prune.plan-unmeasurable", f"--prune-plan auto times each layer's kernels on this host, and "
+                         f"this host cannot run the target's CPU code ({why})",
+                         hint="choose the plan on a host that runs the target's CPU code and give it here as "
+                              "--prune-plan FILE (that build's tune/prune_plan.json), or prune every layer alike "
+                              "with --prune METHOD")
+    timer = next((b for b in backends.backends() if b.layer_timer), None)
+    candidates = prune_plan.parse_candidates(opts.prune or prune_plan.DEFAULT_CANDIDATES)
+    names = ", ".join(m.text for m in candidates)
+    record: dict = {"source": "auto", "budget_ms": opts.latency_budget, "candidates": [m.text for m in candidates],
+                    "measured_on": selection.host_name()}
+    if not layers:
+        ctx.warn("--prune-plan auto: no layer to prune on the CPU; the model is unchanged")
+        return {}, record
+    ctx.log(f"tune: prune plan: {len(layers)} candidate layer(s), methods {names}, budget {opts.latency_budget:g} ms "
+            f"of CPU time: timing each layer's kernels on this host")
+    weights = {x.output: {m.text: pruning.pruned_weight(dense, x, m) for m in candidates} for x in layers}
+    cpu = [s for s in plan.segments if s.device.split(":")[0] == HOST and s.backend == timer.name]
+    times = timer.time_layers(backends.LayerTimesJob(
+        model=dense, weights=weights, segments=tuple(onnx.load(str(artifact / s.artifact)) for s in cpu),
+        device=ctx.target.host, tuning_db=db / HOST, log=ctx.log))
+    io = json.loads((ctx.artifact("import") / "import.json").read_text())
+    samples, calib = load_calibration(ctx.options, io["inputs"])
+    samples = samples[:prune_plan.SENSITIVITY_SAMPLES]
+    ctx.log(f"tune: prune plan: each layer's sensitivity on {len(samples)} "
+            f"{'synthetic ' if calib.get('synthetic') else ''}calibration sample(s)")
+    timed = [x for x in layers if x.output in times["layers"]]
+    loss = prune_plan.sensitivity(dense, timed, candidates, samples)
+    options: dict[str, list] = {}
+    for x in layers:
+        t = times["layers"].get(x.output)
+        if t is None:  # no sparse kernel (Gemm, MatMul): pruning it saves nothing
+            options[x.name] = [prune_plan.Option(prune_plan.DENSE, 0.0, 0.0)]
+            continue
+        options[x.name] = [prune_plan.Option(prune_plan.DENSE, t["dense_ms"], 0.0)]
+        for m in candidates:
+            sparse_ms = t["sparse_ms"][m.text]
+            kernel = opts.sparse_kernels if opts.sparse_kernels != "measured" else \
+                ("sparse" if sparse_ms < t["dense_ms"] else "dense")
+            options[x.name].append(prune_plan.Option(m.text, sparse_ms if kernel == "sparse" else t["dense_ms"],
+                                                     loss[x.name][m.text], kernel))
+    chosen = prune_plan.choose(options, times["segments_ms"], opts.latency_budget)
+    pruned = {k: v for k, v in chosen.layers.items() if v != prune_plan.DENSE}
+    record.update({"dense_ms": chosen.dense_ms, "predicted_ms": round(chosen.predicted_ms, 4),
+                   "fastest_ms": round(chosen.fastest_ms, 4), "loss": round(chosen.loss, 6),
+                   "segments_timed": [s.id for s in cpu], "sensitivity_samples": len(samples),
+                   "synthetic_samples": bool(calib.get("synthetic")),
+                   "options": {k: [{"method": o.method, "ms": o.ms, "loss": round(o.loss, 6), "kernel": o.kernel}
+                                   for o in v] for k, v in options.items()}})
+    for line in plan_table(record, chosen.layers):
+        ctx.log(line)
+    if not pruned:
+        ctx.log(f"tune: prune plan: the dense model is predicted at {chosen.dense_ms:.3f} ms, within the budget: "
+                "nothing is pruned")
+    return {k: parse_method(v) for k, v in pruned.items()}, record
+
+
+def plan_table(record: dict, chosen: dict[str, str]) -> list[str]:
+    """The auto plan as log lines: each layer's options (time, sensitivity) and its choice."""
+    lines = [f"tune: prune plan: {'layer':<28} {'option':<16} {'ms':>8} {'loss':>9}  chosen"]
+    for name, opts in record["options"].items():
+        for o in opts:
+            mark = "<-" if chosen.get(name) == o["method"] else ""
+            label = name if o is opts[0] else ""
+            label = label if len(label) <= 28 else label[:25] + "..."
+            kernel = f" ({o['kernel']})" if o["method"] != prune_plan.DENSE else ""
+            lines.append(f"tune: prune plan: {label:<28} {o['method'] + kernel:<16} {o['ms']:>8.3f} "
+                         f"{o['loss']:>9.5f}  {mark}")
+    lines.append(f"tune: prune plan: dense {record['dense_ms']:.3f} ms, predicted {record['predicted_ms']:.3f} ms "
+                 f"(budget {record['budget_ms']:g} ms, fastest {record['fastest_ms']:.3f} ms), summed loss "
+                 f"{record['loss']:.5f}")
+    return lines
+
+
+def _plan_measured(selected: selection.Selected, ctx) -> None:
+    """After the selection: the auto plan's prediction beside the CPU time measured for what was chosen."""
+    if ctx.options.prune_plan != "auto":
+        return
+    path = ctx.out / pruning.PLAN_FILE
+    data = json.loads(path.read_text())
+    spans = selected.record.get("spans", [])
+    times = [s["candidates"].get(s["chosen"], {}).get("ms") for s in spans]
+    if not spans or any(t is None for t in times) or "predicted_ms" not in data:
+        return
+    measured = round(sum(times), 4)
+    data["measured_ms"] = measured
+    (ctx.out / pruning.PLAN_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    say = ctx.warn if measured > data["budget_ms"] else ctx.log
+    say(f"tune: prune plan: predicted {data['predicted_ms']:.3f} ms; the CPU candidates chosen measured "
+        f"{measured:.3f} ms end to end" + (f", over the {data['budget_ms']:g} ms budget (the prediction adds "
+                                           "kernels timed alone)" if measured > data["budget_ms"] else ""))
 
 
 def _loader(artifact: Path, pruned):
@@ -186,7 +308,8 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         # the candidates are timed on the weights the compress stage will prune; the segments this stage
         # writes stay dense
         dense, model, layers = pruned
-        ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ({ctx.options.prune})")
+        ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ("
+                + (f"--prune-plan {ctx.options.prune_plan}" if ctx.options.prune_plan else ctx.options.prune) + ")")
     else:
         model = onnx.load(str(artifact / "model.onnx")) if reads else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())

@@ -1,0 +1,219 @@
+"""A per-layer pruning plan: which method prunes which layer. Given as a file (`--prune-plan FILE`), or
+chosen by dynamic programming under a latency budget (`--prune-plan auto --latency-budget MS`), as the
+ICPADS 2023 N:M compiler chose each layer's sparsity under a time budget.
+
+The auto plan, for the candidate layers (prunable, on the CPU, chosen by `--prune-layers`):
+- **options**: each layer stays dense or takes one of the candidate methods (`--prune 2:4,1:4`);
+- **time** of an option: the layer's kernel measured alone on this host (the backend's `time_layers`): the
+  dense kernel, or for a method the faster of its sparse kernel and the dense one, since the build keeps
+  the dense kernel where the sparse one is not faster;
+- **loss** of an option: its sensitivity, 1 - the cosine similarity of the model's outputs to the dense
+  model's with only this layer pruned by this method (the smallest over the outputs), on at most
+  `SENSITIVITY_SAMPLES` calibration samples. Losses are added up, a first-order estimate: the chosen plan's
+  own fidelity is then measured whole (the compress stage's report);
+- **predicted time** of a plan: the dense CPU segments' measured time less what each pruned layer's kernel
+  saves over its dense kernel;
+- **the choice**: the least total loss whose predicted time is within the budget. A knapsack over the time
+  to save: savings counted in steps of `1/RESOLUTION` of it, each rounded down, so the plan chosen never
+  predicts more than the budget (where rounding leaves no plan but the fastest within it, that one). An
+  unreachable budget is refused with the fastest plan's prediction.
+
+A plan file is JSON: `{"format": "edgesdk-prune-plan/1", "layers": {"<layer>": "<method>" | "dense"}}`;
+the auto plan is written in the same format with its table (`plan`, `options`, `predicted_ms`), so a release
+build can pin a plan measured once (`--prune-plan prune_plan.json`) and get the same weights on any host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..errors import UsageError, UserError
+from .fidelity import run_samples
+from .prune import Layer, PruneMethod, parse_method, prune_model
+
+FORMAT = "edgesdk-prune-plan/1"
+DENSE = "dense"
+DEFAULT_CANDIDATES = "2:4,1:4"  # --prune-plan auto without --prune: the N:M levels
+SENSITIVITY_SAMPLES = 8
+RESOLUTION = 2000  # the knapsack's steps over the time to save
+
+
+def parse_candidates(text: str) -> list[PruneMethod]:
+    """`--prune` with `--prune-plan auto`: one method or several joined by ',' (each as `parse_method`)."""
+    methods: dict[str, PruneMethod] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise UsageError("prune.bad-method", f"--prune {text!r}: an empty method in the list",
+                             hint="join methods with ',', e.g. --prune 2:4,1:4")
+        m = parse_method(part)
+        methods.setdefault(m.text, m)
+    return list(methods.values())
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a layer: `method` (or DENSE), its kernel's measured time, and its sensitivity."""
+
+    method: str
+    ms: float
+    loss: float
+    kernel: str = "dense"  # the kernel the build will choose for it: "sparse" where measured faster
+
+
+def sensitivity(dense: onnx.ModelProto, layers: Sequence[Layer], methods: Sequence[PruneMethod],
+                samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, float]]:
+    """Each layer's loss under each method, alone: 1 - the least cosine similarity over the graph outputs
+    of the model with that one layer pruned to the dense model, on `samples` (onnxruntime)."""
+    outputs = [o.name for o in dense.graph.output]
+    reference = run_samples(dense, samples)
+    out: dict[str, dict[str, float]] = {}
+    for layer in layers:
+        out[layer.name] = {}
+        for method in methods:
+            pruned, _ = prune_model(dense, method, [layer])
+            runs = run_samples(pruned, samples)
+            cosines = [_cosine(np.concatenate([np.ravel(r[o]) for r in reference]),
+                               np.concatenate([np.ravel(r[o]) for r in runs])) for o in outputs]
+            out[layer.name][method.text] = max(0.0, 1.0 - min(cosines))
+    return out
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if np.array_equal(a, b):
+        return 1.0
+    norms = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(np.clip(a @ b / norms, -1, 1)) if norms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Chosen:
+    layers: dict[str, str]  # every candidate layer: its method, or DENSE
+    predicted_ms: float  # the plan's predicted CPU time
+    dense_ms: float  # the dense model's
+    fastest_ms: float  # the fastest plan's
+    loss: float  # the summed sensitivity of the choice
+
+
+def choose(options: Mapping[str, Sequence[Option]], dense_ms: float, budget_ms: float) -> Chosen:
+    """The options of least summed loss whose predicted time (`dense_ms` less each layer's saving over
+    its DENSE option) is at most `budget_ms`. Each layer's options must include DENSE. Raises UserError
+    "prune.budget-unreachable" when even the fastest plan predicts more than the budget."""
+    names = list(options)
+    base = {n: next(o.ms for o in options[n] if o.method == DENSE) for n in names}
+    saving = {n: [max(0.0, base[n] - o.ms) for o in options[n]] for n in names}
+    fastest_ms = dense_ms - sum(max(s) for s in saving.values())
+    need = dense_ms - budget_ms
+    if need <= 0:
+        return Chosen({n: DENSE for n in names}, dense_ms, dense_ms, fastest_ms, 0.0)
+    if fastest_ms > budget_ms + 1e-9:
+        raise UserError("prune.budget-unreachable",
+                        f"--latency-budget {budget_ms:g} ms cannot be met: the fastest plan ({len(names)} layer(s) "
+                        f"pruned where that saves time) is predicted at {fastest_ms:.3f} ms, the dense model at "
+                        f"{dense_ms:.3f} ms",
+                        hint=f"raise the budget to at least {math.ceil(fastest_ms * 100) / 100:g} ms, or add a "
+                             "sparser method to --prune (e.g. --prune 2:4,1:4,magnitude:0.9)")
+    steps = RESOLUTION
+    unit = need / steps
+    # savings in whole steps, rounded down (a hair under a whole step counts it)
+    units = {n: [min(steps, int(math.floor(v / unit + 1e-9))) for v in saving[n]] for n in names}
+    # cost[s]: the least loss of the layers so far that saves s steps (s = steps: at least that many);
+    # back[i][s]: layer i's option and the state it came from
+    cost = np.full(steps + 1, np.inf)
+    cost[0] = 0.0
+    back = []
+    index = np.arange(steps + 1)
+    for n in names:
+        new = np.full(steps + 1, np.inf)
+        option = np.zeros(steps + 1, dtype=np.int32)
+        source = np.zeros(steps + 1, dtype=np.int64)
+        for k, o in enumerate(options[n]):
+            u = units[n][k]
+            came = index - u  # the state each one comes from (< 0: unreachable by saving u)
+            reached = np.where(came >= 0, cost[np.maximum(came, 0)], np.inf)
+            if u:  # the cap: the best of every state that reaches it
+                tail = steps - u + int(np.argmin(cost[steps - u:]))
+                reached[steps], came[steps] = cost[tail], tail
+            reached = reached + o.loss
+            better = reached < new
+            new[better], option[better], source[better] = reached[better], k, came[better]
+        cost = new
+        back.append((option, source))
+    chosen: dict[str, str] = {}
+    if np.isfinite(cost[steps]):
+        s = steps
+        for n, (option, source) in zip(reversed(names), reversed(back)):
+            chosen[n] = options[n][int(option[s])].method
+            s = int(source[s])
+    else:  # only the fastest plans fit, with nothing to spare that whole steps could count: the least lossy
+        for n in names:
+            top = max(saving[n])
+            chosen[n] = min((o for o, v in zip(options[n], saving[n]) if v == top), key=lambda o: o.loss).method
+    chosen = {n: chosen[n] for n in names}
+    pick = {n: [o.method for o in options[n]].index(chosen[n]) for n in names}
+    predicted = dense_ms - sum(saving[n][pick[n]] for n in names)
+    loss = sum(options[n][pick[n]].loss for n in names)
+    return Chosen(chosen, predicted, dense_ms, fastest_ms, loss)
+
+
+def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | None]:
+    """A plan file: each named layer's method (None: dense). Refuses, naming the file and line, what is not
+    such a file, a layer the model does not have among `layers` (its prunable ones), and a bad method."""
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError("prune.plan-unreadable", f"--prune-plan {where}: {e.strerror or e}",
+                         hint="give a plan file written by an earlier build (tune/prune_plan.json), or 'auto'") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError("prune.plan-invalid", f"{where}:{e.lineno}: not JSON: {e.msg}",
+                         hint=f'a plan is {{"format": "{FORMAT}", "layers": {{"<layer>": "2:4" | "dense", ...}}}}') from None
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+        raise UsageError("prune.plan-invalid", f"{where}: no \"layers\" object",
+                         hint=f'a plan is {{"format": "{FORMAT}", "layers": {{"<layer>": "2:4" | "dense", ...}}}}')
+    if data.get("format", FORMAT) != FORMAT:
+        raise UsageError("prune.plan-invalid", f"{where}: format {data.get('format')!r}, expected {FORMAT!r}",
+                         hint="write the plan again with this version of edgesdk")
+    known = {x.name for x in layers}
+    plan: dict[str, PruneMethod | None] = {}
+    for name, method in data["layers"].items():
+        line = _line_of(text, name)
+        if name not in known:
+            names = sorted(known)
+            more = f" (and {len(names) - 10} more)" if len(names) > 10 else ""
+            raise UsageError("prune.unknown-layer", f"{where}:{line}: the model has no prunable layer '{name}'",
+                             hint=f"prunable layers: {', '.join(names[:10])}{more}" if names else
+                             "the model has no prunable layer")
+        if not isinstance(method, str):
+            raise UsageError("prune.plan-invalid", f"{where}:{line}: layer '{name}': method {method!r} is not a string",
+                             hint='a method such as "2:4", "magnitude:0.75", or "dense"')
+        try:
+            plan[name] = None if method == DENSE else parse_method(method)
+        except UsageError as e:
+            raise UsageError(e.code, f"{where}:{line}: layer '{name}': {e.message}", hint=e.hint) from None
+    return plan
+
+
+def _line_of(text: str, key: str) -> int:
+    needle = json.dumps(key) + ":"
+    for i, line in enumerate(text.splitlines(), 1):
+        if needle in line.replace('" :', '":'):
+            return i
+    return 1
+
+
+def write_plan(path: Path, layers: Mapping[str, str], **record) -> None:
+    """The plan as a file `read_plan` reads back (written whole or not at all), with `record` beside."""
+    data = {"format": FORMAT, "layers": dict(layers), **record}
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
