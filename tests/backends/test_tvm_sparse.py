@@ -128,6 +128,32 @@ def test_sparse_kernel_equals_onnxruntime_on_the_pruned_dense_model(case, tmp_pa
     assert_close(got, ort_run(model, x), "sparse conv")
 
 
+HASWELL = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"}  # AVX2: 8 lanes, vmaskmov
+
+
+@pytest.mark.parametrize("target", [HASWELL, {"kind": "llvm", "mcpu": "native"}], ids=["avx2", "native"])
+@pytest.mark.parametrize("h, w, masked", [(9, 13, True), (6, 16, False)])
+def test_batch_one_rows_that_lanes_do_not_divide_run_the_masked_row_kernel(target, h, w, masked, tmp_path):
+    """Batch 1, unit stride: a width the register's lanes do not divide (13) gets `row_kernel`, with a
+    masked tail (scheduled by hand, not a tuning task); a width they divide (16) keeps `kernel`. Both equal
+    onnxruntime, on AVX2 (vmaskmov) and on this host's own vector width."""
+    import tvm
+
+    rng = np.random.default_rng(h * w)
+    weight = nm_pruned(rng.standard_normal((12, 20, 3, 3)).astype(np.float32), 1, 4)
+    model = conv_model(1, 20, 12, h, w, 3, 1, (1, 1, 1, 1), weight)
+    x = rng.standard_normal((1, 20, h, w)).astype(np.float32)
+    lib = tmp_path / "segment.so"
+    tvm_compile.compile_onnx(model, target, lib)
+    got = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(lib)), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    assert_close(got, ort_run(model, x), "sparse conv")
+    lowered = tvm_compile._lowered(model, tvm.target.Target(target))
+    kernels = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("sparse_conv2d")]
+    assert len(kernels) == 1
+    assert bool(kernels[0].attrs.get("tirx.is_scheduled", False)) == masked
+    assert sparse.is_kernel(kernels[0]) != masked  # only `kernel` is a MetaSchedule task
+
+
 def test_a_dense_convolution_keeps_the_dense_kernel(tmp_path):
     weight = np.random.default_rng(0).standard_normal((8, 8, 3, 3)).astype(np.float32)
     weight[:, :3] = 0  # 37.5 % zeros: below MIN_SPARSITY

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from edgesdk.compression import parse_method, prunable, prune_model
-from edgesdk.compression.plan import (DENSE, FORMAT, RESOLUTION, Option, choose, parse_candidates, read_plan,
-                                      sensitivity, write_plan)
+from edgesdk.compression.plan import (DENSE, FORMAT, RESOLUTION, Option, choose, options, parse_candidates,
+                                      read_plan, sensitivity, table, write_plan)
 from edgesdk.errors import UsageError, UserError
 
 from .test_prune import conv_net, initializer
@@ -147,3 +147,26 @@ def test_plan_files_round_trip_and_name_the_line_of_what_is_wrong(tmp_path):
     with pytest.raises(UsageError) as e:
         read_plan(tmp_path / "missing.json", layers)
     assert e.value.code == "prune.plan-unreadable"
+
+
+def test_options_take_the_kernel_the_build_will_run():
+    layers = {x.name: x for x in prunable(conv_net())}
+    chosen = [layers["conv2"], layers["c3"], layers["fc"]]
+    times = {layers["conv2"].output: {"dense_ms": 2.0, "sparse_ms": {"2:4": 2.5, "1:4": 1.0}},
+             layers["c3"].output: {"dense_ms": 1.0, "sparse_ms": {"2:4": 0.8, "1:4": 0.5}}}
+    loss = {"conv2": {"2:4": 0.1, "1:4": 0.3}, "c3": {"2:4": 0.2, "1:4": 0.4}}
+    methods = [parse_method("2:4"), parse_method("1:4")]
+    got = options(chosen, times, loss, methods)
+    # a sparse kernel slower than the dense one: the build keeps the dense one, so the option saves nothing
+    assert [(o.method, o.ms, o.kernel) for o in got["conv2"]] == [(DENSE, 2.0, "dense"), ("2:4", 2.0, "dense"),
+                                                                  ("1:4", 1.0, "sparse")]
+    assert got["fc"] == [Option(DENSE, 0.0, 0.0)]  # a Gemm: no sparse kernel, no option but dense
+    forced = options(chosen, times, loss, methods, "sparse")
+    assert [o.ms for o in forced["conv2"]] == [2.0, 2.5, 1.0]
+    assert [o.ms for o in options(chosen, times, loss, methods, "dense")["c3"]] == [1.0, 1.0, 1.0]
+    record = {"options": {k: [vars(o) for o in v] for k, v in got.items()}, "dense_ms": 5.0, "predicted_ms": 4.0,
+              "budget_ms": 4.5, "fastest_ms": 3.5, "loss": 0.3}
+    lines = table(record, {"conv2": "1:4", "c3": DENSE, "fc": DENSE})
+    assert any("conv2" in line and "<-" not in line for line in lines)
+    assert any("1:4 (sparse)" in line and line.rstrip().endswith("<-") for line in lines)
+    assert lines[-1].endswith("dense 5.000 ms, predicted 4.000 ms (budget 4.5 ms, fastest 3.500 ms), summed loss 0.30000")

@@ -16,8 +16,9 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
                  layer_timer="edgesdk.backends.tvm.layer_times:time_layers",
                  # 1: x86 convolutions' prime-width rows computed wider (rewrites.py); 2: exp, sigmoid, tanh, erf
                  # as vectorizable polynomials on CPUs (fast_math.py); 3: pruned convolutions as sparse kernels (sparse.py);
-                 # 4: depthwise convolutions inside sparse runs in CHWN, the pixel block fitted to the registers
-                 revision=4))
+                 # 4: depthwise convolutions inside sparse runs in CHWN, the pixel block fitted to the registers;
+                 # 5: batch-1 sparse convolutions on x86 as sparse.row_kernel (masked tails)
+                 revision=5))
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",

@@ -8,9 +8,10 @@ The auto plan, for the candidate layers (prunable, on the CPU, chosen by `--prun
   dense kernel, or for a method the faster of its sparse kernel and the dense one, since the build keeps
   the dense kernel where the sparse one is not faster;
 - **loss** of an option: its sensitivity, 1 - the cosine similarity of the model's outputs to the dense
-  model's with only this layer pruned by this method (the smallest over the outputs), on at most
-  `SENSITIVITY_SAMPLES` calibration samples. Losses are added up, a first-order estimate: the chosen plan's
-  own fidelity is then measured whole (the compress stage's report);
+  model's with only this layer pruned by this method (the smallest over the outputs), on calibration samples
+  holding at most `SENSITIVITY_ROWS` batch rows (8 samples of a batch-4 model, 2 of a batch-16 one, at least
+  1). Losses are added up, a first-order estimate: the chosen plan's own fidelity is then measured whole
+  (the compress stage's report);
 - **predicted time** of a plan: the dense CPU segments' measured time less what each pruned layer's kernel
   saves over its dense kernel;
 - **the choice**: the least total loss whose predicted time is within the budget. A knapsack over the time
@@ -19,7 +20,7 @@ The auto plan, for the candidate layers (prunable, on the CPU, chosen by `--prun
   unreachable budget is refused with the fastest plan's prediction.
 
 A plan file is JSON: `{"format": "edgesdk-prune-plan/1", "layers": {"<layer>": "<method>" | "dense"}}`;
-the auto plan is written in the same format with its table (`plan`, `options`, `predicted_ms`), so a release
+the auto plan is written in the same format with its table (`options`, `dense_ms`, `predicted_ms`), so a release
 build can pin a plan measured once (`--prune-plan prune_plan.json`) and get the same weights on any host.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from .prune import Layer, PruneMethod, parse_method, prune_model
 FORMAT = "edgesdk-prune-plan/1"
 DENSE = "dense"
 DEFAULT_CANDIDATES = "2:4,1:4"  # --prune-plan auto without --prune: the N:M levels
-SENSITIVITY_SAMPLES = 8
+SENSITIVITY_ROWS = 32  # the sensitivities are measured on calibration samples holding at most this many batch rows
 RESOLUTION = 2000  # the knapsack's steps over the time to save
 
 
@@ -68,13 +69,17 @@ class Option:
 
 
 def sensitivity(dense: onnx.ModelProto, layers: Sequence[Layer], methods: Sequence[PruneMethod],
-                samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, float]]:
+                samples: Sequence[Mapping[str, np.ndarray]],
+                progress: Callable[[int, int], None] | None = None) -> dict[str, dict[str, float]]:
     """Each layer's loss under each method, alone: 1 - the least cosine similarity over the graph outputs
-    of the model with that one layer pruned to the dense model, on `samples` (onnxruntime)."""
+    of the model with that one layer pruned to the dense model, on `samples` (onnxruntime). `progress(i, n)`
+    is called before each layer."""
     outputs = [o.name for o in dense.graph.output]
     reference = run_samples(dense, samples)
     out: dict[str, dict[str, float]] = {}
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        if progress is not None:
+            progress(i, len(layers))
         out[layer.name] = {}
         for method in methods:
             pruned, _ = prune_model(dense, method, [layer])
@@ -91,6 +96,43 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
         return 1.0
     norms = np.linalg.norm(a) * np.linalg.norm(b)
     return float(np.clip(a @ b / norms, -1, 1)) if norms > 0 else 0.0
+
+
+def options(layers: Sequence[Layer], times: Mapping[str, dict], loss: Mapping[str, Mapping[str, float]],
+            methods: Sequence[PruneMethod], kernels: str = "measured") -> dict[str, list[Option]]:
+    """Each layer's options: DENSE at its dense kernel's time, and each method at the time of the kernel the
+    build will run it on (`kernels` "measured": the faster of the two; "sparse" or "dense": forced). `times`:
+    by layer output, {"dense_ms", "sparse_ms": {method: ms}} (a backend's `time_layers`); a layer without
+    times (no sparse kernel: Gemm, MatMul) has DENSE alone, since pruning it would save nothing."""
+    out: dict[str, list[Option]] = {}
+    for x in layers:
+        t = times.get(x.output)
+        if t is None:
+            out[x.name] = [Option(DENSE, 0.0, 0.0)]
+            continue
+        out[x.name] = [Option(DENSE, t["dense_ms"], 0.0)]
+        for m in methods:
+            sparse_ms = t["sparse_ms"][m.text]
+            kernel = kernels if kernels != "measured" else ("sparse" if sparse_ms < t["dense_ms"] else "dense")
+            out[x.name].append(Option(m.text, sparse_ms if kernel == "sparse" else t["dense_ms"],
+                                      loss[x.name][m.text], kernel))
+    return out
+
+
+def table(record: dict, chosen: Mapping[str, str]) -> list[str]:
+    """An auto plan's record as log lines: each layer's options (time, loss, kernel) and its choice."""
+    head = "tune: prune plan:"
+    lines = [f"{head} {'layer':<28} {'option':<16} {'ms':>8} {'loss':>9}  chosen"]
+    for name, opts in record["options"].items():
+        for o in opts:
+            label = name if o is opts[0] else ""
+            label = label if len(label) <= 28 else label[:25] + "..."
+            kernel = f" ({o['kernel']})" if o["method"] != DENSE else ""
+            mark = "<-" if chosen.get(name) == o["method"] else ""
+            lines.append(f"{head} {label:<28} {o['method'] + kernel:<16} {o['ms']:>8.3f} {o['loss']:>9.5f}  {mark}")
+    lines.append(f"{head} dense {record['dense_ms']:.3f} ms, predicted {record['predicted_ms']:.3f} ms (budget "
+                 f"{record['budget_ms']:g} ms, fastest {record['fastest_ms']:.3f} ms), summed loss {record['loss']:.5f}")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -114,10 +156,11 @@ def choose(options: Mapping[str, Sequence[Option]], dense_ms: float, budget_ms: 
     if need <= 0:
         return Chosen({n: DENSE for n in names}, dense_ms, dense_ms, fastest_ms, 0.0)
     if fastest_ms > budget_ms + 1e-9:
+        faster = sum(max(s) > 0 for s in saving.values())
         raise UserError("prune.budget-unreachable",
-                        f"--latency-budget {budget_ms:g} ms cannot be met: the fastest plan ({len(names)} layer(s) "
-                        f"pruned where that saves time) is predicted at {fastest_ms:.3f} ms, the dense model at "
-                        f"{dense_ms:.3f} ms",
+                        f"--latency-budget {budget_ms:g} ms cannot be met: the fastest plan (each of the {faster} "
+                        f"layer(s) whose sparse kernel is faster pruned) is predicted at {fastest_ms:.3f} ms, the dense "
+                        f"model at {dense_ms:.3f} ms",
                         hint=f"raise the budget to at least {math.ceil(fastest_ms * 100) / 100:g} ms, or add a "
                              "sparser method to --prune (e.g. --prune 2:4,1:4,magnitude:0.9)")
     steps = RESOLUTION

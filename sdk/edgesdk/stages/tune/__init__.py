@@ -150,6 +150,9 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
                               "--prune-plan FILE (that build's tune/prune_plan.json), or prune every layer alike "
                               "with --prune METHOD")
     timer = next((b for b in backends.backends() if b.layer_timer), None)
+    if timer is None:
+        raise UsageError("prune.plan-unmeasurable", "--prune-plan auto needs a backend that times layers (TVM), and "
+                         "none is registered", hint="prune every layer alike with --prune METHOD")
     candidates = prune_plan.parse_candidates(opts.prune or prune_plan.DEFAULT_CANDIDATES)
     names = ", ".join(m.text for m in candidates)
     record: dict = {"source": "auto", "budget_ms": opts.latency_budget, "candidates": [m.text for m in candidates],
@@ -166,24 +169,16 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
         device=ctx.target.host, tuning_db=db / HOST, log=ctx.log))
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib = load_calibration(ctx.options, io["inputs"])
-    samples = samples[:prune_plan.SENSITIVITY_SAMPLES]
-    ctx.log(f"tune: prune plan: each layer's sensitivity on {len(samples)} "
-            f"{'synthetic ' if calib.get('synthetic') else ''}calibration sample(s)")
+    first = next(iter(samples[0].values()))  # a sample's batch rows: the first input's first axis
+    rows = max(1, int(first.shape[0])) if first.ndim else 1
+    samples = samples[:max(1, prune_plan.SENSITIVITY_ROWS // rows)]
     timed = [x for x in layers if x.output in times["layers"]]
-    loss = prune_plan.sensitivity(dense, timed, candidates, samples)
-    options: dict[str, list] = {}
-    for x in layers:
-        t = times["layers"].get(x.output)
-        if t is None:  # no sparse kernel (Gemm, MatMul): pruning it saves nothing
-            options[x.name] = [prune_plan.Option(prune_plan.DENSE, 0.0, 0.0)]
-            continue
-        options[x.name] = [prune_plan.Option(prune_plan.DENSE, t["dense_ms"], 0.0)]
-        for m in candidates:
-            sparse_ms = t["sparse_ms"][m.text]
-            kernel = opts.sparse_kernels if opts.sparse_kernels != "measured" else \
-                ("sparse" if sparse_ms < t["dense_ms"] else "dense")
-            options[x.name].append(prune_plan.Option(m.text, sparse_ms if kernel == "sparse" else t["dense_ms"],
-                                                     loss[x.name][m.text], kernel))
+    ctx.log(f"tune: prune plan: the sensitivity of {len(timed)} layer(s) to {names} on {len(samples)} "
+            f"{'synthetic ' if calib.get('synthetic') else ''}calibration sample(s)")
+    loss = prune_plan.sensitivity(dense, timed, candidates, samples,
+                                  progress=lambda i, n: ctx.log(f"tune: prune plan: sensitivity {i + 1}/{n}: "
+                                                                f"{timed[i].name}"))
+    options = prune_plan.options(layers, times["layers"], loss, candidates, opts.sparse_kernels)
     chosen = prune_plan.choose(options, times["segments_ms"], opts.latency_budget)
     pruned = {k: v for k, v in chosen.layers.items() if v != prune_plan.DENSE}
     record.update({"dense_ms": chosen.dense_ms, "predicted_ms": round(chosen.predicted_ms, 4),
@@ -192,29 +187,12 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
                    "synthetic_samples": bool(calib.get("synthetic")),
                    "options": {k: [{"method": o.method, "ms": o.ms, "loss": round(o.loss, 6), "kernel": o.kernel}
                                    for o in v] for k, v in options.items()}})
-    for line in plan_table(record, chosen.layers):
+    for line in prune_plan.table(record, chosen.layers):
         ctx.log(line)
     if not pruned:
         ctx.log(f"tune: prune plan: the dense model is predicted at {chosen.dense_ms:.3f} ms, within the budget: "
                 "nothing is pruned")
     return {k: parse_method(v) for k, v in pruned.items()}, record
-
-
-def plan_table(record: dict, chosen: dict[str, str]) -> list[str]:
-    """The auto plan as log lines: each layer's options (time, sensitivity) and its choice."""
-    lines = [f"tune: prune plan: {'layer':<28} {'option':<16} {'ms':>8} {'loss':>9}  chosen"]
-    for name, opts in record["options"].items():
-        for o in opts:
-            mark = "<-" if chosen.get(name) == o["method"] else ""
-            label = name if o is opts[0] else ""
-            label = label if len(label) <= 28 else label[:25] + "..."
-            kernel = f" ({o['kernel']})" if o["method"] != prune_plan.DENSE else ""
-            lines.append(f"tune: prune plan: {label:<28} {o['method'] + kernel:<16} {o['ms']:>8.3f} "
-                         f"{o['loss']:>9.5f}  {mark}")
-    lines.append(f"tune: prune plan: dense {record['dense_ms']:.3f} ms, predicted {record['predicted_ms']:.3f} ms "
-                 f"(budget {record['budget_ms']:g} ms, fastest {record['fastest_ms']:.3f} ms), summed loss "
-                 f"{record['loss']:.5f}")
-    return lines
 
 
 def _plan_measured(selected: selection.Selected, ctx) -> None:
