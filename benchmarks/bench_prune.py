@@ -12,8 +12,9 @@ host's CPU (`x86_host`, as bench_tune.py: the kernels use the vector width onnxr
   - pruned, per method: `--prune METHOD` (all but the first and last layers), the same measured choice, each
     pruned convolution on the sparse kernel only where it was timed faster than the dense one;
   - per-layer plans, per fraction F of `--plans`: `--prune-plan auto --prune METHODS --latency-budget B`, where
-    B = dense - F * (dense - fastest), the dense and fastest plans' predicted CPU times as a first auto build
-    with an unbounded budget measured them (F = 1: the fastest plan, each layer on its fastest option).
+    B = dense - F * (dense - fastest): dense the dense build's CPU time as its tune stage measured it (the
+    fastest candidate), fastest the fastest plan's TVM segments as a first auto build (`--cpu-backends
+    planned`, an unbounded budget) timed them (F = 1: the fastest plan, each layer on its fastest option).
 Then, interleaved (`--rounds` rounds, each runtime in a process of its own, `--runs` inferences after 3
 warm-up ones; the median of all): onnxruntime (all graph optimizations, 2 threads) on the dense ONNX file a
 user has, and every bundle (`BundleModel.run`). The pruned bundle's fidelity to the dense model (the build's
@@ -107,11 +108,16 @@ def main() -> None:
                 auto = ["--prune-plan", "auto", "--prune", args.methods]
                 if not args.no_build:
                     log(f"{name} b{batch}: measuring the per-layer options (an auto plan, unbounded budget)")
-                    build(model, margs, probe, [*auto, "--latency-budget", "1e9"])
+                    build(model, margs, probe, [*auto, "--latency-budget", "1e9", "--cpu-backends", "planned"])
                 first = json.loads((probe / ".build" / "4-tune" / "prune_plan.json").read_text())
-                for f in args.plans.split(","):
+                spans = json.loads((dirs["dense"] / "bundle" / "plan.json").read_text())["cpu_selection"]["spans"]
+                dense_ms = sum(min(c["ms"] for c in s["candidates"].values() if "ms" in c) for s in spans)
+                if first["fastest_ms"] >= dense_ms:
+                    log(f"{name} b{batch}: the fastest plan ({first['fastest_ms']:.1f} ms) is no faster than the "
+                        f"dense build ({dense_ms:.1f} ms): no per-layer plan to build")
+                for f in args.plans.split(",") if first["fastest_ms"] < dense_ms else []:
                     v = f"plan@{f}"
-                    budget = first["dense_ms"] - float(f) * (first["dense_ms"] - first["fastest_ms"])
+                    budget = dense_ms - float(f) * (dense_ms - first["fastest_ms"])
                     variants[v] = [*auto, "--latency-budget", f"{budget:.4f}"]
                     dirs[v] = CACHE / f"{name}-b{batch}-plan-{f}"
                     if not args.no_build:
@@ -151,7 +157,7 @@ def main() -> None:
                 if m.pruning.get("plan", {}).get("source") == "auto":
                     planned = json.loads((dirs[v] / ".build" / "4-tune" / "prune_plan.json").read_text())
                     row["plan"] = {k: planned.get(k) for k in ("budget_ms", "dense_ms", "predicted_ms", "fastest_ms",
-                                                               "measured_ms", "loss")}
+                                                               "measured_ms", "loss", "scale", "dense_best")}
                     row["plan"]["layers"] = {k: sum(x == k for x in planned["layers"].values())
                                              for k in ["dense", *args.methods.split(",")]}
                 if m.pruning:
@@ -183,16 +189,20 @@ def table(results: dict) -> str:
                      f"{sk} | {fid} |")
     plans = [r for r in results["rows"] if "plan" in r]
     if plans:
-        lines += ["", "Per-layer plans (`--prune-plan auto`): the budget, the plan's predicted CPU time (its layers' "
-                  "kernels timed alone), the tune stage's measured time of the chosen candidates, and the bundle's:", "",
-                  "| model | batch | variant | budget ms | predicted ms | bundle ms | layers per option | summed loss | "
-                  "fidelity: cosine / top-1 |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Per-layer plans (`--prune-plan auto`): the budget, the plan's predicted CPU time, the tune "
+                  "stage's measurement of the candidate it chose, and the bundle's time here:", "",
+                  "| model | batch | variant | budget ms | predicted ms | tune measured ms | bundle ms | layers per "
+                  "option | summed loss | fidelity: cosine / top-1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+        def ms(v):
+            return f"{v:.2f}" if v is not None else "-"
+
         for r in plans:
             p = r["plan"]
             fid = (f"{r['fidelity']['cosine']:.4f} / {r['fidelity']['top1_agreement']:.3f}" if "fidelity" in r else "-")
             per = ", ".join(f"{k} {n}" for k, n in p["layers"].items())
-            lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {p['budget_ms']:.2f} | {p['predicted_ms']:.2f} "
-                         f"| {r['ms']:.2f} | {per} | {p['loss']:.4f} | {fid} |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {ms(p['budget_ms'])} | {ms(p['predicted_ms'])} "
+                         f"| {ms(p['measured_ms'])} | {r['ms']:.2f} | {per} | {ms(p['loss'])} | {fid} |")
     return "\n".join(lines)
 
 

@@ -26,16 +26,17 @@ from tests.test_cli import assert_user_facing, edgesdk
 SHAPE = (4, 8, 16, 16)
 
 
-def small_cnn(path) -> str:
-    """conv 8->16, conv 16->32 stride 2, conv 32->32 + residual, conv 1x1, global pool, Gemm: five prunable
+def small_cnn(path, shape=SHAPE, width: int = 16) -> str:
+    """conv 8->W, conv W->2W stride 2, conv 2W->2W + residual, conv 1x1, global pool, Gemm: five prunable
     layers, the middle three pruned by default; channels multiples of 4, so 2:4 prunes exactly half."""
     rng = np.random.default_rng(0)
 
     def w(*shape):
         return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32))
 
-    weights = {"w1": w(16, 8, 3, 3), "w2": w(32, 16, 3, 3), "w3": w(32, 32, 3, 3), "w4": w(32, 32, 1, 1),
-               "fc": w(10, 32), "b1": w(16), "b2": w(32), "b3": w(32), "b4": w(32), "fb": w(10)}
+    c1, c2 = width, 2 * width
+    weights = {"w1": w(c1, shape[1], 3, 3), "w2": w(c2, c1, 3, 3), "w3": w(c2, c2, 3, 3), "w4": w(c2, c2, 1, 1),
+               "fc": w(10, c2), "b1": w(c1), "b2": w(c2), "b3": w(c2), "b4": w(c2), "fb": w(10)}
     for name, t in weights.items():
         t.name = name
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1] * 4, name="conv1"),
@@ -50,8 +51,8 @@ def small_cnn(path) -> str:
              helper.make_node("GlobalAveragePool", ["r4"], ["p"], name="pool"),
              helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
              helper.make_node("Gemm", ["f", "fc", "fb"], ["logits"], transB=1, name="fc")]
-    graph = helper.make_graph(nodes, "small_cnn", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, SHAPE)],
-                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, (SHAPE[0], 10))],
+    graph = helper.make_graph(nodes, "small_cnn", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, (shape[0], 10))],
                               list(weights.values()))
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
     return str(path)

@@ -53,7 +53,7 @@ def test_each_convolution_is_timed_dense_and_per_method_then_replayed(tmp_path, 
     methods = [parse_method("2:4"), parse_method("1:4")]
     weights = {x.output: {m.text: pruning.pruned_weight(model, x, m) for m in methods} for x in layers[1:]}
     target, _ = load_target("x86")
-    job = backends.LayerTimesJob(model=model, weights=weights, segments=(model,), device=target.host,
+    job = backends.LayerTimesJob(model=model, weights=weights, segments={"dense": (model,)}, device=target.host,
                                  tuning_db=tmp_path / "db", log=lambda s: None)
     got = backends.backend("tvm").time_layers(job)
     convs = [x.output for x in layers[1:] if x.op == "Conv"]
@@ -61,7 +61,7 @@ def test_each_convolution_is_timed_dense_and_per_method_then_replayed(tmp_path, 
     for entry in got["layers"].values():
         assert entry["dense_ms"] > 0 and set(entry["sparse_ms"]) == {"2:4", "1:4"}
         assert all(t > 0 for t in entry["sparse_ms"].values())
-    assert got["segments_ms"] > 0
+    assert got["segments_ms"]["dense"] > 0
     kept = json.loads((tmp_path / "db" / backends.KERNEL_TIMES).read_text())
     assert len(kept) == 2 * len(convs) + 1  # per layer and method one entry (2:4 and 1:4 pack differently), the segment
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from edgesdk.compression import parse_method, prunable, prune_model
-from edgesdk.compression.plan import (DENSE, FORMAT, RESOLUTION, Option, choose, options, parse_candidates,
+from edgesdk.compression.plan import (DENSE, FORMAT, RESOLUTION, Option, choose, fastest, options, parse_candidates,
                                       read_plan, sensitivity, table, write_plan)
 from edgesdk.errors import UsageError, UserError
 
@@ -169,4 +169,26 @@ def test_options_take_the_kernel_the_build_will_run():
     lines = table(record, {"conv2": "1:4", "c3": DENSE, "fc": DENSE})
     assert any("conv2" in line and "<-" not in line for line in lines)
     assert any("1:4 (sparse)" in line and line.rstrip().endswith("<-") for line in lines)
-    assert lines[-1].endswith("dense 5.000 ms, predicted 4.000 ms (budget 4.5 ms, fastest 3.500 ms), summed loss 0.30000")
+    assert lines[-1].endswith("dense 5.000 ms, predicted 4.000 ms (budget 4.5 ms, fastest 3.500 ms; the kernels' savings "
+                              "alone scaled by 1.00 to the whole segments'), summed loss 0.30000")
+
+
+def test_the_savings_are_scaled_to_the_fastest_plan_measured_whole():
+    # alone the kernels save 1 + 2 ms; whole, the fastest plan saves 6 (layout edges gone): every saving doubles
+    options = _options([(2.0, [(1.0, 0.1)]), (3.0, [(1.0, 0.5)])])
+    assert fastest(options) == {"l0": "m0", "l1": "m0"}
+    got = choose(options, 10.0, 8.0, fastest_ms=4.0)
+    assert got.scale == pytest.approx(2.0) and got.fastest_ms == pytest.approx(4.0)
+    assert got.layers == {"l0": "m0", "l1": DENSE} and got.predicted_ms == pytest.approx(8.0)
+    with pytest.raises(UserError, match="predicted at 4.000 ms"):
+        choose(options, 10.0, 3.9, fastest_ms=4.0)
+    # measured whole, the fastest plan is slower than the dense one: nothing saves time
+    assert choose(options, 10.0, 10.0, fastest_ms=11.0).layers == {"l0": DENSE, "l1": DENSE}
+    with pytest.raises(UserError):
+        choose(options, 10.0, 9.0, fastest_ms=11.0)
+
+
+def test_the_fastest_plan_breaks_ties_by_loss_and_keeps_what_saves_nothing_dense():
+    options = {"a": [Option(DENSE, 2.0, 0.0), Option("2:4", 1.0, 0.3), Option("1:4", 1.0, 0.2)],
+               "b": [Option(DENSE, 2.0, 0.0), Option("2:4", 2.0, 0.1)]}
+    assert fastest(options) == {"a": "1:4", "b": DENSE}

@@ -50,11 +50,11 @@ class CompileJob:
 @dataclass(frozen=True)
 class LayerTimesJob:
     """Layers of a model to time alone on this host, dense and with pruned weights (a per-layer pruning
-    plan's times: compression/plan.py), and the model's dense CPU segments to time whole."""
+    plan's times: compression/plan.py), and sets of CPU segments to time whole (the dense ones, a plan's)."""
 
     model: Any  # the whole model (onnx.ModelProto), for the layers' shapes
     weights: dict  # each layer's output name -> {method: its pruned weight (numpy)}
-    segments: tuple  # the dense CPU segment models (onnx.ModelProto), each timed whole
+    segments: dict  # a name -> CPU segment models (onnx.ModelProto), timed whole and summed
     device: Any  # the target's CPU entry
     tuning_db: Path  # the CPU's tuning database: its records schedule what is timed; its KERNEL_TIMES keeps times
     log: Callable[[str], None]
@@ -223,9 +223,9 @@ class Backend:
     # hold tuned records for every function of these segments, or None: the tune stage's policy where it
     # cannot time the target's CPU
     coverage: str = ""
-    # for a backend with sparse kernels: "module:function" taking a LayerTimesJob, returning {"segments_ms": the
-    # segments' summed time, "layers": {output: {"dense_ms": ..., "sparse_ms": {method: ...}}}} for the layers it
-    # times (the others absent); what `--prune-plan auto` chooses by
+    # for a backend with sparse kernels: "module:function" taking a LayerTimesJob, returning {"segments_ms": {name:
+    # the summed time of those segments}, "layers": {output: {"dense_ms": ..., "sparse_ms": {method: ...}}}} for the
+    # layers it times (the others absent); what `--prune-plan auto` chooses by
     layer_timer: str = ""
     # bumped whenever what `compiler` makes of a graph, or how the runtime's runner runs it, changes: the
     # tune stage's timing cache keys on it, so a candidate timed the old way is measured anew, not replayed

@@ -131,7 +131,8 @@ def table(record: dict, chosen: Mapping[str, str]) -> list[str]:
             mark = "<-" if chosen.get(name) == o["method"] else ""
             lines.append(f"{head} {label:<28} {o['method'] + kernel:<16} {o['ms']:>8.3f} {o['loss']:>9.5f}  {mark}")
     lines.append(f"{head} dense {record['dense_ms']:.3f} ms, predicted {record['predicted_ms']:.3f} ms (budget "
-                 f"{record['budget_ms']:g} ms, fastest {record['fastest_ms']:.3f} ms), summed loss {record['loss']:.5f}")
+                 f"{record['budget_ms']:g} ms, fastest {record['fastest_ms']:.3f} ms; the kernels' savings alone "
+                 f"scaled by {record.get('scale', 1.0):.2f} to the whole segments'), summed loss {record['loss']:.5f}")
     return lines
 
 
@@ -142,19 +143,36 @@ class Chosen:
     dense_ms: float  # the dense model's
     fastest_ms: float  # the fastest plan's
     loss: float  # the summed sensitivity of the choice
+    scale: float = 1.0  # the whole model's saving per millisecond its kernels save alone
 
 
-def choose(options: Mapping[str, Sequence[Option]], dense_ms: float, budget_ms: float) -> Chosen:
-    """The options of least summed loss whose predicted time (`dense_ms` less each layer's saving over
-    its DENSE option) is at most `budget_ms`. Each layer's options must include DENSE. Raises UserError
-    "prune.budget-unreachable" when even the fastest plan predicts more than the budget."""
+def fastest(options: Mapping[str, Sequence[Option]]) -> dict[str, str]:
+    """The fastest plan: each layer on its option that saves the most over its DENSE one (of equal savings,
+    the least loss), DENSE where none saves anything."""
+    out = {}
+    for n, opts in options.items():
+        base = next(o.ms for o in opts if o.method == DENSE)
+        out[n] = min(opts, key=lambda o: (-max(0.0, base - o.ms), o.loss, o.method != DENSE)).method
+    return out
+
+
+def choose(options: Mapping[str, Sequence[Option]], dense_ms: float, budget_ms: float,
+           fastest_ms: float | None = None) -> Chosen:
+    """The options of least summed loss whose predicted time is at most `budget_ms`: `dense_ms` less each
+    layer's saving over its DENSE option, the savings scaled so that the fastest plan (`fastest`) predicts
+    `fastest_ms` where that was measured whole (else unscaled). Each layer's options must include DENSE.
+    Raises UserError "prune.budget-unreachable" when even the fastest plan predicts more than the budget."""
     names = list(options)
     base = {n: next(o.ms for o in options[n] if o.method == DENSE) for n in names}
     saving = {n: [max(0.0, base[n] - o.ms) for o in options[n]] for n in names}
+    most = sum(max(s) for s in saving.values())
+    # the kernels' savings, timed alone, to the whole model's: the layout edges and fusion they change
+    scale = (dense_ms - fastest_ms) / most if fastest_ms is not None and most > 0 else 1.0
+    saving = {n: [max(0.0, v * scale) for v in s] for n, s in saving.items()}
     fastest_ms = dense_ms - sum(max(s) for s in saving.values())
     need = dense_ms - budget_ms
     if need <= 0:
-        return Chosen({n: DENSE for n in names}, dense_ms, dense_ms, fastest_ms, 0.0)
+        return Chosen({n: DENSE for n in names}, dense_ms, dense_ms, fastest_ms, 0.0, scale)
     if fastest_ms > budget_ms + 1e-9:
         faster = sum(max(s) > 0 for s in saving.values())
         raise UserError("prune.budget-unreachable",
@@ -203,7 +221,7 @@ def choose(options: Mapping[str, Sequence[Option]], dense_ms: float, budget_ms: 
     pick = {n: [o.method for o in options[n]].index(chosen[n]) for n in names}
     predicted = dense_ms - sum(saving[n][pick[n]] for n in names)
     loss = sum(options[n][pick[n]].loss for n in names)
-    return Chosen(chosen, predicted, dense_ms, fastest_ms, loss)
+    return Chosen(chosen, predicted, dense_ms, fastest_ms, loss, scale)
 
 
 def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | None]:

@@ -158,7 +158,10 @@ def pruning_summary(p: dict[str, Any]) -> list[str]:
         out.append(f"            top-1 accuracy on {acc['labels']} labelled sample(s) (--eval): dense {top1['dense']:.2%}, "
                    f"pruned {top1['pruned']:.2%}" + (f", corrected {top1['corrected']:.2%}" if "corrected" in top1 else ""))
     plan = p.get("plan") or {}
-    if plan.get("source") == "auto":
+    if plan.get("source") == "auto" and "dense_ms" not in plan:
+        out.append(f"            per-layer plan under a {plan['budget_ms']:g} ms budget: the dense model met it "
+                   f"({plan.get('predicted_ms', 0):.3f} ms, CPU time on the build host): nothing pruned")
+    elif plan.get("source") == "auto":
         measured = f", measured {plan['measured_ms']:.3f} ms" if "measured_ms" in plan else ""
         out.append(f"            per-layer plan chosen under a {plan['budget_ms']:g} ms budget: dense {plan['dense_ms']:.3f} ms, "
                    f"predicted {plan['predicted_ms']:.3f} ms{measured} (CPU time on the build host)")

@@ -1,10 +1,12 @@
 """What `--prune-plan auto` chooses by (compression/plan.py): each candidate convolution's kernel timed
-alone on this host, dense and with each method's pruned weights, and the dense CPU segments timed whole.
+alone on this host, dense and with each method's pruned weights, and sets of CPU segments timed whole (the
+dense ones, and the fastest plan's: the whole model's saving that the kernels' savings are scaled to).
 
 A layer's times are those `sparse.Measured` takes to choose its kernel when the segment compiles (the
 same cache, `KERNEL_TIMES` in the CPU's tuning database, the same keys), so the plan and the build agree on
 which layers run sparse. The sparse kernel's time depends on the packed format's loop lengths, not on the
-values, and the dense kernel's on the shape alone. A segment's time is the median of `sparse.TIMING_RUNS`
+values, and the dense kernel's on the shape alone. A segment's time (compiled as the build compiles it, a
+pruned one with its measured kernel choices) is the median of `sparse.TIMING_RUNS`
 runs of its library on random inputs after a warm-up, kept in the same cache under the segment's digest.
 Only 2-D convolutions with one group have a sparse kernel; pruned Gemm and MatMul layers run dense and
 are not timed (absent from the result).
@@ -48,12 +50,17 @@ def time_layers(job: LayerTimesJob) -> dict:
         layers[output] = entry
         job.log(f"tune: prune plan: timed {node.name or output} ({n + 1}/{len(job.weights)}): dense "
                 f"{entry['dense_ms']:.3f} ms, " + ", ".join(f"{m} {t:.3f} ms" for m, t in entry["sparse_ms"].items()))
-    total = 0.0
-    for model in job.segments:
-        key = "segment:" + hashlib.sha256(json.dumps([hashlib.sha256(model.SerializeToString()).hexdigest(), target,
-                                                      host_cpu(), sparse.REVISION], default=str).encode()).hexdigest()
-        total += measured.cached(key, lambda m=model: {"ms": _segment_ms(m, target, database, job.tuning_db)})["ms"]
-    return {"segments_ms": round(total, 4), "layers": layers}
+    totals = {}
+    for name, models in job.segments.items():
+        total = 0.0
+        for model in models:
+            key = "segment:" + hashlib.sha256(json.dumps([hashlib.sha256(model.SerializeToString()).hexdigest(),
+                                                          target, host_cpu(), sparse.REVISION],
+                                                         default=str).encode()).hexdigest()
+            total += measured.cached(key, lambda m=model: {"ms": _segment_ms(m, target, database, job.tuning_db)})["ms"]
+        totals[name] = round(total, 4)
+        job.log(f"tune: prune plan: timed the {name} CPU segments whole: {total:.3f} ms")
+    return {"segments_ms": totals, "layers": layers}
 
 
 def conv_shape(node: onnx.NodeProto, input_shape: tuple[int, ...] | None,

@@ -140,7 +140,12 @@ def _pruned(plan: Plan, artifact: Path, db: Path, ctx) -> tuple[onnx.ModelProto,
 def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list, db: Path, ctx
                ) -> tuple[dict, dict]:
     """`--prune-plan auto`: each candidate layer's method chosen under `--latency-budget` by dynamic
-    programming over its kernels' times measured on this host and its sensitivity (compression/plan.py)."""
+    programming over its kernels' times measured on this host and its sensitivity (compression/plan.py).
+
+    The budget is the model's CPU time as the build will run it. Where the dense model already meets it on
+    the backends the selection measures (onnxruntime may beat a dense TVM build), nothing is pruned. Else the
+    plan is made for the TVM segments, the backend whose kernels pruning speeds up: the dense segments and
+    the fastest plan's are timed whole, and the kernels' savings, timed alone, scaled to that difference."""
     opts = ctx.options
     why = selection.unmeasurable(ctx.target)
     if why is not None:
@@ -155,44 +160,79 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
                          "none is registered", hint="prune every layer alike with --prune METHOD")
     candidates = prune_plan.parse_candidates(opts.prune or prune_plan.DEFAULT_CANDIDATES)
     names = ", ".join(m.text for m in candidates)
-    record: dict = {"source": "auto", "budget_ms": opts.latency_budget, "candidates": [m.text for m in candidates],
+    budget = opts.latency_budget
+    record: dict = {"source": "auto", "budget_ms": budget, "candidates": [m.text for m in candidates],
                     "measured_on": selection.host_name()}
     if not layers:
         ctx.warn("--prune-plan auto: no layer to prune on the CPU; the model is unchanged")
         return {}, record
-    ctx.log(f"tune: prune plan: {len(layers)} candidate layer(s), methods {names}, budget {opts.latency_budget:g} ms "
-            f"of CPU time: timing each layer's kernels on this host")
-    weights = {x.output: {m.text: pruning.pruned_weight(dense, x, m) for m in candidates} for x in layers}
-    cpu = [s for s in plan.segments if s.device.split(":")[0] == HOST and s.backend == timer.name]
-    times = timer.time_layers(backends.LayerTimesJob(
-        model=dense, weights=weights, segments=tuple(onnx.load(str(artifact / s.artifact)) for s in cpu),
-        device=ctx.target.host, tuning_db=db / HOST, log=ctx.log))
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib = load_calibration(ctx.options, io["inputs"])
+    best = _dense_best(plan, artifact, dense, samples, db, ctx)
+    if best is not None:
+        record["dense_best"] = {"ms": best[0], "backends": best[1]}
+        if best[0] <= budget:
+            ctx.log(f"tune: prune plan: the dense model runs in {best[0]:.3f} ms on {best[1]}, within the "
+                    f"{budget:g} ms budget: nothing is pruned")
+            return {}, {**record, "predicted_ms": best[0]}
+    ctx.log(f"tune: prune plan: {len(layers)} candidate layer(s), methods {names}, budget {budget:g} ms "
+            f"of CPU time: timing each layer's kernels on this host")
+    cpu = [s for s in plan.segments if s.device.split(":")[0] == HOST and s.backend == timer.name]
+
+    def timed(weights: dict, segments: dict) -> dict:
+        return timer.time_layers(backends.LayerTimesJob(model=dense, weights=weights, segments=segments,
+                                                        device=ctx.target.host, tuning_db=db / HOST, log=ctx.log))
+
+    weights = {x.output: {m.text: pruning.pruned_weight(dense, x, m) for m in candidates} for x in layers}
+    times = timed(weights, {"dense": tuple(onnx.load(str(artifact / s.artifact)) for s in cpu)})
     first = next(iter(samples[0].values()))  # a sample's batch rows: the first input's first axis
     rows = max(1, int(first.shape[0])) if first.ndim else 1
-    samples = samples[:max(1, prune_plan.SENSITIVITY_ROWS // rows)]
-    timed = [x for x in layers if x.output in times["layers"]]
-    ctx.log(f"tune: prune plan: the sensitivity of {len(timed)} layer(s) to {names} on {len(samples)} "
+    few = samples[:max(1, prune_plan.SENSITIVITY_ROWS // rows)]
+    sensitive = [x for x in layers if x.output in times["layers"]]
+    ctx.log(f"tune: prune plan: the sensitivity of {len(sensitive)} layer(s) to {names} on {len(few)} "
             f"{'synthetic ' if calib.get('synthetic') else ''}calibration sample(s)")
-    loss = prune_plan.sensitivity(dense, timed, candidates, samples,
+    loss = prune_plan.sensitivity(dense, sensitive, candidates, few,
                                   progress=lambda i, n: ctx.log(f"tune: prune plan: sensitivity {i + 1}/{n}: "
-                                                                f"{timed[i].name}"))
+                                                                f"{sensitive[i].name}"))
     options = prune_plan.options(layers, times["layers"], loss, candidates, opts.sparse_kernels)
-    chosen = prune_plan.choose(options, times["segments_ms"], opts.latency_budget)
+    fastest = {k: parse_method(v) for k, v in prune_plan.fastest(options).items() if v != prune_plan.DENSE}
+    model, records, _ = pruning.prune_for_build(dense, fastest, opts.sparse_kernels)
+    whole = timed({}, {"fastest plan's": tuple(pruning.apply(onnx.load(str(artifact / s.artifact)), model, records)
+                                               for s in cpu)})["segments_ms"]["fastest plan's"]
+    chosen = prune_plan.choose(options, times["segments_ms"]["dense"], budget, fastest_ms=whole)
     pruned = {k: v for k, v in chosen.layers.items() if v != prune_plan.DENSE}
     record.update({"dense_ms": chosen.dense_ms, "predicted_ms": round(chosen.predicted_ms, 4),
-                   "fastest_ms": round(chosen.fastest_ms, 4), "loss": round(chosen.loss, 6),
-                   "segments_timed": [s.id for s in cpu], "sensitivity_samples": len(samples),
-                   "synthetic_samples": bool(calib.get("synthetic")),
+                   "fastest_ms": round(chosen.fastest_ms, 4), "scale": round(chosen.scale, 4),
+                   "loss": round(chosen.loss, 6), "segments_timed": [s.id for s in cpu],
+                   "sensitivity_samples": len(few), "synthetic_samples": bool(calib.get("synthetic")),
                    "options": {k: [{"method": o.method, "ms": o.ms, "loss": round(o.loss, 6), "kernel": o.kernel}
                                    for o in v] for k, v in options.items()}})
     for line in prune_plan.table(record, chosen.layers):
         ctx.log(line)
     if not pruned:
-        ctx.log(f"tune: prune plan: the dense model is predicted at {chosen.dense_ms:.3f} ms, within the budget: "
-                "nothing is pruned")
+        ctx.log(f"tune: prune plan: the dense TVM segments are predicted at {chosen.dense_ms:.3f} ms, within the "
+                "budget: nothing is pruned")
     return {k: parse_method(v) for k, v in pruned.items()}, record
+
+
+def _dense_best(plan: Plan, artifact: Path, dense: onnx.ModelProto, samples: list[dict], db: Path, ctx
+                ) -> tuple[float, str] | None:
+    """The dense model's CPU time as the selection runs it (each span's fastest candidate among the backends
+    `--cpu-backends` allows, measured and cached as the selection does) and those backends; None where no
+    span had a second candidate to time (`--cpu-backends planned`)."""
+    allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    if not selection.spans(plan) or allowed == [] or ctx.options.cpu_backends == ("planned",):
+        return None
+    ctx.log("tune: prune plan: timing the dense model as the selection runs it")
+    chosen = selection.select(plan, dense, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples,
+                              allowed=allowed, tuning_db=db / HOST, cache=selection.TimingCache(db / TIMING_CACHE),
+                              measurable=None, host=selection.host_name(),
+                              log=lambda line: ctx.log(line.replace("tune: ", "tune: prune plan: dense model: ", 1)))
+    spans = chosen.record.get("spans", [])
+    ms = [s["candidates"].get(s["chosen"], {}).get("ms") for s in spans]
+    if not spans or any(m is None for m in ms):
+        return None
+    return round(sum(ms), 4), ", ".join(sorted({s["chosen"] for s in spans}))
 
 
 def _plan_measured(selected: selection.Selected, ctx) -> None:
