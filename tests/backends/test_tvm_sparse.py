@@ -132,16 +132,17 @@ HASWELL = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"}  # 
 
 
 @pytest.mark.parametrize("target", [HASWELL, {"kind": "llvm", "mcpu": "native"}], ids=["avx2", "native"])
-@pytest.mark.parametrize("h, w, masked", [(9, 13, True), (6, 16, False)])
-def test_batch_one_rows_that_lanes_do_not_divide_run_the_masked_row_kernel(target, h, w, masked, tmp_path):
-    """Batch 1, unit stride: a width the register's lanes do not divide (13) gets `row_kernel`, with a
-    masked tail (scheduled by hand, not a tuning task); a width they divide (16) keeps `kernel`. Both equal
-    onnxruntime, on AVX2 (vmaskmov) and on this host's own vector width."""
+@pytest.mark.parametrize("h, w, stride, masked", [(9, 13, 1, True), (6, 16, 1, False), (12, 17, 2, True),
+                                                   (8, 32, 2, True)])
+def test_batch_one_rows_that_lanes_do_not_divide_run_the_masked_row_kernel(target, h, w, stride, masked, tmp_path):
+    """Batch 1: a width the register's lanes do not divide (13), or strided columns (dealt into planes), get
+    `row_kernel`, with a masked tail (scheduled by hand, not a tuning task); a width they divide at stride 1
+    (16) keeps `kernel`. All equal onnxruntime, on AVX2 (vmaskmov) and on this host's own vector width."""
     import tvm
 
     rng = np.random.default_rng(h * w)
     weight = nm_pruned(rng.standard_normal((12, 20, 3, 3)).astype(np.float32), 1, 4)
-    model = conv_model(1, 20, 12, h, w, 3, 1, (1, 1, 1, 1), weight)
+    model = conv_model(1, 20, 12, h, w, 3, stride, (1, 1, 1, 1), weight)
     x = rng.standard_normal((1, 20, h, w)).astype(np.float32)
     lib = tmp_path / "segment.so"
     tvm_compile.compile_onnx(model, target, lib)

@@ -134,6 +134,25 @@ class ConvShape:
         return ((hp - (self.kh - 1) * self.dilation[0] - 1) // self.stride[0] + 1,
                 (wp - (self.kw - 1) * self.dilation[1] - 1) // self.stride[1] + 1)
 
+    def row_layout(self) -> tuple[int, int]:
+        """`row_kernel`'s input layout at column stride s: the padded input's columns dealt into s planes,
+        (C, Hp, s, Wq), Wq = ceil(Wp / s), so that a strided row of the output reads one plane contiguously;
+        (s, Wq). At stride 1 that is (1, Wp): the padded input as it is."""
+        s = self.stride[1]
+        return s, -(-self.padded[1] // s)
+
+    def row_offsets(self, ell: BlockedEll) -> np.ndarray:
+        """Each packed entry's input as an offset into `row_layout`'s input flattened: channel c, kernel row
+        i and column j read plane (j * dilation) % s at column (j * dilation) // s."""
+        hp, _ = self.padded
+        s, wq = self.row_layout()
+        c, rest = np.divmod(ell.rows.astype(np.int64), self.kh * self.kw)
+        i, j = np.divmod(rest, self.kw)
+        col = j * self.dilation[1]
+        offsets = ((c * hp + i * self.dilation[0]) * s + col % s) * wq + col // s
+        assert offsets.max(initial=0) < 2 ** 31, "input too large for int32 offsets"
+        return offsets.astype(np.int32)
+
     def offsets(self, ell: BlockedEll) -> np.ndarray:
         """Each packed entry's input row as an offset into the padded input flattened (C, H, W, N)."""
         hp, wp = self.padded
@@ -180,9 +199,10 @@ def kernel(shape: ConvShape, blocks: int, count: int) -> Any:
 
 
 def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
-    """Batch 1 with unit column stride: `kernel`'s computation written scheduled, the output row cut in
-    vectors of `lanes` (a full register) with a masked tail, the accumulators of `ROWS` output rows in
-    registers across the kept weights of a channel block.
+    """Batch 1: `kernel`'s computation written scheduled, the output row cut in vectors of `lanes` (a full
+    register) with a masked tail, the accumulators of `ROWS` output rows in registers across the kept weights
+    of a channel block. The input is in `ConvShape.row_layout` (its columns dealt into `stride` planes, so a
+    strided output row reads contiguous lanes), its offsets `ConvShape.row_offsets`.
 
     Why written by hand: TVM's buffer-level predication (`tirx.enable_buffer_level_predication`) vectorizes a
     predicated tail only where every access starts at the loop's own index; here the input rows sit at an
@@ -196,17 +216,20 @@ def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
     from .schedules import largest_divisor
 
     co = shape.co
-    hp, wp = shape.padded
+    hp, _ = shape.padded
+    planes, wq = shape.row_layout()
+    pitch = planes * wq  # an input row, all its planes
+    layout = (shape.ci, hp, planes, wq) if planes > 1 else (shape.ci, hp, wq, 1)  # stride 1: CHWN's, N = 1
     oh, ow = shape.out
     sh = shape.stride[0]
-    size = shape.ci * hp * wp
-    last = size - 1 - ((oh - 1) * sh * wp + (ow - 1))  # the largest offset in bounds, as in `kernel`
+    size = shape.ci * hp * pitch
+    last = size - 1 - ((oh - 1) * sh * pitch + (ow - 1))  # the largest offset in bounds, as in `kernel`
     rows = largest_divisor(oh, ROWS)
     tiles = -(-ow // lanes)  # vectors per output row, the last one masked where lanes do not divide the width
     mask, vector = f"uint1x{lanes}", f"float32x{lanes}"
 
     @T.prim_func(private=True)
-    def main(data: T.Buffer((shape.ci, hp, wp, 1), "float32"), values: T.Buffer((co, blocks, count), "float32"),
+    def main(data: T.Buffer(layout, "float32"), values: T.Buffer((co, blocks, count), "float32"),
              offsets: T.Buffer((co, blocks, count), "int32"), y: T.Buffer((co, oh, ow, 1), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": OPAQUE, "edgesdk.sparse_conv": True,
                      "tirx.is_scheduled": True})
@@ -227,7 +250,7 @@ def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
                         acc[T.Ramp(r * lanes, 1, lanes)] = acc[T.Ramp(r * lanes, 1, lanes)] + T.Broadcast(
                             values[o, k, p], lanes) * T.masked_load(
                             vector, x, T.Ramp(T.max(T.min(offsets[o, k, p], last), 0)
-                                              + (t // tiles * rows + r) * sh * wp + t % tiles * lanes, 1, lanes),
+                                              + (t // tiles * rows + r) * sh * pitch + t % tiles * lanes, 1, lanes),
                             T.get_active_lane_mask(mask, t % tiles * lanes, ow))
                 for r in T.unroll(rows):
                     T.masked_store(yf, acc[T.Ramp(r * lanes, 1, lanes)],
@@ -238,22 +261,41 @@ def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
 
 
 def conv_kernel(shape: ConvShape, blocks: int, count: int) -> Any:
-    """The kernel for `shape` on the target being compiled: `row_kernel` at batch 1 with unit column stride on
-    x86 where a register's lanes do not divide the output row (masked vector loads and stores: AVX-512's mask
-    registers, AVX2's vmaskmov), else `kernel`, MetaSchedule's task (the batch's CHWN form, rows of whole
-    vectors, strided columns, aarch64). Measured (2:4 and 1:4, 3x3, AVX-512 and AVX2, 2 threads): at widths
-    7, 14 and 28 `row_kernel` took 0.35-0.6 of `kernel`'s time; at width 56 on AVX2 (whole 8-lane vectors)
-    it was 15 % slower, so `kernel` keeps that case."""
+    """The kernel for `shape` on the target being compiled: `row_kernel` at batch 1 on x86 where a register's
+    lanes do not divide the output row or the columns are strided (masked vector loads and stores: AVX-512's
+    mask registers, AVX2's vmaskmov; strided columns dealt into planes), else `kernel`, MetaSchedule's task
+    (the batch's CHWN form, rows of whole vectors at stride 1, aarch64). Measured (2:4 and 1:4, 3x3, AVX-512
+    and AVX2, 2 threads): at widths 7, 14 and 28 `row_kernel` took 0.35-0.6 of `kernel`'s time; at width 56
+    on AVX2 (whole 8-lane vectors) it was 15 % slower, so `kernel` keeps that case."""
+    lanes = row_lanes(shape)
+    return row_kernel(shape, blocks, count, lanes) if lanes else kernel(shape, blocks, count)
+
+
+def row_lanes(shape: ConvShape) -> int | None:
+    """The vector lanes `row_kernel` computes `shape` with on the target being compiled, or None where `kernel`
+    does (`conv_kernel`)."""
     import tvm
 
     target = tvm.target.Target.current(allow_none=True)
-    x86 = target is not None and target.kind.name == "llvm" and \
-        not str(target.attrs.get("mtriple", "") or "").startswith("aarch64")
-    if x86 and shape.n == 1 and shape.stride[1] == 1:
-        lanes = vector_registers()[0]
-        if shape.out[1] % lanes:
-            return row_kernel(shape, blocks, count, lanes)
-    return kernel(shape, blocks, count)
+    if target is None or target.kind.name != "llvm" or shape.n != 1 or \
+            str(target.attrs.get("mtriple", "") or "").startswith("aarch64"):
+        return None
+    lanes = vector_registers()[0]
+    return lanes if shape.out[1] % lanes or shape.stride[1] > 1 else None
+
+
+def row_input(data: Any, shape: ConvShape) -> Any:
+    """The Relax expression of `row_kernel`'s input from the padded input `data` (C, Hp, Wp, 1): as it is at
+    stride 1, else its columns padded to a multiple of the stride and dealt into planes."""
+    from tvm import relax
+
+    s, wq = shape.row_layout()
+    if s == 1:
+        return data
+    ci, hp, wp = shape.ci, *shape.padded
+    if wq * s > wp:
+        data = relax.op.nn.pad(data, [0, 0, 0, 0, 0, wq * s - wp, 0, 0])
+    return relax.op.permute_dims(relax.op.reshape(data, (ci, hp, wq, s)), [0, 1, 3, 2])
 
 
 RULE = "edgesdk.sparse_conv"  # the kernel block's `schedule_rule`: MetaSchedule's design space is `design`
@@ -402,7 +444,6 @@ class Measured:
         return {"kernel": "sparse" if faster else "dense", **times,
                 "why": "measured " + ("faster" if faster else "not faster") + " than the dense kernel"}
 
-
     def cached(self, key: str, measure: Callable[[], dict]) -> dict:
         """The entry under `key`, measured (and kept, with `keep`) where the cache has none."""
         times = self.entries.get(key)
@@ -435,6 +476,7 @@ def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict, database: Pat
 
     with tvm.target.Target(target):
         mod = tvm.IRModule({"main": conv_kernel(shape, ell.values.shape[1], ell.values.shape[2])})
+        rows = row_lanes(shape) is not None
     if database is not None and (database / "database_workload.json").exists():
         with tvm.target.Target(target):
             mod = _apply_database(mod, _open_database(database, target, must_exist=True))
@@ -443,9 +485,10 @@ def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict, database: Pat
     hp, wp = shape.padded
     oh, ow = shape.out
     rng = np.random.default_rng(0)
-    args = [tvm.runtime.tensor(a) for a in (rng.standard_normal((shape.ci, hp, wp, shape.n)).astype(np.float32),
-                                            ell.values, shape.offsets(ell), np.zeros((shape.co, oh, ow, shape.n),
-                                                                                     np.float32))]
+    layout = (shape.ci, hp, *shape.row_layout()) if rows and shape.stride[1] > 1 else (shape.ci, hp, wp, shape.n)
+    args = [tvm.runtime.tensor(a) for a in (rng.standard_normal(layout).astype(np.float32), ell.values,
+                                            shape.row_offsets(ell) if rows else shape.offsets(ell),
+                                            np.zeros((shape.co, oh, ow, shape.n), np.float32))]
     return lambda: lib["main"](*args)
 
 
@@ -651,8 +694,11 @@ def SparseConvs(channels_last: bool, choose: Callable[[ConvShape, np.ndarray], d
             top, left, bottom, right = pads
             if any(pads):
                 data = relax.op.nn.pad(data, [0, 0, top, bottom, left, right, 0, 0])
+            offsets = shape.offsets(ell)
+            if row_lanes(shape):
+                data, offsets = row_input(data, shape), shape.row_offsets(ell)
             oh, ow = shape.out
-            return relax.call_tir(gvar, [data, relax.const(ell.values), relax.const(shape.offsets(ell))],
+            return relax.call_tir(gvar, [data, relax.const(ell.values), relax.const(offsets)],
                                   relax.TensorType((shape.co, oh, ow, n), "float32"))
 
         def _dense(self, call):
