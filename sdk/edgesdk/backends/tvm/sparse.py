@@ -393,8 +393,9 @@ def schedule_rest(mod: Any) -> Any:
     return mod
 
 
-# of the kernels and their schedules: measured choices made with another are measured again (3: `row_kernel`)
-REVISION = 3
+# of the kernels and their schedules: measured choices made with another are measured again (3: `row_kernel`;
+# 4: strided rows on it too)
+REVISION = 4
 TIMING_RUNS = 7  # a kernel's time: the median of this many runs after one warm-up
 
 
