@@ -48,6 +48,7 @@ MIN_SPARSITY = 0.5  # a constant convolution weight with at least this share of 
 BLOCK = 16  # input channels per block: 16 channels x 3 kernel rows x a row of pixels stay in L1
 PIXELS = 14  # batch > 1: output pixels of a row sharing each weight load (at most; a divisor of the width)
 ROWS = 7  # batch 1: output rows sharing each weight load (at most; a divisor of the height)
+TASKS = 8  # batch 1: parallel tasks `row_kernel` makes at least, where the output channels divide that far
 OPAQUE = 8  # TVM's OpPatternKind kOpaque
 LANES_MAX = 16  # a transpose's vector: at most this many lanes
 LANES = 8  # batch 1: the vector along the output row (at most; a divisor of the width)
@@ -226,6 +227,9 @@ def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
     last = size - 1 - ((oh - 1) * sh * pitch + (ow - 1))  # the largest offset in bounds, as in `kernel`
     rows = largest_divisor(oh, ROWS)
     tiles = -(-ow // lanes)  # vectors per output row, the last one masked where lanes do not divide the width
+    # the output channels in parts where the tiles alone are too few to share out (7x7: one tile of 7 rows)
+    parts = largest_divisor(co, -(-TASKS // (oh // rows * tiles)))
+    span = co // parts
     mask, vector = f"uint1x{lanes}", f"float32x{lanes}"
 
     @T.prim_func(private=True)
@@ -235,9 +239,12 @@ def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
                      "tirx.is_scheduled": True})
         x = T.decl_buffer((size,), "float32", data=data.data)
         yf = T.decl_buffer((co * oh * ow,), "float32", data=y.data)
-        for t in T.parallel(oh // rows * tiles):  # a tile: `rows` output rows by one vector of columns
+        # a task: `rows` output rows by one vector of columns, of `span` output channels
+        for task in T.parallel(parts * (oh // rows) * tiles):
             acc = T.alloc_buffer((rows * lanes,), "float32", scope="local")
-            for k, o in T.grid(blocks, co):
+            for k, oi in T.grid(blocks, span):
+                o = task // (oh // rows * tiles) * span + oi
+                t = task % (oh // rows * tiles)
                 for r in T.unroll(rows):
                     if k == 0:
                         acc[T.Ramp(r * lanes, 1, lanes)] = T.Broadcast(T.float32(0), lanes)
@@ -394,8 +401,8 @@ def schedule_rest(mod: Any) -> Any:
 
 
 # of the kernels and their schedules: measured choices made with another are measured again (3: `row_kernel`;
-# 4: strided rows on it too)
-REVISION = 4
+# 4: strided rows on it too; 5: its output channels split into parallel parts where the tiles are few)
+REVISION = 5
 TIMING_RUNS = 7  # a kernel's time: the median of this many runs after one warm-up
 
 
