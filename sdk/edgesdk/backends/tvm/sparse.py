@@ -401,8 +401,9 @@ def schedule_rest(mod: Any) -> Any:
 
 
 # of the kernels and their schedules: measured choices made with another are measured again (3: `row_kernel`;
-# 4: strided rows on it too; 5: its output channels split into parallel parts where the tiles are few)
-REVISION = 5
+# 4: strided rows on it too; 5: its output channels split into parallel parts where the tiles are few;
+# 6: the kernel timed as compiled, its pixel block sized for the target's registers, not AVX2's by default)
+REVISION = 6
 TIMING_RUNS = 7  # a kernel's time: the median of this many runs after one warm-up
 
 
@@ -482,13 +483,12 @@ def sparse_runner(shape: ConvShape, ell: BlockedEll, target: dict, database: Pat
 
     from .database import _apply_database, _open_database
 
-    with tvm.target.Target(target):
+    with tvm.target.Target(target):  # as compilation builds and schedules it: the target's registers size it
         mod = tvm.IRModule({"main": conv_kernel(shape, ell.values.shape[1], ell.values.shape[2])})
         rows = row_lanes(shape) is not None
-    if database is not None and (database / "database_workload.json").exists():
-        with tvm.target.Target(target):
+        if database is not None and (database / "database_workload.json").exists():
             mod = _apply_database(mod, _open_database(database, target, must_exist=True))
-    func = schedule_rest(mod)["main"]
+        func = schedule_rest(mod)["main"]
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tvm.target.Target(target))
     hp, wp = shape.padded
     oh, ow = shape.out
