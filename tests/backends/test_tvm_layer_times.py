@@ -70,3 +70,25 @@ def test_each_convolution_is_timed_dense_and_per_method_then_replayed(tmp_path, 
 
     monkeypatch.setattr(sparse, "_median_ms", no_measuring)
     assert backends.backend("tvm").time_layers(job) == got
+
+
+def test_a_native_target_is_timed_as_compilation_resolves_it(tmp_path):
+    """`mcpu: native` with a triple is generic x86-64 to LLVM (no AVX): the layer times must use the host's CPU,
+    as compilation does, and share its kernel-time cache entries."""
+    from edgesdk.backends.tvm.targets import _resolve_target
+
+    model = onnx.load(small_cnn(tmp_path / "cnn.onnx"))
+    layer = [x for x in prunable(model) if x.name == "conv3"][0]
+    weights = {layer.output: {"1:4": pruning.pruned_weight(model, layer, parse_method("1:4"))}}
+    device = type("Cpu", (), {"codegen": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "native"}})()
+    job = backends.LayerTimesJob(model=model, weights=weights, segments={}, device=device, tuning_db=tmp_path / "db",
+                                 log=lambda s: None)
+    backends.backend("tvm").time_layers(job)
+    resolved = _resolve_target(device.codegen)[0]
+    assert resolved["mcpu"] != "native"
+    measured = sparse.Measured(resolved, tmp_path / "db" / backends.KERNEL_TIMES)
+    before = dict(measured.entries)
+    node = next(n for n in model.graph.node if n.output[0] == layer.output)
+    shape = layer_times.conv_shape(node, (4, 32, 8, 8), layer.shape)
+    measured(shape, weights[layer.output]["1:4"])
+    assert measured.entries == before  # compilation's lookup finds the plan's entry: nothing measured anew

@@ -26,11 +26,11 @@ from ...ir.model import infer_shapes, static_shapes
 from ..registry import KERNEL_TIMES, LayerTimesJob
 from . import sparse
 from .compile import compile_onnx
-from .targets import host_cpu
+from .targets import _resolve_target, host_cpu
 
 
 def time_layers(job: LayerTimesJob) -> dict:
-    target = job.device.codegen
+    target = _resolve_target(job.device.codegen)[0]  # `mcpu: native` resolved, as compilation resolves it
     database = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
     measured = sparse.Measured(target, job.tuning_db / KERNEL_TIMES, database)
     shapes = static_shapes(infer_shapes(job.model, strict=False))
