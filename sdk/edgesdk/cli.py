@@ -135,7 +135,7 @@ def _check_prune_options(prune: str | None, plan: str | None, budget: float | No
     elif plan is not None:
         if not Path(plan).is_file():
             raise UsageError("prune.plan-unreadable", f"--prune-plan {plan}: no such file",
-                             "give 'auto' or a plan file written by an earlier build (its tune/prune_plan.json)")
+                             "give 'auto' or a plan file written by an earlier build (its OUT/.build/4-tune/prune_plan.json)")
         if prune is not None or layers is not None:
             raise UsageError("cli.prune-options", "--prune-plan FILE names each layer's method: --prune and "
                              "--prune-layers do not go with it", "edit the plan file instead")
@@ -228,8 +228,8 @@ def build(
     prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \[default: all but the first and last]."),
     prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
     sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
-    prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's tune/prune_plan.json) to prune exactly as it says."),
-    latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, that the plan must be predicted within."),
+    prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's OUT/.build/4-tune/prune_plan.json) to prune exactly as it says."),
+    latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, as the build runs it: nothing is pruned where the dense model meets it on a CPU backend the tune stage measures; else the plan must be predicted within it."),
     eval_data: Optional[Path] = typer.Option(None, "--eval", help="With --prune or --prune-plan: a directory of labelled samples (as --calib reads them, and labels.txt: one integer class per line, per sample in file-name order): top-1 accuracy of the dense and the pruned model is reported beside fidelity."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),

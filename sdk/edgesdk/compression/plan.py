@@ -232,7 +232,7 @@ def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | No
         text = Path(path).read_text()
     except OSError as e:
         raise UsageError("prune.plan-unreadable", f"--prune-plan {where}: {e.strerror or e}",
-                         hint="give a plan file written by an earlier build (tune/prune_plan.json), or 'auto'") from None
+                         hint="give a plan file written by an earlier build (OUT/.build/4-tune/prune_plan.json), or 'auto'") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

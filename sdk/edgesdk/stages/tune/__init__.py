@@ -152,7 +152,7 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
         raise UsageError("prune.plan-unmeasurable", f"--prune-plan auto times each layer's kernels on this host, and "
                          f"this host cannot run the target's CPU code ({why})",
                          hint="choose the plan on a host that runs the target's CPU code and give it here as "
-                              "--prune-plan FILE (that build's tune/prune_plan.json), or prune every layer alike "
+                              "--prune-plan FILE (that build's OUT/.build/4-tune/prune_plan.json), or prune every layer alike "
                               "with --prune METHOD")
     timer = next((b for b in backends.backends() if b.layer_timer), None)
     if timer is None:
