@@ -2,7 +2,8 @@
 
 A plan segment names its backend (`plan.json`: "tvm", "tflite", "onnxruntime"); the stages ask the
 registry what that backend does instead of comparing names: the tune stage has the segments of a
-backend that `tunes` searched by it (`Backend.tune`: a `TuneJob` per device kind), the compress stage
+backend that `tunes` searched by it (`Backend.tune`: a `TuneJob` per device kind) and, for an auto pruning
+plan, layers timed by one that names a `layer_timer` (`Backend.time_layers`), the compress stage
 has those of one that `quantizes` converted by it (`Backend.quantize`: a `QuantizeJob` per segment),
 the package stage has each segment compiled by its backend (`Backend.compile`: a `CompileJob` in, a
 `Compiled` out) and then finished by its device kind's `Finisher`, where one is registered (Coral's
