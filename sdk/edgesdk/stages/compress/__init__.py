@@ -16,15 +16,17 @@ and the build says so in its output and in the manifest: int8 ranges then do not
 value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
 (backends/tflite/narrowing.py). The method goes into `compress.json` and the manifest's `calibration`.
 
-Pruning (`--prune METHOD`, `--prune-layers`, `--prune-correct`; compression/): the prunable layers
-(convolutions with one group, Gemm and MatMul with constant weights) that run on the CPU, all but the
-first and last of them unless `--prune-layers` says otherwise, are pruned in the whole model and written
-as `pruned.onnx`; the package stage puts those weights into the CPU segments. An accelerator's layers stay
+Pruning (`--prune METHOD`, `--prune-layers`, `--prune-plan`, `--prune-correct`, `--eval`; compression/): the
+layers the tune stage's plan names (`prune_plan.json`, the one file of that stage this one reads: by default
+the prunable layers that run on the CPU but the first and last, each with `--prune`'s method, or each with its
+own from a plan file or the auto plan) are pruned in the whole model and written as `pruned.onnx`; the
+package stage puts those weights into the CPU segments. An accelerator's layers stay
 dense: the Edge TPU computes every weight, zero or not. With `--prune-correct`, the kept weights are refit
 by least squares on three quarters of the calibration samples. `compress.json`'s `pruning` records each
 layer and the pruned model's fidelity to the dense one (cosine, max error, top-1 agreement, per layer and
 end to end; on the held-out quarter when corrected): fidelity on the calibration data, not accuracy, and
-no retraining. The Edge TPU segments are then calibrated on the pruned model's activations.
+no retraining; with `--eval DIR`, top-1 accuracy on its labelled samples beside it. The Edge TPU segments
+are then calibrated on the pruned model's activations.
 
 Shared segments (`PlanSegment.same_as`: a captioner's per-frame CNN) are quantized once, the first of
 them calibrated on every one's inputs (interleaved, at most `SHARED_SAMPLES` times the calibration
