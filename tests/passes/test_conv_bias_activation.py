@@ -86,6 +86,15 @@ def test_matmul_add_becomes_gemm(bias_first):
     check_fires(m, "matmul-add-to-gemm", gone=("MatMul", "Add"), tolerance=REASSOCIATED)
 
 
+def test_the_gemm_keeps_the_matmuls_name():
+    """A layer's name is how a user picks it (`--prune-layers fc2`): the fused Gemm keeps the MatMul's."""
+    m = model([node("MatMul", ["x", "w"], ["mm"], name="fc2"), node("Add", ["mm", "bias"], ["y"], name="fc2_add")],
+              {"x": [3, 5]}, ["y"],
+              {"w": rng.standard_normal((5, 4)).astype(np.float32), "bias": rng.standard_normal(4).astype(np.float32)})
+    out = check_fires(m, "matmul-add-to-gemm", gone=("MatMul", "Add"), tolerance=REASSOCIATED)
+    assert [(n.op_type, n.name) for n in out.graph.node] == [("Gemm", "fc2")]
+
+
 def test_matmul_add_with_transposed_weights_becomes_one_gemm():
     m = model([node("Transpose", ["w"], ["wt"], perm=[1, 0]), node("MatMul", ["x", "wt"], ["mm"]),
                node("Add", ["mm", "bias"], ["y"])], {"x": [3, 5], "w": [4, 5]}, ["y"],

@@ -118,10 +118,16 @@ class FoldBiasIntoConv(_ConvAffine):
 
 
 class _GemmBiasBroadcasts:
+    """MatMul+Add -> Gemm where the bias broadcasts; the Gemm keeps the MatMul's name (a layer's name is how
+    a user picks it, e.g. `--prune-layers fc2`)."""
+
+    _name = ""
+
     def check(self, context, input_a, input_b, input_c, **_):
         result = super().check(context, input_a, input_b)
         if not result:
             return result
+        self._name = next((n.name for n in context.nodes if n.op_type == "MatMul" and n.name), "")
         out, bias = static_shape(context.output_values[0]), static_shape(input_c)
         if out is None or bias is None or len(out) != 2:
             return result.fail("the output or the bias shape is not static")
@@ -130,6 +136,12 @@ class _GemmBiasBroadcasts:
         if input_a.dtype not in FLOAT_TYPES:
             return result.fail("Gemm takes float operands here")
         return result
+
+    def rewrite(self, op, input_a, input_b, input_c):
+        out = super().rewrite(op, input_a, input_b, input_c)
+        if self._name:
+            out.producer().name = self._name
+        return out
 
 
 class MatMulAddToGemm(_GemmBiasBroadcasts, _matmul_add_to_gemm.MatMulAddToGemm):
