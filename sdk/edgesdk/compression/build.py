@@ -43,7 +43,7 @@ def uniform(layers: list[Layer], method: str) -> dict[str, PruneMethod]:
     return {x.name: m for x in layers}
 
 
-def save_plan(path, model: onnx.ModelProto, methods: Mapping[str, PruneMethod], layers: list[Layer], **record) -> None:
+def save_plan(path, methods: Mapping[str, PruneMethod], layers: list[Layer], **record) -> None:
     """PLAN_FILE: each of `layers` with its method in `methods`, or dense; `record` beside."""
     write_plan(path, {x.name: methods[x.name].text if x.name in methods else DENSE for x in layers}, **record)
 

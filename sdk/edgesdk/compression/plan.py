@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 
 from ..errors import UsageError, UserError
-from .fidelity import run_samples
+from .fidelity import _joined, compare, run_samples
 from .prune import Layer, PruneMethod, parse_method, prune_model
 
 FORMAT = "edgesdk-prune-plan/1"
@@ -84,18 +84,9 @@ def sensitivity(dense: onnx.ModelProto, layers: Sequence[Layer], methods: Sequen
         for method in methods:
             pruned, _ = prune_model(dense, method, [layer])
             runs = run_samples(pruned, samples)
-            cosines = [_cosine(np.concatenate([np.ravel(r[o]) for r in reference]),
-                               np.concatenate([np.ravel(r[o]) for r in runs])) for o in outputs]
+            cosines = [compare(_joined(reference, o), _joined(runs, o))["cosine"] for o in outputs]
             out[layer.name][method.text] = max(0.0, 1.0 - min(cosines))
     return out
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    if np.array_equal(a, b):
-        return 1.0
-    norms = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(np.clip(a @ b / norms, -1, 1)) if norms > 0 else 0.0
 
 
 def options(layers: Sequence[Layer], times: Mapping[str, dict], loss: Mapping[str, Mapping[str, float]],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -169,7 +170,7 @@ def load_labelled(root: Path, inputs: list[dict], preprocess: str | None
     """`--eval DIR`: every sample in DIR, read as `--calib` reads its samples (files in name order, a stack's
     samples in order), and LABELS: one integer class per line (blank lines and `#` comments skipped), one for
     each row of the model's first output over all samples (a batch-16 model: 16 per sample)."""
-    options = type("Eval", (), {"calib": root, "calib_samples": 10 ** 9, "calib_preprocess": preprocess, "seed": 0})
+    options = SimpleNamespace(calib=root, calib_samples=10 ** 9, calib_preprocess=preprocess, seed=0)
     samples, info = load_calibration(options, inputs, flag="--eval")
     path = Path(root) / LABELS
     if not path.is_file():

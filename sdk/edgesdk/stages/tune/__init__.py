@@ -131,7 +131,7 @@ def _pruned(plan: Plan, artifact: Path, db: Path, ctx) -> tuple[onnx.ModelProto,
             methods, record = _auto_plan(plan, artifact, dense, layers, db, ctx)
         else:
             methods, record = pruning.uniform(layers, opts.prune), {"source": f"--prune {opts.prune}"}
-    pruning.save_plan(ctx.out / pruning.PLAN_FILE, dense, methods, layers,
+    pruning.save_plan(ctx.out / pruning.PLAN_FILE, methods, layers,
                       accelerator_layers_dense=[x.name for x in accel], **record)
     model, records, _ = pruning.prune_for_build(dense, methods, opts.sparse_kernels)
     return dense, model, records
