@@ -125,6 +125,7 @@ def inspect_bundle(manifest, bundle: Path) -> str:
         out.append(f"calibration {'SYNTHETIC' if m.calibration.get('synthetic') else 'from ' + str(m.calibration.get('source'))}"
                    f", {m.calibration.get('samples')} samples")
     out += pruning_summary(m.pruning)
+    out += provenance_summary(m.provenance, m.bundle_version, m.signing)
     reference = "the pruned fp32 model" if m.pruning else "fp32"
     for name, a in (m.accuracy.get("tensors") or {}).items():
         out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs {reference}")
@@ -135,6 +136,35 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for w in m.warnings:
         out.append(f"warning     {w}")
     return "\n".join(out)
+
+
+def provenance_summary(p: dict[str, Any], bundle_version: int = 0, signing: dict[str, Any] | None = None) -> list[str]:
+    """What the bundle was built from (digests to 12 hex digits), by which SDK, its SBOM; its version and
+    signing key. The manifest's schema leaves `provenance` open, so each value is shown only as what it is."""
+    out = []
+    if p:
+        digests = [f"{label} {_short(p.get(key))}" for label, key in (
+            ("model", "model_sha256"), ("target", "target_sha256"), ("tuning db", "tuning_database_sha256"),
+            ("calibration", "calibration_sha256"))]
+        calib = p.get("calibration") if isinstance(p.get("calibration"), dict) else {}
+        if calib.get("source") == "synthesized":
+            digests[-1] += f" (synthesized, seed {calib.get('seed')})"
+        out += [f"provenance  {', '.join(digests)}",
+                f"            edgesdk {_text(p.get('sdk_version'))}; SBOM {_text(p.get('sbom'))}"]
+    signing = signing or {}
+    version = f"bundle version {bundle_version}" if bundle_version else ""
+    signed = (f"signed by key {signing['key_id']} ({signing.get('algorithm', '?')})" if signing.get("key_id")
+              else "unsigned")
+    out.append(f"signing     {'; '.join(x for x in (version, signed) if x)}")
+    return out
+
+
+def _short(digest: Any) -> str:
+    return digest[:12] if isinstance(digest, str) and digest else "?"
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) and value else "?"
 
 
 def pruning_summary(p: dict[str, Any]) -> list[str]:

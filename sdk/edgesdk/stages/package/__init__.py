@@ -18,9 +18,16 @@ import json
 from pathlib import Path
 
 from ...bundling import Sources, package
+from ...ir.digest import tree_sha256
 
-OPTIONS = ("calib", "calib_preprocess", "seed")
+# the golden inputs and the provenance's calibration digest come from the calibration samples
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
+
+
+def cache_inputs(options, target) -> dict:
+    """The calibration directory's content: the same path with other samples is another bundle."""
+    return {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None}
 
 
 def run(artifact: Path, ctx) -> dict:
