@@ -13,8 +13,8 @@ import pytest
 from tests.model_zoo import PPOCR_CLS, ROOT
 
 
-def edgesdk(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+def edgesdk(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk"), **(env or {})}
     return subprocess.run([sys.executable, "-m", "edgesdk.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=600)
 

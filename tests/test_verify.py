@@ -4,8 +4,9 @@ of a refused bundle ran and nothing was left behind (issue 15, findings 1, 2, 3,
 Each attack is built here from the real PP-OCR classifier bundle (`x86_ppocr`): a failing self-test,
 a planted compiled module, a junk signature, paths and links leading out of the bundle (to a native
 library whose load would write a marker file), hostile archives and malformed manifests. An attacker
-who can edit the bundle can also edit its manifest (there is no signature yet), so most attacks
-re-stamp the manifest's hashes after planting: the checks below must hold anyway.
+who can edit the bundle can also edit its manifest, so most attacks re-stamp the manifest's hashes
+after planting: the checks below must hold even for an unsigned bundle verified without a key
+(signatures: tests/test_signing_e2e.py).
 """
 
 from __future__ import annotations
@@ -157,10 +158,15 @@ def test_selftest_writes_no_bytecode_into_the_bundle(bundle):
     assert verify(bundle, run_selftest=False).hashes_ok  # so it verifies again
 
 
-def test_junk_signature_is_refused(bundle):
+def test_junk_signature_is_refused_by_a_key_and_never_passes_for_checked(bundle, tmp_path):
+    from edgesdk.bundling import signing
+
     (bundle / "manifest.sig").write_bytes(b"\x00junk signature")
-    proc = edgesdk("verify", str(bundle))
-    assert_user_facing(proc, 1, "manifest.sig", "neither writes nor checks signatures")
+    proc = edgesdk("verify", str(bundle), "--no-selftest")
+    assert proc.returncode == 0 and "NOT checked" in proc.stdout  # no key given: said, never claimed verified
+    _, public, _ = signing.generate_keys(tmp_path / "keys")
+    proc = edgesdk("verify", str(bundle), "--public-key", str(public))
+    assert_user_facing(proc, 1, "manifest.sig", "not an ed25519 signature")
 
 
 # --- finding 3: every path stays inside the bundle ------------------------------------------------

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
 
 app = typer.Typer(
     name="edgesdk",
@@ -30,6 +30,9 @@ app = typer.Typer(
 )
 targets_app = typer.Typer(help="List, show, validate target files; write their JSON Schema.", no_args_is_help=True)
 app.add_typer(targets_app, name="targets")
+keys_app = typer.Typer(help="Signing keys: generate a key pair; sign and check release files (SHA256SUMS).",
+                       no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 
 _state = {"debug": False, "progress_open": False}
 
@@ -225,19 +228,26 @@ def build(
     cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert \\[default: all]; 'planned': the schedule's cut, nothing measured."),
     cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's int8 kernels, with the ops full int8 hurts most kept float where needed, and onnxruntime's), each admitted only where it passes the accuracy gate on held-out calibration samples \\[default: the target's CPU precision, fp32]."),
     prune: Optional[str] = typer.Option(None, "--prune", help="Prune the CPU segments' convolution and matrix weights: 2:4 or 1:4 (N of every M input channels kept), magnitude:S (the smallest share S of each layer's weights, e.g. magnitude:0.75), column-combine[:G] (one input channel of every G kept per output channel, G=4 by default). Without retraining: the build reports the pruned model's fidelity to the dense one; pruned convolutions run sparse TVM kernels where measured faster."),
-    prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \[default: all but the first and last]."),
+    prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \\[default: all but the first and last]."),
     prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
     sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
     prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's OUT/.build/4-tune/prune_plan.json) to prune exactly as it says."),
     latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, as the build runs it: nothing is pruned where the dense model meets it on a CPU backend the tune stage measures; else the plan must be predicted within it."),
     eval_data: Optional[Path] = typer.Option(None, "--eval", help="With --prune or --prune-plan: a directory of labelled samples (as --calib reads them, and labels.txt: one integer class per line, per sample in file-name order): top-1 accuracy of the dense and the pruned model is reported beside fidelity."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
+    check_reproducible: bool = typer.Option(False, "--check-reproducible", help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout."),
 ) -> None:
     """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
+    if check_reproducible and until is not None:
+        raise UsageError("cli.reproducible-until", "--check-reproducible compares whole bundles: --until does not go "
+                         "with it", "drop --until")
+    stamp = _stamper(sign_key, bundle_version)
     if cpu_precision not in (None, "fp32", "int8"):
         raise UsageError("cli.bad-cpu-precision", f"--cpu-precision {cpu_precision}: expected fp32 or int8",
                          "int8 measures int8 CPU candidates behind an accuracy gate; fp32 keeps the CPU float")
@@ -285,14 +295,21 @@ def build(
             _err(f"[{i}/{total}] {name} ...")
         elif state == "done":
             _err(f"[{i}/{total}] {name} done in {secs:.2f} s")
+        elif state == "replayed":
+            _err(f"[{i}/{total}] {name} replayed from the first build")
         else:
             _err(f"[{i}/{total}] {name} cached")
 
     t0 = time.perf_counter()
     with _native_stderr_silenced(quiet):
-        result = run_build(options, log=log, on_stage=on_stage, progress=None if quiet else _progress_line())
+        result = run_build(options, log=log, on_stage=on_stage, progress=None if quiet else _progress_line(),
+                           stamp=stamp)
     summary = result.summary()
     summary["seconds"] = round(time.perf_counter() - t0, 3)
+    if result.bundle is not None:
+        summary["signed_by"] = _stamped(result.bundle, quiet)
+    if check_reproducible:
+        summary["reproducible"] = _check_reproducible(options, result, stamp, quiet, log, on_stage)
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
         return
@@ -314,6 +331,149 @@ def build(
             for w in s.record.get("warnings", []) if s.cached else []:
                 _err(f"warning: {w}")
         _err(f"built in {summary['seconds']:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
+
+
+def _stamper(sign_key: Path | None, version: int | None):
+    """The bundle's version and signature, applied as the build publishes it; the key is read now, so a
+    wrong key fails before the build and not after it."""
+    if sign_key is None and version is None:
+        return None
+    from .bundling import signing
+
+    key = signing.load_private_key(sign_key, warn=lambda s: _err(f"warning: {s}")) if sign_key else None
+    return lambda bundle, tarball: signing.stamp(bundle, version=version, key=key, tarball=tarball)
+
+
+def _stamped(bundle: Path, quiet: bool) -> str | None:
+    from .runtime.manifest import Manifest
+
+    m = Manifest.load(bundle)
+    key = m.signing.get("key_id")
+    if not quiet:
+        _err(f"bundle version {m.bundle_version}, " + (f"signed by key {key} (manifest.sig)" if key else
+                                                      "unsigned (--sign-key or EDGESDK_SIGN_KEY signs it)"))
+    return key
+
+
+def _check_reproducible(options, result, stamp, quiet: bool, log, on_stage) -> dict:
+    from .pipeline import check_reproducible
+
+    if not quiet:
+        _err("reproducibility: building again in a fresh directory (the tune stage's measurements replayed)")
+    with _native_stderr_silenced(quiet):
+        report = check_reproducible(options, result, log=log, on_stage=on_stage, stamp=stamp)
+    if not report["identical"]:
+        where = (f"; the first stage whose output differs: {report['stages_differing'][0]}"
+                 if report["stages_differing"] else "")
+        raise UserError("build.not-reproducible",
+                        f"the rebuild in a fresh directory differs from {result.bundle}: "
+                        f"{len(report['differences'])} file(s)"
+                        + ("" if report["tarball_identical"] else " and bundle.tar.gz") + where,
+                        "an input the build reads changed between the builds (a tuning database being written, "
+                        "the SDK's code), or a stage is not deterministic: report it with the differences",
+                        notes=report["differences"][:20])
+    if not quiet:
+        _err(f"reproducible: the rebuild is byte-identical ({report['files']} files and bundle.tar.gz; stages "
+             f"rebuilt: {', '.join(report['stages_rebuilt'])})")
+    return report
+
+
+@app.command()
+def sign(
+    bundle: Path = typer.Argument(..., help="A bundle directory (DIR/bundle: DIR/bundle.tar.gz is written again too) or a .tar.gz."),
+    key: Path = typer.Option(..., "--key", "-k", envvar="EDGESDK_SIGN_KEY", help="The ed25519 private key (edgesdk keys generate)."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, help="Set the bundle's version as it is signed \\[default: keep the manifest's]."),
+) -> None:
+    """Sign a bundle built earlier: manifest.sig over manifest.json, with its key id and version."""
+    import tempfile
+
+    from .bundling import signing
+
+    signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
+    if bundle.is_dir():
+        from .verify import opened_bundle
+
+        with opened_bundle(bundle) as root:
+            tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
+            manifest = signing.stamp(root, version=bundle_version, key=signer,
+                                     tarball=tarball if tarball and tarball.exists() else None)
+        written = [bundle] + ([tarball] if tarball and tarball.exists() else [])
+    else:
+        from .verify import opened_bundle
+
+        with opened_bundle(bundle) as root, tempfile.TemporaryDirectory(dir=bundle.parent, prefix=".sign-") as tmp:
+            staged = Path(tmp) / bundle.name
+            manifest = signing.stamp(root, version=bundle_version, key=signer, tarball=staged)
+            staged.replace(bundle)
+        written = [bundle]
+    print(f"signed {', '.join(map(str, written))}: key {signer.key_id}, bundle version {manifest.bundle_version}")
+    if manifest.bundle_version == 0:
+        _err("warning: bundle version 0: devices cannot tell this bundle from an older one; give --bundle-version")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for NAME.key (private, mode 0600) and NAME.pub."),
+    name: str = typer.Option("edgesdk", "--name", help="The files' name."),
+) -> None:
+    """A new ed25519 signing key pair (EDGESDK_SIGN_KEY_PASSPHRASE set: the private key is encrypted)."""
+    from .bundling import signing
+
+    private, public, key_id = signing.generate_keys(out, name)
+    print(f"key {key_id}\n  private: {private} (mode 0600: keep it off devices and out of bundles)\n"
+          f"  public:  {public} (put it into the devices' trust directory)")
+
+
+@keys_app.command("sign")
+def keys_sign(
+    files: List[Path] = typer.Argument(..., help="Files to sign (SHA256SUMS): FILE.sig is written beside each."),
+    key: Path = typer.Option(..., "--key", "-k", envvar="EDGESDK_SIGN_KEY", help="The ed25519 private key."),
+) -> None:
+    """Detached signatures of release files."""
+    from .bundling import signing
+
+    signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
+    for f in files:
+        if not f.is_file():
+            raise UsageError("keys.no-file", f"{f}: no such file", "give files to sign, e.g. dist/SHA256SUMS")
+        print(f"{signing.sign_file(f, signer)}: key {signer.key_id}")
+
+
+@keys_app.command("verify")
+def keys_verify(
+    files: List[Path] = typer.Argument(..., help="Signed files (FILE.sig beside each)."),
+    public_key: Optional[Path] = typer.Option(None, "--public-key", help="An ed25519 public key file."),
+    trust_dir: Optional[Path] = typer.Option(None, "--trust", help="A directory of public keys (*.pub)."),
+) -> None:
+    """Check detached signatures (FILE.sig) of release files."""
+    from .bundling import signing
+
+    keys = _trusted_keys(public_key, trust_dir, None, required=True)
+    for f in files:
+        if not f.is_file():
+            raise UsageError("keys.no-file", f"{f}: no such file", "give the signed files, e.g. dist/SHA256SUMS")
+        k = signing.verify_file(f, keys)
+        print(f"{f}: signed by key {k.key_id} ({k.path.name})")
+
+
+def _trusted_keys(public_key: Path | None, trust_dir: Path | None, root: Path | None, *, required: bool = False):
+    """The keys given (--public-key, --trust or ROOT/trust), or None when none is given."""
+    from .runtime import trust
+
+    given = [x for x in (public_key, trust_dir) if x is not None]
+    if len(given) > 1:
+        raise UsageError("verify.keys", "--public-key and --trust do not go together",
+                         "a trust directory holds every key a device accepts: put the key there")
+    source = given[0] if given else (root / "trust" if root is not None else None)
+    if source is None:
+        if required:
+            raise UsageError("verify.no-key", "no key to check with", "give --public-key PUB or --trust DIR")
+        return None
+    try:
+        return trust.load_trust(source)
+    except trust.KeyFileError as e:
+        raise UsageError("verify.bad-key", str(e), "give the NAME.pub that `edgesdk keys generate` wrote, or a "
+                         "directory of them") from None
 
 
 @app.command()
@@ -461,19 +621,37 @@ def run_bundle(
 @app.command()
 def verify(
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
-    no_selftest: bool = typer.Option(False, "--no-selftest", help="Only check the hashes."),
+    public_key: Optional[Path] = typer.Option(None, "--public-key", help="Check the signature with this ed25519 public key (NAME.pub); the key never comes from the bundle."),
+    trust_dir: Optional[Path] = typer.Option(None, "--trust", help="Check the signature with any key in this directory (*.pub): the old and the new key while one is rotated."),
+    root: Optional[Path] = typer.Option(None, "--root", help="A device's install root (python -m runtime install): its trust/ keys, and its active bundle's version, below which a bundle is refused."),
+    installed_version: Optional[int] = typer.Option(None, "--installed-version", min=0, help="Refuse a bundle whose version is lower (rollback protection)."),
+    allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="Accept a bundle older than the installed one (stated in the report)."),
+    no_selftest: bool = typer.Option(False, "--no-selftest", help="Only check the signature, hashes and version."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
-    """Check every file's hash, then run the golden self-test on the bundle's own architecture."""
+    """Check the signature (with a key you give), every file's hash and the version, then run the golden
+    self-test on the bundle's own architecture."""
     from .verify import verify as run_verify
 
-    report = run_verify(bundle, run_selftest=not no_selftest)
+    keys = _trusted_keys(public_key, trust_dir, root)
+    if root is not None and installed_version is None:
+        from .runtime.install import installed_version as active_version
+
+        installed_version = active_version(root)
+    report = run_verify(bundle, run_selftest=not no_selftest, keys=keys, installed_version=installed_version,
+                        allow_downgrade=allow_downgrade)
     if as_json:
         print(json.dumps({"bundle": str(report.bundle), "hashes_ok": report.hashes_ok, "files": report.files,
+                          "signature": report.signature, "bundle_version": report.bundle_version,
+                          "trust_notes": report.trust_notes,
                           "selftest": report.selftest, "detail": report.detail, "outputs": report.outputs,
                           "segments": report.segments, "stream": report.stream, "notes": report.notes}, indent=2))
     else:
-        print(f"hashes: ok ({report.files} files match the manifest)")
+        print(f"signature: {report.signature}")
+        for n in report.trust_notes:
+            print(f"note: {n}")
+        print(f"hashes: ok ({report.files} files match the manifest); bundle version {report.bundle_version}"
+              + (f" (installed: {installed_version})" if installed_version is not None else ""))
         for n in report.notes:
             print(f"note: {n}")
         for seg in report.segments:

@@ -194,8 +194,14 @@ def _check_stage_name(name: str | None, flag: str) -> None:
 
 def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
           on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None,
-          progress: Callable[[str | None], None] | None = None) -> BuildResult:
-    """Run the pipeline for `options`; returns what each stage did (cached or not) and its record."""
+          progress: Callable[[str | None], None] | None = None,
+          stamp: Callable[[Path, Path], None] | None = None, replay: dict[str, Path] | None = None) -> BuildResult:
+    """Run the pipeline for `options`; returns what each stage did (cached or not) and its record.
+
+    `stamp(bundle_dir, tarball)` finishes the published bundle before it is renamed into place: its
+    version and signature (`bundling.signing.stamp`), which are no stage's output, so that neither a
+    key nor a version enters the stage cache. `replay` maps a stage to an output of it from another
+    build, used as it is instead of running the stage (`check_reproducible` replays tune's measurements)."""
     _check_stage_name(options.until, "--until")
     _check_stage_name(options.start, "--from")
     target, target_path = load_target(options.target)
@@ -232,7 +238,13 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                                 "target": target.digest() if uses_target else None, "options": opts, "sdk": sdk})
             dest = stage_dir(out, phase.name)
             artifact = stage_dir(out, reads[-1]) if reads else model
-            if i < force_from and _cache_hit(dest, key):
+            if replay and phase.name in replay:
+                shutil.rmtree(dest, ignore_errors=True)
+                shutil.copytree(replay[phase.name], dest)
+                record = json.loads((dest / "record.json").read_text())
+                results.append(StageResult(phase.name, True, 0.0, record))
+                on_stage(phase.name, "replayed", 0.0)
+            elif i < force_from and _cache_hit(dest, key):
                 record = json.loads((dest / "record.json").read_text())
                 results.append(StageResult(phase.name, True, 0.0, record))
                 on_stage(phase.name, "cached", 0.0)
@@ -246,7 +258,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 on_stage(phase.name, "done", secs)
             # the keys of the stages that read this one cover its output, whatever produced it
             digests[phase.name] = (dest / "digest").read_text()
-        bundle = _publish(dest, out) if stop == len(PHASES) - 1 else None
+        bundle = _publish(dest, out, stamp) if stop == len(PHASES) - 1 else None
     except BaseException:
         if created_out and not results:
             shutil.rmtree(out, ignore_errors=True)
@@ -270,10 +282,10 @@ def _sdk_digest() -> str:
     return value_sha256({"version": __version__, "code": code})
 
 
-def _publish(package_dir: Path, out: Path) -> Path:
+def _publish(package_dir: Path, out: Path, stamp: Callable[[Path, Path], None] | None = None) -> Path:
     """Copy the package stage's bundle to DIR/bundle and DIR/bundle.tar.gz.
 
-    Both are copied beside their places first; then the previous pair is removed, the tarball
+    Both are copied beside their places first (and stamped there: version and signature); then the previous pair is removed, the tarball
     before the directory, and the new pair renamed in, the directory before the tarball. A build
     killed at any point (SIGKILL runs no cleanup) leaves the previous pair, a part of it, nothing,
     the new directory alone, or the new pair: never a directory and a tarball of different builds."""
@@ -281,6 +293,8 @@ def _publish(package_dir: Path, out: Path) -> Path:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     shutil.copytree(package_dir / "bundle", tmp_dir)
     shutil.copyfile(package_dir / "bundle.tar.gz", tmp_tar)
+    if stamp is not None:
+        stamp(tmp_dir, tmp_tar)
     (out / "bundle.tar.gz").unlink(missing_ok=True)
     if (out / "bundle").exists():  # renamed aside first: a rename is atomic, a tree removal is not
         shutil.rmtree(out / ".bundle.old", ignore_errors=True)
@@ -323,6 +337,73 @@ def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target
         shutil.rmtree(build_dir / f"{PHASE_NAMES.index(later) + 1}-{later}", ignore_errors=True)
     tmp.rename(dest)
     return record
+
+
+def check_reproducible(options: BuildOptions, first: BuildResult, *, log: Callable[[str], None] = lambda s: None,
+                       on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None,
+                       stamp: Callable[[Path, Path], None] | None = None) -> dict[str, Any]:
+    """Build `options` again in a fresh temporary directory and compare with `first` byte for byte.
+
+    Every stage runs again except the tune stage, whose output (the tuning search's records, the CPU
+    backends' timings and the choices made by them) is replayed from `first`: a measurement is not
+    reproducible, what is built from it must be. Returns the differences by file (for manifest.json, by
+    field) and the stages whose outputs differ (their records and reports aside, which hold times), the first of them
+    being where reproducibility is lost."""
+    import dataclasses
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="edgesdk-rebuild-") as tmp:
+        fresh = Path(tmp) / "out"
+        again = build(dataclasses.replace(options, out=fresh, start=None, until=None), log=log, on_stage=on_stage,
+                      stamp=stamp, replay={"tune": stage_dir(first.out, "tune")})
+        stages = [p for p in PHASE_NAMES if _content(stage_dir(first.out, p)) != _content(stage_dir(fresh, p))]
+        files = compare_bundles(first.out / "bundle", fresh / "bundle")
+        tar_same = file_sha256(first.out / "bundle.tar.gz") == file_sha256(fresh / "bundle.tar.gz")
+        rebuilt = [s.name for s in again.stages if not s.cached]
+    return {"identical": not files and tar_same, "differences": files, "tarball_identical": tar_same,
+            "stages_differing": stages, "stages_rebuilt": rebuilt,
+            "files": sum(1 for p in (first.out / "bundle").rglob("*") if p.is_file())}
+
+
+def _content(stage_output: Path) -> dict[str, str]:
+    """A stage's output files and their digests, but its record and HTML reports (they hold times), key
+    and digest."""
+    return {p.relative_to(stage_output).as_posix(): file_sha256(p) for p in sorted(stage_output.rglob("*"))
+            if p.is_file() and p.suffix != ".html"
+            and p.relative_to(stage_output).as_posix() not in ("record.json", "key", "digest")}
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
+
+
+def compare_bundles(a: Path, b: Path) -> list[str]:
+    """Each difference between bundle directories `a` and `b`: a file only in one, a file whose bytes
+    differ (manifest.json: the fields that differ)."""
+    def files(root: Path) -> dict[str, Path]:
+        return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+    fa, fb = files(a), files(b)
+    out = [f"{rel}: only in the first build" for rel in sorted(set(fa) - set(fb))]
+    out += [f"{rel}: only in the rebuild" for rel in sorted(set(fb) - set(fa))]
+    for rel in sorted(set(fa) & set(fb)):
+        if file_sha256(fa[rel]) == file_sha256(fb[rel]):
+            continue
+        if rel == "manifest.json":
+            fields = _json_differences(json.loads(fa[rel].read_text()), json.loads(fb[rel].read_text()), "manifest")
+            out.append(f"manifest.json: differs in {', '.join(fields[:8])}" + (" ..." if len(fields) > 8 else ""))
+        else:
+            out.append(f"{rel}: differs ({fa[rel].stat().st_size:,} and {fb[rel].stat().st_size:,} bytes, sha256 "
+                       f"{file_sha256(fa[rel])[:12]} and {file_sha256(fb[rel])[:12]})")
+    return out
+
+
+def _json_differences(a: Any, b: Any, where: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _json_differences(a.get(k), b.get(k), f"{where}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _json_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [where]
 
 
 def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:

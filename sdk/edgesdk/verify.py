@@ -9,16 +9,13 @@ the report says so plainly and never claims it passed.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +23,9 @@ from typing import Iterator
 from .backends import qemu
 from .errors import UserError
 from .ir.digest import file_sha256
-from .runtime.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, RuntimeTooOld, path_problem
+from .runtime import trust
+from .runtime.manifest import Manifest, ManifestError, RuntimeTooOld, path_problem
+from .runtime.unpack import UnpackError, max_bundle_bytes, unpack
 
 
 @dataclass
@@ -41,6 +40,9 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     stream: dict = field(default_factory=dict)  # the pipelined stream's frames against run()
     load_seconds: float | None = None  # the runtime's load of every segment, on the device
+    signature: str = ""  # verified by which key, or why it was not checked
+    bundle_version: int = 0
+    trust_notes: list[str] = field(default_factory=list)  # an allowed downgrade
 
 
 @contextlib.contextmanager
@@ -69,76 +71,20 @@ def opened_bundle(path: Path) -> Iterator[Path]:
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def max_bundle_bytes() -> int:
-    """The most an archive may unpack to: EDGESDK_MAX_BUNDLE_BYTES, default 16 GiB."""
-    value = os.environ.get("EDGESDK_MAX_BUNDLE_BYTES", "")
-    return int(value) if value.isdigit() else 16 << 30
-
-
 def _unpack(path: Path, dest: Path) -> Path:
-    """Unpack the archive `path` into `dest` once every member passed; returns the bundle root."""
-    def refuse(code: str, problem: str) -> UserError:
-        return UserError(code, f"{path}: {problem}", "this archive was not written by edgesdk, or it was damaged "
-                         "on the way; do not flash it: fetch or rebuild the bundle")
-
-    limit = max_bundle_bytes()
+    """Unpack the archive `path` into `dest` once every member passed (runtime/unpack.py, which the device's
+    installer shares); returns the bundle root."""
     try:
-        tar = tarfile.open(path, "r:*")
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        raise refuse("bundle.bad-archive", f"not a bundle archive ({str(e).splitlines()[0][:200]})") from None
-    try:
-        with tar:
-            members, total = {}, 0
-            for m in tar:  # headers one by one: a hostile size is refused before its data is read
-                name = _member_name(m.name)
-                parts = name.split("/")
-                if m.name.startswith("/") or ".." in parts or "\\" in m.name:
-                    raise refuse("bundle.unsafe-member", f"refuses member '{m.name[:200]}' (absolute path or '..')")
-                if not (m.isfile() or m.isdir()):
-                    raise refuse("bundle.unsafe-member", f"refuses member '{m.name[:200]}' (a link or special file)")
-                if len(name) > 1024 or any(len(x.encode()) > 255 for x in parts):
-                    raise refuse("bundle.unsafe-member", f"refuses member '{m.name[:60]}...' (a name of "
-                                 f"{len(m.name)} characters: a path part is at most 255 bytes)")
-                if name in members:
-                    raise refuse("bundle.unsafe-member", f"member '{name}' appears twice")
-                total += m.size
-                if m.size > limit or total > limit:
-                    raise refuse("bundle.too-large", f"member '{name}' takes the archive past {limit:,} bytes "
-                                 "unpacked (EDGESDK_MAX_BUNDLE_BYTES)")
-                members[name] = m
-            prefix = "bundle/" if members and all(n == "bundle" or n.startswith("bundle/") for n in members) else ""
-            manifest = members.get(f"{prefix}manifest.json")
-            if manifest is None or not manifest.isfile():
-                raise refuse("bundle.no-manifest", "no manifest.json in the archive, so this is not an edgesdk bundle")
-            reader = tar.extractfile(manifest)
-            try:
-                listed = Manifest.from_json(reader.read(MAX_MANIFEST_BYTES + 1)).files
-            except ManifestError as e:
-                raise _bad_manifest(path, e) from None
-            for name, m in members.items():
-                rel = name[len(prefix):] if name.startswith(prefix) else name
-                if m.isdir() or rel == "manifest.json":
-                    continue
-                if rel not in listed:
-                    raise refuse("bundle.unlisted-member", f"member '{name}' is not listed in the manifest")
-                if m.size != listed[rel]["size"]:
-                    raise refuse("bundle.tampered", f"member '{name}' is {m.size:,} bytes; the manifest lists "
-                                 f"{listed[rel]['size']:,}")
-            tar.extractall(dest, members=list(members.values()), filter="data")
-            return dest / prefix.rstrip("/") if prefix else dest
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        if isinstance(e, OSError) and not isinstance(e, gzip.BadGzipFile) and e.errno is not None:
-            # the disk, not the archive: full, read-only, ...
-            raise UserError("bundle.unpack-failed", f"{path}: cannot be unpacked into {dest} ({e.strerror})",
+        return unpack(path, dest, max_bundle_bytes())
+    except UnpackError as e:
+        if isinstance(e.__cause__, ManifestError):
+            raise _bad_manifest(path, e.__cause__) from None
+        if e.code == "bundle.unpack-failed":
+            raise UserError(e.code, f"{path}: {e.problem}",
                             "free space in the temporary directory (TMPDIR) and try again") from None
-        raise refuse("bundle.bad-archive", f"not a complete bundle archive ({type(e).__name__}: "
-                     f"{str(e).splitlines()[0][:200] if str(e) else 'unexpected end'})") from None
-
-
-def _member_name(name: str) -> str:
-    while name.startswith("./"):
-        name = name[2:]
-    return name.rstrip("/")
+        limit = " (EDGESDK_MAX_BUNDLE_BYTES)" if e.code == "bundle.too-large" else ""
+        raise UserError(e.code, f"{path}: {e.problem}{limit}", "this archive was not written by edgesdk, or it was "
+                        "damaged on the way; do not flash it: fetch or rebuild the bundle") from None
 
 
 def load_manifest(bundle: Path, shown: Path | None = None) -> Manifest:
@@ -158,34 +104,8 @@ def _bad_manifest(where: Path, e: ManifestError) -> UserError:
 
 
 def check_hashes(bundle: Path, manifest: Manifest) -> list[str]:
-    """What does not match the manifest: a listed file missing, changed, a link or outside the bundle;
-    any file, link or directory entry it does not list (compiled Python files included: a planted
-    `__pycache__/*.pyc` would run instead of the checked source)."""
-    problems = []
-    for rel, meta in sorted(manifest.files.items()):
-        problem = path_problem(bundle, rel)
-        if problem:
-            problems.append(f"{rel}: {problem}")
-        elif os.path.getsize(bundle / rel) != meta["size"] or file_sha256(bundle / rel) != meta["sha256"]:
-            problems.append(f"{rel}: sha256 does not match the manifest (the file was changed)")
-    for seg in manifest.segments:
-        for rel in filter(None, (seg.artifact, seg.fallback_artifact)):
-            if rel not in manifest.files:
-                problems.append(f"{rel}: segment {seg.id} runs it, but the manifest does not list its hash")
-    listed = set(manifest.files) | {"manifest.json"}
-    for top, dirs, files in os.walk(bundle):
-        for name in sorted(dirs + files):
-            p = Path(top) / name
-            rel = p.relative_to(bundle).as_posix()
-            if p.is_symlink():
-                problems.append(f"{rel}: a link (a bundle holds none)")
-            elif rel == "manifest.sig":
-                problems.append("manifest.sig: a signature, but this edgesdk neither writes nor checks signatures: "
-                                "the file was not written by `edgesdk build`")
-            elif name in files and rel not in listed:
-                problems.append(f"{rel}: not listed in the manifest"
-                                + (" (compiled Python: run the runtime with `python -B`)" if name.endswith(".pyc") else ""))
-    return problems
+    """What does not match the manifest (`runtime.trust.file_problems`, the device's own check)."""
+    return trust.file_problems(bundle, manifest)
 
 
 def check_bundle(bundle: Path, shown: Path | None = None) -> Manifest:
@@ -199,10 +119,53 @@ def check_bundle(bundle: Path, shown: Path | None = None) -> Manifest:
     return manifest
 
 
-def verify(path: Path, *, run_selftest: bool = True) -> VerifyReport:
+def check_trust(bundle: Path, shown: Path, keys: list[trust.TrustedKey] | None, *,
+                installed_version: int | None = None, allow_downgrade: bool = False) -> trust.Verified:
+    """The device's checks (`runtime.trust`), as user errors naming the file or field: the signature by
+    one of `keys` first (None: not asked for), then the manifest and every file, then the version."""
+    if keys is not None:
+        try:
+            key = trust.check_signature(*trust.read_signed(bundle), keys)
+        except trust.TrustError as e:
+            raise UserError(f"bundle.{e.code}", f"{shown}: not trusted: {e}", _TRUST_HINTS[e.code]) from None
+    manifest = check_bundle(bundle, shown)
+    try:
+        notes = trust.check_version(manifest, installed_version, allow_downgrade)
+    except trust.TrustError as e:
+        raise UserError(f"bundle.{e.code}", f"{shown}: not trusted: {e}", _TRUST_HINTS[e.code]) from None
+    return trust.Verified(manifest, key if keys is not None else None, notes)
+
+
+_TRUST_HINTS = {
+    "signature-missing": "sign it (`edgesdk sign BUNDLE --key KEY`) or fetch the signed release",
+    "signature-bad": "do not flash it: the bundle was changed after it was signed; fetch or rebuild it",
+    "key-unknown": "add the vendor's public key to the trust directory (docs/trust.md, rotating a key), or "
+                   "fetch a bundle signed by a key it trusts",
+    "downgrade": "install a bundle at least as new as the installed one, or pass --allow-downgrade on purpose",
+    "manifest": "the bundle is damaged or was not written by this edgesdk; rebuild it",
+    "files": "do not flash this bundle; rebuild it or fetch it again",
+}
+
+
+def signature_state(bundle: Path, manifest: Manifest) -> str:
+    """What a verify without a key can say of the signature."""
+    if not (bundle / trust.SIGNATURE_FILE).exists():
+        return "none: the bundle is unsigned (its hashes show damage, not who made it)"
+    return (f"present (key {manifest.signing.get('key_id', '?')}) but NOT checked: give --public-key or --trust "
+            "to check who signed it")
+
+
+def verify(path: Path, *, run_selftest: bool = True, keys: list[trust.TrustedKey] | None = None,
+           installed_version: int | None = None, allow_downgrade: bool = False) -> VerifyReport:
     with opened_bundle(path) as bundle:
-        manifest = check_bundle(bundle, path)
+        verified = check_trust(bundle, Path(path), keys, installed_version=installed_version,
+                               allow_downgrade=allow_downgrade)
+        manifest = verified.manifest
         report = VerifyReport(Path(path), True, len(manifest.files), "not-run", "")
+        report.bundle_version = manifest.bundle_version
+        report.trust_notes = verified.notes
+        report.signature = (f"verified: signed by key {verified.key.key_id} ({verified.key.path.name})"
+                            if verified.key else signature_state(bundle, manifest))
         if not run_selftest:
             report.detail = "self-test not requested (--no-selftest)"
             return report

@@ -4,6 +4,8 @@
                 (edgetpu_compiler), the manifest, runtime, requirements and plan as shipped
     golden.py   the golden self-test and the accuracy, from the bundle's own plan on the build host
     archive.py  reproducible bytes: the file table, fixed-date .npz files, the tarball
+    sbom.py     the CycloneDX SBOM of what the runtime needs on the device (sbom.cdx.json)
+    signing.py  keys, the bundle's version and signature (manifest.sig), release files' signatures
 """
 
 from .archive import write_tarball

@@ -6,13 +6,16 @@ of a segment that its accelerator's compiler maps only in part."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
+import platform
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from .. import __version__, backends
@@ -20,15 +23,20 @@ from ..compression import build as pruning
 from ..config import HOST
 from ..ir import index_ranges
 from ..ir.calibration import load_calibration
+from ..ir.digest import tree_sha256
 from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
 from ..scheduling.correction import cache_correction, corrected_prediction, edgetpu_correction
 from ..scheduling.plan import Plan, PlanSegment
 from . import golden
 from .archive import file_table, write_tarball
+from .sbom import SBOM_FILE, source_date_epoch, write_sbom
 
 RUNTIME_DIR = Path(mf.__file__).parent
 TOOLCHAIN = ("apache-tvm", "apache-tvm-ffi", "tensorflow-cpu", "onnx", "onnxruntime", "ai-edge-litert", "numpy")
+# what the runtime itself needs on the device besides numpy: `cryptography` verifies manifest.sig
+# (runtime/trust.py), and on CPython it loads its bindings through cffi, which parses with pycparser
+RUNTIME_DISTS = ("numpy", "cryptography", "cffi", "pycparser")
 
 
 @dataclass(frozen=True)
@@ -67,11 +75,12 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     manifest = _manifest(shipped, src, target, imported, log, warnings)
     (bundle / "manifest.json").write_text(manifest.to_json())
     shutil.copytree(RUNTIME_DIR, bundle / "runtime", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (bundle / "requirements.txt").write_text(requirements(manifest.segments, target.host.arch, shipped.device_needs))
+    pinned = requirements(manifest.segments, target.host.arch, shipped.device_needs)
+    (bundle / "requirements.txt").write_text(pinned)
     (bundle / "plan.json").write_text(shipped.plan.to_json())
     # 3. the golden self-test and the accuracy: this plan, on this host (twins for foreign CPU/GPU code)
     log("package: running the bundle's plan on the build host for the golden output")
-    samples, _ = load_calibration(options, imported["inputs"])
+    samples, calibration = load_calibration(options, imported["inputs"])
     host_model = BundleModel(bundle, artifacts=shipped.twins, log=log)
     golden.write_golden(bundle, manifest, host_model, samples)
     pruned = _pruned(src)
@@ -79,8 +88,9 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
                        (onnx.load(str(src.imported / "model.onnx")), "the imported fp32 model"))
     accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
     _judge(accuracy, shipped.plan.segments, log, warn)
-    # 4. the file table, and the reproducible tarball
-    manifest = dataclasses.replace(manifest, accuracy=accuracy)
+    # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
+    manifest = dataclasses.replace(manifest, accuracy=accuracy, provenance=provenance(manifest, samples, calibration))
+    write_sbom(bundle, manifest, pinned)
     manifest = dataclasses.replace(manifest, files=file_table(bundle))
     (bundle / "manifest.json").write_text(manifest.to_json())
     write_tarball(bundle, out / "bundle.tar.gz")
@@ -382,14 +392,49 @@ def toolchain() -> dict[str, str]:
 
 
 def requirements(segments, arch: str, needs: tuple[str, ...] = ()) -> str:
-    """requirements.txt: numpy and the runtime distributions of the backends the segments use, pinned,
-    then as comments what else the device needs (`Compiled.device_needs`)."""
+    """requirements.txt: the runtime's own distributions (RUNTIME_DISTS) and those of the backends the
+    segments use, pinned to the build host's versions, then as comments what else the device needs
+    (`Compiled.device_needs`)."""
     used = {s.backend for s in segments}
-    dists = dict.fromkeys(["numpy", *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)])
+    dists = dict.fromkeys([*RUNTIME_DISTS,
+                           *(d for b in backends.backends() if b.runner in used for d in b.runtime_dists)])
     lines = [f"# runtime dependencies of this bundle on the device ({arch}); installed from wheels, offline"]
     for d in dists:
         lines.append(f"{d}=={importlib.metadata.version(d)}")
     return "\n".join(lines + [f"# {line}" for line in needs]) + "\n"
+
+
+def provenance(manifest: mf.Manifest, samples: list[dict[str, np.ndarray]], calibration: dict) -> dict:
+    """The manifest's `provenance`: the digests of what the bundle was built from — taken from the
+    manifest's own records, not hashed again, but for the calibration data — what built it, and the SBOM.
+    `samples` and `calibration` are `load_calibration`'s."""
+    return {"model_sha256": manifest.model["sha256"], "target_sha256": manifest.target["sha256"],
+            "tuning_database_sha256": manifest.tuning["database_sha256"],
+            **calibration_provenance(samples, calibration),
+            "sdk_version": manifest.sdk_version, "toolchain": manifest.toolchain,
+            "python": platform.python_version(), "sbom": SBOM_FILE, "source_date_epoch": source_date_epoch()}
+
+
+def calibration_provenance(samples: list[dict[str, np.ndarray]], calibration: dict) -> dict:
+    """The calibration data's digest: with --calib, the directory's (`tree_sha256`, as the stages' cache
+    keys take it); without, the synthesized samples' (`samples_sha256`), with the seed that makes them."""
+    if not calibration["synthetic"]:
+        return {"calibration_sha256": tree_sha256(Path(calibration["source"])),
+                "calibration": {"source": "directory", "samples": len(samples)}}
+    return {"calibration_sha256": samples_sha256(samples),
+            "calibration": {"source": "synthesized", "seed": calibration["seed"], "samples": len(samples),
+                            "distribution": calibration["distribution"]}}
+
+
+def samples_sha256(samples: list[dict[str, np.ndarray]]) -> str:
+    """sha256 over the samples in order, each one's inputs by name: name, dtype, shape, then the C-order bytes."""
+    h = hashlib.sha256()
+    for feed in samples:
+        for name in sorted(feed):
+            a = np.ascontiguousarray(feed[name])
+            h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+            h.update(a.data)
+    return h.hexdigest()
 
 
 def tuning_provenance(tune: dict, tuned: dict, cpu_selection: dict) -> dict:

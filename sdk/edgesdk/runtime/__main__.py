@@ -1,42 +1,116 @@
-"""`python -B -m runtime selftest [--json]` / `python -B -m runtime run IN.npz OUT.npz`, from the bundle directory.
+"""The bundle's runtime on the device, without the SDK. Run it with -B from a bundle directory (or with
+the bundle on PYTHONPATH): compiled files written into a bundle are files its manifest does not list,
+and verification refuses a bundle that holds any.
 
-Run it with -B (or PYTHONDONTWRITEBYTECODE=1): compiled files written into the bundle are files its
-manifest does not list, and `edgesdk verify` refuses a bundle that holds any.
+  python -B -m runtime selftest [--json]          the golden self-test of this bundle
+  python -B -m runtime run IN.npz OUT.npz         run this bundle on IN's arrays
+  python -B -m runtime verify [BUNDLE] (--public-key PUB | --trust DIR | --root ROOT) [--allow-downgrade]
+                                                  signature, files and version of BUNDLE (default: this one)
+  python -B -m runtime install BUNDLE.tar.gz --root ROOT [--trust DIR] [--allow-downgrade]
+                                                  unpack, verify, self-test in the free slot, then switch
+  python -B -m runtime rollback --root ROOT       make the previous slot active again
+  python -B -m runtime status --root ROOT [--json]  which slot is active, with what
 
-Exit codes: 0 ok, 1 a failed self-test, a damaged bundle or an input the model refuses, 2 a wrong
-invocation.
+The key always comes from the device: --public-key, --trust, or ROOT/trust/ (docs/trust.md).
+
+Exit codes: 0 ok, 1 a failed self-test, a damaged or untrusted bundle or an input the model refuses,
+2 a wrong invocation or an unusable key.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
+HERE = Path(__file__).resolve().parents[1]  # the bundle this runtime ships in
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .trust import load_trust, verify_bundle
+
+    bundle = Path(args.bundle) if args.bundle else HERE
+    keys_from = args.public_key or args.trust or (Path(args.root) / "trust" if args.root else None)
+    if keys_from is None:
+        print("error: no key to verify with: give --public-key PUB, --trust DIR or --root ROOT (its trust/)",
+              file=sys.stderr)
+        return 2
+    installed = None
+    if args.root:
+        from .install import installed_version
+
+        installed = installed_version(Path(args.root))
+    result = verify_bundle(bundle, load_trust(Path(keys_from)), installed_version=installed,
+                           allow_downgrade=args.allow_downgrade)
+    m = result.manifest
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"verified: {bundle}: signed by key {result.key.key_id} ({result.key.path.name}), {len(m.files)} files "
+          f"match, bundle version {m.bundle_version}" + (f" (installed: {installed})" if installed is not None else ""))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -B -m runtime", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("selftest", help="the golden self-test of this bundle")
+    s.add_argument("bundle", nargs="?")
+    s.add_argument("--json", action="store_true")
+    r = sub.add_parser("run", help="run this bundle on IN.npz's arrays, writing OUT.npz")
+    r.add_argument("inputs")
+    r.add_argument("outputs")
+    v = sub.add_parser("verify", help="check a bundle's signature, files and version against the device's keys")
+    v.add_argument("bundle", nargs="?", help="a bundle directory (default: the one this runtime ships in)")
+    keys = v.add_mutually_exclusive_group()
+    keys.add_argument("--public-key", help="an ed25519 public key file (NAME.pub)")
+    keys.add_argument("--trust", help="a directory of public keys (*.pub): any of them may sign")
+    v.add_argument("--root", help="an install root: its trust/ keys, and its active bundle's version as the floor")
+    v.add_argument("--allow-downgrade", action="store_true", help="accept a bundle older than the installed one")
+    v.set_defaults(handler=_verify)
+    try:
+        from .install import add_commands
+    except ImportError:  # a runtime without the installer (never in a bundle: the module ships with it)
+        pass
+    else:
+        add_commands(sub)
+    return p
 
 
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    args = _parser().parse_args(argv)  # a wrong invocation exits 2 with argparse's message
+    from .trust import KeyFileError, TrustError
+
     try:
-        if argv[0] == "selftest":
+        if args.command == "selftest":
             from .selftest import main
 
-            return main(argv[1:])
-        if argv[0] == "run" and len(argv) == 3:
+            return main(([args.bundle] if args.bundle else []) + (["--json"] if args.json else []))
+        if args.command == "run":
+            import numpy as np
+
             from .executor import BundleModel
 
-            model = BundleModel(Path(__file__).resolve().parents[1])
-            with np.load(argv[1]) as feeds:
+            model = BundleModel(HERE)
+            with np.load(args.inputs) as feeds:
                 outputs = model.run(dict(feeds))
-            np.savez(argv[2], **outputs)
+            np.savez(args.outputs, **outputs)
             return 0
+        return args.handler(args)
+    except KeyFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrustError as e:
+        print(f"error: not trusted: {e}", file=sys.stderr)
+        for note in e.notes[1:20]:
+            print(f"  {note}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:  # a malformed manifest, a missing file, an input the model refuses
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(__doc__, file=sys.stderr)
-    return 2
 
 
 sys.exit(_main(sys.argv[1:]))

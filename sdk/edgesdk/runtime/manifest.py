@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA_VERSION = 1
-RUNTIME_VERSION = "0.2.0"  # 0.2.0: replicas (data parallelism in a stream) and segments sharing an artifact
+# 0.2.0: replicas (data parallelism in a stream) and segments sharing an artifact
+# 0.3.0: signatures (manifest.sig), bundle versions, provenance; install into A/B slots
+RUNTIME_VERSION = "0.3.0"
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ class Manifest:
     pruning: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> {sha256, size}
+    # monotonically increasing per product: a device refuses a bundle older than the one installed
+    bundle_version: int = 0
+    # who signed manifest.sig: {"algorithm": "ed25519", "key_id": 16 hex}; {}: unsigned (runtime/trust.py)
+    signing: dict[str, Any] = field(default_factory=dict)
+    # what the bundle was built from: the digests of the model, target, tuning database and calibration
+    # data, the SDK's and its toolchain's versions, the SBOM's file
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(_plain(self), indent=2, sort_keys=True) + "\n"
@@ -208,6 +217,9 @@ def manifest_from_dict(d: Any) -> Manifest:
         pruning=d.get("pruning", {}),
         warnings=tuple(d.get("warnings", ())),
         files=d.get("files", {}),
+        bundle_version=d.get("bundle_version", 0),
+        signing=d.get("signing", {}),
+        provenance=d.get("provenance", {}),
     )
 
 
@@ -439,7 +451,11 @@ MANIFEST = _object(
      "pruning": _object({}, {"method": _text, "layers": _integer(0, 2**31 - 1), "sparsity": _number,
                              "corrected": _flag, "sparse_kernels": _integer(0, 2**31 - 1)}, extra=True),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
-                   key_spec=_path)},
+                   key_spec=_path),
+     "bundle_version": _integer(0, 2**63 - 1),
+     "signing": _object({}, {"algorithm": _literal("ed25519"),
+                             "key_id": _pattern(re.compile(r"^[0-9a-f]{16}$"), "a key id (16 hex characters)")}),
+     "provenance": _object({}, extra=True)},
 )
 
 
