@@ -67,6 +67,27 @@ def _run(cmd: list[str], env: dict | None = None, ok: tuple[int, ...] = (0,)) ->
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
 
+# run by the device's Python: the parts of verification timed inside one process, after the imports
+_PARTS = """
+import json, sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+from runtime import trust
+from runtime.manifest import Manifest
+t1 = time.perf_counter()
+bundle, keys = Path(sys.argv[1]), trust.load_trust(Path(sys.argv[2]))
+text, sig = trust.read_signed(bundle)
+t2 = time.perf_counter()
+trust.check_signature(text, sig, keys)
+t3 = time.perf_counter()
+manifest = Manifest.from_json(text)
+t4 = time.perf_counter()
+assert not trust.file_problems(bundle, manifest)
+t5 = time.perf_counter()
+print(json.dumps({"imports": t1 - t0, "signature": t3 - t2, "manifest": t4 - t3, "files": t5 - t4}))
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=15)
@@ -108,6 +129,10 @@ def main() -> None:
                                                                                          installed_version=1)))
             add("device verify (process, this host)", _timed(lambda: _run(device, env)))
             add("python -B -c pass (process, this host)", _timed(lambda: _run([sys.executable, "-B", "-c", "pass"])))
+            proc = subprocess.run([sys.executable, "-B", "-c", _PARTS, str(bundle), str(pub)], env=env,
+                                  capture_output=True, text=True, check=True)
+            for part, secs in json.loads(proc.stdout).items():
+                add(f"device verify, in process, this host: {part}", secs * 1000)
             if rootfs is not None and r < args.qemu_runs:
                 guest = lambda a: qemu.run_python(rootfs, a, cwd=work, env={"PYTHONPATH": str(bundle)}, timeout=600)
                 t0 = time.perf_counter()
@@ -115,6 +140,10 @@ def main() -> None:
                 add("device verify (qemu-user aarch64, emulated)", (time.perf_counter() - t0) * 1000)
                 assert proc.returncode == 0, proc.stderr
                 add("python -B -c pass (qemu-user aarch64, emulated)", _timed(lambda: guest(["-B", "-c", "pass"])))
+                proc = guest(["-B", "-c", _PARTS, str(bundle), str(pub)])
+                assert proc.returncode == 0, proc.stderr
+                for part, secs in json.loads(proc.stdout).items():
+                    add(f"device verify, in process, qemu-user: {part}", secs * 1000)
 
         # install and rollback: the x86 bundle, versions 1 and 2
         versions = []

@@ -388,19 +388,16 @@ def sign(
     import tempfile
 
     from .bundling import signing
+    from .verify import opened_bundle
 
     signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
-    if bundle.is_dir():
-        from .verify import opened_bundle
-
+    if bundle.is_dir():  # in place; an edgesdk build's DIR/bundle.tar.gz beside it is written again
+        tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
+        tarball = tarball if tarball is not None and tarball.exists() else None
         with opened_bundle(bundle) as root:
-            tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
-            manifest = signing.stamp(root, version=bundle_version, key=signer,
-                                     tarball=tarball if tarball and tarball.exists() else None)
-        written = [bundle] + ([tarball] if tarball and tarball.exists() else [])
-    else:
-        from .verify import opened_bundle
-
+            manifest = signing.stamp(root, version=bundle_version, key=signer, tarball=tarball)
+        written = [bundle] + ([tarball] if tarball else [])
+    else:  # unpacked safely, signed, packed again beside the archive, then renamed over it
         with opened_bundle(bundle) as root, tempfile.TemporaryDirectory(dir=bundle.parent, prefix=".sign-") as tmp:
             staged = Path(tmp) / bundle.name
             manifest = signing.stamp(root, version=bundle_version, key=signer, tarball=staged)

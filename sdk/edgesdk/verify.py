@@ -22,9 +22,8 @@ from typing import Iterator
 
 from .backends import qemu
 from .errors import UserError
-from .ir.digest import file_sha256
 from .runtime import trust
-from .runtime.manifest import Manifest, ManifestError, RuntimeTooOld, path_problem
+from .runtime.manifest import Manifest, ManifestError, RuntimeTooOld
 from .runtime.unpack import UnpackError, max_bundle_bytes, unpack
 
 

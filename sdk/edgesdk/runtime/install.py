@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -46,7 +45,7 @@ import time
 from pathlib import Path
 
 from .manifest import Manifest, ManifestError
-from .trust import TrustError, Verified, check_signature, check_version, load_trust, verify_bundle
+from .trust import TrustError, Verified, check_signature, check_version, file_sha256, load_trust, verify_bundle
 from .unpack import UnpackError, max_bundle_bytes, signed_manifest, unpack
 
 # install's steps, in order; `_step(name)` marks each (and is where the test hook kills)
@@ -224,7 +223,7 @@ def install(archive: Path, root: Path, *, trust_from: Path, allow_downgrade: boo
         _fsync(slot.parent)
         manifest = verified.manifest
         record = {"bundle_version": manifest.bundle_version, "model": str(manifest.model.get("name", "")),
-                  "key_id": verified.key.key_id, "manifest_sha256": _sha256(slot / "manifest.json"),
+                  "key_id": verified.key.key_id, "manifest_sha256": file_sha256(slot / "manifest.json"),
                   "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         slots = {k: v for k, v in state["slots"].items() if k == active}
         new = {"active": free, "previous": active, "slots": {**slots, free: record}}
@@ -341,7 +340,7 @@ def rollback(root: Path, *, trust_from: Path) -> dict:
                                "install the bundle wanted instead")
         slot = root / "slots" / previous
         _verified(slot, keys, f"slot {previous}")
-        if _sha256(slot / "manifest.json") != state["slots"][previous].get("manifest_sha256"):
+        if file_sha256(slot / "manifest.json") != state["slots"][previous].get("manifest_sha256"):
             raise InstallError(f"slot {previous}: {slot / 'manifest.json'} is not the manifest installed there "
                                f"(its sha256 differs from {STATE}'s slots.{previous}.manifest_sha256)",
                                "install the bundle wanted instead; nothing changed")
@@ -483,10 +482,3 @@ def _fsync(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

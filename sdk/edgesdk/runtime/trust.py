@@ -159,7 +159,7 @@ def file_problems(bundle: Path, manifest: Manifest) -> list[str]:
         problem = path_problem(bundle, rel)
         if problem:
             problems.append(f"{rel}: {problem}")
-        elif os.path.getsize(bundle / rel) != meta["size"] or _sha256(bundle / rel) != meta["sha256"]:
+        elif os.path.getsize(bundle / rel) != meta["size"] or file_sha256(bundle / rel) != meta["sha256"]:
             problems.append(f"{rel}: sha256 does not match the manifest (the file was changed)")
     for seg in manifest.segments:
         for rel in filter(None, (seg.artifact, seg.fallback_artifact)):
@@ -178,7 +178,7 @@ def file_problems(bundle: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

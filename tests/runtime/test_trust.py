@@ -1,0 +1,100 @@
+"""runtime/trust.py on a real signed bundle (the x86 PP-OCR classifier): any change to a signed
+manifest's bytes or to any listed file is refused, the key id is what the manifest claims, and the
+version floor holds. The CLI's refusals are in tests/test_signing_e2e.py."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgesdk.bundling import signing
+from edgesdk.runtime import trust
+from edgesdk.runtime.manifest import Manifest
+
+
+@pytest.fixture(scope="module")
+def signed(x86_ppocr, tmp_path_factory):
+    d = tmp_path_factory.mktemp("trust")
+    private, public, key_id = signing.generate_keys(d / "keys")
+    bundle = d / "bundle"
+    shutil.copytree(x86_ppocr.bundle, bundle)
+    signing.stamp(bundle, version=5, key=signing.load_private_key(private))
+    return bundle, trust.load_trust(public), key_id
+
+
+def test_a_signed_bundle_verifies_and_names_its_key(signed):
+    bundle, keys, key_id = signed
+    result = trust.verify_bundle(bundle, keys, installed_version=5)
+    assert result.key.key_id == key_id == result.manifest.signing["key_id"] and result.notes == []
+    raw = keys[0].key.public_bytes_raw()
+    assert key_id == hashlib.sha256(raw).hexdigest()[:16]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_changed_byte_of_the_manifest_is_refused(signed, data):
+    bundle, keys, _ = signed
+    text, signature = trust.read_signed(bundle)
+    at = data.draw(st.integers(0, len(text) - 1))
+    flip = data.draw(st.integers(1, 255))
+    changed = text[:at] + bytes([text[at] ^ flip]) + text[at + 1:]
+    with pytest.raises(trust.TrustError) as e:
+        trust.check_signature(changed, signature, keys)
+    assert e.value.code in ("signature-bad", "key-unknown")
+    sig_at = data.draw(st.integers(0, len(signature) - 1))
+    bad_sig = signature[:sig_at] + bytes([signature[sig_at] ^ flip]) + signature[sig_at + 1:]
+    with pytest.raises(trust.TrustError, match="manifest.sig: does not verify"):
+        trust.check_signature(text, bad_sig, keys)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_changed_byte_of_any_file_is_refused(signed, data):
+    bundle, keys, _ = signed
+    files = sorted(Manifest.load(bundle).files)
+    rel = data.draw(st.sampled_from(files))
+    path = bundle / rel
+    original = path.read_bytes()
+    at = data.draw(st.integers(0, len(original) - 1))
+    try:
+        path.write_bytes(original[:at] + bytes([original[at] ^ 0x01]) + original[at + 1:])
+        with pytest.raises(trust.TrustError) as e:
+            trust.verify_bundle(bundle, keys)
+        assert e.value.code == "files" and e.value.notes == [
+            f"{rel}: sha256 does not match the manifest (the file was changed)"]
+    finally:
+        path.write_bytes(original)
+    trust.verify_bundle(bundle, keys)  # restored, it verifies again
+
+
+def test_version_floor(signed):
+    bundle, keys, _ = signed
+    m = trust.verify_bundle(bundle, keys).manifest
+    assert trust.check_version(m, None, False) == [] and trust.check_version(m, 5, False) == []
+    with pytest.raises(trust.TrustError, match="manifest.bundle_version is 5, lower than the installed bundle's 6"):
+        trust.check_version(m, 6, False)
+    assert trust.check_version(m, 6, True) == [
+        "downgrade allowed (--allow-downgrade): manifest.bundle_version is 5, lower than the installed bundle's 6"]
+
+
+def test_key_files(tmp_path):
+    private, public, key_id = signing.generate_keys(tmp_path / "k")
+    assert trust.load_public_key(public).key_id == key_id
+    for bad, needle in ((private, "this is a private key"), (tmp_path / "none.pub", "no such file")):
+        with pytest.raises(trust.KeyFileError, match=needle):
+            trust.load_trust(bad)
+    (tmp_path / "junk.pub").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+    with pytest.raises(trust.KeyFileError, match="junk.pub: not a PEM public key"):
+        trust.load_public_key(tmp_path / "junk.pub")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    (tmp_path / "ec.pub").write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    with pytest.raises(trust.KeyFileError, match="not an ed25519 key"):
+        trust.load_public_key(tmp_path / "ec.pub")
