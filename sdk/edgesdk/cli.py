@@ -308,9 +308,9 @@ def build(
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     if result.bundle is not None:
         summary["signed_by"] = _stamped(result.bundle, quiet)
-    if check_reproducible:
-        summary["reproducible"] = _check_reproducible(options, result, stamp, quiet, log, on_stage)
     if as_json:
+        if check_reproducible:
+            summary["reproducible"] = _check_reproducible(options, result, stamp, quiet, log, on_stage)
         print(json.dumps(summary, indent=2, default=str))
         return
     if not quiet:
@@ -331,6 +331,8 @@ def build(
             for w in s.record.get("warnings", []) if s.cached else []:
                 _err(f"warning: {w}")
         _err(f"built in {summary['seconds']:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
+    if check_reproducible:  # after the build's own report: the rebuild's verdict is the last word
+        _check_reproducible(options, result, stamp, quiet, log, on_stage)
 
 
 def _stamper(sign_key: Path | None, version: int | None):
