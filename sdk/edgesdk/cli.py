@@ -673,6 +673,53 @@ def verify(
 
 
 @app.command()
+def bench(
+    bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
+    runs: int = typer.Option(100, "--runs", "-n", min=1, help="Timed run() calls, after the warm-up."),
+    warmup: int = typer.Option(10, "--warmup", min=0, help="Untimed calls first."),
+    callers: str = typer.Option("1,2,4", "--callers", "-c", help="Concurrent callers to measure, joined by ','."),
+    depth: Optional[str] = typer.Option(None, "--depth", "-d", help="Depths of the pipelined stream, joined by ',' \\[default: 1 and the devices + 1]."),
+    frames: Optional[int] = typer.Option(None, "--frames", min=1, help="Frames per stream \\[default: from --runs]."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON on stdout."),
+) -> None:
+    """How fast a bundle runs here: load time, latency percentiles, concurrent callers, the pipelined
+    stream, each segment against the plan's prediction, peak memory. An aarch64 bundle runs under
+    qemu-user, and its figures are marked emulated. On a board: python -B -m runtime bench."""
+    import subprocess
+
+    from .runtime.bench import report
+    from .verify import check_bundle, opened_bundle, runtime_process, where_it_runs
+
+    for flag, value in (("--callers", callers), ("--depth", depth)):
+        if value is not None and not all(x.strip().isdigit() and int(x) > 0 for x in value.split(",")):
+            raise UsageError("bench.bad-counts", f"{flag} {value}: expected positive integers joined by ','",
+                             "e.g. --callers 1,2,4,8 --depth 1,3")
+    with opened_bundle(bundle) as root:
+        manifest = check_bundle(root, bundle)
+        how, why_not = where_it_runs(manifest)
+        if how is None:
+            raise UserError("bench.cannot-run", f"{bundle} cannot run on this host: {why_not}",
+                            "run `python -B -m runtime bench` on the device the bundle was built for")
+        args = ["bench", str(root.resolve()), "--json", "--runs", str(runs), "--warmup", str(warmup),
+                "--callers", callers, *(["--depth", depth] if depth else []),
+                *(["--frames", str(frames)] if frames else [])]
+        # the runtime's progress goes straight to this terminal; its result comes back on stdout
+        proc = runtime_process(root, manifest, args, background=True, stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate()
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        if proc.returncode == 2:  # the bundle's own runtime refused the invocation
+            raise UserError("bench.old-runtime", f"{bundle}: its runtime ({manifest.min_runtime_version}) has no bench "
+                            "command", "rebuild the bundle with this edgesdk") from None
+        raise UserError("bench.failed", f"the runtime's bench of {bundle} ended with exit code {proc.returncode} and "
+                        "no result", "run `edgesdk verify` on the bundle: its self-test shows what fails") from None
+    print(json.dumps(result, indent=2) if as_json else report(result))
+    if proc.returncode != 0:
+        raise typer.Exit(1)
+
+
+@app.command()
 def inspect(
     ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),

@@ -189,29 +189,47 @@ def verify(path: Path, *, run_selftest: bool = True, keys: list[trust.TrustedKey
 
 
 def _selftest_process(bundle: Path, manifest: Manifest, report: VerifyReport):
-    host = platform.machine()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    if any(s.device.startswith("gpu") for s in manifest.segments) and not _has_gpu():
-        report.detail = "self-test did NOT run: this bundle has GPU segments and this host has no NVIDIA GPU"
+    how, why_not = where_it_runs(manifest)
+    if how is None:
+        report.detail = f"self-test did NOT run: {why_not}"
         return None
+    report.detail = f"{how} "
+    return runtime_process(bundle, manifest, ["selftest", "--json"], capture_output=True, text=True, timeout=900)
+
+
+def where_it_runs(manifest: Manifest) -> tuple[str | None, str]:
+    """How this host runs the bundle's code: ("natively" | "under qemu-user", "") or (None, why not)."""
+    host = platform.machine()
+    if any(s.device.startswith("gpu") for s in manifest.segments) and not _has_gpu():
+        return None, "this bundle has GPU segments and this host has no NVIDIA GPU"
     if manifest.arch == host:
-        # -B: no bytecode written into the bundle, which must stay byte for byte what was hashed
-        env["PYTHONPATH"] = str(bundle.resolve())
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        report.detail = "natively "
-        return subprocess.run([sys.executable, "-B", "-m", "runtime", "selftest", "--json"], cwd=bundle, env=env,
-                              capture_output=True, text=True, timeout=900)
+        return "natively", ""
     if manifest.arch == "aarch64":
-        rootfs = qemu.find_rootfs()
-        if rootfs is None:
-            report.detail = (f"self-test did NOT run: the bundle is for aarch64, this host is {host}, and no arm64 root "
-                             "file system was found for qemu-user (make rootfs prepares it)")
-            return None
-        report.detail = "under qemu-user "
-        return qemu.run_python(rootfs, ["-m", "runtime", "selftest", "--json"], cwd=bundle.resolve(),
-                               env={"PYTHONPATH": str(bundle.resolve())}, timeout=900)
-    report.detail = f"self-test did NOT run: the bundle is for {manifest.arch} and this host is {host}"
-    return None
+        if qemu.find_rootfs() is None:
+            return None, (f"the bundle is for aarch64, this host is {host}, and no arm64 root file system was found "
+                          "for qemu-user (make rootfs prepares it)")
+        return "under qemu-user", ""
+    return None, f"the bundle is for {manifest.arch} and this host is {host}"
+
+
+def runtime_process(bundle: Path, manifest: Manifest, args: list[str], *, background: bool = False, **kwargs):
+    """`python -B -m runtime ARGS` in the bundle, with only the bundle on the import path: natively, or
+    under qemu-user for an aarch64 bundle (with EDGESDK_EMULATED=qemu-user), as `where_it_runs` says it
+    can. `subprocess.run` (its CompletedProcess), or with `background` a Popen; `kwargs` go to either."""
+    root = str(bundle.resolve())
+    if manifest.arch == platform.machine():
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        # -B: no bytecode written into the bundle, which must stay byte for byte what was hashed
+        env.update(PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
+        command = [sys.executable, "-B", "-m", "runtime", *args]
+        return (subprocess.Popen if background else subprocess.run)(command, cwd=bundle, env=env, **kwargs)
+    guest = {"PYTHONPATH": root, "EDGESDK_EMULATED": "qemu-user"}
+    if background:
+        return qemu.start_python(qemu.find_rootfs(), ["-B", "-m", "runtime", *args], cwd=bundle.resolve(),
+                                 env=guest, **kwargs)
+    # run_python captures stdout and stderr as text itself
+    return qemu.run_python(qemu.find_rootfs(), ["-B", "-m", "runtime", *args], cwd=bundle.resolve(), env=guest,
+                           timeout=kwargs.get("timeout", 900))
 
 
 def _has_gpu() -> bool:

@@ -10,6 +10,8 @@ and verification refuses a bundle that holds any.
                                                   unpack, verify, self-test in the free slot, then switch
   python -B -m runtime rollback --root ROOT       make the previous slot active again
   python -B -m runtime status --root ROOT [--json]  which slot is active, with what
+  python -B -m runtime bench [BUNDLE] [--runs N] [--callers 1,2,4] [--depth 1,3] [--json]
+                                                  latency percentiles, concurrent callers, the stream, segments
 
 The key always comes from the device: --public-key, --trust, or ROOT/trust/ (docs/trust.md).
 
@@ -50,6 +52,28 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main  # numpy and the executor, loaded only for the commands that run the model
+
+    return main(args)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers joined by ',' (e.g. 1,2,4)")
+    return values
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -B -m runtime", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--root", help="an install root: its trust/ keys, and its active bundle's version as the floor")
     v.add_argument("--allow-downgrade", action="store_true", help="accept a bundle older than the installed one")
     v.set_defaults(handler=_verify)
+    b = sub.add_parser("bench", help="latency percentiles, concurrent callers, the pipelined stream, each segment")
+    b.add_argument("bundle", nargs="?", help="a bundle directory (default: the one this runtime ships in)")
+    b.add_argument("--runs", type=_positive, default=100, help="timed run() calls (default 100)")
+    b.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    b.add_argument("--callers", type=_counts, default=[1, 2, 4], help="concurrent callers to try (default 1,2,4)")
+    b.add_argument("--depth", type=_counts, help="stream depths to try (default 1 and the devices + 1)")
+    b.add_argument("--frames", type=_positive, help="frames per stream (default from --runs)")
+    b.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    b.set_defaults(handler=_bench)
     try:
         from .install import add_commands
     except ImportError:  # a runtime without the installer (never in a bundle: the module ships with it)
