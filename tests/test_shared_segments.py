@@ -81,7 +81,7 @@ def test_the_shared_interpreter_gives_onnxruntimes_answer(frames_bundle):
     runners = {seg.id: r for seg, r in model.runners}
     m = model.manifest
     tpu = [s for s in m.segments if s.device == "edgetpu:0" and s.nodes > 2]
-    assert len(tpu) == 2 and runners[tpu[0].id]._interpreter is runners[tpu[1].id]._interpreter
+    assert len(tpu) == 2 and runners[tpu[0].id]._shared is runners[tpu[1].id]._shared
     # a frame segment run on the other's input under its own names gives the other's answer
     x = np.random.default_rng(0).uniform(-1, 1, (1, 3, 32, 32)).astype(np.float32)
     a, b = (runners[t.id].run({t.inputs[0].name: x})[t.outputs[0].name] for t in tpu)

@@ -27,7 +27,9 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +58,9 @@ PHASES: tuple[Phase, ...] = (
     Phase("package", "edgesdk.stages.package", "compile every segment and write the verified bundle"),
 )
 PHASE_NAMES = tuple(p.name for p in PHASES)
+# Test hook: EDGESDK_BUILD_CRASH_AFTER=<stage> SIGKILLs the build once that stage's output is in place,
+# so the tests can stop a build at every stage boundary and check what the next build reuses.
+CRASH_ENV = "EDGESDK_BUILD_CRASH_AFTER"
 
 
 def stage_dir(out: Path, stage: str) -> Path:
@@ -244,7 +249,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 record = json.loads((dest / "record.json").read_text())
                 results.append(StageResult(phase.name, True, 0.0, record))
                 on_stage(phase.name, "replayed", 0.0)
-            elif i < force_from and _cache_hit(dest, key):
+            elif i < force_from and _cache_hit(dest, key, phase.name, log):
                 record = json.loads((dest / "record.json").read_text())
                 results.append(StageResult(phase.name, True, 0.0, record))
                 on_stage(phase.name, "cached", 0.0)
@@ -258,6 +263,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 on_stage(phase.name, "done", secs)
             # the keys of the stages that read this one cover its output, whatever produced it
             digests[phase.name] = (dest / "digest").read_text()
+            if os.environ.get(CRASH_ENV) == phase.name:  # the fault-injection hook: killed between stages
+                os.kill(os.getpid(), signal.SIGKILL)
         bundle = _publish(dest, out, stamp) if stop == len(PHASES) - 1 else None
     except BaseException:
         if created_out and not results:
@@ -305,8 +312,17 @@ def _publish(package_dir: Path, out: Path, stamp: Callable[[Path, Path], None] |
     return out / "bundle"
 
 
-def _cache_hit(dest: Path, key: str) -> bool:
-    return (dest / "key").is_file() and (dest / "key").read_text() == key and (dest / "digest").is_file()
+def _cache_hit(dest: Path, key: str, stage: str = "", log: Callable[[str], None] = lambda s: None) -> bool:
+    """The stage's output at `dest` was made for `key` and is still what was made: its files hash to the
+    digest written beside them. A changed, added or missing file (a disk error, a hand edit) is never
+    trusted: the stage runs again, and says why."""
+    if not ((dest / "key").is_file() and (dest / "key").read_text() == key and (dest / "digest").is_file()):
+        return False
+    if tree_sha256(dest, exclude=("digest", "key")) != (dest / "digest").read_text():
+        log(f"{stage}: its cached output in {dest} no longer matches its digest (changed since it was written): "
+            "running the stage again")
+        return False
+    return True
 
 
 def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target: Target, target_path: Path,

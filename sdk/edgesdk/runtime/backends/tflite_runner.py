@@ -7,6 +7,11 @@ interpreter per TPU. When the delegate cannot be loaded (no libedgetpu, TPU unpl
 segment was never compiled, the uncompiled int8 model (`fallback_artifact`) runs on the CPU
 interpreter with the same int8 numerics, and `note` says so.
 
+An Edge TPU that stops answering while the bundle runs (unplugged, reset: the delegate's invoke
+raises) is not fatal: that call and every later one run the uncompiled int8 model on the CPU, the
+runner says so once on stderr and in `note`, and a stream loses and reorders no frame, since the call
+that failed is run again on the CPU before it returns.
+
 The interpreter is LiteRT (`ai_edge_litert`); `tflite_runtime` is the fallback for hosts
 that only have it (it needs numpy < 2).
 """
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +44,40 @@ def _num_threads() -> int | None:
     return int(value) if value else None
 
 
+@dataclass
+class _Interpreter:
+    """An open interpreter and what the runner reads of it, shared by the views of a shared artifact
+    (`for_segment`), so that a switch to the CPU is seen by all of them."""
+
+    interpreter: Any
+    runner: Any
+    inputs: dict
+    outputs: dict
+    fallback: Path | None  # what the CPU runs if the accelerator stops answering; None: nothing else
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _load(model: Path, delegates: list[Any], segment: Segment, fallback: Path | None) -> _Interpreter:
+    interpreter = _interpreter_module().Interpreter(model_path=str(model), experimental_delegates=delegates or None,
+                                                    num_threads=_num_threads())
+    runner = interpreter.get_signature_runner()
+    opened = _Interpreter(interpreter, runner, runner.get_input_details(), runner.get_output_details(), fallback)
+    for specs, details, what in ((segment.inputs, opened.inputs, "input"), (segment.outputs, opened.outputs, "output")):
+        keys = sorted(spec.key for spec in specs)
+        if keys != sorted(details):
+            raise ManifestError(f"segment {segment.id}: its model's {what}s are {sorted(details)}; the manifest "
+                                f"lists {keys}")
+    return opened
+
+
 class TfliteRunner:
     """One interpreter, run through its signature runner; `run` is safe to call from threads."""
 
-    def __init__(self, model: Path, segment: Segment, delegates: list[Any], note: str):
-        mod = _interpreter_module()
+    def __init__(self, model: Path, segment: Segment, delegates: list[Any], note: str,
+                 fallback: Path | None = None):
         self.note = note
         self.segment = segment
-        self._interpreter = mod.Interpreter(model_path=str(model), experimental_delegates=delegates or None,
-                                            num_threads=_num_threads())
-        self._runner = self._interpreter.get_signature_runner()
-        self._inputs = self._runner.get_input_details()
-        self._outputs = self._runner.get_output_details()
-        for specs, details, what in ((segment.inputs, self._inputs, "input"), (segment.outputs, self._outputs, "output")):
-            keys = sorted(spec.key for spec in specs)
-            if keys != sorted(details):
-                raise ManifestError(f"segment {segment.id}: its model's {what}s are {sorted(details)}; the manifest "
-                                    f"lists {keys}")
-        self._lock = threading.Lock()
+        self._shared = _load(model, delegates, segment, fallback)
 
     def for_segment(self, segment: Segment) -> "TfliteRunner":
         """This runner's interpreter for another segment that ships the same artifact on the same device (a
@@ -69,20 +92,40 @@ class TfliteRunner:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """ONNX-named, ONNX-layout float inputs → ONNX-named, ONNX-layout float32 outputs."""
-        args = {spec.key: self._encode(spec, feeds[spec.name]) for spec in self.segment.inputs}
-        with self._lock:
-            raw = self._runner(**args)
-        return {spec.name: self._decode(spec, raw[spec.key]) for spec in self.segment.outputs}
+        shared = self._shared
+        with shared.lock:
+            try:
+                raw = shared.runner(**self._args(feeds))
+            except (RuntimeError, ValueError) as e:
+                if shared.fallback is None:
+                    raise
+                self._to_cpu(e)  # and this call again, on the CPU: no frame is lost
+                raw = shared.runner(**self._args(feeds))
+            return {spec.name: self._decode(spec, raw[spec.key]) for spec in self.segment.outputs}
+
+    def _args(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {spec.key: self._encode(spec, feeds[spec.name]) for spec in self.segment.inputs}
+
+    def _to_cpu(self, error: Exception) -> None:
+        """The accelerator failed a call: from now on the fallback model runs on the CPU (said once)."""
+        shared = self._shared
+        cpu = _load(shared.fallback, [], self.segment, None)
+        shared.interpreter, shared.runner, shared.inputs, shared.outputs, shared.fallback = (
+            cpu.interpreter, cpu.runner, cpu.inputs, cpu.outputs, None)
+        why = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        self.note = (f"{self.segment.device} stopped answering ({why}): segment {self.segment.id} runs its int8 "
+                     "model on the CPU from now on")
+        print(f"runtime: warning: {self.note}", file=sys.stderr, flush=True)
 
     def _encode(self, spec: TensorSpec, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         if spec.perm:  # onnx = transpose(t, perm)  =>  t = transpose(onnx, perm^-1)
             x = np.transpose(x, np.argsort(spec.perm))
-        return quantized(self._inputs[spec.key], x)
+        return quantized(self._shared.inputs[spec.key], x)
 
     def _decode(self, spec: TensorSpec, y: np.ndarray) -> np.ndarray:
         if spec.dtype.startswith("float"):
-            y = dequantized(self._outputs[spec.key], y)
+            y = dequantized(self._shared.outputs[spec.key], y)
         if spec.perm:
             y = np.transpose(y, spec.perm)
         return np.ascontiguousarray(y)
@@ -134,7 +177,7 @@ def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, 
     elif physical_device:
         try:
             delegate = _interpreter_module().load_delegate("libedgetpu.so.1", {"device": physical_device})
-            return TfliteRunner(bundle / segment.artifact, segment, [delegate], "")
+            return TfliteRunner(bundle / segment.artifact, segment, [delegate], "", fallback=bundle / fallback)
         except (ValueError, OSError, RuntimeError):
             pass
         note = f"{where} not found: segment {segment.id} runs its int8 model on the CPU"
