@@ -105,6 +105,7 @@ def test_failed_selftest_exits_1(bundle):
     proc = edgesdk("verify", str(bundle))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "self-test: failed" in proc.stdout
+    assert_user_facing(proc, 1, "the self-test failed natively on x86_64")  # the verdict on stderr too
     proc = edgesdk("verify", str(bundle), "--json")
     assert proc.returncode == 1 and json.loads(proc.stdout)["selftest"] == "failed"
 

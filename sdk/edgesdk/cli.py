@@ -669,7 +669,9 @@ def verify(
         else:
             print(f"self-test: {report.selftest} {report.detail}")
     if report.selftest == "failed":
-        raise typer.Exit(1)
+        raise UserError("verify.selftest-failed", f"{bundle}: the self-test failed {report.detail}".rstrip(),
+                        "the report above names each output and segment that differs; rebuild the bundle, and "
+                        "report it if a fresh build fails too")
 
 
 @app.command()

@@ -90,13 +90,13 @@ def load_private_key(path: Path | str, *, warn=lambda s: None) -> SigningKey:
         load = (serialization.load_ssh_private_key if b"OPENSSH" in data else serialization.load_pem_private_key)
         key = load(data, password=passphrase)
     except TypeError as e:  # encrypted without a passphrase, or a passphrase for a clear key
-        raise UsageError("keys.passphrase", f"signing key {path}: {e}",
+        raise UsageError("keys.passphrase", f"signing key {path}: {str(e)[:1].lower()}{str(e)[1:]}",
                          f"set {ENV_PASSPHRASE} to the key's passphrase (or unset it for a clear key)") from None
     except ValueError as e:
         raise UsageError("keys.bad-key", f"signing key {path}: cannot be read ({str(e).splitlines()[0][:120]})",
                          f"a wrong passphrase in {ENV_PASSPHRASE}, or not a key: {hint}") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise UsageError("keys.not-ed25519", f"signing key {path}: a {type(key).__name__.lstrip('_')}, not ed25519",
+        raise UsageError("keys.not-ed25519", f"signing key {path}: a key of type {type(key).__name__.lstrip('_')}, not ed25519",
                          "edgesdk signs with ed25519 only: `edgesdk keys generate` makes one")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         warn(f"signing key {path} is readable by others than its owner (mode {stat.S_IMODE(mode):o}): "

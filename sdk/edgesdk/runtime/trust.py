@@ -94,7 +94,7 @@ def load_public_key(path: Path) -> TrustedKey:
     except (ValueError, TypeError) as e:
         raise KeyFileError(f"public key {path}: not a PEM public key ({str(e).splitlines()[0][:120] if str(e) else 'unreadable'})") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(f"public key {path}: a {type(key).__name__.lstrip('_')}, not an ed25519 key")
+        raise KeyFileError(f"public key {path}: a key of type {type(key).__name__.lstrip('_')}, not an ed25519 key")
     return TrustedKey(key_id(key), path, key)
 
 
