@@ -18,14 +18,23 @@ from tests.model_zoo import ROOT
 from tests.test_interrupted_build import tiny_model
 
 
-def build(model: Path, out: Path, db: Path, crash_after: str | None = None) -> subprocess.CompletedProcess:
+def _limit_files(limit: int) -> None:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def build(model: Path, out: Path, db: Path, crash_after: str | None = None,
+          max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
     env.pop(CRASH_ENV, None)
     if crash_after:
         env[CRASH_ENV] = crash_after
     return subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", str(model), "-t", "x86", "-o", str(out),
                            "--cpu-backends", "planned", "--tuning-db", str(db), "--json"],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600,
+                          preexec_fn=(lambda: _limit_files(max_file_bytes)) if max_file_bytes else None)
 
 
 def cached(proc: subprocess.CompletedProcess) -> list[str]:
@@ -88,3 +97,25 @@ def test_a_changed_cache_entry_is_rebuilt_never_trusted(tmp_path):
     third = build(model, out, db)
     assert third.returncode == 0, third.stderr
     assert cached(third) == [] and bundle_bytes(out) == before
+
+
+def test_a_full_disk_while_packaging_leaves_no_partial_bundle(tmp_path):
+    """Writes that fail as on a full disk (RLIMIT_FSIZE: no file may grow past a size that every earlier
+    stage's files stay under and the package stage's largest does not): a user error naming the stage,
+    nothing of its output kept, no bundle; with room again, the next build reuses the stages before it."""
+    model, db, out = tiny_model(tmp_path / "m.onnx", 6), tmp_path / "db", tmp_path / "out"
+    assert build(model, out, db).returncode == 0  # a bundle of an earlier build is in place
+    (out / "bundle" / "manifest.json").write_text("{}")  # and it must not survive as this build's
+    model2 = tiny_model(tmp_path / "m2.onnx", 9)
+    largest = {p: max(f.stat().st_size for f in stage_dir(out, p).rglob("*") if f.is_file()) for p in PHASE_NAMES}
+    earlier = max(v for p, v in largest.items() if p != "package")
+    assert earlier < largest["package"], largest
+    proc = build(model2, out, db, max_file_bytes=(earlier + largest["package"]) // 2)
+    assert proc.returncode == 1, proc.stderr
+    assert "error: a file grew past the size limit under" in proc.stderr and "the package stage" in proc.stderr
+    assert "Traceback" not in proc.stderr and "hint: free space" in proc.stderr
+    assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
+    assert not list((out / ".build").glob(".*.tmp")) and not stage_dir(out, "package").exists()
+    again = build(model2, out, db)
+    assert again.returncode == 0, again.stderr
+    assert cached(again) == ["import", "legalize", "schedule", "tune", "compress"]

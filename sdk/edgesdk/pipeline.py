@@ -24,6 +24,7 @@ everything after it to run; `--until S` stops after S.
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import json
@@ -37,7 +38,7 @@ from typing import Any, Callable
 
 from . import __version__
 from .config import HOST, Target, load_target
-from .errors import UsageError
+from .errors import UsageError, UserError
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 
 
@@ -265,7 +266,15 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             digests[phase.name] = (dest / "digest").read_text()
             if os.environ.get(CRASH_ENV) == phase.name:  # the fault-injection hook: killed between stages
                 os.kill(os.getpid(), signal.SIGKILL)
-        bundle = _publish(dest, out, stamp) if stop == len(PHASES) - 1 else None
+        try:
+            bundle = _publish(dest, out, stamp) if stop == len(PHASES) - 1 else None
+        except (OSError, shutil.Error) as e:
+            full = _disk_full(e)
+            if not full:
+                raise
+            shutil.rmtree(out / ".bundle.tmp", ignore_errors=True)
+            (out / ".bundle.tar.gz.tmp").unlink(missing_ok=True)
+            raise _no_space(out, "the bundle was published", full) from None
     except BaseException:
         if created_out and not results:
             shutil.rmtree(out, ignore_errors=True)
@@ -275,6 +284,27 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             (out / "bundle.tar.gz").unlink(missing_ok=True)
         raise
     return BuildResult(out, results, bundle)
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+              errno.EFBIG: "a file grew past the size limit", errno.EROFS: "the file system is read-only"}
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """What of the disk failed a write (`_DISK_FULL`), for an OSError or a shutil.Error (copytree's list
+    of failed copies, each with its error as text); None for any other error."""
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
+        return _DISK_FULL[e.errno]
+    if isinstance(e, shutil.Error):
+        text = str(e.args[0]) if e.args else ""
+        return next((why for no, why in _DISK_FULL.items() if f"[Errno {no}]" in text), None)
+    return None
+
+
+def _no_space(where: Path, when: str, what: str) -> UserError:
+    return UserError("build.disk-full", f"{what} under {where} while {when}: nothing of it was kept",
+                     "free space there (the stage cache DIR/.build can be removed) or build into another -o; "
+                     "the stages that finished are kept and the next build reuses them")
 
 
 def _file_digest(path: Path) -> str | None:
@@ -345,8 +375,11 @@ def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target
         digest = tree_sha256(tmp)
         (tmp / "digest").write_text(digest)
         (tmp / "key").write_text(key)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(e)
+        if full:
+            raise _no_space(build_dir.parent, f"the {phase.name} stage wrote its output", full) from None
         raise
     # later stages' outputs depend on this one: drop them so nothing stale survives
     for later in PHASE_NAMES[PHASE_NAMES.index(phase.name):]:

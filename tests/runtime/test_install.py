@@ -119,12 +119,23 @@ def _empty_root(release: Release, root: Path) -> Path:
     return root
 
 
-def runtime(release: Release, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -B -m runtime ARGS` as on a device: the runtime the built bundle ships, nothing else."""
+def runtime(release: Release, *args, env: dict[str, str] | None = None,
+            max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
+    """`python -B -m runtime ARGS` as on a device: the runtime the built bundle ships, nothing else.
+    `max_file_bytes`: no file may grow past it (RLIMIT_FSIZE: a write past it fails as on a full disk)."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CRASH_ENV)}
     return subprocess.run([sys.executable, "-B", "-m", "runtime", *map(str, args)], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": str(release.bundle), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
-                          cwd=release.work, timeout=300)
+                          cwd=release.work, timeout=300,
+                          preexec_fn=(lambda: _limit_files(max_file_bytes)) if max_file_bytes else None)
+
+
+def _limit_files(limit: int) -> None:
+    import resource
+    import signal as signals
+
+    signals.signal(signals.SIGXFSZ, signals.SIG_IGN)  # the write fails (EFBIG) instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def status(release: Release, root: Path) -> dict:
@@ -365,6 +376,19 @@ def test_killed_at_every_step_the_previous_stays_active(release, versions, root,
     state = status(release, root)
     assert (state["active"], state["slots"]["a"]["bundle_version"], state["previous"]) == ("a", 3, "b")
     assert sorted(os.listdir(root)) == ROOT_ENTRIES
+
+
+def test_a_full_disk_during_install_leaves_the_previous_slot(release, versions, root):
+    """A write that fails as on a full disk (a file size limit below the bundle's largest file) while the
+    new bundle is unpacked: refused, nothing of it kept, the previous bundle active and intact."""
+    before = status(release, root)
+    largest = max(m.size for m in tarfile.open(versions[3]).getmembers())
+    proc = runtime(release, "install", versions[3], "--root", root, max_file_bytes=largest // 2)
+    assert_refused(proc, 1, "cannot be unpacked into")
+    assert "File too large" in proc.stderr
+    assert_still_active(release, root, before)
+    assert sorted(os.listdir(root)) == ROOT_ENTRIES  # the staging directory was removed
+    assert runtime(release, "install", versions[3], "--root", root).returncode == 0  # with room, it installs
 
 
 def test_unknown_crash_step_is_refused(release, versions, root):
