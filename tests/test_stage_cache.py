@@ -6,15 +6,27 @@ which reads of tune only its pruning plan, is a cache hit unless that plan chang
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from edgesdk.pipeline import (PHASE_NAMES, BuildOptions, StageContext, build, stage_dir, stage_read_files,
                               stage_reads)
+from edgesdk.ir.digest import tree_sha256
 from tests.test_interrupted_build import tiny_model
 
 
 def _cached(result) -> dict[str, bool]:
     return {s.name: s.cached for s in result.stages}
+
+
+def _new_output(stage: Path, extra: str = "changed.txt") -> None:
+    """The stage's output as another run of it would leave it: a file changed or added, and the digest
+    written beside it made anew (a digest that does not match its files is a damaged entry, rebuilt:
+    tests/test_build_faults.py)."""
+    if extra:
+        (stage / extra).write_text("another tuning database gave another output\n")
+    (stage / "digest").write_text(tree_sha256(stage, exclude=("digest", "key")))
 
 
 def test_a_changed_tune_output_reruns_package_not_the_int8_conversion(tmp_path):
@@ -27,7 +39,7 @@ def test_a_changed_tune_output_reruns_package_not_the_int8_conversion(tmp_path):
     assert all(_cached(build(options)).values())  # nothing changed: every stage a cache hit
 
     # tune's output changes (as a new tuning database would change it): only its readers run again
-    (stage_dir(options.out, "tune") / "digest").write_text("0" * 64)
+    _new_output(stage_dir(options.out, "tune"))
     assert _cached(build(options)) == {"import": True, "legalize": True, "schedule": True, "tune": True,
                                        "compress": True, "package": False}
 
@@ -58,9 +70,10 @@ def test_compress_reruns_when_the_pruning_plan_changes_not_when_the_rest_of_tune
                            tuning_db=tmp_path / "db", prune="2:4", prune_layers="all", calib_samples=4)
     build(options)
     assert all(_cached(build(options)).values())
-    (stage_dir(options.out, "tune") / "digest").write_text("0" * 64)  # the rest of tune's output changed
+    _new_output(stage_dir(options.out, "tune"))  # the rest of tune's output changed
     assert _cached(build(options))["compress"] is True
     plan = stage_dir(options.out, "tune") / "prune_plan.json"
     plan.write_text(plan.read_text().replace('"source"', '"edited": 1, "source"'))
+    _new_output(stage_dir(options.out, "tune"), extra="")
     assert _cached(build(options)) == {"import": True, "legalize": True, "schedule": True, "tune": True,
                                        "compress": False, "package": False}
