@@ -12,7 +12,7 @@ DEMO_SHAPE := x=1x3x48x320
 export TVM_NUM_THREADS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup system venv models rootfs demo test release clean
+.PHONY: setup system venv models rootfs demo test fuzz release clean
 
 setup: system venv models
 
@@ -54,6 +54,10 @@ demo: setup rootfs
 test: setup rootfs
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# the fuzz suite's full run (issue 21): over 10,000 hostile inputs, every loader; figures in benchmarks/fuzz.json
+fuzz: setup
+	$(PY) benchmarks/fuzz.py
 
 release: setup rootfs
 	bash packaging/release.sh

@@ -131,3 +131,16 @@ def test_cpu_backend_figures_are_optional_and_checked(tmp_path):
     assert any(n.startswith(f"{p}:{line}: unknown key 'devices.0.backends.litert.turbo'") for n in problems)
     assert any("devices.0.backends.litert.kernel_overhead.value" in n for n in problems)
     assert any("backends.Lite RT" in n for n in _problems(_write(tmp_path, good.replace("      litert:", "      Lite RT:"))))
+
+
+@pytest.mark.parametrize("device, field", [(0, "peak_gflops"), (1, "peak_tflops")])
+def test_a_cpu_or_gpu_without_a_float32_rate_is_refused(tmp_path, device, field):
+    """float32 is the rate every float node is costed at (devices/cpu.py, gpu.py); a target without it
+    used to validate and then fail in the schedule stage (KeyError, exit 3; found by tests/fuzz)."""
+    lines = builtin_targets()["rtx3090"].read_text().splitlines()
+    start = lines.index("    peak_gflops:" if device == 0 else "    peak_tflops:")
+    rate = start + 1  # float32 comes first, then its value, unit and source
+    assert lines[rate].strip() == "float32:"
+    p = _write(tmp_path, "\n".join(lines[:rate] + lines[rate + 4:]) + "\n")
+    assert any(n.startswith(f"{p}:{start + 1}: field 'devices.{device}.{field}'") and "no float32 rate" in n
+               for n in _problems(p))

@@ -215,3 +215,75 @@ def test_invalid_graph_is_refused_by_the_checker(tmp_path):
     with pytest.raises(UserError) as e:
         _load(path, tmp_path)
     assert e.value.code == "import.invalid-model"
+
+
+def _retyped(vi: onnx.ValueInfoProto, kind: str) -> onnx.ValueInfoProto:
+    """`vi` as another kind of ONNX value (its tensor type inside where the kind wraps one)."""
+    tensor = onnx.TypeProto()
+    tensor.CopyFrom(vi.type)
+    vi.type.Clear()
+    if kind == "sequence":
+        vi.type.sequence_type.elem_type.CopyFrom(tensor)
+    elif kind == "map":
+        vi.type.map_type.key_type = TensorProto.INT64
+        vi.type.map_type.value_type.CopyFrom(tensor)
+    elif kind == "optional":
+        vi.type.optional_type.elem_type.CopyFrom(tensor)
+    elif kind == "sparse":
+        vi.type.sparse_tensor_type.elem_type = TensorProto.FLOAT
+        vi.type.sparse_tensor_type.shape.dim.add().dim_value = 4
+    else:  # an element type ONNX does not define
+        vi.type.CopyFrom(tensor)
+        vi.type.tensor_type.elem_type = int(kind)
+    return vi
+
+
+@pytest.mark.parametrize("kind, said", [("sequence", "is a sequence"), ("map", "is a map"), ("optional", "is an optional"),
+                                        ("sparse", "is a sparse tensor"),
+                                        ("0", "has element type 0, which ONNX does not define"),
+                                        ("99", "has element type 99, which ONNX does not define")])
+def test_an_input_or_output_that_is_not_a_tensor_is_refused(tmp_path, kind, said):
+    """Found by tests/fuzz: such a model passed the checker, then failed in the graph optimizations
+    (onnx_ir) or in import.json's description of the inputs (KeyError, exit 3)."""
+    model, _ = _matmul_model()
+    model.graph.input.append(_retyped(helper.make_tensor_value_info("unused", TensorProto.FLOAT, [1]), kind))
+    _retyped(model.graph.output[0], kind)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UserError) as e:
+        _load(path, tmp_path)
+    assert e.value.code == "import.unsupported-type"
+    assert e.value.notes == [f"input 'unused' {said}", f"output 'y' {said}"]
+
+
+def test_a_function_output_its_body_never_computes_is_refused(tmp_path):
+    """onnx.checker passes it; the graph optimizations (onnx_ir) cannot read it (found by tests/fuzz)."""
+    opsets = [helper.make_opsetid("", 17)]
+    empty = helper.make_function("local.fn", "Empty", ["a"], ["b"], [], opsets)
+    model = _model([helper.make_node("Empty", ["x"], ["y"], domain="local.fn")], functions=[empty],
+                   extra_opsets=[helper.make_opsetid("local.fn", 1)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UserError) as e:
+        _load(path, tmp_path)
+    assert e.value.code == "import.invalid-model"
+    assert e.value.notes == ["function local.fn::Empty: output 'b' is computed by no node of its body"]
+
+
+def test_a_tensor_of_an_element_type_onnx_does_not_define_is_refused(tmp_path):
+    """onnx.checker passes an initializer of type 2^31 - 1; the graph optimizations (onnx_ir) cannot
+    read it (found by tests/fuzz). A Constant's tensor inside an If branch is checked too."""
+    model, _ = _matmul_model()
+    model.graph.initializer[0].data_type = 2**31 - 1
+    branch = helper.make_graph([helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
+        np.ones(1, np.float32), "cv"))], "then", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [1])])
+    model.graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=branch, else_branch=branch))
+    model.graph.node[-1].attribute[0].g.node[0].attribute[0].t.data_type = 99
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UserError) as e:
+        frontends.onnx_file.reject_undefined_tensor_types(onnx.load(path), path)
+    assert e.value.code == "import.invalid-model"
+    assert e.value.notes == ["tensor 'w': element type 2147483647", "tensor 'cv': element type 99"]
+    with pytest.raises(UserError, match="element type ONNX does not define|not a valid ONNX model"):
+        _load(path, tmp_path)

@@ -127,6 +127,14 @@ def _check_cpu(codegen: dict, arch: str | None, at: tuple[str, ...]) -> None:
                                                        "other": other, "at": at, "suggest": suggest})
 
 
+def _with_float32(rates: dict, field: str) -> dict:
+    """A device's compute rates: float32 is the one every float node is costed at (`devices/`); the
+    others (grouped convolutions, int8, float16) refine it where the target gives them."""
+    if "float32" not in rates:
+        raise ValueError(f"{field} has no float32 rate, the one every float node is costed at")
+    return rates
+
+
 # a CPU backend's name as `edgesdk.backends` registers it (tvm, onnxruntime, litert, ...)
 _BackendName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
 
@@ -195,6 +203,11 @@ class CpuDevice(_Strict):
         _check_cpu(codegen, arch, ("mcpu",))
         return codegen
 
+    @field_validator("peak_gflops")
+    @classmethod
+    def _float32_rate_given(cls, peaks: dict) -> dict:
+        return _with_float32(peaks, "peak_gflops")
+
     @property
     def count(self) -> int:
         return 1
@@ -242,6 +255,11 @@ class GpuDevice(_Strict):
         if "host" in codegen:
             _check_cpu(codegen["host"], _triple_arch(codegen["host"]), ("host", "mcpu"))
         return codegen
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _float32_rate_given(cls, peaks: dict) -> dict:
+        return _with_float32(peaks, "peak_tflops")
 
     @model_validator(mode="after")
     def _one_physical_per_device(self) -> "GpuDevice":
@@ -444,8 +462,9 @@ def _read_text(path: Path) -> str:
 
 class _TargetLoader(yaml.SafeLoader):
     """PyYAML's safe loader, but it records each key given twice in one mapping (YAML would keep the
-    last one without a word), and an integer too long for Python to convert is a YAML error at its
-    line, not a ValueError."""
+    last one without a word), and a tagged value its constructor cannot read (an integer too long for
+    Python to convert, `!!bool maybe`, `!!float abc`, `!!timestamp 2020-13-45`) is a YAML error at its
+    line, not the constructor's ValueError, KeyError or AttributeError."""
 
     def __init__(self, text: str):
         super().__init__(text)
@@ -466,15 +485,31 @@ class _TargetLoader(yaml.SafeLoader):
                     self.duplicates.append((str(key)[:80], seen.start_mark, key_node.start_mark))
         return super().construct_mapping(node, deep=deep)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, KeyError, AttributeError, TypeError):
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(None, None, f"{_shown_value(node)} is not a valid {tag}",
+                                                    node.start_mark) from None
+
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         try:
             return super().construct_yaml_int(node)
-        except ValueError:  # over sys.get_int_max_str_digits() digits
+        except ValueError:
+            if len(node.value) <= sys.get_int_max_str_digits():
+                raise  # not an integer at all (`!!int 0x`): construct_object says so
             raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(node.value)} digits",
                                                     node.start_mark) from None
 
 
 _TargetLoader.add_constructor("tag:yaml.org,2002:int", _TargetLoader.construct_yaml_int)
+
+
+def _shown_value(node: yaml.Node) -> str:
+    return repr(node.value[:40]) if isinstance(node.value, str) else "(a collection)"
 
 
 def _check_shape(path: Path, events: Iterable[yaml.Event]) -> None:

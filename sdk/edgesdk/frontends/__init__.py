@@ -6,8 +6,9 @@ ONNX files are read in this process: protobuf fails cleanly on bad bytes. The Te
 malformed file, and such a crash must cost the user an error message, not the build.
 
 Guarantees of `load`: a checked ONNX model (external data loaded) whose ops are all standard ONNX
-ops, opset >= 11, IR version <= 10; the original input and output names where the source format
-has them. Unsupported constructs are reported together, one note per node.
+ops and whose inputs and outputs are tensors, opset >= 11, IR version <= 10; the original input and
+output names where the source format has them. Unsupported constructs are reported together, one
+note per node.
 
 The import stage's domain: `import_model` reads the model (`load`) and makes it the canonical graph
 (`canonical`: static input shapes, opset >= 17, shapes inferred); after the graph optimizations
@@ -49,6 +50,7 @@ def load(path: Path, work: Path, *, batch: int = 1,
         model, info = onnx_file.load(path)
     else:
         model, info = conversion.convert(path, fmt, Path(work), batch=batch, input_shapes=dict(input_shapes or {}))
+    onnx_file.reject_non_tensor_io(model, path)
     model.ir_version = min(model.ir_version, IR_VERSION)
     info["seconds"] = round(time.perf_counter() - t0, 3)
     return model, info

@@ -19,6 +19,9 @@ from ..ir import model as irm
 # Squeeze/Unsqueeze/Split/Softmax (opset 13 moved axes to inputs and changed Softmax's coercion).
 # 17 is the newest opset whose ReduceMean still takes `axes` as an attribute, which every backend reads.
 CANONICAL_OPSET = 17
+# The largest input dimension imported: the manifest's bound (runtime/manifest.py), far past any real
+# input. Larger ones overflow onnx's shape arithmetic (a Resize that doubles 2^62 aborts the process).
+MAX_DIM = 2**31 - 1
 
 
 def opset(model: onnx.ModelProto) -> int:
@@ -166,9 +169,15 @@ def _shape_inference_error(e: Exception, path: Path) -> UserError:
 
 def fix_input_shapes(model: onnx.ModelProto, given: dict[str, tuple[int, ...]], batch: int, path: Path,
                      frozen: set[str] = frozenset()) -> None:
-    """Every input's shape static (--input-shape, else --batch), or one error listing every problem."""
+    """Every input's shape static (--input-shape, else --batch) and no dimension past MAX_DIM, or one
+    error listing every problem."""
     consts = irm.constant_names(model)
     inputs = {i.name: i for i in model.graph.input if i.name not in consts}
+    huge = [f"input '{name}': dimension {d} is {dim.dim_value}" for name, vi in inputs.items()
+            for d, dim in enumerate(vi.type.tensor_type.shape.dim) if dim.dim_value > MAX_DIM and name not in given]
+    if huge:
+        raise UserError("import.huge-shape", f"{path}: {len(huge)} input dimension(s) are larger than {MAX_DIM}",
+                        "the file may be damaged; export the model again with its real input sizes", notes=huge)
     _require_known(frozen, inputs, "--input-value", path)
     inputs = {k: v for k, v in inputs.items() if k not in frozen or k in given}
     _require_known(given, inputs, "--input-shape", path)
@@ -197,6 +206,8 @@ def _give_shape(name: str, dims, shape: tuple[int, ...]) -> list[str]:
     """Set an input's dimensions to its --input-shape; the contradictions, one line each."""
     if len(shape) != len(dims):
         return [f"input '{name}': --input-shape gives rank {len(shape)}, the model has rank {len(dims)}"]
+    if any(v > MAX_DIM for v in shape):
+        return [f"input '{name}': --input-shape gives a dimension larger than {MAX_DIM}"]
     problems = []
     for d, (dim, v) in enumerate(zip(dims, shape)):
         if dim.HasField("dim_value") and dim.dim_value > 0 and dim.dim_value != v:

@@ -76,10 +76,17 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         file = Path(os.path.normpath(base / info.location)) if info.location else None
         if file is None or not file.is_relative_to(base):
             problems.append(f"tensor '{t.name}': external data location '{info.location}' is outside {base}")
-        elif not file.is_file():
+            continue
+        try:
+            size = file.stat().st_size if file.is_file() else None
+        except OSError as e:  # a location the file system cannot even look up (a name too long)
+            problems.append(f"tensor '{t.name}': external data location '{info.location[:80]}' cannot be read "
+                            f"({e.strerror or e})")
+            continue
+        if size is None:
             problems.append(f"tensor '{t.name}': {file} is missing")
         else:
-            size, offset, need = file.stat().st_size, info.offset or 0, info.length or 0
+            offset, need = info.offset or 0, info.length or 0
             if offset + need > size:
                 problems.append(f"tensor '{t.name}': {file.name} holds {size} bytes, the tensor needs "
                                 f"bytes {offset}..{offset + need}")

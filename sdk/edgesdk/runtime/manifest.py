@@ -185,6 +185,7 @@ def segment_from_dict(d: dict[str, Any]) -> Segment:
 
 def manifest_from_dict(d: Any) -> Manifest:
     """A validated manifest (`MANIFEST`, then the cross-references between its parts)."""
+    _unicode_text(d, "manifest")
     MANIFEST(d, "manifest")
     if d["schema_version"] != SCHEMA_VERSION:
         raise ManifestError(f"manifest.schema_version is {d['schema_version']}: this runtime reads schema version "
@@ -284,6 +285,40 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _unicode_text(document: Any, where: str) -> None:
+    """Every string, keys included, is Unicode text. JSON's \\ud800 escapes (and surrogates encoded in
+    UTF-8, which json.loads passes) make lone surrogates, which no file name holds, no terminal prints
+    and UTF-8 cannot encode: the free-form parts (provenance, calibration) are printed as they are.
+    Each value's place is a link to its parent's, spelled out only for the message."""
+    stack: list[tuple[Any, Any]] = [(document, None)]
+    while stack:
+        value, place = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack += [(k, (_KEY, place)), (v, (k, place))]
+        elif isinstance(value, list):
+            stack += [(v, (i, place)) for i, v in enumerate(value)]
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                _fail(_spelled(where, place), f"{_shown(value)} is not Unicode text (a lone surrogate at "
+                                              f"character {e.start})")
+
+
+_KEY = object()  # the place of a mapping's key, not of its value
+
+
+def _spelled(root: str, place: Any) -> str:
+    steps = []
+    while place is not None:
+        step, place = place
+        steps.append(step)
+    for step in reversed(steps):
+        root += " key" if step is _KEY else f"[{step}]" if isinstance(step, int) else f".{str(step)[:60]}"
+    return root
+
+
 def _any(value: Any, where: str) -> None:
     pass
 
@@ -354,6 +389,21 @@ def _nullable(spec: Spec) -> Spec:
     return check
 
 
+def _absent_or(spec: Spec) -> Spec:
+    """None or {} (an informational part that is not there, as `edgesdk inspect` takes them), or `spec`."""
+    def check(value: Any, where: str) -> None:
+        if value is not None and value != {}:
+            spec(value, where)
+    return check
+
+
+def _both(first: Spec, second: Spec) -> Spec:
+    def check(value: Any, where: str) -> None:
+        first(value, where)
+        second(value, where)
+    return check
+
+
 def _list(item: Spec, *, min_len: int = 0, max_len: int = MAX_ITEMS) -> Spec:
     def check(value: Any, where: str) -> None:
         if not isinstance(value, list):
@@ -421,22 +471,62 @@ _EDGETPU = _object({}, {
                               "ops_on_tpu": _integer(0, 2**31 - 1)}, extra=True)),
     "corrections": _list(_object({"segment": _text, "ops": _integer(0, 2**31 - 1),
                                   "ops_on_tpu": _integer(0, 2**31 - 1), "ops_on_cpu": _integer(0, 2**31 - 1),
-                                  "predicted_ms_before": _number, "predicted_ms_after": _number}, extra=True)),
+                                  "predicted_ms_before": _number, "predicted_ms_after": _number,
+                                  "first_unmapped": _any, "status": _any, "first_cpu_node": _any}, extra=True)),
+    "caches": _absent_or(_map(_object({"cached_bytes": _number, "capacity_bytes": _number, "streamed_bytes": _number},
+                                      extra=True))),
+    "cache_corrections": _nullable(_list(_object({"segment": _text, "streamed_share": _number,
+                                                  "predicted_ms_before": _number, "predicted_ms_after": _number},
+                                                 extra=True))),
 }, extra=True)
 # the tune stage's choice of each CPU span's backend, as `edgesdk inspect` reads it: measured (each
 # candidate's ms, measured_on names the host; an int8 one's accuracy gate) or, where the target's CPU
 # cannot be timed, by policy (measured_on null, each candidate's policy or why it was skipped)
 _GATE = _object({"cosine": _number}, {"top1": _nullable(_number), "samples": _integer(0, 2**31 - 1)}, extra=True)
-_CPU_SELECTION = _object({}, {
+
+
+def _measured_spans_list_candidates(value: Any, where: str) -> None:
+    """A span chosen by measurement lists its candidates (`inspect` shows each one's time)."""
+    if value.get("measured_on") is not None:
+        for i, span in enumerate(value.get("spans", ())):
+            if "candidates" not in span:
+                _fail(f"{where}.spans[{i}].candidates", "missing (the span was chosen by measurement)")
+
+
+_CPU_SELECTION = _both(_object({}, {
     "measured_on": _nullable(_text), "note": _text, "candidates": _list(_text), "precision": _literal("fp32", "int8"),
     "gate": _object({"cosine": _number, "top1": _number, "calibration_samples": _integer(0, 2**31 - 1),
                      "held_out_samples": _integer(0, 2**31 - 1)}, extra=True),
     "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {
         "nodes": _integer(0, 2**31 - 1), "why": _text,
-        "candidates": _map(_object({}, {"ms": _number, "skipped": _text, "gate": _GATE, "policy": _text},
+        "candidates": _map(_object({}, {"ms": _number, "skipped": _text, "gate": _GATE, "policy": _text,
+                                        "mixed": _object({"float_ops": _any, "ops": _any}, extra=True)},
                                    extra=True))}, extra=True)),
-}, extra=True)
+}, extra=True), _measured_spans_list_candidates)
 _TUNING = _object({}, {"cpu_selection": _CPU_SELECTION}, extra=True)
+
+
+def _auto_plan_complete(value: Any, where: str) -> None:
+    """A plan chosen under a latency budget states the budget, and its prediction beside the dense time."""
+    if value.get("source") == "auto":
+        for key in ("budget_ms", *(("predicted_ms",) if "dense_ms" in value else ())):
+            if key not in value:
+                _fail(f"{where}.{key}", "missing (the plan was chosen under a budget)")
+
+
+# --prune's summary ({}: not pruned): its method, sparsity and fidelity, as `edgesdk inspect` reads them
+_PRUNING = _absent_or(_object(
+    {"method": _text, "layers": _integer(0, 2**31 - 1), "sparsity": _number},
+    {"corrected": _flag, "sparse_kernels": _integer(0, 2**31 - 1), "accelerator_layers_dense": _list(_text),
+     "fidelity": _absent_or(_object({}, {"end_to_end": _absent_or(_map(_object(
+         {"cosine": _number, "max_error_of_scale": _number}, {"top1_agreement": _nullable(_number)}, extra=True)))},
+         extra=True)),
+     "accuracy": _absent_or(_object({"labels": _any, "top1": _object(
+         {"dense": _number, "pruned": _number}, {"corrected": _number}, extra=True)}, extra=True)),
+     "plan": _absent_or(_both(_object({}, {"source": _text, "budget_ms": _number, "dense_ms": _number,
+                                           "predicted_ms": _number, "measured_ms": _number}, extra=True),
+                              _auto_plan_complete))},
+    extra=True))
 MANIFEST = _object(
     {"schema_version": _integer(0, 2**31 - 1), "sdk_version": _text,
      "min_runtime_version": _pattern(_VERSION, "a version like 0.1.0"),
@@ -448,8 +538,7 @@ MANIFEST = _object(
     {"predicted": _map(_number), "parallel_steps": _IDS, "replicas": _IDS, "cpu_threads": _integer(0, 4096),
      "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
      "accuracy": _ACCURACY, "tuning": _TUNING, "warnings": _list(_text),
-     "pruning": _object({}, {"method": _text, "layers": _integer(0, 2**31 - 1), "sparsity": _number,
-                             "corrected": _flag, "sparse_kernels": _integer(0, 2**31 - 1)}, extra=True),
+     "pruning": _both(_object({}, extra=True), _PRUNING),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
                    key_spec=_path),
      "bundle_version": _integer(0, 2**63 - 1),

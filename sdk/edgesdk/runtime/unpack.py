@@ -1,9 +1,9 @@
 """A bundle archive unpacked safely: on the device (`python -B -m runtime install`) and on the build host
 (`edgesdk verify` of a .tar.gz).
 
-An archive is unpacked only after every member passed: names relative with no `..`, no empty or `.`
-part, no links or special files, no member twice, no member both a file and a directory, names of sane
-length; manifest.json read from the archive and valid; every other member a file the manifest lists,
+An archive is unpacked only after every member passed: names UTF-8, relative with no `..`, no empty or
+`.` part, no links or special files, no member twice, no member both a file and a directory, names of
+sane length; manifest.json read from the archive and valid; every other member a file the manifest lists,
 with the size it lists (or manifest.sig, a signature that trust.py judges); the total within
 `max_bytes`. So a 1 GiB member the manifest does not list, or a member declaring 100 GiB, is refused
 before a byte is written. A listed member's contents are not checked here: `trust.verify_bundle` and
@@ -56,8 +56,8 @@ def unpack(archive: Path, dest: Path, max_bytes: int) -> Path:
     On an `UnpackError` raised after writing began, `dest` holds part of the archive: the caller
     removes it."""
     try:
-        tar = tarfile.open(archive, "r:*")
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        tar = tarfile.open(archive, "r:*")  # reads the first member's header
+    except (tarfile.TarError, EOFError, zlib.error, OSError, ValueError) as e:
         raise UnpackError("bundle.bad-archive", f"not a bundle archive ({str(e).splitlines()[0][:200]})") from None
     try:
         with tar:
@@ -66,7 +66,10 @@ def unpack(archive: Path, dest: Path, max_bytes: int) -> Path:
             _check_against_manifest(tar, members, prefix)
             _write(tar, members, Path(dest))
             return Path(dest) / "bundle" if prefix else Path(dest)
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+    except UnpackError:
+        raise
+    # tarfile raises ValueError (not TarError) for some malformed headers: a GNU sparse map of non-numbers
+    except (tarfile.TarError, EOFError, zlib.error, OSError, ValueError) as e:
         if isinstance(e, OSError) and not isinstance(e, gzip.BadGzipFile) and e.errno is not None:
             # the disk, not the archive: full, read-only, ...
             raise UnpackError("bundle.unpack-failed", f"cannot be unpacked into {dest} ({e.strerror})") from None
@@ -91,7 +94,9 @@ def signed_manifest(archive: Path) -> tuple[bytes, bytes | None]:
                     found[rel] = tar.extractfile(m).read(wanted[rel] + 1)
                     if len(found) == len(wanted):
                         break
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+    except UnpackError:
+        raise
+    except (tarfile.TarError, EOFError, zlib.error, OSError, ValueError) as e:
         raise UnpackError("bundle.bad-archive", f"not a bundle archive ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else 'unexpected end'})") from None
     if "manifest.json" not in found:
@@ -107,6 +112,9 @@ def _checked_members(tar: tarfile.TarFile, limit: int) -> dict[str, tarfile.TarI
     for m in tar:
         name = _member_name(m.name)
         parts = name.split("/")
+        if not _is_utf8(m.name):  # tarfile keeps the bytes of a non-UTF-8 name as lone surrogates
+            raise UnpackError("bundle.unsafe-member", f"refuses member '{_printable(m.name)[:200]}' (a name that is "
+                              "not UTF-8)")
         if m.name.startswith("/") or ".." in parts or "\\" in m.name:
             raise UnpackError("bundle.unsafe-member", f"refuses member '{m.name[:200]}' (absolute path or '..')")
         if not (m.isfile() or m.isdir()):
@@ -192,6 +200,19 @@ def _directory(root: int, parts: list[str]) -> int:
             os.close(fd)
         fd = child
     return fd
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(name: str) -> str:
+    """A member name for a message: the bytes that are not UTF-8 as \\x escapes."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _member_name(name: str) -> str:
