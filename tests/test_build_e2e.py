@@ -123,6 +123,12 @@ def test_run_command_writes_outputs(x86_ppocr, tmp_path):
     np.save(tmp_path / "bad.npy", x[:, :, :24])
     proc = edgesdk("run", str(x86_ppocr.bundle), "--input", str(tmp_path / "bad.npy"))
     assert proc.returncode == 2 and "input 'x' has shape (1, 3, 24, 192)" in proc.stderr
+    # a file that is not there is a wrong invocation; one whose content numpy cannot read, the data's fault
+    proc = edgesdk("run", str(x86_ppocr.bundle), "--input", str(tmp_path / "none.npy"))
+    assert proc.returncode == 2 and "none.npy does not exist or is not a file" in proc.stderr, proc.stderr
+    (tmp_path / "junk.npy").write_bytes(b"\x93NUMPY junk")
+    proc = edgesdk("run", str(x86_ppocr.bundle), "--input", str(tmp_path / "junk.npy"))
+    assert proc.returncode == 1 and "junk.npy is not a numpy file (" in proc.stderr, proc.stderr
 
 
 def _fixed(model: Path, tmp: Path) -> Path:
@@ -186,7 +192,7 @@ def test_failed_build_leaves_no_bundle(x86_ppocr, tmp_path):
     proc = edgesdk("build", str(ppocr_cls()), "--input-shape", PPOCR_CLS_SHAPE, "--target", "arm_2tpu",
                    "-o", str(out), "--calib", str(tmp_path / "calib"))
     assert proc.returncode == 1, proc.stderr
-    assert "x.npy: not a numpy file" in proc.stderr
+    assert "x.npy: not a numpy file (no numpy header: not a .npy or .npz file" in proc.stderr, proc.stderr
     assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
 
 

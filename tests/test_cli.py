@@ -182,7 +182,7 @@ def test_bundle_commands_on_non_bundles(tmp_path):
     assert_user_facing(proc, 1, "no manifest.json")
     junk = tmp_path / "b.tar.gz"
     junk.write_bytes(b"\x1f\x8b not really")
-    assert_user_facing(edgesdk("verify", str(junk)), 1, "not a bundle archive")
+    assert_user_facing(edgesdk("verify", str(junk)), 1, "not a bundle archive (neither a gzip-compressed nor a plain tar archive)")
 
 
 @pytest.mark.parametrize("value, message", [

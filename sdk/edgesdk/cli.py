@@ -594,10 +594,16 @@ def run_bundle(
         if name not in names:
             raise UsageError("run.unknown-input", f"--input {spec}: the model has no input '{name}'",
                              f"its inputs: {', '.join(names)}")
+        if not Path(file).is_file():
+            raise UsageError("run.bad-input-file", f"--input {spec}: {file} does not exist or is not a file",
+                             "give a .npy file written by numpy.save") from None
         try:
             feeds[name] = np.load(file)
-        except Exception as e:
-            raise UsageError("run.bad-input-file", f"--input {spec}: cannot read {file} ({e})", "give a .npy file") from None
+        except Exception as e:  # the file is there, its content is at fault
+            from .ir.calibration import numpy_load_error
+
+            raise UserError("run.bad-input-file", f"--input {spec}: {file} is not a numpy file ({numpy_load_error(e)})",
+                            "give a .npy file written by numpy.save") from None
     try:
         outputs = BundleModel(root).run(feeds, allow_nonfinite=allow_nonfinite)
     except InputError as e:  # the data is at fault (an index outside its table, NaN, a lossy dtype)

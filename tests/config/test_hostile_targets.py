@@ -195,7 +195,9 @@ def test_codegen_is_a_tvm_target_with_known_keys(tmp_path):
     assert notes(X86.replace("mcpu: haswell}", "mcpu: haswell, cl-opt: [-O3]}")) == [
         f"{tmp_path / 't.yaml'}:{line}: unknown key 'devices.0.codegen.cl-opt'"]
     assert "but arch is x86_64" in notes(X86.replace("x86_64-linux-gnu", "aarch64-linux-gnu"))[0]
-    assert "should match pattern" in notes(X86.replace("x86_64-linux-gnu", "riscv64-linux-gnu"))[0]
+    # the pattern as the schema writes it, not lowercased
+    assert "should match pattern '^(x86_64|amd64|aarch64|arm64)(-[A-Za-z0-9_.]{1,32}){1,3}$'" in notes(
+        X86.replace("x86_64-linux-gnu", "riscv64-linux-gnu"))[0]
     assert "'cortex-a53' is an aarch64 cpu, not x86_64" in notes(X86.replace("mcpu: haswell", "mcpu: cortex-a53"))[0]
     assert "devices.0.codegen.mattr.0" in notes(X86.replace("mcpu: haswell}", "mcpu: haswell, mattr: [avx2]}"))[0]
     assert "at most 64 characters" in notes(X86.replace("mcpu: haswell", "mcpu: " + "x" * 100))[0]

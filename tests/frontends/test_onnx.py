@@ -211,10 +211,12 @@ def test_bad_bytes(tmp_path, content, code):
 
 def test_invalid_graph_is_refused_by_the_checker(tmp_path):
     path = tmp_path / "dangling.onnx"
-    onnx.save(_model([helper.make_node("Relu", ["nowhere"], ["y"])]), path)
+    onnx.save(_model([helper.make_node("Relu", ["nowhere"], ["y"], name="act")]), path)
     with pytest.raises(UserError) as e:
         _load(path, tmp_path)
     assert e.value.code == "import.invalid-model"
+    # the checker's whole message on one line, the node it is about included
+    assert "\n" not in e.value.message and "input 'nowhere' of node: name: act OpType: Relu is not output" in e.value.message
 
 
 def _retyped(vi: onnx.ValueInfoProto, kind: str) -> onnx.ValueInfoProto:

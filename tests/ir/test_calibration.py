@@ -46,6 +46,13 @@ def test_errors_name_the_file_and_what_is_expected(tmp_path):
     empty.mkdir()
     with pytest.raises(UserError, match="no images, .npy or .npz files"):
         load_calibration(_opts(empty), INPUTS)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    np.save(pickled / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(UserError) as e:  # never loaded, and numpy's advice to allow pickles is not passed on
+        load_calibration(_opts(pickled), INPUTS)
+    assert e.value.message.endswith("obj.npy: not a numpy file (it holds pickled Python objects, which edgesdk does "
+                                    "not load: unpickling can run code)") and "allow_pickle" not in str(e.value)
 
 
 def test_npz_for_several_inputs(tmp_path):

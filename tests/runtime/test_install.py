@@ -426,8 +426,8 @@ def test_bad_invocations_exit_2(release, versions, tmp_path):
     assert_refused(runtime(release, "status", "--root", tmp_path / "none"), 2, f"--root {tmp_path / 'none'}: not a directory")
     root = tmp_path / "root"
     root.mkdir()
-    assert_refused(runtime(release, "install", versions[1], "--root", root), 2, f"{root / 'trust'}: no such file or directory")
-    assert os.listdir(root) == ["install.lock"]  # no key, nothing unpacked
+    assert_refused(runtime(release, "install", versions[1], "--root", root), 2, f"--root {root}: no trust/ directory, so no key to check a bundle with")
+    assert os.listdir(root) == []  # no key: refused before the lock, nothing written
 
 
 # --- unpack on its own -----------------------------------------------------------------------------

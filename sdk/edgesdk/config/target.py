@@ -581,6 +581,8 @@ def _describe(path: Path, root: yaml.Node | None, err: dict[str, Any]) -> str:
         msg = f"unknown key '{field}'"
     elif kind == "missing":
         msg = f"missing field '{field}'"
+    elif kind == "string_pattern_mismatch":  # the pattern as written: lowercasing it would change it
+        msg = f"field '{field}': string should match pattern '{err['ctx']['pattern']}'"
     else:
         msg = f"field '{field}': {err['msg'].lower()}"
     return f"{path}:{line}: {msg}"

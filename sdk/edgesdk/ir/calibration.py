@@ -134,7 +134,7 @@ def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
         try:
             data = np.load(f)
         except Exception as e:
-            raise UserError("compress.calib-unreadable", f"{f}: not a numpy file ({e})",
+            raise UserError("compress.calib-unreadable", f"{f}: not a numpy file ({numpy_load_error(e)})",
                             "write samples with numpy.save / numpy.savez") from None
         arrays = {inputs[0]["name"]: data} if f.suffix == ".npy" else dict(data)
         if f.suffix == ".npy" and len(inputs) > 1:
@@ -188,3 +188,14 @@ def load_labelled(root: Path, inputs: list[dict], preprocess: str | None
             raise UserError("compress.eval-label", f"{path}:{number}: '{text}' is not an integer class",
                             "one integer class per line") from None
     return samples, np.asarray(labels, dtype=np.int64), {**info, "labels": len(labels), "source": str(root)}
+
+
+def numpy_load_error(e: Exception) -> str:
+    """Why numpy.load refused a file, for a message: numpy's own advice for pickled data (load it with
+    allow_pickle) is advice edgesdk never takes, since unpickling runs the file's code."""
+    said = str(e)
+    if "Object arrays cannot be loaded" in said:
+        return "it holds pickled Python objects, which edgesdk does not load: unpickling can run code"
+    if "contains pickled (object) data" in said:  # numpy's guess for any file without its magic bytes
+        return "no numpy header: not a .npy or .npz file (and a pickle is never loaded)"
+    return said.splitlines()[0][:200] if said else type(e).__name__

@@ -52,9 +52,14 @@ def check_model(model: onnx.ModelProto, path: Path) -> None:
     try:
         onnx.checker.check_model(model)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError("import.invalid-model", f"{path}: not a valid ONNX model: {first[:300]}",
+        # the checker's message runs over several lines (the node it is about on the second): one line
+        said = " ".join(part.strip() for part in str(e).split("\n") if part.strip()) or type(e).__name__
+        raise UserError("import.invalid-model", f"{path}: not a valid ONNX model: {_clipped(said, 300)}",
                         "the file may be truncated or damaged; re-export it") from None
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:

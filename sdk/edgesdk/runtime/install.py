@@ -411,6 +411,17 @@ def _root(args: argparse.Namespace) -> Path:
     return root
 
 
+def _trust_from(args: argparse.Namespace, root: Path) -> Path:
+    """--trust, else ROOT/trust, which the factory provisions: its absence is said as such."""
+    if args.trust:
+        return Path(args.trust)
+    if not (root / TRUST).exists():
+        raise InstallError(f"--root {root}: no {TRUST}/ directory, so no key to check a bundle with",
+                           f"provision the vendor's public key as {root / TRUST}/NAME.pub (docs/trust.md), "
+                           "or give --trust DIR|PUB", exit_code=2)
+    return root / TRUST
+
+
 @_reported
 def _install_command(args: argparse.Namespace) -> int:
     crash_at = os.environ.get(CRASH_ENV)
@@ -420,7 +431,7 @@ def _install_command(args: argparse.Namespace) -> int:
     root, archive = _root(args), Path(args.archive)
     if not archive.is_file():
         raise InstallError(f"{archive}: no such file", "give the bundle's .tar.gz")
-    state, verified = install(archive, root, trust_from=Path(args.trust) if args.trust else root / TRUST,
+    state, verified = install(archive, root, trust_from=_trust_from(args, root),
                               allow_downgrade=args.allow_downgrade, max_bytes=args.max_bytes,
                               selftest_timeout=args.selftest_timeout)
     for note in verified.notes:
@@ -434,7 +445,7 @@ def _install_command(args: argparse.Namespace) -> int:
 @_reported
 def _rollback_command(args: argparse.Namespace) -> int:
     root = _root(args)
-    state = rollback(root, trust_from=Path(args.trust) if args.trust else root / TRUST)
+    state = rollback(root, trust_from=_trust_from(args, root))
     print(f"rolled back: slot {state['active']} is active: {_describe(state['slots'][state['active']])}; "
           f"slot {state['previous']} ({_describe(state['slots'][state['previous']])}) is previous")
     return 0

@@ -58,7 +58,10 @@ def unpack(archive: Path, dest: Path, max_bytes: int) -> Path:
     try:
         tar = tarfile.open(archive, "r:*")  # reads the first member's header
     except (tarfile.TarError, EOFError, zlib.error, OSError, ValueError) as e:
-        raise UnpackError("bundle.bad-archive", f"not a bundle archive ({str(e).splitlines()[0][:200]})") from None
+        # tarfile's own words for it ("file could not be opened successfully:") say nothing to a user
+        why = ("neither a gzip-compressed nor a plain tar archive" if type(e) is tarfile.ReadError
+               else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__)
+        raise UnpackError("bundle.bad-archive", f"not a bundle archive ({why})") from None
     try:
         with tar:
             members = _checked_members(tar, max_bytes)
