@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -385,3 +386,67 @@ def test_child_that_hangs_is_killed_after_the_timeout(conv_net_files, tmp_path, 
         frontends.load(conv_net_files["h5"], tmp_path)
     assert e.value.code == "import.convert-timeout" and "longer than 1 s" in e.value.message
     assert time.perf_counter() - t0 < 10
+
+
+def test_the_converter_reports_its_progress_and_peak_memory(conv_net_files, tmp_path, monkeypatch):
+    """While the converter runs, a line every PROGRESS_EVERY_S with its elapsed time and memory; its peak
+    resident memory comes back in the import info (the import record's `converter_peak_rss`)."""
+    import re
+
+    monkeypatch.setattr(conversion, "PROGRESS_EVERY_S", 0.5)
+    lines: list[str] = []
+    model, info = frontends.load(conv_net_files["keras"], tmp_path, log=lines.append)
+    assert model.graph.node
+    assert info["converter_peak_rss"] > 100 * 2**20, info  # TensorFlow and Keras alone hold more
+    assert lines, "no progress line in a conversion of several seconds"
+    for line in lines:
+        assert re.fullmatch(r"import: converting a Keras 3 \.keras archive: \d+ s, the converter holds "
+                            r"\d+(\.\d+ GiB| MiB)", line), line
+
+
+def test_a_converter_that_would_exhaust_memory_is_stopped(conv_net_files, tmp_path, monkeypatch):
+    """Available memory under the floor stops the converter (its process group killed, nothing of it
+    left running) with an error naming what it held, before the kernel's OOM killer would pick a process.
+    A floor above any machine's memory makes the first sample trip it."""
+    monkeypatch.setenv("EDGESDK_MEMORY_FLOOR_MB", str(2**30))
+    with pytest.raises(UserError) as e:
+        frontends.load(conv_net_files["keras"], tmp_path / "work")
+    assert e.value.code == "import.out-of-memory", e.value
+    assert "was stopped before this machine ran out of memory: the converter held" in e.value.message
+    assert "build on a machine with more memory" in e.value.hint
+    request = str(tmp_path / "work")
+    running = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if request in cmdline.read_bytes().decode(errors="replace"):
+                running.append(cmdline.parent.name)
+        except OSError:
+            pass  # a process that ended while we looked
+    assert not running, f"converter processes left running: {running}"
+
+    monkeypatch.setenv("EDGESDK_MEMORY_FLOOR_MB", "lots")
+    with pytest.raises(UsageError, match="EDGESDK_MEMORY_FLOOR_MB='lots' is not a number of MiB"):
+        frontends.load(conv_net_files["keras"], tmp_path / "work")
+
+
+def test_keras_weights_stay_out_of_tensorflows_graph(conv_net_files, tmp_path):
+    """The Keras converter traces the model with its weights as inputs (`_child._keras_weights_apart`):
+    the converter's memory above a tiny model's grows by a few copies of the weights, where freezing them
+    into TensorFlow's graph cost ~44 copies (VGG16: 553 MB of weights, killed at 24 GB). A 64 MiB dense
+    layer: the converter's peak above the tiny model's stays under 6 copies, its output equals Keras's,
+    and the weights sit in the external data file beside the converted model, under their Keras names."""
+    import keras
+
+    big = keras.Sequential([keras.Input((4096,), name="x"), keras.layers.Dense(4096, name="wide")])
+    path = tmp_path / "wide.keras"
+    big.save(path)
+    weight_bytes = 4096 * 4097 * 4
+    _, tiny = frontends.load(conv_net_files["keras"], tmp_path / "tiny")
+    model, info = frontends.load(path, tmp_path / "wide")
+    grown = info["converter_peak_rss"] - tiny["converter_peak_rss"]
+    assert grown < 6 * weight_bytes, (grown / weight_bytes, info["converter_peak_rss"], tiny["converter_peak_rss"])
+    x = np.random.default_rng(0).uniform(-1, 1, (1, 4096)).astype(np.float32)
+    assert relative_error(run_onnx(model, {model.graph.input[0].name: x})[0], big(x).numpy()) <= RTOL
+    names = {t.name for t in model.graph.initializer}
+    assert {"wide/kernel", "wide/bias"} <= names, names
+    assert (tmp_path / "wide" / "keras-converted.onnx.data").stat().st_size == weight_bytes

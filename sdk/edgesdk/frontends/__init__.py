@@ -36,10 +36,11 @@ from .formats import FORMATS, detect
 __all__ = ["CANONICAL_OPSET", "FORMATS", "Imported", "detect", "finish_import", "import_model", "load"]
 
 
-def load(path: Path, work: Path, *, batch: int = 1,
-         input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[onnx.ModelProto, dict]:
+def load(path: Path, work: Path, *, batch: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
+         log: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, dict]:
     """The model as ONNX (external data loaded), and info: {"format", "converter" ("tf2onnx 1.17.0"
-    or None), "opset", "seconds", "notes"}. `work` is a scratch directory the caller owns."""
+    or None), "opset", "seconds", "notes", and for a converted format "converter_peak_rss"}. `work` is
+    a scratch directory the caller owns; `log` gets the converter's progress lines."""
     t0 = time.perf_counter()
     path = Path(path)
     fmt = detect(path)
@@ -49,7 +50,8 @@ def load(path: Path, work: Path, *, batch: int = 1,
     if fmt == "onnx":
         model, info = onnx_file.load(path)
     else:
-        model, info = conversion.convert(path, fmt, Path(work), batch=batch, input_shapes=dict(input_shapes or {}))
+        model, info = conversion.convert(path, fmt, Path(work), batch=batch, input_shapes=dict(input_shapes or {}),
+                                         log=log)
     onnx_file.reject_non_tensor_io(model, path)
     model.ir_version = min(model.ir_version, IR_VERSION)
     info["seconds"] = round(time.perf_counter() - t0, 3)
@@ -70,13 +72,14 @@ def import_model(path: Path, options, *, log: Callable[[str], None], warn: Calla
     """Read the model and make it canonical; `options`: any object with batch, input_shapes, input_values."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgesdk-import-") as work:
-        model, source = load(path, Path(work), batch=options.batch, input_shapes=options.input_shapes)
+        model, source = load(path, Path(work), batch=options.batch, input_shapes=options.input_shapes, log=log)
     convert_s = time.perf_counter() - t0
     converted = None
     if source["format"] != "onnx":
         converted = onnx.ModelProto()
         converted.CopyFrom(model)  # the steps below change `model` in place
-        log(f"import: {source['format']} converted by {source['converter']} in {convert_s:.1f} s")
+        log(f"import: {source['format']} converted by {source['converter']} in {convert_s:.1f} s "
+            f"(the converter's peak memory {source['converter_peak_rss'] / 2**20:.0f} MiB)")
     for note in source.get("notes", []):
         warn(note)
     nodes_source = irm.op_counts(model)

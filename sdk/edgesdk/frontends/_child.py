@@ -86,6 +86,7 @@ def _tensorflow():
     import tf2onnx
 
     _number_nodes(tf2onnx.graph.Node)
+    _fresh_protos(tf2onnx.graph.Node)
     _missing_ops()
     failures = _Failures()
     logging.getLogger("tf2onnx").addHandler(failures)
@@ -131,6 +132,30 @@ def _number_nodes(node_class) -> None:
     node_class.__hash__ = lambda self: self._edgesdk_number
 
 
+def _fresh_protos(node_class) -> None:
+    """Rebuild each tf2onnx node's NodeProto in a new message when tf2onnx updates it.
+
+    tf2onnx writes every node's attributes into its NodeProto again after each optimizer
+    (`Node.update_proto`: clear, then extend), and protobuf's arena keeps the memory of a cleared field
+    until the message itself goes: a constant's tensor was kept once per optimizer pass, and VGG16's
+    conversion grew by its 553 MB of weights every two seconds. A new message frees the old one whole."""
+    from onnx import NodeProto
+
+    update = node_class.update_proto
+
+    def fresh_update_proto(self, *args, **kwargs):
+        old = self._op
+        op = NodeProto(name=old.name, op_type=old.op_type, domain=old.domain, doc_string=old.doc_string)
+        op.input.extend(old.input)
+        op.output.extend(old.output)
+        self._op = op
+        if self.is_const():  # make_graph takes a constant's tensor from its attribute, never from the proto
+            return None
+        return update(self, *args, **kwargs)
+
+    node_class.update_proto = fresh_update_proto
+
+
 def _static(name: str, shape: tuple, request: dict) -> list[int | None]:
     """The shape to convert with: --input-shape where given, else the batch fixed to --batch before
     conversion (DESIGN §7: a dynamic batch leaves Shape/Gather arithmetic in the graph)."""
@@ -160,8 +185,141 @@ def _keras(request: dict) -> dict:
     # refuses Lambda layers' pickled code, which a build tool must not run.
     model = _reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False), KERAS_HINT)
     specs = [tf.TensorSpec(_static(t.name, tuple(t.shape), request), t.dtype, name=t.name) for t in model.inputs]
-    proto, _ = tf2onnx.convert.from_keras(model, input_signature=specs, opset=request["opset"])
+    proto = _keras_weights_apart(model, specs, request, tf, tf2onnx)
     return _finish(proto, request, tf2onnx, failures.failed)
+
+
+def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
+    """The converted model, its graph traced with the weights as inputs.
+
+    tf2onnx's own path (`from_keras`) freezes every variable into a constant of the TensorFlow graph,
+    which then passes through several GraphDef copies and grappler's constant folding: VGG16's 553 MB of
+    weights took the converter past 24 GB. Here the function traced is the model's `stateless_call` with
+    every variable an input, so no TensorFlow graph holds a weight. Each input becomes a constant of
+    tf2onnx's own graph just before tf2onnx optimizes it (`optimize_graph`), read from its variable
+    then, so that tf2onnx folds transposes and batch norms into the weights as it did before."""
+    variables = [*model.trainable_variables, *model.non_trainable_variables]
+    trainable = len(model.trainable_variables)
+    inputs = len(specs)
+    names = _weight_names([getattr(v, "path", "") for v in variables], {s.name for s in specs})
+    weight_specs = [tf.TensorSpec(tuple(v.shape), v.dtype, name=n) for v, n in zip(variables, names)]
+    output_names = list(getattr(model, "output_names", None) or [f"output_{i}" for i in range(len(model.outputs))])
+
+    def serve(*args):
+        x = list(args[:inputs]) if inputs > 1 else args[0]
+        weights = list(args[inputs:])
+        outputs, _ = model.stateless_call(weights[:trainable], weights[trainable:], x, training=False)
+        return dict(zip(output_names, tf.nest.flatten(outputs)))
+
+    signature = [*specs, *weight_specs]
+    # each variable's value as an eager tensor, read now: tf2onnx works inside a graph, where a variable
+    # cannot be read, and an eager tensor's numpy() is a view of its buffer, not a copy
+    values = {n: tf.convert_to_tensor(v.value) for n, v in zip(names, variables)}
+    optimizer = tf2onnx.optimizer
+    optimize_graph = optimizer.optimize_graph
+    failed_in = []
+
+    def with_weights(graph, _catch_errors=True, *args, **kwargs):  # catch_errors: decided here
+        from onnx import numpy_helper
+
+        for node in list(graph.inputs):
+            name = node.output[0]
+            if name in values:
+                graph.inputs.remove(node)
+                node.type = "Const"
+                node.set_attr("value", numpy_helper.from_array(values[name].numpy(), name))
+        _fold_weight_arithmetic(graph)
+        try:
+            optimized = optimize_graph(graph, lean_first is False, *args, **kwargs)
+        except Exception:
+            failed_in.append("optimize_graph")
+            raise
+        # the graph holds the weights now: let TensorFlow free its own copy before tf2onnx writes the model
+        values.clear()
+        for variable in variables:
+            if getattr(variable, "_value", None) is not None:  # Keras 3's handle on the tf.Variable
+                variable._value = None
+        return optimized
+
+    def convert():
+        return tf2onnx.convert.from_function(tf.function(serve, input_signature=signature),
+                                             input_signature=signature, opset=request["opset"])[0]
+
+    # With catch_errors, tf2onnx deep-copies the whole graph, weights and all, before each of its
+    # optimizers, to fall back on where one fails: 6 to 15 copies of the weights at the peak. The first
+    # try goes without (as tf2onnx's own large-model path does); only where an optimizer failed is the
+    # model converted again with them.
+    optimizer.optimize_graph = with_weights
+    try:
+        lean_first = True
+        try:
+            proto = convert()
+        except Exception:
+            if not failed_in:
+                raise
+            lean_first = False
+            proto = convert()
+    finally:
+        optimizer.optimize_graph = optimize_graph
+    by_name = {o.name: o for o in proto.graph.output}  # in the model's order (a dict's come sorted by key)
+    if set(by_name) == set(output_names):
+        ordered = [by_name[n] for n in output_names]
+        del proto.graph.output[:]
+        proto.graph.output.extend(ordered)
+    return proto
+
+
+# Float arithmetic on constants only, as grappler folded it when the weights were constants of the
+# TensorFlow graph: a batch norm's gamma * rsqrt(variance + epsilon), written as these ops by Keras.
+_FOLDED = {"Add": "add", "Sub": "subtract", "Mul": "multiply", "Div": "divide", "Sqrt": "sqrt",
+           "Reciprocal": "reciprocal", "Neg": "negative"}
+
+
+def _fold_weight_arithmetic(graph) -> None:
+    """Replace each `_FOLDED` node of tf2onnx's graph whose inputs are all float constants by the
+    constant it computes, until none is left; tf2onnx's own optimizers (transposes, its constant
+    folding) then see the weights as grappler left them. A chain of folds is computed in float64 and
+    each constant rounded once to its type, so a folded batch norm is as exact as float32 holds it."""
+    import numpy as np
+    from tf2onnx import utils
+
+    outputs = set(graph.outputs)
+    exact: dict[str, np.ndarray] = {}  # a folded constant's value in float64, for the folds that read it
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.get_nodes()):
+            if node.type not in _FOLDED or node.output[0] in outputs or len(node.output) != 1:
+                continue
+            sources = node.inputs
+            if not sources or not all(i is not None and i.is_const() for i in sources):
+                continue
+            args = [i.get_tensor_value(as_list=False) for i in sources]
+            if not all(np.issubdtype(a.dtype, np.floating) for a in args) or len({a.dtype for a in args}) != 1:
+                continue
+            # computed in float64 from the float64 values of earlier folds, rounded once to the graph's type
+            wide = [exact.get(i.output[0], a.astype(np.float64)) for i, a in zip(sources, args)]
+            result = np.asarray(getattr(np, _FOLDED[node.type])(*wide))
+            const = graph.make_const(utils.make_name(node.name), result.astype(args[0].dtype))
+            if result.size <= 1 << 20:  # a batch norm's vectors; a whole kernel is not kept twice
+                exact[const.output[0]] = result
+            graph.replace_all_inputs(node.output[0], const.output[0])
+            graph.remove_node(node.name)
+            changed = True
+
+
+def _weight_names(paths: list[str], taken: set[str]) -> list[str]:
+    """A name for each variable's input: its Keras path where that is a valid, unused TensorFlow name."""
+    import re
+
+    names = []
+    for i, path in enumerate(paths):
+        name = re.sub(r"[^A-Za-z0-9_./-]", "_", path or "")
+        if not re.fullmatch(r"[A-Za-z0-9.][A-Za-z0-9_./-]*", name) or name in taken:
+            name = f"edgesdk_weight_{i}"
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _savedmodel(request: dict) -> dict:
@@ -321,10 +479,15 @@ def _subgraphs(node) -> list:
 
 
 def _finish(proto, request: dict, tf2onnx, failed: dict[str, str], notes: list[str] | None = None) -> dict:
+    """Write the converted model, every tensor over 1 KiB as external data in one file beside it: a
+    model of any size (protobuf stops at 2 GB), and each tensor's bytes moved out of the proto, not copied."""
     import onnx
 
     proto.ir_version = min(proto.ir_version, 10)  # what onnxruntime 1.31 and every backend read
-    onnx.save(proto, request["onnx"])
+    data = Path(request["onnx"] + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save(proto, request["onnx"], save_as_external_data=True, all_tensors_to_one_file=True,
+              location=data.name, size_threshold=1024)
     return {"converter": f"tf2onnx {tf2onnx.__version__}", "notes": notes or [], "failed": failed}
 
 

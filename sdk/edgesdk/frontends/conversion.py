@@ -5,6 +5,12 @@ from a failed CHECK) on a malformed file. The child is started with its own proc
 output goes to a log file in `work` (never the user's terminal), and it reports back through a
 JSON file: `{"ok": true, ...}` or the error to raise. A child killed by a signal, one that exits
 without a result, and one that outlives `TIMEOUT_S` each become a user error naming the file.
+
+The parent watches the child while it runs: its resident memory (the peak goes into the import
+record), a progress line every PROGRESS_EVERY_S with the elapsed time and that memory, and the
+machine's available memory. TensorFlow and tf2onnx hold many copies of a model's weights; where the
+machine's available memory falls under `memory_floor()`, the child is stopped and the build fails
+naming what it held, instead of the kernel's out-of-memory killer choosing a process to kill.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
@@ -28,21 +36,27 @@ from .standard_ops import OpSite
 # tf2onnx's opset: 17 is the newest whose ReduceMean takes `axes` as an attribute (read by every backend).
 OPSET = 17
 TIMEOUT_S = 900
+POLL_S = 0.25
+PROGRESS_EVERY_S = 10.0
+# Available memory (MiB) under which the converter is stopped; EDGESDK_MEMORY_FLOOR_MB overrides it
+MEMORY_FLOOR_MB = 256
 CONVERTER_NAMES = {"savedmodel": "SavedModel", "keras": "Keras", "h5": "Keras .h5", "tflite": "TFLite"}
 
 
-def convert(path: Path, fmt: str, work: Path, *, batch: int,
-            input_shapes: dict[str, tuple[int, ...]]) -> tuple[onnx.ModelProto, dict]:
+def convert(path: Path, fmt: str, work: Path, *, batch: int, input_shapes: dict[str, tuple[int, ...]],
+            log: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The converted model, and info as `frontends.load` gives it plus `converter_peak_rss` (bytes).
+    `log` gets a progress line every PROGRESS_EVERY_S while the converter runs."""
     work.mkdir(parents=True, exist_ok=True)
     files = {k: work / f"{fmt}-{k}" for k in ("request.json", "result.json", "converted.onnx", "child.log")}
-    for f in files.values():
+    for f in [*files.values(), work / f"{fmt}-converted.onnx.data"]:  # the data: the converted weights
         f.unlink(missing_ok=True)
     request = {"format": fmt, "source": str(Path(path).resolve()), "onnx": str(files["converted.onnx"]),
                "result": str(files["result.json"]), "batch": batch, "opset": OPSET,
                "input_shapes": {k: list(v) for k, v in input_shapes.items()}}
     files["request.json"].write_text(json.dumps(request))
 
-    returncode = _run_child(child_command(files["request.json"]), files["child.log"], path, fmt)
+    returncode, peak = _run_child(child_command(files["request.json"]), files["child.log"], path, fmt, log)
     result = _read_result(files["result.json"])
     if returncode < 0 or result is None:
         raise _crashed(path, fmt, returncode, files["child.log"])
@@ -58,14 +72,17 @@ def convert(path: Path, fmt: str, work: Path, *, batch: int,
     onnx_file.reject_nonstandard(model, path, _UNSUPPORTED_HINT[fmt], lambda s: _describe(s, fmt, result))
     irm.check_model(model, path)
     return model, {"format": fmt, "converter": result["converter"], "opset": onnx_file.default_opset(model, path),
-                   "notes": result.get("notes", [])}
+                   "notes": result.get("notes", []), "converter_peak_rss": peak}
 
 
 def child_command(request: Path) -> list[str]:
     return [sys.executable, "-m", "edgesdk.frontends._child", str(request)]
 
 
-def _run_child(command: list[str], log: Path, path: Path, fmt: str) -> int:
+def _run_child(command: list[str], log: Path, path: Path, fmt: str,
+               progress: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """Run the converter to its end: its return code and peak resident memory (bytes)."""
+    floor = memory_floor()
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONHASHSEED"] = "0"  # str hashes, like node hashes (_child._number_nodes), fixed: same file, same bytes
@@ -75,17 +92,86 @@ def _run_child(command: list[str], log: Path, path: Path, fmt: str) -> int:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True)
         try:
-            return child.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+            return _watch(child, path, fmt, progress, floor)
+        except BaseException:  # too long, too big, Ctrl-C: do not leave the converter running
             os.killpg(child.pid, signal.SIGKILL)  # the child leads its own group: its helpers go too
             child.wait()
+            raise
+
+
+def _watch(child: subprocess.Popen, path: Path, fmt: str, progress: Callable[[str], None] | None,
+           floor: int) -> tuple[int, int]:
+    """Wait for the child, sampling its memory every POLL_S; raise where it takes too long or the
+    machine runs low on memory (the caller kills it)."""
+    start = time.monotonic()
+    report_at = start + PROGRESS_EVERY_S
+    peak = 0
+    while True:
+        try:
+            return child.wait(timeout=POLL_S), peak
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        rss = resident_bytes(child.pid)
+        peak = max(peak, rss)
+        if now - start > TIMEOUT_S:
             raise UserError("import.convert-timeout", f"{path}: converting {DESCRIPTIONS[fmt]} took longer than {TIMEOUT_S} s",
                             "the model may be very large or the file damaged; convert it to ONNX yourself with tf2onnx "
-                            "and pass the .onnx file") from None
-        except BaseException:  # Ctrl-C: do not leave the converter running
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            raise
+                            "and pass the .onnx file")
+        available = available_bytes()
+        if available is not None and available < floor:
+            raise UserError(
+                "import.out-of-memory",
+                f"{path}: converting {DESCRIPTIONS[fmt]} was stopped before this machine ran out of memory: the "
+                f"converter held {_gib(peak)} after {now - start:.0f} s, and {_gib(available)} were left",
+                "TensorFlow's converter holds several copies of the weights; build on a machine with more memory, or "
+                "convert the model to ONNX there (python -m tf2onnx.convert) and pass the .onnx file, whose import "
+                "needs far less", notes=[f"the model file: {_gib(_size(path))}",
+                                         f"stopped below {_gib(floor)} available (EDGESDK_MEMORY_FLOOR_MB)"])
+        if progress is not None and now >= report_at:
+            progress(f"import: converting {DESCRIPTIONS[fmt]}: {now - start:.0f} s, the converter holds {_gib(rss)}")
+            report_at = now + PROGRESS_EVERY_S
+
+
+def memory_floor() -> int:
+    """Bytes of available memory under which a converter is stopped (EDGESDK_MEMORY_FLOOR_MB, else MEMORY_FLOOR_MB)."""
+    given = os.environ.get("EDGESDK_MEMORY_FLOOR_MB")
+    try:
+        mb = float(given) if given else MEMORY_FLOOR_MB
+    except ValueError:
+        raise UsageError("build.bad-env", f"EDGESDK_MEMORY_FLOOR_MB={given!r} is not a number of MiB",
+                         f"unset it (default {MEMORY_FLOOR_MB}) or give a number such as 512") from None
+    return int(mb * 2**20)
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(path: Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _read_result(file: Path) -> dict | None:

@@ -76,6 +76,7 @@ def _record(imported: frontends.Imported, model, optimized: dict, io: dict, *, o
         "rules": optimized["rules"],
         "rounds": optimized.get("rounds"),
         "timings_s": {"convert": round(imported.convert_s, 3), "optimize": round(optimize_s, 3)},
+        "converter_peak_rss": source.get("converter_peak_rss"),  # bytes; None for ONNX (read in process)
         "inputs": io["inputs"],
         "outputs": io["outputs"],
     }
