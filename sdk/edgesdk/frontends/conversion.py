@@ -29,6 +29,7 @@ import onnx
 
 from ..errors import UsageError, UserError
 from ..ir import model as irm
+from ..ir.memory import available_bytes, resident_bytes, shown
 from . import onnx_file
 from .formats import DESCRIPTIONS
 from .standard_ops import OpSite
@@ -123,13 +124,13 @@ def _watch(child: subprocess.Popen, path: Path, fmt: str, progress: Callable[[st
             raise UserError(
                 "import.out-of-memory",
                 f"{path}: converting {DESCRIPTIONS[fmt]} was stopped before this machine ran out of memory: the "
-                f"converter held {_gib(peak)} after {now - start:.0f} s, and {_gib(available)} were left",
+                f"converter held {shown(peak)} after {now - start:.0f} s, and {shown(available)} were left",
                 "TensorFlow's converter holds several copies of the weights; build on a machine with more memory, or "
                 "convert the model to ONNX there (python -m tf2onnx.convert) and pass the .onnx file, whose import "
-                "needs far less", notes=[f"the model file: {_gib(_size(path))}",
-                                         f"stopped below {_gib(floor)} available (EDGESDK_MEMORY_FLOOR_MB)"])
+                "needs far less", notes=[f"the model file: {shown(_size(path))}",
+                                         f"stopped below {shown(floor)} available (EDGESDK_MEMORY_FLOOR_MB)"])
         if progress is not None and now >= report_at:
-            progress(f"import: converting {DESCRIPTIONS[fmt]}: {now - start:.0f} s, the converter holds {_gib(rss)}")
+            progress(f"import: converting {DESCRIPTIONS[fmt]}: {now - start:.0f} s, the converter holds {shown(rss)}")
             report_at = now + PROGRESS_EVERY_S
 
 
@@ -144,98 +145,6 @@ def memory_floor() -> int:
     return int(mb * 2**20)
 
 
-def resident_bytes(pid: int) -> int:
-    """A process's resident memory (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def available_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (MemAvailable); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _size(path: Path) -> int:
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-def _read_result(file: Path) -> dict | None:
-    try:
-        result = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return result if isinstance(result, dict) and "ok" in result else None
-
-
-def _crashed(path: Path, fmt: str, returncode: int, log: Path) -> UserError:
-    if returncode < 0:
-        try:
-            how = f"was killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            how = f"was killed by signal {-returncode}"
-    else:
-        how = f"exited with status {returncode} without a result"
-    hint = f"check that the file is {DESCRIPTIONS[fmt]} that TensorFlow itself loads; it may be damaged"
-    if returncode == -signal.SIGKILL:
-        hint += " (SIGKILL often means the converter ran out of memory)"
-    return UserError("import.converter-crashed", f"{path}: the {CONVERTER_NAMES[fmt]} converter {how} while reading the file", hint,
-                     notes=_crash_site(log))
-
-
-def _crash_site(log: Path) -> list[str]:
-    """Where the child died, from the native fatal message (glog's `F... Check failed`) and the
-    innermost Python frame that faulthandler (enabled in the child) writes on a fatal signal."""
-    try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
-    except OSError:
-        return []
-    notes = [f"converter log: {line[:200]}" for line in lines if re.match(r"F\d{4} |.*Check failed", line)][-2:]
-    for i, line in enumerate(lines):
-        if line.startswith("Fatal Python error"):
-            frame = next((f for f in lines[i + 1:] if f.startswith("File ")), None)
-            m = re.match(r'File "(.+)", line (\d+) in (\S+)', frame or "")
-            if m:
-                where = "/".join(Path(m[1]).parts[-3:])
-                notes.append(f"the converter crashed in {m[3]} ({where}:{m[2]})")
-            break
-    return notes
-
-
-_UNSUPPORTED_HINT = {
-    "tflite": "edgesdk converts TFLite builtin ops; rebuild the model without custom ops, or export the source "
-              "model as a SavedModel",
-    "savedmodel": "replace these ops by ones tf2onnx converts (see tf2onnx's support_status.md), or export the model to "
-                  "ONNX yourself",
-}
-_UNSUPPORTED_HINT["keras"] = _UNSUPPORTED_HINT["h5"] = _UNSUPPORTED_HINT["savedmodel"]
-
-
-def _describe(site: OpSite, fmt: str, result: dict) -> str:
-    """A note for a node the converter left as it was: which source op it is and where."""
-    if site.domain:  # a custom domain in the converter's output
-        return site.note()
-    where = f" {site.where}" if site.where else ""
-    failed = result.get("failed", {}).get(site.node)
-    why = f" ({failed})" if failed else ""
-    if fmt == "tflite" and site.op_type.startswith("TFL_"):
-        op = site.op_type.removeprefix("TFL_")
-        if op in result.get("custom_codes", []):
-            return f"TFLite custom op '{op}' at tensor '{site.node}'{where}{why}"
-        return f"TFLite op {op} at tensor '{site.node}'{where} has no ONNX conversion in tf2onnx{why}"
-    node = re.sub(r"^((Stateful)?PartitionedCall/)+", "", site.node)  # the scopes of our signature wrapper
-    return f"TensorFlow op {site.op_type} at node '{node}'{where} has no ONNX conversion in tf2onnx{why}"

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 
 from ...errors import UserError
+from ...ir.memory import available_bytes, shown
 from ...runtime.manifest import QuantParams, TensorSpec
 from . import mixed as mixed_precision
 from .flatbuffer import op_counts
@@ -39,6 +40,13 @@ class TfliteResult:
 
 
 CALIBRATION_METHODS = ("minmax", "percentile")
+
+# What TensorFlow's converter holds while it converts a traced segment: the weights enter its graph as
+# constants and pass through several GraphDef and MLIR copies. Measured on this project's build host
+# (benchmarks/RESULTS.md, issue 22): a 16 MiB and a 64 MiB MatMul peaked at 1.21 and 3.22 GiB, 42 bytes
+# per byte of weights above a 0.55 GiB base; VGG16's 528 MiB was killed past 21 GiB.
+CONVERTER_BASE_BYTES = 560 << 20
+CONVERTER_BYTES_PER_WEIGHT_BYTE = 42
 
 
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
@@ -67,6 +75,7 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not 50.0 < percentile <= 100.0:
         raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
                         "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
+    require_memory(model)
     lowered = _lower(model, cpu=cpu)
     samples = [_to_tf_layout(lowered, feed) for feed in calibration]
     if not samples:
@@ -92,8 +101,36 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
 def convert_float(model: onnx.ModelProto, out_path: Path, *, cpu: bool = False) -> TfliteResult:
     """Write an fp32 .tflite of `model` (same lowering, no quantization): LiteRT's fp32 CPU segments
     (`cpu`: with the ops the Edge TPU lacks), and the lowering itself tested against onnxruntime."""
+    require_memory(model)
     lowered = _lower(model, cpu=cpu)
     return _finish(lowered, _convert(lowered, None), Path(out_path))
+
+
+def converter_memory(model: onnx.ModelProto) -> tuple[int, int]:
+    """The segment's weight bytes and what the converter would hold converting it (an estimate)."""
+    weights = sum(_tensor_bytes(t) for t in model.graph.initializer)
+    return weights, CONVERTER_BASE_BYTES + CONVERTER_BYTES_PER_WEIGHT_BYTE * weights
+
+
+def require_memory(model: onnx.ModelProto) -> None:
+    """Refuse, before it starts, a conversion that would take more memory than the machine has left:
+    the kernel would kill the build (or another process) partway instead."""
+    available = available_bytes()
+    weights, need = converter_memory(model)
+    if available is not None and need > available:
+        raise UserError("tflite.out-of-memory",
+                        f"converting graph '{model.graph.name}' to TFLite needs about {shown(need)} "
+                        f"({shown(weights)} of weights, about {CONVERTER_BYTES_PER_WEIGHT_BYTE} bytes per byte in "
+                        f"TensorFlow's converter), and this machine has {shown(available)} available",
+                        "build on a machine with more memory, or keep this part of the model off the TFLite "
+                        "backends (--cpu-backends without litert; for the Edge TPU, a smaller model)")
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    count = 1
+    for d in t.dims:
+        count *= d
+    return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
 
 
 def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any:

@@ -1,0 +1,38 @@
+"""Memory on the build machine: what a process holds, what the machine has left, and how a step that
+needs more than is left fails before it starts (or while it runs) instead of meeting the kernel's
+out-of-memory killer, which picks a process (often not the one at fault) and says nothing useful.
+
+Linux only (/proc); elsewhere nothing is known and nothing is refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (0 once it is gone, or where /proc is not)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def shown(n: float) -> str:
+    """Bytes for a message: GiB with two decimals from 1 GiB, else MiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
