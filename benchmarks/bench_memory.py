@@ -72,21 +72,22 @@ def measured_build(model: Path, target: str, out: Path) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    t0, seconds, log = time.perf_counter(), {}, []
+    t0, started, seconds, log = time.perf_counter(), {}, {}, []
     for line in proc.stderr:
         log.append(line.rstrip())
         m = STAGE.match(line)
         if m and m[3] == "...":
-            state["stage"], seconds[m[2]] = m[2], time.perf_counter()
+            state["stage"], started[m[2]] = m[2], time.perf_counter()
         elif m:
-            seconds[m[2]] = round(time.perf_counter() - seconds.get(m[2], time.perf_counter()), 1)
+            seconds[m[2]] = round(time.perf_counter() - started.get(m[2], time.perf_counter()), 1)
             state["stage"] = "after"
     code = proc.wait()
     state["done"] = True
     sampler.join()
     return {"exit": code, "peak_bytes": state["peak"], "stage_peak_bytes": state["peaks"],
-            "stage_seconds": {k: v for k, v in seconds.items() if isinstance(v, float)},
-            "wall_s": round(time.perf_counter() - t0, 1), "errors": [x for x in log if x.startswith("error")][:3]}
+            "stage_seconds": seconds,
+            "wall_s": round(time.perf_counter() - t0, 1), "errors": [x for x in log if x.startswith("error")][:3],
+            "log_tail": log[-3:] if code else []}
 
 
 def saved(name: str) -> Path:

