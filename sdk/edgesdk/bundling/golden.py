@@ -49,7 +49,7 @@ def accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: Plan, sa
               if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
     names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
     got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]
-    ref = [ort_backend.run(reference, f, names) for f in samples]
+    ref = ort_backend.run_many(reference, samples, names)  # one session: each holds the weights again
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
     out = {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "tensors": tensors}
     if probes:

@@ -99,7 +99,7 @@ def run(artifact: Path, ctx) -> dict:
         return {"int8_segments": 0, "pruning": _summary(record["pruning"])}
     wanted = sorted({t for s in quantized for t in s.inputs + s.outputs})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
-    acts = [ort_backend.run(full, feeds, wanted) for feeds in samples]
+    acts = ort_backend.run_many(full, samples, wanted)  # one session: each holds the weights once more
     for seg in quantized:
         if seg.same_as:
             continue
