@@ -5,8 +5,9 @@ compiler children) sampled every 0.2 s, its peak per stage.
     .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16] [--target x86]
                                                 [--out benchmarks/memory.json]
 
-Each model is saved once as .keras under .cache/bench-memory/ and built from scratch (a fresh -o,
-`--trials 0`: tuning search is not what is measured). The base is the tree's peak building a model of
+Each model is saved once as .keras under .cache/bench-memory/ and built from scratch (a fresh -o and
+an empty --tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not
+what is measured). The base is the tree's peak building a model of
 one 3x3 convolution (TensorFlow's converter, TVM and the runtime loaded, no weights to speak of).
 Printed as a markdown table; written to --out.
 """
@@ -56,9 +57,11 @@ def tree_rss(root: int) -> int:
 
 def measured_build(model: Path, target: str, out: Path) -> dict:
     """Build `model`; the tree's peak per stage and overall, the stage times, the exit code."""
-    shutil.rmtree(out, ignore_errors=True)
+    db = out.with_name(out.name + "-tuning")  # an empty tuning database: nothing replayed from a timing cache
+    for path in (out, db):
+        shutil.rmtree(path, ignore_errors=True)
     cmd = [str(ROOT / ".venv" / "bin" / "edgesdk"), "build", str(model), "--target", target, "-o", str(out),
-           "--trials", "0"]
+           "--trials", "0", "--tuning-db", str(db)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     state = {"stage": "start", "peaks": {}, "peak": 0, "done": False}
 
