@@ -41,12 +41,13 @@ class TfliteResult:
 
 CALIBRATION_METHODS = ("minmax", "percentile")
 
-# What TensorFlow's converter holds while it converts a traced segment: the weights enter its graph as
-# constants and pass through several GraphDef and MLIR copies. Measured on this project's build host
-# (benchmarks/RESULTS.md, issue 22): a 16 MiB and a 64 MiB MatMul peaked at 1.21 and 3.22 GiB, 42 bytes
-# per byte of weights above a 0.55 GiB base; VGG16's 528 MiB was killed past 21 GiB.
-CONVERTER_BASE_BYTES = 560 << 20
-CONVERTER_BYTES_PER_WEIGHT_BYTE = 42
+# What TensorFlow's converter holds while it converts a traced segment, its weights held as variables
+# of the module (trace.py) and read once by the converter's SavedModel import. Measured on this
+# project's build host (benchmarks/RESULTS.md, issue 22): MatMul segments of 16 and 64 MiB and VGG16's
+# 528 MiB peaked at 0.78, 1.20 and 5.72 GiB, about 10 bytes per byte of weights above a 0.6 GiB base.
+# (With the weights as constants of the traced graph it was 42 bytes per byte, and VGG16 was killed.)
+CONVERTER_BASE_BYTES = 600 << 20
+CONVERTER_BYTES_PER_WEIGHT_BYTE = 10
 
 
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,

@@ -110,8 +110,11 @@ def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
                                  perm=None if perm == _identity(len(shape)) else perm))
     lowered = _Lowered(None, None, inputs)
 
+    weights = _VariableWeights(tf, tf, [])
+
     def body(*args: Any) -> dict[str, Any]:
-        cx = _Ctx(tf, opset, consts)
+        weights._made[0] = 0  # a trace makes the same arrays in the same order: each reuses its variable
+        cx = _Ctx(weights, opset, consts)
         out_used: set[str] = set()
         for node in graph.node:
             cx.producer.update((o, node) for o in node.output if o)
@@ -148,7 +151,63 @@ def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
     lowered.module = tf.Module()
     lowered.module.f = lowered.function
     lowered.function.get_concrete_function()  # trace now: lowering errors surface here
+    lowered.module.weights = list(weights._store)  # tracked by the module: saved with the function
     return lowered
+
+
+WEIGHT_BYTES = 64 << 10  # arrays from this size on are weights held as variables
+
+
+class _VariableWeights:
+    """`tf` as the lowerings see it (`cx.tf`): every numpy array of WEIGHT_BYTES or more given to an op
+    (a kernel, a table; `tf.constant` of one) is held as a variable of the module instead of a constant
+    of the traced graph.
+
+    Constants travel inside every copy of the graph the converter makes (the function, its SavedModel,
+    the GraphDef it reloads, grappler's), about 42 bytes per byte of weights; a variable is written once
+    to the SavedModel's checkpoint and read once by its importer, about 10 (convert.py). The converter
+    freezes the variables into the flatbuffer's constant buffers: the .tflite has the same ops and weights
+    and computes the same outputs bit for bit (MobileNetV2, checked), a few bytes of metadata apart. A trace makes
+    the same arrays in the same order, so a later trace of the function reuses the variables of the
+    first (tf.function allows variables to be made on the first trace only): `_made` counts this trace's."""
+
+    def __init__(self, tf: Any, target: Any, store: list, made: list | None = None):
+        self._tf, self._target, self._store = tf, target, store
+        self._made = made if made is not None else [0]  # shared by the submodule views (tf.nn, tf.math)
+
+    def __getattr__(self, name: str) -> Any:
+        import types
+
+        attr = getattr(self._target, name)
+        if isinstance(attr, types.ModuleType):
+            return _VariableWeights(self._tf, attr, self._store, self._made)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        weight = self._weight
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return attr(*(weight(a) for a in args), **{k: weight(v) for k, v in kwargs.items()})
+        if name == "constant":
+            return lambda value, *a, **k: weight(value) if _big(value) and not a and not k else attr(value, *a, **k)
+        return call
+
+    def _weight(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._weight(v) for v in value)
+        if not _big(value):
+            return value
+        index = self._made[0]
+        self._made[0] += 1
+        if index < len(self._store):
+            return self._store[index]
+        with self._tf.init_scope():
+            variable = self._tf.Variable(value, trainable=False)
+        self._store.append(variable)
+        return variable
+
+
+def _big(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.nbytes >= WEIGHT_BYTES
 
 
 def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
