@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from edgesdk.ir.memory import resident_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "bench-memory"
 MODELS = {"mobilenet_v2": "MobileNetV2", "resnet50": "ResNet50", "vgg16": "VGG16"}
@@ -47,11 +49,7 @@ def tree_rss(root: int) -> int:
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
+        total += resident_bytes(pid)
     return total
 
 
