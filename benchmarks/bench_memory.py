@@ -1,15 +1,18 @@
 """Build memory against model size (issue 22): `edgesdk build` of Keras applications (`weights=None`)
-of growing size, the resident memory of the whole process tree (the build and its converter and
-compiler children) sampled every 0.2 s, its peak per stage.
+of growing size and of an ONNX model past protobuf's 2 GB (a wide MLP, random weights as external
+data), the resident memory of the whole process tree (the build and its converter and compiler
+children) sampled every 0.2 s, its peak per stage, beside the build's own estimate (`stages/memory.py`).
 
-    .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16] [--target x86]
-                                                [--out benchmarks/memory.json]
+    .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16,mlp2g] [--targets x86]
+                                                [--low-memory both|on|off] [--out benchmarks/memory.json]
+                                                [--plot benchmarks/memory.png]
 
-Each model is saved once as .keras under .cache/bench-memory/ and built from scratch (a fresh -o and
-an empty --tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not
-what is measured). The base is the tree's peak building a model of
-one 3x3 convolution (TensorFlow's converter, TVM and the runtime loaded, no weights to speak of).
-Printed as a markdown table; written to --out.
+Each model is saved once under .cache/bench-memory/ and built from scratch (a fresh -o and an empty
+--tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not what is
+measured). The base is the tree's peak building a model of one 3x3 convolution (TensorFlow's
+converter, TVM and the runtime loaded, no weights to speak of). A build the estimate refuses
+(`build.out-of-memory`) is recorded as refused, with its estimate. Printed as a markdown table; written
+to --out, and plotted (peak against weights, the 4x line) to --plot.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from edgesdk.ir.memory import resident_bytes
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "bench-memory"
 MODELS = {"mobilenet_v2": "MobileNetV2", "resnet50": "ResNet50", "vgg16": "VGG16"}
+MLP_WIDTH, MLP_LAYERS = 8192, 9  # 9 x 8192 x 8192 float32: 2.25 GiB of weights, past protobuf's 2 GB
+ESTIMATE = re.compile(r"build: memory: about ([\d.]+) (GiB|MiB) at its peak")
 STAGE = re.compile(r"^\[(\d)/6\] (\w+) (\.\.\.|done|cached)")
 
 
@@ -53,13 +58,13 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def measured_build(model: Path, target: str, out: Path) -> dict:
+def measured_build(model: Path, target: str, out: Path, low_memory: bool = False) -> dict:
     """Build `model`; the tree's peak per stage and overall, the stage times, the exit code."""
     db = out.with_name(out.name + "-tuning")  # an empty tuning database: nothing replayed from a timing cache
     for path in (out, db):
         shutil.rmtree(path, ignore_errors=True)
     cmd = [str(ROOT / ".venv" / "bin" / "edgesdk"), "build", str(model), "--target", target, "-o", str(out),
-           "--trials", "0", "--tuning-db", str(db)]
+           "--trials", "0", "--tuning-db", str(db)] + (["--low-memory"] if low_memory else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     state = {"stage": "start", "peaks": {}, "peak": 0, "done": False}
 
@@ -85,7 +90,13 @@ def measured_build(model: Path, target: str, out: Path) -> dict:
     code = proc.wait()
     state["done"] = True
     sampler.join()
+    said = next((m for x in log if (m := ESTIMATE.search(x))), None)
+    estimate = float(said[1]) * (2**30 if said[2] == "GiB" else 2**20) if said else None
+    shutil.rmtree(out, ignore_errors=True)  # VGG16's -o alone holds GBs: gone once measured
+    shutil.rmtree(db, ignore_errors=True)
     return {"exit": code, "peak_bytes": state["peak"], "stage_peak_bytes": state["peaks"],
+            "estimate_bytes": estimate, "refused": any("build.out-of-memory" in x or "needs about" in x
+                                                       and "available" in x for x in log if x.startswith("error")),
             "stage_seconds": seconds,
             "wall_s": round(time.perf_counter() - t0, 1), "errors": [x for x in log if x.startswith("error")][:3],
             "log_tail": log[-3:] if code else []}
@@ -112,31 +123,115 @@ def tiny() -> Path:
     return path
 
 
+def mlp2g() -> Path:
+    """A wide MLP past protobuf's 2 GB: MatMul + Add (+ Relu) x MLP_LAYERS, its weights as external data."""
+    path = WORK / "mlp2g.onnx"
+    if not path.exists():
+        WORK.mkdir(parents=True, exist_ok=True)
+        code = f"""
+import numpy as np, onnx
+from onnx import helper as h, numpy_helper as nh, TensorProto as T
+n, layers = {MLP_WIDTH}, {MLP_LAYERS}
+rng = np.random.default_rng(0)
+nodes, inits, x = [], [], "x"
+for i in range(layers):
+    inits.append(nh.from_array(rng.standard_normal((n, n), dtype=np.float32) / np.float32(np.sqrt(n)), f"w{{i}}"))
+    inits.append(nh.from_array((rng.standard_normal(n) * 0.1).astype(np.float32), f"b{{i}}"))
+    nodes += [h.make_node("MatMul", [x, f"w{{i}}"], [f"m{{i}}"]), h.make_node("Add", [f"m{{i}}", f"b{{i}}"], [f"a{{i}}"])]
+    x = f"a{{i}}"
+    if i < layers - 1:
+        nodes.append(h.make_node("Relu", [x], [f"r{{i}}"]))
+        x = f"r{{i}}"
+g = h.make_graph(nodes, "mlp2g", [h.make_tensor_value_info("x", T.FLOAT, [1, n])],
+                 [h.make_tensor_value_info(x, T.FLOAT, [1, n])], initializer=inits)
+m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
+onnx.save(m, {str(path)!r}, save_as_external_data=True, all_tensors_to_one_file=True, location="mlp2g.onnx.data")
+"""
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return path
+
+
+def weight_bytes(model: Path) -> int:
+    """The model's weights: an ONNX file's initializers (external data included); a Keras file's size."""
+    if model.suffix != ".onnx":
+        return model.stat().st_size
+    return model.stat().st_size + sum(p.stat().st_size for p in model.parent.glob(model.name + ".data"))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = 2**30
+    top = 0.0
+    for key, runs in result["runs"].items():
+        base = runs["tiny"]["peak_bytes"]
+        pts = sorted((r["weight_bytes"] / gib, (r["estimate_bytes"] if r["refused"] else r["peak_bytes"]) / gib,
+                      r["refused"]) for name, r in runs.items() if name != "tiny")
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)[0]
+        for x, y, refused in pts:
+            if refused:
+                ax.plot([x], [y], marker="x", markersize=11, color=line.get_color())
+        top = max(top, max((p[0] for p in pts), default=0))
+    base = min(r["tiny"]["peak_bytes"] for r in result["runs"].values()) / gib
+    xs = [0, top * 1.05]
+    ax.plot(xs, [base + 4 * x for x in xs], "k--", label=f"goal: base {base:.2f} GiB + 4 x weights")
+    ax.axhline(24, color="grey", linestyle=":", label="this machine's 24 GB")
+    ax.set_xlabel("weights (GiB)")
+    ax.set_ylabel("peak resident memory of the build (GiB)")
+    ax.set_title("edgesdk build: peak memory against model size (x: refused, at its estimate)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--target", default="x86")
+    parser.add_argument("--models", default=",".join([*MODELS, "mlp2g"]))
+    parser.add_argument("--targets", default="x86")
+    parser.add_argument("--low-memory", default="both", choices=("both", "on", "off"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "memory.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "memory.png")
     args = parser.parse_args()
-    rows = {}
-    for name in ["tiny", *args.models.split(",")]:
-        model = tiny() if name == "tiny" else saved(name)
-        size = model.stat().st_size
-        print(f"bench-memory: {name} ({size / 2**20:.0f} MiB) for {args.target} ...", file=sys.stderr, flush=True)
-        rows[name] = {"file_bytes": size, **measured_build(model, args.target, WORK / f"out-{name}-{args.target}")}
-    base = rows["tiny"]["peak_bytes"]
-    result = {"target": args.target, "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-              "base_bytes": base, "models": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.low_memory]
+    result = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(), "cpu": _cpu_name()}, "runs": {}}
+    for target in args.targets.split(","):
+        for low in modes:
+            key = f"{target}{' --low-memory' if low else ''}"
+            rows = result["runs"][key] = {}
+            for name in ["tiny", *args.models.split(",")]:
+                model = tiny() if name == "tiny" else mlp2g() if name == "mlp2g" else saved(name)
+                size = weight_bytes(model)
+                print(f"bench-memory: {name} ({size / 2**20:.0f} MiB) for {key} ...", file=sys.stderr, flush=True)
+                rows[name] = {"file_bytes": size, "weight_bytes": size,
+                              **measured_build(model, target, WORK / f"out-{name}-{target}", low)}
+                args.out.write_text(json.dumps(result, indent=2) + "\n")  # each build kept as it finishes
+    plot(result, args.plot)
     stages = ["import", "legalize", "schedule", "tune", "compress", "package"]
-    print(f"| model | file MiB | exit | peak GiB | (peak - base) / file | " + " | ".join(stages) + " |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(stages))
-    for name, r in rows.items():
-        ratio = (r["peak_bytes"] - base) / r["file_bytes"]
-        cells = [f"{r['stage_peak_bytes'].get(s, 0) / 2**30:.2f} ({r['stage_seconds'].get(s, 0):.0f} s)" for s in stages]
-        print(f"| {name} | {r['file_bytes'] / 2**20:.0f} | {r['exit']} | {r['peak_bytes'] / 2**30:.2f} | {ratio:.1f} | "
-              + " | ".join(cells) + " |")
-    return 0 if all(r["exit"] == 0 for r in rows.values()) else 1
+    print("| build | model | weights MiB | exit | peak GiB | estimate GiB | (peak - base) / weights | "
+          + " | ".join(stages) + " |")
+    print("|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(stages))
+    for key, rows in result["runs"].items():
+        base = rows["tiny"]["peak_bytes"]
+        for name, r in rows.items():
+            ratio = (r["peak_bytes"] - base) / r["weight_bytes"]
+            cells = [f"{r['stage_peak_bytes'].get(s, 0) / 2**30:.2f} ({r['stage_seconds'].get(s, 0):.0f} s)"
+                     for s in stages]
+            est = f"{r['estimate_bytes'] / 2**30:.2f}" if r["estimate_bytes"] else "-"
+            print(f"| {key} | {name} | {r['weight_bytes'] / 2**20:.0f} | {'refused' if r['refused'] else r['exit']} | "
+                  f"{r['peak_bytes'] / 2**30:.2f} | {est} | {ratio:.1f} | " + " | ".join(cells) + " |")
+    return 0 if all(r["exit"] == 0 or r["refused"] for rows in result["runs"].values() for r in rows.values()) else 1
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -235,6 +235,7 @@ def build(
     latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, as the build runs it: nothing is pruned where the dense model meets it on a CPU backend the tune stage measures; else the plan must be predicted within it."),
     eval_data: Optional[Path] = typer.Option(None, "--eval", help="With --prune or --prune-plan: a directory of labelled samples (as --calib reads them, and labels.txt: one integer class per line, per sample in file-name order): top-1 accuracy of the dense and the pruned model is reported beside fidelity."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
+    low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 7 and 10 times over; the bundle may run slower. The build estimates its peak memory after import and stops if this machine lacks it."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
     bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
     check_reproducible: bool = typer.Option(False, "--check-reproducible", help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
@@ -282,7 +283,7 @@ def build(
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
                            prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
                            prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
-                           seed=seed, until=until,
+                           seed=seed, low_memory=low_memory, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)

@@ -39,7 +39,10 @@ from typing import Any, Callable
 from . import __version__
 from .config import HOST, Target, load_target
 from .errors import UsageError, UserError
+from .ir import model as irm
 from .ir.digest import file_sha256, tree_sha256, value_sha256
+from .ir.memory import resident_bytes, shown
+from .stages import memory as build_memory
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class BuildOptions:
     latency_budget: float | None = None  # --latency-budget MS: the auto plan's CPU time budget
     eval_data: Path | None = None  # --eval DIR: labelled samples, the pruned model's accuracy beside the dense one's
     seed: int = 0
+    low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None
     start: str | None = None  # --from
 
@@ -224,7 +228,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
 
     # a SavedModel is a directory: its digest covers every file in it
     sdk = _sdk_digest()
-    model_digest = tree_sha256(model) if model.is_dir() else file_sha256(model)
+    model_digest = _model_digest(model)
     digests: dict[str, str] = {}  # each stage's output digest, as the stages after it read them
     results: list[StageResult] = []
     try:
@@ -261,9 +265,13 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                                     progress, reads, read_files)
                 secs = time.perf_counter() - t0
                 results.append(StageResult(phase.name, False, secs, record))
+                _say_size(phase.name, dest, log)
                 on_stage(phase.name, "done", secs)
             # the keys of the stages that read this one cover its output, whatever produced it
             digests[phase.name] = (dest / "digest").read_text()
+            if phase.name == "import" and i < stop and record.get("weight_bytes") is not None:
+                # before the stages that hold the weights several times over: stop now if they cannot fit
+                build_memory.check(record["weight_bytes"], target, options, log)
             if os.environ.get(CRASH_ENV) == phase.name:  # the fault-injection hook: killed between stages
                 os.kill(os.getpid(), signal.SIGKILL)
         try:
@@ -284,6 +292,17 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             (out / "bundle.tar.gz").unlink(missing_ok=True)
         raise
     return BuildResult(out, results, bundle)
+
+
+def _say_size(stage: str, dest: Path, log: Callable[[str], None]) -> None:
+    """For a large model, what a stage wrote and what the build holds: progress with sizes."""
+    written = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    if written >= LARGE_OUTPUT:
+        log(f"{stage}: wrote {shown(written)} to {dest.name}; the build holds {shown(resident_bytes())}")
+
+
+# a stage that writes this much says so (and what the build holds) as it finishes
+LARGE_OUTPUT = 256 << 20
 
 
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
@@ -309,6 +328,32 @@ def _no_space(where: Path, when: str, what: str) -> UserError:
 
 def _file_digest(path: Path) -> str | None:
     return file_sha256(path) if path.is_file() else None
+
+
+def _model_digest(model: Path) -> str:
+    """What import reads: a SavedModel directory's every file; an ONNX file and the external data files it
+    names (weights changed in a `.data` file are a new model)."""
+    if model.is_dir():
+        return tree_sha256(model)
+    digest = file_sha256(model)
+    if model.suffix.lower() != ".onnx":
+        return digest
+    import onnx
+    from onnx import external_data_helper as ext
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+        names = sorted({ext.ExternalDataInfo(t).location for t in ext._get_all_tensors(proto)
+                        if ext.uses_external_data(t)})
+    except Exception:  # noqa: BLE001 - import reads the file again and says what is wrong with it
+        return digest
+    data = {}
+    for name in names:
+        try:
+            data[name] = _file_digest(model.parent / name)
+        except (OSError, ValueError):  # a name no file can have: import says so
+            data[name] = None
+    return value_sha256({"model": digest, "external_data": data}) if data else digest
 
 
 @functools.lru_cache(maxsize=1)
@@ -469,7 +514,7 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
     with tempfile.TemporaryDirectory(prefix="edgesdk-check-") as tmp:
         result = build(dataclasses.replace(options, out=Path(tmp) / "out", until="import", start=None), log=log)
         imported = stage_dir(Path(tmp) / "out", "import")
-        model = onnx.load(str(imported / "model.onnx"))
+        model = irm.read(imported / "model.onnx")
         io = json.loads((imported / "import.json").read_text())
         ctx = StageContext(target, target_path, options, Path(tmp), Path(tmp), log)
         report = analyze(model, target, options, io["inputs"], log=ctx.log, warn=ctx.warn)
@@ -511,7 +556,7 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
                 out = Path(tmp) / f"{role}{i}"
                 build(BuildOptions(model=Path(path), target=target_name, out=out, until="import",
                                    input_shapes=shapes), log=log)
-                model = onnx.load(str(stage_dir(out, "import") / "model.onnx"))
+                model = irm.read(stage_dir(out, "import") / "model.onnx")
                 log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
                     f"{threads} threads)")
                 samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)

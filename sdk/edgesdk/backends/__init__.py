@@ -7,6 +7,16 @@ finisher (`registry.py`).
 from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
                        Finisher, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
                        register_finisher, registered, unregister, unregister_finisher)
+from .tflite.limits import CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, FLATBUFFER_LIMIT
+
+# What each compiler holds while it compiles a segment (beyond the build's own copies of the model), measured
+# on this project's machines (benchmarks/bench_memory.py, RESULTS "Build memory against model size"):
+# TensorFlow's TFLite converter (backends/tflite/convert.py); TVM's Relax build and export, the weights as
+# constants, then the loaded module; onnxruntime's session over arrays it is handed (irm.onnxruntime_session).
+TFLITE_MEMORY = {"compile_base_bytes": CONVERTER_BASE_BYTES, "compile_bytes_per_weight_byte": CONVERTER_BYTES_PER_WEIGHT_BYTE,
+                 "max_weight_bytes": FLATBUFFER_LIMIT}
+TVM_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 7.0}
+ONNXRUNTIME_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
@@ -20,29 +30,29 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
                  # 5: batch-1 sparse convolutions on x86 as sparse.row_kernel (masked tails); 6: strided ones too;
                  # 7: row_kernel's output channels in parallel parts; 8: sparse kernels timed as compiled (the
                  # per-layer choice may differ)
-                 revision=8))
+                 revision=8, **TVM_MEMORY))
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",
-                 lowering="edgesdk.backends.tflite.lowering:lowering_reason"))
+                 lowering="edgesdk.backends.tflite.lowering:lowering_reason", **TFLITE_MEMORY))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason",
-                 revision=3))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu; 3: the runner's threads
+                 revision=3, **ONNXRUNTIME_MEMORY))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu; 3: the runner's threads
 # fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
 register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",
-                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason"))
+                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_MEMORY))
 # int8 on the CPU (`--cpu-precision int8`): candidates the tune stage measures behind an accuracy gate,
 # quantized with the build's calibration samples by the compress stage
 register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
-                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason"))
+                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_MEMORY))
 register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",
-                 lowering="edgesdk.backends.onnxruntime:lowering_reason"))
+                 lowering="edgesdk.backends.onnxruntime:lowering_reason", **ONNXRUNTIME_MEMORY))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",

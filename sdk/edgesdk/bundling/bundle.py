@@ -22,6 +22,7 @@ from .. import __version__, backends
 from ..compression import build as pruning
 from ..config import HOST
 from ..ir import index_ranges
+from ..ir import model as irm
 from ..ir.calibration import load_calibration
 from ..ir.digest import tree_sha256
 from ..runtime import manifest as mf
@@ -84,9 +85,10 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     host_model = BundleModel(bundle, artifacts=shipped.twins, log=log)
     golden.write_golden(bundle, manifest, host_model, samples)
     pruned = _pruned(src)
-    reference, name = ((pruned[0], "the pruned fp32 model (--prune)") if pruned else
-                       (onnx.load(str(src.imported / "model.onnx")), "the imported fp32 model"))
+    reference, name = ((lambda: pruned[0], "the pruned fp32 model (--prune)") if pruned else
+                       (lambda: irm.read(src.imported / "model.onnx"), "the imported fp32 model"))
     accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
+    del host_model  # released by `accuracy`
     _judge(accuracy, shipped.plan.segments, log, warn)
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     manifest = dataclasses.replace(manifest, accuracy=accuracy, provenance=provenance(manifest, samples, calibration))
@@ -123,7 +125,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             continue
         compressed = ({**compress["segments"][sid], "dir": str(src.compressed)} if sid in compress["segments"] else
                       {**int8["segments"][sid], "dir": str(src.tuned / "int8")} if sid in int8["segments"] else None)
-        model = onnx.load(str(src.scheduled / seg.artifact))
+        model = irm.read(src.scheduled / seg.artifact)
         if pruned and kind == HOST:  # --prune: the CPU's layers read the compress stage's pruned weights
             model = pruning.apply(model, *pruned)
         c = compiled[sid] = backends.backend(seg.backend).compile(backends.CompileJob(
@@ -210,7 +212,7 @@ def _finish(plan: Plan, everything: list[PlanSegment], compiled: dict[str, backe
                 out.corrections.append(correction)
                 warn(finisher.describe(correction))
             elif "off_chip_bytes" in record:   # priced again with the share the compiler really streams
-                scheduled = scheduled or onnx.load(str(src.scheduled / "model.onnx"))
+                scheduled = scheduled or irm.read(src.scheduled / "model.onnx")
                 cached = cache_correction(seg.to_json(), record["on_chip_bytes"], record["off_chip_bytes"],
                                           scheduled, target)
                 if cached:
@@ -293,7 +295,7 @@ def finish_segments(finisher: backends.Finisher, bundle: Path, items: list[tuple
         if finished.partial is None:
             out.append((finished.artifact, finished.record, None, seg))
             continue
-        model = model or onnx.load(str(scheduled))
+        model = model or irm.read(scheduled)
         correction = edgetpu_correction(seg.to_json(), finished.partial, model, target,
                                         [s.to_json() for s in plan.segments] if plan else None)
         out.append((finished.artifact, finished.record, correction,
@@ -314,7 +316,7 @@ def _manifest(shipped: _Shipped, src: Sources, target, imported: dict, log, warn
     outputs = tuple(mf.TensorSpec(name=o["name"], shape=tuple(o["shape"]), dtype=o["dtype"],
                                   quant=produced[o["name"]].quant) for o in imported["outputs"])
     # an input that indexes a table (token ids) carries the range the table allows; the runtime refuses others
-    ranges = index_ranges.infer(onnx.load(str(src.imported / "model.onnx")))
+    ranges = index_ranges.infer(irm.read(src.imported / "model.onnx"))
     for r in ranges.values():
         log(f"package: {r.describe()}")
     inputs = tuple(mf.TensorSpec(name=i["name"], shape=tuple(i["shape"]), dtype=i["dtype"],
@@ -346,7 +348,7 @@ def _pruned(src: Sources) -> tuple[onnx.ModelProto, list[dict]] | None:
     if not path.exists():
         return None
     record = json.loads((src.compressed / "compress.json").read_text())["pruning"]
-    return onnx.load(str(path)), record["layers"]
+    return irm.read(path), record["layers"]
 
 
 def pruning_summary(compress: dict, tuned: dict[str, dict]) -> dict:

@@ -4,6 +4,7 @@ CUDA) the x86-64 twins compiled from the same segments and tuning records."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 
 from ..backends import onnxruntime as ort_backend
 from ..errors import UserError
+from ..ir.memory import give_back
 from ..ir.numeric import compare
 from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
@@ -41,15 +43,18 @@ def write_golden(bundle: Path, manifest: mf.Manifest, host_model: BundleModel, s
     savez(bundle / "golden" / "boundaries.npz", {n: golden_all[n] for n in crossing})
 
 
-def accuracy(host_model: BundleModel, reference: onnx.ModelProto, plan: Plan, samples: list[dict],
+def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], plan: Plan, samples: list[dict],
              reference_name: str = "the imported fp32 model") -> dict:
     """The bundle against the fp32 model (a pruned build's: the pruned one), on logits where a trailing
-    softmax would hide errors."""
+    softmax would hide errors. `host_model` is released once it has run the samples, before `reference()`
+    reads the float model: the two are never held at once."""
     probes = {o: p for o, p in plan.probes.items()
               if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
     names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
     got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]
-    ref = ort_backend.run_many(reference, samples, names)  # one session: each holds the weights again
+    host_model.release()
+    give_back()
+    ref = ort_backend.run_many(reference(), samples, names)  # one session: each holds the weights again
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
     out = {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "tensors": tensors}
     if probes:

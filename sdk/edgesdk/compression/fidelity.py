@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..ir import model as irm
 from .prune import Layer, oriented
 
 THREADS = 2
@@ -73,15 +74,14 @@ def run_samples(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarra
     """Every graph output and each of `tensors` for each sample, by onnxruntime on the CPU."""
     import onnxruntime as ort
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    inits = {i.name for i in m.graph.initializer}
-    inputs = [i.name for i in m.graph.input if i.name not in inits]
-    present = set(inputs) | {o.name for o in m.graph.output}
-    m.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(tensors) if t not in present)
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    inputs = [i.name for i in g.input if i.name not in inits]
+    present = set(inputs) | {o.name for o in g.output}
+    outputs = [*g.output, *(helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(tensors) if t not in present)]
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = THREADS, 1
-    session = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    session = irm.onnxruntime_session(model, opts, outputs=outputs)  # the weights handed over, not copied
     names = [o.name for o in session.get_outputs()]
     results = []
     for sample in samples:

@@ -37,8 +37,9 @@ def canonical_opset(model: onnx.ModelProto, path: Path, *, log: Callable[[str], 
         return model
     from onnx import version_converter
 
+    shell, weights = irm.weightless(model)  # the converter serializes what it is given: not the weights
     try:
-        upgraded = version_converter.convert_version(model, CANONICAL_OPSET)
+        upgraded = version_converter.convert_version(shell, CANONICAL_OPSET)
         onnx.checker.check_model(upgraded)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -46,7 +47,22 @@ def canonical_opset(model: onnx.ModelProto, path: Path, *, log: Callable[[str], 
              f"{CANONICAL_OPSET} ({first})")
         return model
     log(f"import: opset {old} -> {CANONICAL_OPSET}")
-    return upgraded
+    # the upgraded graph, into `model` around its weights (which `shell` held as graph inputs)
+    added = {t.name for t in weights} - {i.name for i in model.graph.input}
+    graph = model.graph
+    for field, _ in graph.ListFields():
+        if field.name != "initializer":
+            graph.ClearField(field.name)
+    irm.copy_fields(upgraded.graph, graph, skip="initializer")
+    inputs = [i for i in graph.input if i.name not in added]
+    graph.ClearField("input")
+    graph.input.extend(inputs)
+    for t in [t for t in graph.initializer if not irm.is_weight(t)]:
+        graph.initializer.remove(t)
+    graph.initializer.extend(upgraded.graph.initializer)
+    model.ClearField("opset_import")
+    model.opset_import.extend(upgraded.opset_import)
+    return model
 
 
 def infer_shapes(model: onnx.ModelProto, path: Path,
@@ -121,8 +137,7 @@ def _contradicted_outputs(model: onnx.ModelProto) -> list[tuple[onnx.ValueInfoPr
     """The graph outputs whose declared shape contradicts the one the graph computes (found by
     inferring a copy whose outputs declare no shape), each with the computed shape; empty where
     the graph does not infer even then (the failure is elsewhere)."""
-    free = onnx.ModelProto()
-    free.CopyFrom(model)
+    free, _ = irm.weightless(model)
     for out in free.graph.output:
         out.type.tensor_type.ClearField("shape")
     try:

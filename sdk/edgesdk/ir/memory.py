@@ -36,3 +36,16 @@ def available_bytes() -> int | None:
 def shown(n: float) -> str:
     """Bytes for a message: GiB with two decimals from 1 GiB, else MiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def give_back() -> None:
+    """Collect garbage and hand the heap's free pages back to the system (glibc's malloc_trim): after a
+    compiler has run in this process, what it freed otherwise stays counted against the build."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

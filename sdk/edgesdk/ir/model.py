@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 from pathlib import Path
 
@@ -18,10 +19,108 @@ DEVICE_KEY = "edgesdk.device"
 CAPABLE_KEY = "edgesdk.capable"
 
 
+# Initializers of this many bytes or more are weights: the copies of a model made for onnx.checker, shape
+# inference and onnxruntime leave them out (`weightless`), and `save` writes them beside a model past
+# protobuf's 2 GB limit. onnx's Python API serializes the whole model for each of those calls: a copy of
+# every weight each time, and no call at all past 2 GB. Shapes are computed from small tensors only.
+WEIGHT_BYTES = 1 << 16
+# a model whose initializers pass this size keeps its weights in a `.data` file beside it (`save`)
+EXTERNAL_FROM = 1 << 30
+# where a `weightless` stub says its data is: nowhere on disk (onnxruntime gets the array itself)
+IN_MEMORY = "edgesdk:weight-held-in-memory"
+
+
 def infer_shapes(model: onnx.ModelProto, *, strict: bool = True) -> onnx.ModelProto:
     """ONNX shape inference with data propagation (shapes computed from constant shape tensors);
-    `strict` raises where a declared shape contradicts the inferred one or an op cannot be inferred."""
-    return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+    `strict` raises where a declared shape contradicts the inferred one or an op cannot be inferred.
+
+    Inference runs on `weightless(model)`; the shapes it finds (value_info and outputs, nested graphs
+    included) are written into `model`, which is returned: its weights are never copied."""
+    inferred = onnx.shape_inference.infer_shapes(weightless(model)[0], strict_mode=strict, data_prop=True)
+    for mine, theirs in zip(graphs(model.graph), graphs(inferred.graph)):
+        for field in ("value_info", "output"):
+            mine.ClearField(field)
+            getattr(mine, field).extend(getattr(theirs, field))
+    return model
+
+
+def is_weight(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.ByteSize() >= WEIGHT_BYTES
+
+
+def weightless(model: onnx.ModelProto, *, stubs: bool = False) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """A copy of `model` without its main graph's weights (`is_weight`), and those weights (the model's
+    own messages, not copies). Each becomes a graph input of its type and shape, which onnx.checker and
+    shape inference read as they read the initializer; with `stubs`, an initializer whose data is
+    external at `IN_MEMORY`, for onnxruntime's `add_external_initializers`."""
+    shell = onnx.ModelProto()
+    copy_fields(model, shell, skip="graph")
+    copy_fields(model.graph, shell.graph, skip="initializer")
+    weights = []
+    for t in model.graph.initializer:  # in their order: a stub where a weight was
+        if not is_weight(t):
+            shell.graph.initializer.append(t)
+            continue
+        weights.append(t)
+        if stubs:
+            stub = shell.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
+                                               data_location=onnx.TensorProto.EXTERNAL)
+            stub.external_data.add(key="location", value=IN_MEMORY)
+    if not stubs:
+        declared = {i.name for i in shell.graph.input}
+        shell.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+                                 for t in weights if t.name not in declared)
+    return shell, weights
+
+
+def onnxruntime_session(model: onnx.ModelProto, opts=None, *, outputs: list[onnx.ValueInfoProto] | None = None):
+    """An onnxruntime CPU session of `model` of any size: its weights are handed over as arrays
+    (`add_external_initializers`), not serialized into the bytes the session parses. The session
+    holds the arrays for its lifetime. `outputs` replaces the graph's outputs."""
+    import onnxruntime as ort
+
+    opts = opts if opts is not None else ort.SessionOptions()
+    shell, weights = weightless(model, stubs=True)
+    if outputs is not None:
+        shell.graph.ClearField("output")
+        shell.graph.output.extend(outputs)
+    stubs = {t.name: t for t in shell.graph.initializer}
+    for t in [t for t in weights if t.data_type not in _ARRAY_TYPES]:  # bfloat16, 4-bit, float8: serialized after all
+        stubs[t.name].CopyFrom(t)
+    weights = [t for t in weights if t.data_type in _ARRAY_TYPES]
+    arrays = [numpy_helper.to_array(t) for t in weights]
+    if weights:
+        opts.add_external_initializers([t.name for t in weights], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+    session = ort.InferenceSession(shell.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    session.edgesdk_weights = arrays  # onnxruntime reads them in place
+    return session
+
+
+# the element types onnxruntime takes as numpy arrays (`OrtValue.ortvalue_from_numpy`)
+_ARRAY_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL,
+                          onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+                          onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64})
+
+
+def copy_fields(source, dest, skip: str) -> None:
+    """Every field `source` has set but `skip`, into `dest` (a message of the same type)."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if field.is_repeated:
+            getattr(dest, field.name).extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            getattr(dest, field.name).CopyFrom(value)
+        else:
+            setattr(dest, field.name, value)
+
+
+def check(model: onnx.ModelProto) -> None:
+    """`onnx.checker.check_model` of any size: the model without its weights, then each weight alone."""
+    shell, weights = weightless(model)
+    onnx.checker.check_model(shell)
+    for t in weights:
+        onnx.checker.check_tensor(t)
 
 
 def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
@@ -47,10 +146,22 @@ def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
     return model
 
 
+def read(path: Path) -> onnx.ModelProto:
+    """A model a stage of this build wrote (`save`), with its external data."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    from onnx import external_data_helper as ext
+
+    tensors = [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
+    if tensors:
+        _read_external_data(tensors, path.parent)
+    return model
+
+
 def check_model(model: onnx.ModelProto, path: Path) -> None:
     """`onnx.checker` (full check: ops known at the model's opsets, types, topological order)."""
     try:
-        onnx.checker.check_model(model)
+        check(model)
     except Exception as e:
         # the checker's message runs over several lines (the node it is about on the second): one line
         said = " ".join(part.strip() for part in str(e).split("\n") if part.strip()) or type(e).__name__
@@ -99,18 +210,96 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         raise UserError("import.external-data", f"{path}: {len(problems)} tensor(s) stored as external data cannot be read",
                         "keep the .data file(s) beside the .onnx file, as they were saved", notes=problems)
     try:
-        ext.load_external_data_for_model(model, str(base))
+        _read_external_data(tensors, base)
     except Exception as e:
         raise UserError("import.external-data", f"{path}: external data could not be read ({type(e).__name__}: {str(e)[:160]})",
                         "keep the .data file(s) beside the .onnx file, as they were saved") from None
 
 
+def _read_external_data(tensors: list[onnx.TensorProto], base: Path) -> None:
+    """Each tensor's bytes from its (checked) location into the tensor. onnx's own loader refuses a
+    file with several hard links, which is how the stage cache shares a weights file it did not change."""
+    from onnx import external_data_helper as ext
+
+    files: dict[str, object] = {}
+    try:
+        for t in tensors:
+            info = ext.ExternalDataInfo(t)
+            if info.location not in files:
+                files[info.location] = open(base / info.location, "rb")
+            f = files[info.location]
+            f.seek(info.offset or 0)
+            t.raw_data = f.read(info.length) if info.length else f.read()
+            del t.external_data[:]
+            t.ClearField("data_location")  # as a tensor saved inline reads: the same bytes, the same digest
+    finally:
+        for f in files.values():
+            f.close()
+
+
 def save(model: onnx.ModelProto, path: Path) -> None:
-    """Write atomically (temporary file, then rename)."""
+    """Write atomically (temporary files, then rename). A model past `EXTERNAL_FROM` bytes keeps its
+    weights in `<name>.data` beside it (ONNX external data, each weight at an offset aligned to 4 KiB
+    so that a reader can map it), written one weight at a time: never a second copy of them all."""
     model.ir_version = min(model.ir_version or IR_VERSION, IR_VERSION)
+    path = Path(path)
     tmp = Path(f"{path}.tmp{os.getpid()}")
-    tmp.write_bytes(model.SerializeToString())
-    tmp.replace(path)
+    data = path.with_name(path.name + ".data")
+    if _initializer_bytes(model) <= EXTERNAL_FROM:
+        tmp.write_bytes(model.SerializeToString())
+        tmp.replace(path)
+        data.unlink(missing_ok=True)
+        return
+    shell, weights = weightless(model, stubs=True)
+    stubs = {t.name: t for t in shell.graph.initializer if t.name in {w.name for w in weights}}
+    tmp_data = Path(f"{data}.tmp{os.getpid()}")
+    try:
+        with open(tmp_data, "wb") as f:
+            for t in weights:
+                f.seek(-f.tell() % 4096, os.SEEK_CUR)
+                offset, raw = f.tell(), _raw_bytes(t)
+                f.write(raw)
+                stub = stubs[t.name]
+                del stub.external_data[:]
+                for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(len(raw)))):
+                    stub.external_data.add(key=key, value=value)
+                del raw
+        tmp.write_bytes(shell.SerializeToString())
+        tmp_data.replace(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp_data.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def feed_hash(h, model: onnx.ModelProto) -> None:
+    """Feed `model`'s deterministic serialization to hashlib object `h`; past `EXTERNAL_FROM` bytes of
+    initializers (where protobuf may not serialize it whole), the model without its weights, then each weight."""
+    if _initializer_bytes(model) <= EXTERNAL_FROM:
+        h.update(model.SerializeToString(deterministic=True))
+        return
+    shell, weights = weightless(model)
+    h.update(shell.SerializeToString(deterministic=True))
+    for t in weights:
+        h.update(t.SerializeToString(deterministic=True))
+
+
+def sha256(model: onnx.ModelProto) -> str:
+    h = hashlib.sha256()
+    feed_hash(h, model)
+    return h.hexdigest()
+
+
+def _initializer_bytes(model: onnx.ModelProto) -> int:
+    return sum(t.ByteSize() for t in model.graph.initializer)  # (a whole model's ByteSize fails past 2 GB)
+
+
+def _raw_bytes(t: onnx.TensorProto) -> bytes:
+    """A weight's data as ONNX external data stores it (little-endian, as raw_data)."""
+    if t.HasField("raw_data"):
+        return t.raw_data
+    return numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
 
 
 def get_meta(node: onnx.NodeProto, key: str) -> str | None:
@@ -178,7 +367,14 @@ def constant_names(model: onnx.ModelProto) -> set[str]:
 
 
 def param_bytes(model: onnx.ModelProto) -> int:
-    return sum(numpy_helper.to_array(i).nbytes for i in model.graph.initializer)
+    """Bytes of the main graph's initializers as arrays (counted, not converted)."""
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_type == onnx.TensorProto.STRING:
+            total += t.ByteSize()
+        else:
+            total += int(np.prod(t.dims, dtype=np.int64)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    return total
 
 
 def extract_segment(model: onnx.ModelProto, node_indices: list[int], inputs: list[str], outputs: list[str]) -> onnx.ModelProto:

@@ -70,7 +70,7 @@ def optimize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     result.ir_version = min(result.ir_version or irm.IR_VERSION, irm.IR_VERSION)
     result = _infer_shapes(result)
     try:
-        onnx.checker.check_model(result)
+        irm.check(result)
     except Exception as e:  # noqa: BLE001
         errors["checker"] = f"the optimized model is invalid, the input is kept: {str(e).splitlines()[0][:200]}"
         log.warning("passes: %s", errors["checker"])

@@ -105,6 +105,12 @@ class BundleModel:
         if self._pool is not None:
             self._pool.shutdown()
 
+    def release(self) -> None:
+        """Close, and let go of every segment's runtime and the weights it holds: the model cannot run
+        after this (the build releases its host run before it loads the float model to compare with)."""
+        self.close()
+        self.runners, self.steps = [], []
+
     def stream(self, frames: Iterable[dict[str, np.ndarray]], *, depth: int | None = None,
                allow_nonfinite: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """Results of `frames`, in input order, pipelined over the devices (`streaming.py`): one worker

@@ -122,13 +122,12 @@ def _consumers(g: onnx.GraphProto, runs: list[PlannedSegment], consts) -> dict[s
 
 
 def annotate(model: onnx.ModelProto, runs: list[PlannedSegment]) -> onnx.ModelProto:
-    """A copy of `model` whose every node names its device (`irm.DEVICE_KEY`)."""
-    annotated = onnx.ModelProto()
-    annotated.CopyFrom(model)
+    """`model`, each of whose nodes now names its device (`irm.DEVICE_KEY`): annotated in place, not
+    copied (a copy would hold every weight again)."""
     device_of = {n: r.device for r in runs for n in r.nodes}
-    for node_i, node in enumerate(annotated.graph.node):
+    for node_i, node in enumerate(model.graph.node):
         irm.set_meta(node, irm.DEVICE_KEY, device_of[node_i])
-    return annotated
+    return model
 
 
 def placement_counts(runs: list[PlannedSegment]) -> dict[str, int]:

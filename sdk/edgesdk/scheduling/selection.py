@@ -53,6 +53,7 @@ from .. import backends
 from ..config import HOST
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
+from ..ir.memory import give_back
 from .plan import Plan, PlanSegment
 
 CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
@@ -127,7 +128,7 @@ class Int8:
 
 
 def _mixed_key(s: PlanSegment, model: onnx.ModelProto) -> str:
-    return f"{s.backend}:{hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()}"
+    return f"{s.backend}:{irm.sha256(model)}"
 
 
 @dataclass(frozen=True)
@@ -242,8 +243,8 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, cache: TimingCache,
            measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
-           int8_dir: Path | None = None, boards: backends.Boards | None = None, board: dict | None = None
-           ) -> Selected:
+           int8_dir: Path | None = None, boards: backends.Boards | None = None, board: dict | None = None,
+           only: Sequence[str] | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where `litert` is allowed); `samples` are inputs of the
@@ -254,7 +255,9 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
 
     Where this host cannot time the target's CPU code and `boards` (`--rpc-tracker`, `--rpc-key`) are
     given, the candidates are checked and timed on a board (`scheduling/boards.py`) instead of chosen by
-    policy; `host` then names the board's CPU (`board`: what the board said of itself, asked if not given)."""
+    policy; `host` then names the board's CPU (`board`: what the board said of itself, asked if not given).
+    With `only` (`--low-memory`), a candidate with a segment another backend compiles is left out, and
+    a span left with one candidate other than the plan's cut takes it unbuilt and untimed."""
     found = spans(plan)
     if precision == "int8":
         allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
@@ -295,6 +298,21 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     with tempfile.TemporaryDirectory(prefix="edgesdk-select-") as tmp:
         for span in found:
             cands, skipped = candidates(plan, span, model, allowed)
+            if only is not None and any(b not in only for c in cands for b in (s.backend for s in c.segments)):
+                kept = [c for c in cands if all(s.backend in only for s in c.segments)]
+                skipped.update({c.name: f"--low-memory: compiled by {', '.join(sorted({s.backend for s in c.segments}))}"
+                                for c in cands if c not in kept})
+                cands = kept or cands[:1]  # none left: the plan's cut, as scheduled
+                if cands[0].name != PLANNED and len(cands) == 1:  # the one left, not built here: nothing to time
+                    chosen[span] = cands[0], None
+                    models.update({s.id: _extract(model, s) for s in cands[0].segments})
+                    record["spans"].append({"segments": [s.id for s in cands[0].segments],
+                                            "nodes": sum(len(s.nodes) for s in cands[0].segments),
+                                            "candidates": {name: {"skipped": why} for name, why in skipped.items()},
+                                            "chosen": cands[0].name, "why": "the only candidate (--low-memory)"})
+                    log(f"tune: span of {sum(len(s.nodes) for s in cands[0].segments)} nodes: {cands[0].name}, "
+                        "the only candidate (--low-memory)")
+                    continue
             if len(cands) == 1:  # nothing to choose between: no build, no timing
                 ids = [s.id for s in cands[0].segments]
                 record["spans"].append({"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
@@ -448,9 +466,17 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
     times: dict[str, float] = {}
     gates: dict[str, dict] = {}
     replayed: list[str] = []
+    extracted: dict[tuple, onnx.ModelProto] = {}
+
+    def shared(s: PlanSegment) -> onnx.ModelProto:
+        """Candidates that cut the same segment share one model (one copy of its weights)."""
+        key = (tuple(s.nodes), tuple(s.inputs), tuple(s.outputs))
+        if key not in extracted:
+            extracted[key] = _extract(model, s)
+        return extracted[key]
+
     for cand in cands:
-        cut[cand.name] = {s.id: (segment_models(s) if cand.name == PLANNED else _extract(model, s))
-                          for s in cand.segments}
+        cut[cand.name] = {s.id: segment_models(s) if cand.name == PLANNED else shared(s) for s in cand.segments}
         quantized = _quantizes(cand)
         keys[cand.name] = _key(cand, cut[cand.name], tuning_db, host, threads, int8.digest if quantized else "")
         hit = cache.get(keys[cand.name])
@@ -476,8 +502,12 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
             entry["candidates"][cand.name] = {"skipped": _short(e)}
             cache.put(keys[cand.name], {"skipped": _short(e)})
             log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
+            bundle = None
+            give_back()
             continue
-        runnable[cand.name] = cand, bundle
+        runnable[cand.name] = cand, _released(bundle)
+        bundle = None
+        give_back()  # what its compiler and runtime freed, before the next candidate compiles
     on_board = None
     if boards is not None:
         from .boards import measure
@@ -509,6 +539,27 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         + (f" ({', '.join(replayed)} replayed from the timing cache)" if replayed else ""))
     winner = next(c for c in cands if c.name == best)
     return entry, winner, times[best], ({} if best == PLANNED else cut[best])
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A candidate bundle that was opened and checked: what timing it needs (`_time`)."""
+    bundle: Path
+    inputs: tuple
+
+    def close(self) -> None:
+        pass
+
+
+def _released(bundle):
+    """A checked candidate's runtime let go (each is timed in a process of its own): the candidates'
+    weights are never all held at once."""
+    from ..runtime.executor import BundleModel
+
+    if not isinstance(bundle, BundleModel):  # a board's handle holds nothing here
+        return bundle
+    bundle.close()
+    return _Checked(bundle.bundle, tuple(bundle.inputs))
 
 
 def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
@@ -734,7 +785,7 @@ def _key(cand: Candidate, models: dict[str, onnx.ModelProto], tuning_db: Path, h
     (`samples`, their digest)."""
     h = hashlib.sha256()
     for s in cand.segments:
-        h.update(models[s.id].SerializeToString(deterministic=True))
+        irm.feed_hash(h, models[s.id])
     tunes = any(backends.backend(s.backend).tunes for s in cand.segments)
     records = tree_sha256(tuning_db, exclude=(backends.KERNEL_TIMES,)) if tunes and tuning_db.is_dir() else ""
     h.update(json.dumps([cand.name, [(s.id, s.backend, s.inputs, s.outputs) for s in cand.segments], records, host,
@@ -815,8 +866,11 @@ def _short(e: Exception) -> str:
 
 
 def copy_file(src: Path, dest: Path) -> None:
-    """A hard link where the file system allows one (segment models can be large), else a copy."""
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
+    """A hard link where the file system allows one (segment models can be large), else a copy; a
+    model's external data (`irm.save`'s `.data` beside it) with it."""
+    data = src.with_name(src.name + ".data")
+    for a, b in ((src, dest), *([(data, dest.with_name(dest.name + ".data"))] if data.is_file() else [])):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copyfile(a, b)

@@ -10,8 +10,12 @@ import logging
 import numpy as np
 import onnx
 
+from ...ir import model as irm
 
-def session(model: onnx.ModelProto, *, threads: int = 0):
+
+def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.ValueInfoProto] | None = None):
+    """A CPU session of `model` (its weights handed over, not copied: `irm.onnxruntime_session`);
+    `outputs` replaces the graph's outputs."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -19,7 +23,7 @@ def session(model: onnx.ModelProto, *, threads: int = 0):
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return irm.onnxruntime_session(model, opts, outputs=outputs)
 
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -30,21 +34,14 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str]
 def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
              outputs: list[str] | None = None) -> list[dict[str, np.ndarray]]:
     """`run` on each of `feeds`, with one session."""
-    m = model
+    wanted = None
     if outputs is not None:
-        m = onnx.ModelProto()
-        m.CopyFrom(model)
-        known = {o.name for o in m.graph.output}
-        vinfo = {vi.name: vi for vi in list(m.graph.value_info) + list(m.graph.input)}
-        del m.graph.output[:]
-        for name in outputs:
-            if name in vinfo:
-                m.graph.output.append(vinfo[name])
-            elif name in known:
-                m.graph.output.append(next(o for o in model.graph.output if o.name == name))
-            else:
-                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    sess = session(m)
+        g = model.graph
+        known = {o.name: o for o in g.output}
+        vinfo = {vi.name: vi for vi in list(g.value_info) + list(g.input)}
+        wanted = [vinfo.get(name) or known.get(name) or onnx.helper.make_empty_tensor_value_info(name)
+                  for name in outputs]
+    sess = session(model, outputs=wanted)
     names = [o.name for o in sess.get_outputs()]
     return [dict(zip(names, sess.run(names, f))) for f in feeds]
 

@@ -13,6 +13,7 @@ channel, int8 activations calibrated on the given feeds, int8 inputs and outputs
     mixed.py       mixed precision for LiteRT on the CPU: the ops int8 hurts most kept float
     narrowing.py   percentile calibration: activation ranges narrowed from histograms
     flatbuffer.py  a .tflite's operators and op counts
+    limits.py      what a conversion needs: the converter's memory, the FlatBuffer's 2 GiB
 
 Heavy imports (TensorFlow, LiteRT) happen inside the functions that convert, so that
 `lowering_reason` can be asked by legalize without loading TensorFlow.

@@ -24,6 +24,7 @@ import onnx
 from ...errors import UserError
 from ...ir.memory import available_bytes, shown
 from ...runtime.manifest import QuantParams, TensorSpec
+from .limits import CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, FLATBUFFER_LIMIT
 from . import mixed as mixed_precision
 from .flatbuffer import op_counts
 from .narrowing import _narrow_to_percentile
@@ -41,13 +42,6 @@ class TfliteResult:
 
 CALIBRATION_METHODS = ("minmax", "percentile")
 
-# What TensorFlow's converter holds while it converts a traced segment, its weights held as variables
-# of the module (trace.py) and read once by the converter's SavedModel import. Measured on this
-# project's build host (benchmarks/RESULTS.md, issue 22): MatMul segments of 16 and 64 MiB and VGG16's
-# 528 MiB peaked at 0.78, 1.20 and 5.72 GiB, about 10 bytes per byte of weights above a 0.6 GiB base.
-# (With the weights as constants of the traced graph it was 42 bytes per byte, and VGG16 was killed.)
-CONVERTER_BASE_BYTES = 600 << 20
-CONVERTER_BYTES_PER_WEIGHT_BYTE = 10
 
 
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
@@ -118,6 +112,12 @@ def require_memory(model: onnx.ModelProto) -> None:
     the kernel would kill the build (or another process) partway instead."""
     available = available_bytes()
     weights, need = converter_memory(model)
+    if weights >= FLATBUFFER_LIMIT:
+        raise UserError("tflite.too-large",
+                        f"graph '{model.graph.name}' holds {shown(weights)} of weights, and a TFLite model is a "
+                        f"FlatBuffer, which holds less than {shown(FLATBUFFER_LIMIT)}",
+                        "keep this part of the model off the TFLite backends (--cpu-backends without litert); "
+                        "onnxruntime and TVM read weights of any size")
     if available is not None and need > available:
         raise UserError("tflite.out-of-memory",
                         f"converting graph '{model.graph.name}' to TFLite needs about {shown(need)} "

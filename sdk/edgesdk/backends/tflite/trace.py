@@ -17,6 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from ...errors import UserError
+from ...ir import model as irm
 from ...runtime.manifest import TensorSpec
 from .layout import _Ctx, _identity, _input_perm, _inv, _Value
 from .lowering import Shapes, _fold, lowering_for
@@ -45,9 +46,11 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 def _static_shapes(model: onnx.ModelProto) -> Shapes:
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    shell, weights = irm.weightless(model)  # shape inference serializes what it is given: not the weights
+    inferred = onnx.shape_inference.infer_shapes(shell, data_prop=True)
+    inputs = [vi for vi in inferred.graph.input if vi.name not in {t.name for t in weights}]
     shapes: Shapes = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+    for vi in [*inputs, *inferred.graph.value_info, *inferred.graph.output]:
         t = vi.type.tensor_type
         if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
             shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)

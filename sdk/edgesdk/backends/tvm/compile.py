@@ -16,6 +16,7 @@ buffers and RewriteLayout): that computed wrong results on PP-OCRv4 det (`_lower
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import warnings
@@ -26,6 +27,7 @@ from typing import Any
 import onnx
 
 from ...errors import UserError
+from ...ir import model as irm
 from ...runtime.manifest import TensorSpec
 from . import fast_math, sparse
 from .database import _apply_database, _open_database
@@ -194,7 +196,7 @@ def _import(model: onnx.ModelProto) -> Any:
             hint="fix the input shapes at import, e.g. --input-shape x=1x3x224x224",
         )
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _weightless_checker():
             # the importer warns once per tensor name with a dot in it ("Renaming name ..."): noise
             warnings.filterwarnings("ignore", message="Renaming name")
             return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
@@ -206,6 +208,19 @@ def _import(model: onnx.ModelProto) -> Any:
             f"tvm's onnx importer cannot convert this segment: {exc}",
             hint="place these ops on the onnxruntime backend",
         ) from exc
+
+
+@contextlib.contextmanager
+def _weightless_checker():
+    """TVM's importer runs onnx.checker on the whole model first (and only warns on what it finds):
+    that serializes every weight once more, and fails past protobuf's 2 GB. While it imports, the
+    checker sees the model without its weights (`irm.weightless`), which import checked one by one."""
+    check_model = onnx.checker.check_model
+    onnx.checker.check_model = lambda model, *args, **kwargs: check_model(irm.weightless(model)[0], *args, **kwargs)
+    try:
+        yield
+    finally:
+        onnx.checker.check_model = check_model
 
 
 def _dims_text(tensor_type: onnx.TypeProto.Tensor) -> str:

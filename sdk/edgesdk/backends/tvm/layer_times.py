@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ...ir.model import infer_shapes, static_shapes
+from ...ir.model import infer_shapes, sha256, static_shapes
 from ..registry import KERNEL_TIMES, LayerTimesJob
 from . import sparse
 from .compile import compile_onnx
@@ -54,7 +54,7 @@ def time_layers(job: LayerTimesJob) -> dict:
     for name, models in job.segments.items():
         total = 0.0
         for model in models:
-            key = "segment:" + hashlib.sha256(json.dumps([hashlib.sha256(model.SerializeToString()).hexdigest(),
+            key = "segment:" + hashlib.sha256(json.dumps([sha256(model),
                                                           target, host_cpu(), sparse.REVISION],
                                                          default=str).encode()).hexdigest()
             total += measured.cached(key, lambda m=model: {"ms": _segment_ms(m, target, database, job.tuning_db)})["ms"]

@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from ...ir import model as irm
 from ...ir.values import constant
 from .schedules import largest_divisor
 
@@ -89,7 +90,7 @@ def narrow_rows_widened(model: onnx.ModelProto, pixel_block: int) -> tuple[onnx.
     computing the smallest wider row that has one (its right padding grown), then sliced back to its
     width; and how many were widened (the model itself when none is). Exact: the kept columns read the
     same inputs and weights; the added ones read zero padding and are dropped."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(irm.weightless(model)[0])  # (its weights: graph inputs)
     shapes = {v.name: [d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim]
               for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     nodes, constants = [], []

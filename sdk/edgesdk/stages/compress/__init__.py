@@ -91,7 +91,7 @@ def run(artifact: Path, ctx) -> dict:
                  f"no --calib data: the pruned model's fidelity is measured on {len(samples)} synthetic samples "
                  "(uniform in [-1, 1]); give real inputs with --calib")
 
-    full = onnx.load(str(sched / "model.onnx"))
+    full = irm.read(sched / "model.onnx")
     if prunes:
         full = _prune(full, samples, ctx, record)
     if not quantized:
@@ -112,7 +112,7 @@ def run(artifact: Path, ctx) -> dict:
             ctx.log(f"compress: {seg.id}: also stands for {', '.join(u.id for u in uses[1:])} (the same graph and "
                     f"weights): calibrated on {len(samples)} samples of their inputs")
         entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
-            segment=seg, model=onnx.load(str(sched / seg.artifact)), samples=samples, out_dir=ctx.out / "segments",
+            segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
             method=ctx.options.calib_method, percentile=ctx.options.calib_percentile, log=ctx.log))
         record["segments"][seg.id] = entry
         for u in uses[1:]:

@@ -77,6 +77,7 @@ def _record(imported: frontends.Imported, model, optimized: dict, io: dict, *, o
         "rounds": optimized.get("rounds"),
         "timings_s": {"convert": round(imported.convert_s, 3), "optimize": round(optimize_s, 3)},
         "converter_peak_rss": source.get("converter_peak_rss"),  # bytes; None for ONNX (read in process)
+        "weight_bytes": irm.param_bytes(model),  # what the build's memory estimate scales with (stages/memory.py)
         "inputs": io["inputs"],
         "outputs": io["outputs"],
     }

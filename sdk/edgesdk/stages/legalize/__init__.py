@@ -26,7 +26,6 @@ import collections
 import json
 from pathlib import Path
 
-import onnx
 
 from ...ir import model as irm
 from ...ir.digest import tree_sha256
@@ -41,7 +40,7 @@ def cache_inputs(options, target) -> dict:
 
 
 def run(artifact: Path, ctx) -> dict:
-    model = onnx.load(str(artifact / "model.onnx"))
+    model = irm.read(artifact / "model.onnx")
     io = json.loads((artifact / "import.json").read_text())
     result = legalize(model, ctx.target, ctx.options, io["inputs"], log=ctx.log, warn=ctx.warn)
     model, counts = result.pop("model"), result.pop("preferred_device")

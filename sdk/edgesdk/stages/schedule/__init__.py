@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import onnx
 
 from ...ir import model as irm
 from ...legalization.legalize import annotated, with_approximations
@@ -56,15 +55,15 @@ READS = ("import", "legalize")
 
 
 def run(artifact: Path, ctx) -> dict:
-    model = onnx.load(str(artifact / "model.onnx"))
+    model = irm.read(artifact / "model.onnx")
     legalized = json.loads((artifact / "legalize.json").read_text())
     scheduled = make_plan(model, ctx.target, mode=ctx.options.mode, inter_op=ctx.options.inter_op,
-                          as_imported=lambda: annotated(onnx.load(str(ctx.artifact("import") / "model.onnx")),
+                          as_imported=lambda: annotated(irm.read(ctx.artifact("import") / "model.onnx"),
                                                         ctx.target),
                           rewritten=bool(legalized.get("rewrites") or legalized.get("approximations")),
                           approximations=legalized.get("approximations", []),
                           with_approximations=lambda keep: with_approximations(
-                              onnx.load(str(artifact / "exact.onnx")), legalized["approximations"], keep, ctx.target))
+                              irm.read(artifact / "exact.onnx"), legalized["approximations"], keep, ctx.target))
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:

@@ -46,6 +46,7 @@ from ...compression.prune import parse_method, prunable
 from ...config import HOST
 from ...errors import UsageError, UserError
 from ...ir import model as irm
+from .. import memory as build_memory
 from ...ir.calibration import load_calibration
 from ...ir.digest import file_sha256, tree_sha256
 from ...scheduling import boards as on_boards
@@ -54,7 +55,7 @@ from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
            "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers",
-           "sparse_kernels", "prune_plan", "latency_budget")
+           "sparse_kernels", "prune_plan", "latency_budget", "low_memory")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
 
@@ -117,7 +118,7 @@ def _pruned(plan: Plan, artifact: Path, db: Path, ctx) -> tuple[onnx.ModelProto,
     opts = ctx.options
     if not (opts.prune or opts.prune_plan):
         return None
-    dense = onnx.load(str(artifact / "model.onnx"))
+    dense = irm.read(artifact / "model.onnx")
     accelerated = {n for s in plan.segments if s.device.split(":")[0] != HOST for n in s.nodes}
     if opts.prune_plan not in (None, "auto"):
         wanted = prune_plan.read_plan(Path(opts.prune_plan), prunable(dense))  # None: dense
@@ -184,7 +185,7 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
                                                         device=ctx.target.host, tuning_db=db / HOST, log=ctx.log))
 
     weights = {x.output: {m.text: pruning.pruned_weight(dense, x, m) for m in candidates} for x in layers}
-    times = timed(weights, {"dense": tuple(onnx.load(str(artifact / s.artifact)) for s in cpu)})
+    times = timed(weights, {"dense": tuple(irm.read(artifact / s.artifact) for s in cpu)})
     first = next(iter(samples[0].values()))  # a sample's batch rows: the first input's first axis
     rows = max(1, int(first.shape[0])) if first.ndim else 1
     few = samples[:max(1, prune_plan.SENSITIVITY_ROWS // rows)]
@@ -197,7 +198,7 @@ def _auto_plan(plan: Plan, artifact: Path, dense: onnx.ModelProto, layers: list,
     options = prune_plan.options(layers, times["layers"], loss, candidates, opts.sparse_kernels)
     fastest = {k: parse_method(v) for k, v in prune_plan.fastest(options).items() if v != prune_plan.DENSE}
     model, records, _ = pruning.prune_for_build(dense, fastest, opts.sparse_kernels)
-    whole = timed({}, {"fastest plan's": tuple(pruning.apply(onnx.load(str(artifact / s.artifact)), model, records)
+    whole = timed({}, {"fastest plan's": tuple(pruning.apply(irm.read(artifact / s.artifact), model, records)
                                                for s in cpu)})["segments_ms"]["fastest plan's"]
     chosen = prune_plan.choose(options, times["segments_ms"]["dense"], budget, fastest_ms=whole)
     pruned = {k: v for k, v in chosen.layers.items() if v != prune_plan.DENSE}
@@ -224,7 +225,7 @@ def _dense_best(plan: Plan, artifact: Path, dense: onnx.ModelProto, samples: lis
     if not selection.spans(plan) or allowed == [] or ctx.options.cpu_backends == ("planned",):
         return None
     ctx.log("tune: prune plan: timing the dense model as the selection runs it")
-    chosen = selection.select(plan, dense, lambda s: onnx.load(str(artifact / s.artifact)), ctx.target, samples,
+    chosen = selection.select(plan, dense, lambda s: irm.read(artifact / s.artifact), ctx.target, samples,
                               allowed=allowed, tuning_db=db / HOST, cache=selection.TimingCache(db / TIMING_CACHE),
                               measurable=None, host=selection.host_name(),
                               log=lambda line: ctx.log(line.replace("tune: ", "tune: prune plan: dense model: ", 1)))
@@ -257,9 +258,9 @@ def _plan_measured(selected: selection.Selected, ctx) -> None:
 def _loader(artifact: Path, pruned):
     """A segment's model as this stage searches and times it: as scheduled, its layers pruned where `pruned`."""
     if pruned is None:
-        return lambda s: onnx.load(str(artifact / s.artifact))
+        return lambda s: irm.read(artifact / s.artifact)
     _, model, layers = pruned
-    return lambda s: pruning.apply(onnx.load(str(artifact / s.artifact)), model, layers)
+    return lambda s: pruning.apply(irm.read(artifact / s.artifact), model, layers)
 
 
 def _search(plan: Plan, artifact: Path, db: Path, boards, ctx, load) -> dict[str, dict]:
@@ -317,6 +318,9 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
     `boards` where this host cannot run the target's CPU code."""
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
     allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    only = build_memory.LOW_MEMORY_BACKENDS if ctx.options.low_memory else None
+    if only:
+        allowed = [b for b in allowed if b in only]
     why = selection.unmeasurable(ctx.target)
     # the model and the calibration samples only where a span will be measured, or checked for the policy's
     # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
@@ -329,7 +333,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         ctx.log(f"tune: CPU candidates are timed with {len(layers)} layer(s) pruned ("
                 + (f"--prune-plan {ctx.options.prune_plan}" if ctx.options.prune_plan else ctx.options.prune) + ")")
     else:
-        model = onnx.load(str(artifact / "model.onnx")) if reads else None
+        model = irm.read(artifact / "model.onnx") if reads else None
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
@@ -349,7 +353,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
-        boards=boards if board is not None else None, board=board)
+        boards=boards if board is not None else None, board=board, only=only)
     if layers:  # the segments re-cut from the pruned model get their dense weights back
         selected = dataclasses.replace(selected, models={k: pruning.apply(m, dense, layers)
                                                          for k, m in selected.models.items()})

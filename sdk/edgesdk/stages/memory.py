@@ -1,0 +1,107 @@
+"""The build's peak memory, estimated from the model's weights once import has read them, so that a
+build the machine cannot hold stops at once with the estimate and a hint, instead of being killed by
+the kernel (which picks a process, often not the build) an hour in.
+
+    peak = BASE_BYTES + HELD_COPIES x weights + the hungriest compiler the build may run
+
+A compiler's share is its backend's `compile_base_bytes + compile_bytes_per_weight_byte x weights`
+(`backends/__init__.py`, each measured). The compilers a build may run: each accelerator's backends,
+and on the CPU the backends the tune stage measures (`--cpu-backends`) besides the host's own; with
+`--low-memory`, onnxruntime alone on the CPU. A backend whose format cannot hold the weights (a TFLite
+FlatBuffer past 2 GiB) is never run. The figures are upper bounds for the models measured
+(benchmarks/memory.json: the estimate beside the peak of each build).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import backends
+from ..config import HOST
+from ..devices import registry
+from ..errors import UsageError, UserError
+from ..ir.memory import GiB, available_bytes, shown
+
+# the build of a model of one 3x3 convolution: TensorFlow, TVM and the runtime loaded, no weights to
+# speak of (benchmarks/memory.json "tiny": 1.05 GiB)
+BASE_BYTES = int(1.1 * GiB)
+# copies of the weights the build itself holds at once, at most, beside a compiler's: the model, a segment
+# cut from it and a reference session's (tune); the model, the optimized model and a transient (import);
+# the float model, its session and the bundle's self-test (package). Measured: 2.3 to 4.3 (memory.json)
+HELD_COPIES = 4
+# the CPU backends a `--low-memory` build compiles: onnxruntime reads the weights where they are
+LOW_MEMORY_BACKENDS = ("onnxruntime",)
+# EDGESDK_MEMORY_CHECK=off builds whatever the estimate says
+CHECK_ENV = "EDGESDK_MEMORY_CHECK"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: int      # bytes of the model's initializers
+    peak: int         # the estimated peak of the whole build
+    compiler: str     # the backend whose compile sets it ("" where none compiles)
+
+    def describe(self) -> str:
+        by = f", while {self.compiler} compiles" if self.compiler else ""
+        return f"about {shown(self.peak)} at its peak{by} ({shown(self.weights)} of weights)"
+
+
+def compilers(target, options) -> list[str]:
+    """The backends that may compile segments of this build."""
+    names = [b for dev in target.devices if dev.kind != HOST for b in registry.model(dev.kind).backends]
+    if getattr(options, "low_memory", False):
+        return list(dict.fromkeys([*names, *LOW_MEMORY_BACKENDS]))
+    cpu = list(registry.model(HOST).backends)
+    measured = options.cpu_backends
+    if measured != ("planned",):
+        from ..scheduling.selection import CPU_BACKENDS
+
+        cpu += [b for b in CPU_BACKENDS if measured is None or b in measured]
+    return list(dict.fromkeys([*names, *cpu]))
+
+
+def estimate(weights: int, target, options) -> Estimate:
+    held = BASE_BYTES + HELD_COPIES * weights
+    best = Estimate(weights, held, "")
+    for name in compilers(target, options):
+        b = backends.backend(name)
+        if b.max_weight_bytes and weights >= b.max_weight_bytes:
+            continue  # refused before it starts (tflite.too-large): a segment this big goes elsewhere
+        need = held + b.compile_base_bytes + int(b.compile_bytes_per_weight_byte * weights)
+        if need > best.peak:
+            best = Estimate(weights, need, name)
+    return best
+
+
+def check(weights: int, target, options, log) -> Estimate:
+    """The estimate, logged; a `build.out-of-memory` error where it passes the memory this machine has
+    available (unless EDGESDK_MEMORY_CHECK=off)."""
+    found = estimate(weights, target, options)
+    available = available_bytes()
+    log(f"build: memory: {found.describe()}; " + (f"{shown(available)} available" if available is not None
+                                                   else "available memory unknown"))
+    switch = os.environ.get(CHECK_ENV, "on").strip().lower()
+    if switch not in ("on", "off"):
+        raise UsageError("build.bad-env", f"{CHECK_ENV}={os.environ[CHECK_ENV]!r}: expected on or off",
+                         f"unset {CHECK_ENV}, or set it to off to build whatever the memory estimate says")
+    if available is None or found.peak <= available or switch == "off":
+        return found
+    low = estimate(weights, target, _LowMemory(options))
+    lower = (f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})"
+             if not getattr(options, "low_memory", False) and low.peak < found.peak else None)
+    raise UserError(
+        "build.out-of-memory",
+        f"this build needs {found.describe()}, and this machine has {shown(available)} available",
+        "; ".join(filter(None, [lower, "or build on a machine with more memory",
+                                f"{CHECK_ENV}=off builds anyway (the kernel may then kill it)"])))
+
+
+class _LowMemory:
+    """`options` as `--low-memory` would have them."""
+
+    def __init__(self, options):
+        self._options = options
+
+    def __getattr__(self, name):
+        return True if name == "low_memory" else getattr(self._options, name)

@@ -1,0 +1,131 @@
+"""Builds of models of any size (issue 22): weights kept beside the model as external data through the
+stages and into the bundle, `--low-memory`, and the memory estimate that stops a build the machine
+cannot hold right after import. The threshold past which weights go beside the model is lowered here
+(`irm.EXTERNAL_FROM`) so that a small model takes the path a > 2 GB one takes (`tests/ir/test_large_models.py`
+runs a real one through the same functions; benchmarks/bench_memory.py builds one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.errors import UsageError, UserError
+from edgesdk.ir import model as irm
+from edgesdk.pipeline import BuildOptions, build, stage_dir
+from edgesdk.runtime import BundleModel, Manifest
+from edgesdk.stages import memory
+from tests.model_zoo import ROOT
+
+
+def _mlp(path, n: int = 512, layers: int = 3) -> None:
+    """Relu(x @ w + b) x layers, saved with its weights as external data (as large models are)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        inits += [numpy_helper.from_array((rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array((rng.standard_normal(n) * 0.1).astype(np.float32), f"b{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, n])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = irm.IR_VERSION
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data")
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mlp") / "mlp.onnx"
+    _mlp(path)
+    return path
+
+
+def test_weights_stay_beside_the_model_through_the_stages_and_the_bundle(mlp, tmp_path, monkeypatch):
+    monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 16)  # every model of this build is "large"
+    out = tmp_path / "out"
+    result = build(BuildOptions(model=mlp, target="x86", out=out, low_memory=True, tuning_db=tmp_path / "db"))
+    for stage in ("import", "legalize", "schedule", "tune"):
+        assert (stage_dir(out, stage) / "model.onnx.data").is_file(), stage
+    tune = [r for r in result.stages if r.name == "tune"][0].record
+    (span,) = tune["cpu_selection"]["spans"]
+    assert span["chosen"] == "onnxruntime" and "--low-memory" in span["why"]
+    assert all("--low-memory" in c["skipped"] for c in span["candidates"].values())
+    manifest = Manifest.load(result.bundle)
+    (seg,) = manifest.segments
+    assert seg.backend == "onnxruntime"
+    listed = json.loads((result.bundle / "manifest.json").read_text())["files"]
+    assert seg.artifact + ".data" in listed  # signed and checked on the device like every other file
+    assert (result.bundle / (seg.artifact + ".data")).stat().st_size >= 3 * 512 * 512 * 4  # the three weights
+    x = np.random.default_rng(1).standard_normal((1, 512)).astype(np.float32)
+    want = ort.InferenceSession(str(mlp), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = BundleModel(result.bundle, log=lambda s: None).run({"x": x})["r2"]
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    # the bundle's own self-test, in a process of its own as on the device
+    check = subprocess.run([sys.executable, "-B", "-m", "runtime", "selftest"], cwd=result.bundle,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_changed_external_weights_are_a_new_model(mlp, tmp_path):
+    """The import stage's cache key covers the `.data` file, not only the .onnx beside it."""
+    local = tmp_path / "mlp.onnx"
+    _mlp(local, n=64, layers=1)
+    out = tmp_path / "out"
+    build(BuildOptions(model=local, target="x86", out=out, until="import"))
+    data = tmp_path / "mlp.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[:4] = np.float32(3.0).tobytes()
+    data.write_bytes(bytes(raw))
+    again = build(BuildOptions(model=local, target="x86", out=out, until="import"))
+    assert not again.stages[0].cached
+    w0 = numpy_helper.to_array(irm.read(stage_dir(out, "import") / "model.onnx").graph.initializer[0])
+    assert w0.flat[0] == 3.0
+
+
+def test_a_build_the_machine_cannot_hold_stops_after_import_with_its_estimate(mlp, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 512 << 20)
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as e:
+        build(BuildOptions(model=mlp, target="x86", out=out))
+    assert e.value.code == "build.out-of-memory"
+    assert "512 MiB available" in e.value.message and "at its peak" in e.value.message
+    assert "--low-memory" in e.value.hint and memory.CHECK_ENV in e.value.hint
+    assert stage_dir(out, "import").is_dir() and not stage_dir(out, "legalize").exists()
+    # told to build anyway, it goes on (here to legalize); a value that is neither on nor off is a bad invocation
+    monkeypatch.setenv(memory.CHECK_ENV, "off")
+    build(BuildOptions(model=mlp, target="x86", out=out, until="legalize"))
+    assert stage_dir(out, "legalize").is_dir()
+    monkeypatch.setenv(memory.CHECK_ENV, "maybe")
+    with pytest.raises(UsageError, match="expected on or off"):
+        build(BuildOptions(model=mlp, target="x86", out=out, until="legalize", start="legalize"))
+
+
+def test_the_estimate_follows_the_compilers_a_build_runs():
+    from edgesdk.config import load_target
+
+    x86, arm = load_target("x86")[0], load_target("arm_2tpu")[0]
+    w = 500 << 20
+    full = memory.estimate(w, x86, BuildOptions(model="m", target="x86", out="o"))
+    low = memory.estimate(w, x86, BuildOptions(model="m", target="x86", out="o", low_memory=True))
+    assert full.compiler in ("litert", "tflite") and low.compiler == "onnxruntime" and low.peak < full.peak
+    # TFLite cannot hold 2 GiB of weights, so its converter is never run on them: TVM's compile is the largest
+    big = memory.estimate(3 << 30, x86, BuildOptions(model="m", target="x86", out="o"))
+    assert big.compiler == "tvm"
+    # the Edge TPU converts through TFLite whatever --low-memory says
+    assert memory.estimate(w, arm, BuildOptions(model="m", target="arm_2tpu", out="o", low_memory=True)).compiler == "tflite"
+    assert memory.BASE_BYTES + memory.HELD_COPIES * w < low.peak
+
+
+def test_low_memory_is_in_build_help():
+    out = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "sdk"), "COLUMNS": "200"}, timeout=120)
+    assert "--low-memory" in out.stdout
