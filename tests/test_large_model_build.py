@@ -120,8 +120,11 @@ def test_the_estimate_follows_the_compilers_a_build_runs():
     # TFLite cannot hold 2 GiB of weights, so its converter is never run on them: TVM's compile is the largest
     big = memory.estimate(3 << 30, x86, BuildOptions(model="m", target="x86", out="o"))
     assert big.compiler == "tvm"
-    # the Edge TPU converts through TFLite whatever --low-memory says
+    # the Edge TPU converts through TFLite whatever --low-memory says, each segment under the FlatBuffer's 2 GiB
     assert memory.estimate(w, arm, BuildOptions(model="m", target="arm_2tpu", out="o", low_memory=True)).compiler == "tflite"
+    huge = memory.estimate(3 << 30, arm, BuildOptions(model="m", target="arm_2tpu", out="o", low_memory=True))
+    assert huge.compiler == "tflite" and huge.peak == (memory.BASE_BYTES + memory.HELD_COPIES * (3 << 30) + (600 << 20)
+                                                       + 10 * (2 << 30))
     assert memory.BASE_BYTES + memory.HELD_COPIES * w < low.peak
 
 

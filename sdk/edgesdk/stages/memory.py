@@ -7,9 +7,10 @@ the kernel (which picks a process, often not the build) an hour in.
 A compiler's share is its backend's `compile_base_bytes + compile_bytes_per_weight_byte x weights`
 (`backends/__init__.py`, each measured). The compilers a build may run: each accelerator's backends,
 and on the CPU the backends the tune stage measures (`--cpu-backends`) besides the host's own; with
-`--low-memory`, onnxruntime alone on the CPU. A backend whose format cannot hold the weights (a TFLite
-FlatBuffer past 2 GiB) is never run. The figures are upper bounds for the models measured
-(benchmarks/memory.json: the estimate beside the peak of each build).
+`--low-memory`, onnxruntime alone on the CPU. A CPU candidate whose format cannot hold the weights (a
+TFLite FlatBuffer past 2 GiB) is never run; an accelerator's segments are each at most that big. The
+figures are upper bounds for the models measured (benchmarks/memory.json: the estimate beside the peak
+of each build).
 """
 
 from __future__ import annotations
@@ -64,11 +65,15 @@ def compilers(target, options) -> list[str]:
 def estimate(weights: int, target, options) -> Estimate:
     held = BASE_BYTES + HELD_COPIES * weights
     best = Estimate(weights, held, "")
+    accelerated = {b for dev in target.devices if dev.kind != HOST for b in registry.model(dev.kind).backends}
     for name in compilers(target, options):
         b = backends.backend(name)
+        share = weights
         if b.max_weight_bytes and weights >= b.max_weight_bytes:
-            continue  # refused before it starts (tflite.too-large): a segment this big goes elsewhere
-        need = held + b.compile_base_bytes + int(b.compile_bytes_per_weight_byte * weights)
+            if name not in accelerated:
+                continue  # a CPU candidate compiles a whole span: refused before it starts (tflite.too-large)
+            share = b.max_weight_bytes  # an accelerator's segments: each of them under the format's bound
+        need = held + b.compile_base_bytes + int(b.compile_bytes_per_weight_byte * share)
         if need > best.peak:
             best = Estimate(weights, need, name)
     return best
