@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from edgesdk import pipeline
 from edgesdk.errors import UsageError, UserError
 from edgesdk.ir import model as irm
 from edgesdk.pipeline import BuildOptions, build, stage_dir
@@ -51,8 +52,13 @@ def mlp(tmp_path_factory):
 
 def test_weights_stay_beside_the_model_through_the_stages_and_the_bundle(mlp, tmp_path, monkeypatch):
     monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 16)  # every model of this build is "large"
+    monkeypatch.setattr(pipeline, "LARGE_OUTPUT", 1 << 20)  # and says what each stage wrote
     out = tmp_path / "out"
-    result = build(BuildOptions(model=mlp, target="x86", out=out, low_memory=True, tuning_db=tmp_path / "db"))
+    lines: list[str] = []
+    result = build(BuildOptions(model=mlp, target="x86", out=out, low_memory=True, tuning_db=tmp_path / "db"),
+                   log=lines.append)
+    assert any(line.startswith("import: wrote ") and "the build holds" in line for line in lines), lines
+    assert any(line.startswith("build: memory: about ") for line in lines), lines
     for stage in ("import", "legalize", "schedule", "tune"):
         assert (stage_dir(out, stage) / "model.onnx.data").is_file(), stage
     tune = [r for r in result.stages if r.name == "tune"][0].record
