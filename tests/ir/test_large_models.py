@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from edgesdk.errors import UserError
 from edgesdk.ir import model as irm
 
 
@@ -93,11 +94,17 @@ def test_a_large_model_is_saved_with_its_weights_beside_it_aligned(tmp_path, mon
     offsets = [int(next(e.value for e in t.external_data if e.key == "offset")) for t in shell.graph.initializer]
     assert len(offsets) == 2 and all(o % 4096 == 0 for o in offsets)
     assert not list(tmp_path.glob("*.tmp*"))
-    # the stage cache shares an unchanged weights file by a hard link, which onnx's own loader refuses
+    for i, want in enumerate(irm.load(path).graph.initializer):
+        np.testing.assert_array_equal(numpy_helper.to_array(want), w[i])
+    # the stage cache shares an unchanged weights file by a hard link: a stage reads it (`read`), while a
+    # user's model keeps onnx's own checks (`load`: no symlink, no hard link, nothing outside its folder)
     os.link(data, tmp_path / "linked.data")
-    for loaded in (irm.read(path), irm.load(path)):
-        for i, want in enumerate(w):
-            np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[i]), want)
+    loaded = irm.read(path)
+    for i, want in enumerate(w):
+        np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[i]), want)
+    with pytest.raises(UserError, match="hard link") as refused:
+        irm.load(path)
+    assert refused.value.code == "import.external-data"
     assert irm.sha256(irm.read(path)) == irm.sha256(model)
     # saved small again: the weights go back into the file, and no stale .data is left
     monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 30)

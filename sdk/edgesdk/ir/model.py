@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -210,15 +211,23 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         raise UserError("import.external-data", f"{path}: {len(problems)} tensor(s) stored as external data cannot be read",
                         "keep the .data file(s) beside the .onnx file, as they were saved", notes=problems)
     try:
-        _read_external_data(tensors, base)
+        for t in tensors:  # onnx's own checks (no symlink, no hard link, no escape), one tensor at a time
+            ext.load_external_data_for_tensor(t, str(base))
+            t.ClearField("data_location")  # as a tensor saved inline reads
     except Exception as e:
-        raise UserError("import.external-data", f"{path}: external data could not be read ({type(e).__name__}: {str(e)[:160]})",
-                        "keep the .data file(s) beside the .onnx file, as they were saved") from None
+        # onnx says "Data of TensorProto ( tensor name: w) should be stored in PATH, but it has multiple hard
+        # links, ...": the reason comes last, where a clipped message would lose it
+        said = re.sub(r"^Data of TensorProto \( tensor name: (.*?)\) should be stored in (.*?), but ", r"tensor '\1': \2: ",
+                      str(e).strip())
+        raise UserError("import.external-data", f"{path}: external data could not be read ({_clipped(said, 240)})",
+                        "keep the .data file(s) beside the .onnx file, as they were saved, as plain files (onnx "
+                        "refuses a symbolic link, a hard link and a file outside the model's folder)") from None
 
 
 def _read_external_data(tensors: list[onnx.TensorProto], base: Path) -> None:
-    """Each tensor's bytes from its (checked) location into the tensor. onnx's own loader refuses a
-    file with several hard links, which is how the stage cache shares a weights file it did not change."""
+    """Each tensor's bytes from its location into the tensor, for the files this build wrote (`read`).
+    onnx's own loader, which reads a user's model (`load`), refuses a file with several hard links:
+    that is how the stage cache shares a weights file a stage did not change."""
     from onnx import external_data_helper as ext
 
     files: dict[str, object] = {}
