@@ -102,33 +102,32 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
             "log_tail": log[-3:] if code else []}
 
 
-def saved(name: str) -> Path:
-    path = WORK / f"{name}.keras"
+def _made(path: Path, code: str) -> Path:
+    """`path`, made once by running `code` (which writes it) in a Python of its own."""
     if not path.exists():
         WORK.mkdir(parents=True, exist_ok=True)
-        code = (f"import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='2'; import keras; "
-                f"keras.applications.{MODELS[name]}(weights=None).save({str(path)!r})")
         subprocess.run([sys.executable, "-c", code], check=True)
     return path
+
+
+KERAS = "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='2'; import keras; "
+
+
+def saved(name: str) -> Path:
+    path = WORK / f"{name}.keras"
+    return _made(path, KERAS + f"keras.applications.{MODELS[name]}(weights=None).save({str(path)!r})")
 
 
 def tiny() -> Path:
     path = WORK / "tiny.keras"
-    if not path.exists():
-        WORK.mkdir(parents=True, exist_ok=True)
-        code = ("import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='2'; import keras; "
-                "i = keras.Input((32, 32, 3), name='image'); "
-                f"keras.Model(i, keras.layers.Conv2D(8, 3)(i)).save({str(path)!r})")
-        subprocess.run([sys.executable, "-c", code], check=True)
-    return path
+    return _made(path, KERAS + "i = keras.Input((32, 32, 3), name='image'); "
+                 f"keras.Model(i, keras.layers.Conv2D(8, 3)(i)).save({str(path)!r})")
 
 
 def mlp2g() -> Path:
     """A wide MLP past protobuf's 2 GB: MatMul + Add (+ Relu) x MLP_LAYERS, its weights as external data."""
     path = WORK / "mlp2g.onnx"
-    if not path.exists():
-        WORK.mkdir(parents=True, exist_ok=True)
-        code = f"""
+    return _made(path, f"""
 import numpy as np, onnx
 from onnx import helper as h, numpy_helper as nh, TensorProto as T
 n, layers = {MLP_WIDTH}, {MLP_LAYERS}
@@ -146,9 +145,7 @@ g = h.make_graph(nodes, "mlp2g", [h.make_tensor_value_info("x", T.FLOAT, [1, n])
                  [h.make_tensor_value_info(x, T.FLOAT, [1, n])], initializer=inits)
 m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
 onnx.save(m, {str(path)!r}, save_as_external_data=True, all_tensors_to_one_file=True, location="mlp2g.onnx.data")
-"""
-        subprocess.run([sys.executable, "-c", code], check=True)
-    return path
+""")
 
 
 def weight_bytes(model: Path) -> int:

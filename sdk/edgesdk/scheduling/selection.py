@@ -306,18 +306,12 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
                 if cands[0].name != PLANNED and len(cands) == 1:  # the one left, not built here: nothing to time
                     chosen[span] = cands[0], None
                     models.update({s.id: _extract(model, s) for s in cands[0].segments})
-                    record["spans"].append({"segments": [s.id for s in cands[0].segments],
-                                            "nodes": sum(len(s.nodes) for s in cands[0].segments),
-                                            "candidates": {name: {"skipped": why} for name, why in skipped.items()},
-                                            "chosen": cands[0].name, "why": "the only candidate (--low-memory)"})
-                    log(f"tune: span of {sum(len(s.nodes) for s in cands[0].segments)} nodes: {cands[0].name}, "
-                        "the only candidate (--low-memory)")
+                    record["spans"].append(_unmeasured(cands[0], skipped, "the only candidate (--low-memory)"))
+                    log(f"tune: span of {record['spans'][-1]['nodes']} nodes: {cands[0].name}, the only candidate "
+                        "(--low-memory)")
                     continue
             if len(cands) == 1:  # nothing to choose between: no build, no timing
-                ids = [s.id for s in cands[0].segments]
-                record["spans"].append({"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
-                                        "candidates": {name: {"skipped": why} for name, why in skipped.items()},
-                                        "chosen": PLANNED, "why": "the only candidate"})
+                record["spans"].append(_unmeasured(cands[0], skipped, "the only candidate"))
                 continue
             entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values, int8,
                                                    plan.outputs, Path(tmp), tuning_db, cache, host, threads, log,
@@ -327,6 +321,13 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
             models.update(cut)
     new = replace(_replan(plan, chosen), cpu_selection=record)
     return Selected(new, models, record, _quantize_chosen(new, models, int8, int8_dir, log))
+
+
+def _unmeasured(cand: Candidate, skipped: dict[str, str], why: str) -> dict:
+    """The record of a span whose one candidate is taken without being built or timed."""
+    return {"segments": [s.id for s in cand.segments], "nodes": sum(len(s.nodes) for s in cand.segments),
+            "candidates": {name: {"skipped": reason} for name, reason in skipped.items()}, "chosen": cand.name,
+            "why": why}
 
 
 def _quantize_chosen(plan: Plan, models: dict[str, onnx.ModelProto], int8: Int8 | None, int8_dir: Path | None,
