@@ -106,6 +106,10 @@ def test_a_build_the_machine_cannot_hold_stops_after_import_with_its_estimate(ml
     assert "512 MiB available" in e.value.message and "at its peak" in e.value.message
     assert "--low-memory" in e.value.hint and memory.CHECK_ENV in e.value.hint
     assert stage_dir(out, "import").is_dir() and not stage_dir(out, "legalize").exists()
+    # already --low-memory: the hint is a bigger machine
+    with pytest.raises(UserError) as again:
+        build(BuildOptions(model=mlp, target="x86", out=out, low_memory=True))
+    assert again.value.hint.startswith("build on a machine with more memory; ")
     # told to build anyway, it goes on (here to legalize); a value that is neither on nor off is a bad invocation
     monkeypatch.setenv(memory.CHECK_ENV, "off")
     build(BuildOptions(model=mlp, target="x86", out=out, until="legalize"))

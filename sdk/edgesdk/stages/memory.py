@@ -95,11 +95,11 @@ def check(weights: int, target, options, log) -> Estimate:
     low = estimate(weights, target, _LowMemory(options))
     lower = (f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})"
              if not getattr(options, "low_memory", False) and low.peak < found.peak else None)
+    bigger = f"{lower}, or build on a machine with more memory" if lower else "build on a machine with more memory"
     raise UserError(
         "build.out-of-memory",
         f"this build needs {found.describe()}, and this machine has {shown(available)} available",
-        "; ".join(filter(None, [lower, "or build on a machine with more memory",
-                                f"{CHECK_ENV}=off builds anyway (the kernel may then kill it)"])))
+        f"{bigger}; {CHECK_ENV}=off builds anyway (the kernel may then kill it)")
 
 
 class _LowMemory:
