@@ -343,8 +343,7 @@ def _model_digest(model: Path) -> str:
 
     try:
         proto = onnx.load(str(model), load_external_data=False)
-        names = sorted({ext.ExternalDataInfo(t).location for t in ext._get_all_tensors(proto)
-                        if ext.uses_external_data(t)})
+        names = sorted({ext.ExternalDataInfo(t).location for t in irm.external_tensors(proto)})
     except Exception:  # noqa: BLE001 - import reads the file again and says what is wrong with it
         return digest
     data = {}

@@ -151,12 +151,17 @@ def read(path: Path) -> onnx.ModelProto:
     """A model a stage of this build wrote (`save`), with its external data."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    from onnx import external_data_helper as ext
-
-    tensors = [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
+    tensors = external_tensors(model)
     if tensors:
         _read_external_data(tensors, path.parent)
     return model
+
+
+def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """Every tensor of `model` (initializers, attributes, subgraphs) whose data is external."""
+    from onnx import external_data_helper as ext
+
+    return [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
 
 
 def check_model(model: onnx.ModelProto, path: Path) -> None:
@@ -180,7 +185,7 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     from onnx import external_data_helper as ext
 
     base = Path(os.path.abspath(path.parent))  # as onnx resolves locations: beside the file as named
-    tensors = [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
+    tensors = external_tensors(model)
     if not tensors:
         return
     problems = []

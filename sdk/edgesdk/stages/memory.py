@@ -15,6 +15,7 @@ of each build).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Estimate:
 def compilers(target, options) -> list[str]:
     """The backends that may compile segments of this build."""
     names = [b for dev in target.devices if dev.kind != HOST for b in registry.model(dev.kind).backends]
-    if getattr(options, "low_memory", False):
+    if options.low_memory:
         return list(dict.fromkeys([*names, *LOW_MEMORY_BACKENDS]))
     cpu = list(registry.model(HOST).backends)
     measured = options.cpu_backends
@@ -92,21 +93,11 @@ def check(weights: int, target, options, log) -> Estimate:
                          f"unset {CHECK_ENV}, or set it to off to build whatever the memory estimate says")
     if available is None or found.peak <= available or switch == "off":
         return found
-    low = estimate(weights, target, _LowMemory(options))
+    low = estimate(weights, target, dataclasses.replace(options, low_memory=True))
     lower = (f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})"
-             if not getattr(options, "low_memory", False) and low.peak < found.peak else None)
+             if not options.low_memory and low.peak < found.peak else None)
     bigger = f"{lower}, or build on a machine with more memory" if lower else "build on a machine with more memory"
     raise UserError(
         "build.out-of-memory",
         f"this build needs {found.describe()}, and this machine has {shown(available)} available",
         f"{bigger}; {CHECK_ENV}=off builds anyway (the kernel may then kill it)")
-
-
-class _LowMemory:
-    """`options` as `--low-memory` would have them."""
-
-    def __init__(self, options):
-        self._options = options
-
-    def __getattr__(self, name):
-        return True if name == "low_memory" else getattr(self._options, name)
