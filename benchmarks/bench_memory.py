@@ -39,8 +39,9 @@ ESTIMATE = re.compile(r"build: memory: about ([\d.]+) (GiB|MiB) at its peak")
 STAGE = re.compile(r"^\[(\d)/6\] (\w+) (\.\.\.|done|cached)")
 
 
-def tree_rss(root: int) -> int:
-    """Resident bytes of `root` and every process below it."""
+def tree_rss(root: int, *, anonymous: bool = False) -> int:
+    """Resident bytes of `root` and every process below it; `anonymous`: less the pages of files mapped
+    (a mapped weight's file, the libraries), which the kernel can drop and read again."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -54,8 +55,17 @@ def tree_rss(root: int) -> int:
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        total += resident_bytes(pid)
+        total += resident_bytes(pid) - (shared_bytes(pid) if anonymous else 0)
     return total
+
+
+def shared_bytes(pid: int) -> int:
+    """A process's resident pages that are shared or backed by a file (statm's third field)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[2]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def measured_build(model: Path, target: str, out: Path, low_memory: bool = False) -> dict:
@@ -66,12 +76,13 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     cmd = [str(ROOT / ".venv" / "bin" / "edgesdk"), "build", str(model), "--target", target, "-o", str(out),
            "--trials", "0", "--tuning-db", str(db)] + (["--low-memory"] if low_memory else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    state = {"stage": "start", "peaks": {}, "peak": 0, "done": False}
+    state = {"stage": "start", "peaks": {}, "peak": 0, "anonymous": 0, "done": False}
 
     def sample() -> None:
         while not state["done"]:
             rss = tree_rss(proc.pid)
             state["peak"] = max(state["peak"], rss)
+            state["anonymous"] = max(state["anonymous"], tree_rss(proc.pid, anonymous=True))
             stage = state["stage"]
             state["peaks"][stage] = max(state["peaks"].get(stage, 0), rss)
             time.sleep(0.2)
@@ -94,7 +105,8 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     estimate = float(said[1]) * (2**30 if said[2] == "GiB" else 2**20) if said else None
     shutil.rmtree(out, ignore_errors=True)  # VGG16's -o alone holds GBs: gone once measured
     shutil.rmtree(db, ignore_errors=True)
-    return {"exit": code, "peak_bytes": state["peak"], "stage_peak_bytes": state["peaks"],
+    return {"exit": code, "peak_bytes": state["peak"], "peak_anonymous_bytes": state["anonymous"],
+            "stage_peak_bytes": state["peaks"],
             "estimate_bytes": estimate, "refused": any("build.out-of-memory" in x or "needs about" in x
                                                        and "available" in x for x in log if x.startswith("error")),
             "stage_seconds": seconds,
@@ -209,9 +221,9 @@ def main() -> int:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")  # each build kept as it finishes
     plot(result, args.plot)
     stages = ["import", "legalize", "schedule", "tune", "compress", "package"]
-    print("| build | model | weights MiB | exit | peak GiB | estimate GiB | (peak - base) / weights | "
+    print("| build | model | weights MiB | exit | peak GiB | of it anonymous | estimate GiB | (peak - base) / weights | "
           + " | ".join(stages) + " |")
-    print("|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(stages))
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(stages))
     for key, rows in result["runs"].items():
         base = rows["tiny"]["peak_bytes"]
         for name, r in rows.items():
@@ -220,7 +232,8 @@ def main() -> int:
                      for s in stages]
             est = f"{r['estimate_bytes'] / 2**30:.2f}" if r["estimate_bytes"] else "-"
             print(f"| {key} | {name} | {r['weight_bytes'] / 2**20:.0f} | {'refused' if r['refused'] else r['exit']} | "
-                  f"{r['peak_bytes'] / 2**30:.2f} | {est} | {ratio:.1f} | " + " | ".join(cells) + " |")
+                  f"{r['peak_bytes'] / 2**30:.2f} | {r.get('peak_anonymous_bytes', 0) / 2**30:.2f} | {est} | {ratio:.1f} | "
+                  + " | ".join(cells) + " |")
     return 0 if all(r["exit"] == 0 or r["refused"] for rows in result["runs"].values() for r in rows.values()) else 1
 
 

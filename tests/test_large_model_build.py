@@ -61,6 +61,11 @@ def test_weights_stay_beside_the_model_through_the_stages_and_the_bundle(mlp, tm
     assert any(line.startswith("build: memory: about ") for line in lines), lines
     for stage in ("import", "legalize", "schedule", "tune"):
         assert (stage_dir(out, stage) / "model.onnx.data").is_file(), stage
+    # no stage after import changed a weight: they all link import's one file, the bundle's segment too
+    files = [stage_dir(out, s) / "model.onnx.data" for s in ("import", "legalize", "schedule", "tune")]
+    files += [stage_dir(out, "schedule") / "segments" / "s0.onnx.data", stage_dir(out, "package") / "bundle" / "segments" / "s0.onnx.data"]
+    assert len({f.stat().st_ino for f in files}) == 1, [(f, f.stat().st_ino) for f in files]
+    assert (mlp.parent / "mlp.onnx.data").stat().st_ino != files[0].stat().st_ino  # the user's: copied, not linked
     tune = [r for r in result.stages if r.name == "tune"][0].record
     (span,) = tune["cpu_selection"]["spans"]
     assert span["chosen"] == "onnxruntime" and "--low-memory" in span["why"]
@@ -93,7 +98,7 @@ def test_changed_external_weights_are_a_new_model(mlp, tmp_path):
     data.write_bytes(bytes(raw))
     again = build(BuildOptions(model=local, target="x86", out=out, until="import"))
     assert not again.stages[0].cached
-    w0 = numpy_helper.to_array(irm.read(stage_dir(out, "import") / "model.onnx").graph.initializer[0])
+    w0 = irm.array(irm.read(stage_dir(out, "import") / "model.onnx").graph.initializer[0])
     assert w0.flat[0] == 3.0
 
 
@@ -133,9 +138,14 @@ def test_the_estimate_follows_the_compilers_a_build_runs():
     # the Edge TPU converts through TFLite whatever --low-memory says, each segment under the FlatBuffer's 2 GiB
     assert memory.estimate(w, arm, BuildOptions(model="m", target="arm_2tpu", out="o", low_memory=True)).compiler == "tflite"
     huge = memory.estimate(3 << 30, arm, BuildOptions(model="m", target="arm_2tpu", out="o", low_memory=True))
-    assert huge.compiler == "tflite" and huge.peak == (memory.BASE_BYTES + memory.HELD_COPIES * (3 << 30) + (600 << 20)
-                                                       + 10 * (2 << 30))
-    assert memory.BASE_BYTES + memory.HELD_COPIES * w < low.peak
+    assert huge.compiler == "tflite" and huge.peak == (memory.BASE_BYTES + memory.MAPPED_HELD_COPIES * (3 << 30)
+                                                       + (600 << 20) + 10 * (2 << 30))
+    assert memory.BASE_BYTES + memory.MAPPED_HELD_COPIES * w < low.peak
+    # past the size whose weights the stages map from their files, the build holds fewer copies of them
+    small = 32 << 20
+    assert small <= irm.EXTERNAL_FROM < w
+    assert (memory.estimate(small, x86, BuildOptions(model="m", target="x86", out="o", low_memory=True)).peak
+            == memory.BASE_BYTES + memory.HELD_COPIES * small + 2 * small)  # onnxruntime: 2 bytes per byte
 
 
 def test_low_memory_is_in_build_help():

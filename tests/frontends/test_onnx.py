@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk import frontends
 from edgesdk.errors import UserError
+from edgesdk.ir import model as irm
 from tests.frontends.conftest import run_onnx
 
 
@@ -51,9 +52,13 @@ def test_external_data_is_loaded(tmp_path):
     onnx.save(model, path, save_as_external_data=True, location="m.onnx.data", size_threshold=0)
     assert (tmp_path / "m.onnx.data").stat().st_size == w.nbytes
     loaded, _ = _load(path, tmp_path)
-    assert not any(onnx.external_data_helper.uses_external_data(t) for t in loaded.graph.initializer)
+    # mapped where it lies (irm.is_mapped), not copied into the message; its values read through irm.array
+    (weight,) = loaded.graph.initializer
+    assert irm.is_mapped(weight) and not weight.raw_data
+    np.testing.assert_array_equal(irm.array(weight), w)
     x = np.ones((1, 4), np.float32)
-    np.testing.assert_allclose(run_onnx(loaded, {"x": x})[0], x @ w, rtol=1e-6)
+    np.testing.assert_allclose(irm.onnxruntime_session(loaded).run(None, {"x": x})[0], x @ w, rtol=1e-6)
+    np.testing.assert_allclose(run_onnx(irm.materialize(loaded), {"x": x})[0], x @ w, rtol=1e-6)
 
 
 def test_missing_external_data_names_the_file(tmp_path):

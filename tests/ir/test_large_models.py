@@ -95,13 +95,13 @@ def test_a_large_model_is_saved_with_its_weights_beside_it_aligned(tmp_path, mon
     assert len(offsets) == 2 and all(o % 4096 == 0 for o in offsets)
     assert not list(tmp_path.glob("*.tmp*"))
     for i, want in enumerate(irm.load(path).graph.initializer):
-        np.testing.assert_array_equal(numpy_helper.to_array(want), w[i])
+        np.testing.assert_array_equal(irm.array(want), w[i])
     # the stage cache shares an unchanged weights file by a hard link: a stage reads it (`read`), while a
     # user's model keeps onnx's own checks (`load`: no symlink, no hard link, nothing outside its folder)
     os.link(data, tmp_path / "linked.data")
     loaded = irm.read(path)
     for i, want in enumerate(w):
-        np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[i]), want)
+        np.testing.assert_array_equal(irm.array(loaded.graph.initializer[i]), want)
     with pytest.raises(UserError, match="hard link") as refused:
         irm.load(path)
     assert refused.value.code == "import.external-data"
@@ -135,16 +135,20 @@ def test_a_model_past_protobufs_2gb_is_checked_inferred_hashed_saved_and_run(tmp
     assert (tmp_path / "big.onnx.data").stat().st_size >= 2 * n * n * 4
     x = np.arange(n, dtype=np.float32).reshape(1, n) / n
     want = -x @ w2
-    got = irm.onnxruntime_session(model).run(None, {"x": x})[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
     del model
+    # read back, the weights stay in the file: mapped, handed to onnxruntime as views of it, linked by a save
+    again = irm.read(path)
+    assert [(t.name, list(t.dims)) for t in again.graph.initializer] == [("w0", [n, n]), ("w1", [n, n]), ("w2", [n, 8])]
+    assert all(irm.is_mapped(t) and not t.raw_data for t in again.graph.initializer)
+    assert irm.array(again.graph.initializer[1])[0, :2].tolist() == [-0.5, 0.0]
+    assert hashlib.sha256(irm.array(again.graph.initializer[2]).tobytes()).digest() == hashlib.sha256(w2.tobytes()).digest()
+    np.testing.assert_allclose(irm.onnxruntime_session(again).run(None, {"x": x})[0], want, rtol=1e-5)
+    irm.save(again, tmp_path / "again.onnx")
+    assert (tmp_path / "again.onnx.data").stat().st_ino == (tmp_path / "big.onnx.data").stat().st_ino
+    del again
     # as a bundle's runtime loads a segment: onnxruntime reads the file and its weights beside it
     from_file = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(from_file, want, rtol=1e-5)
-    again = irm.read(path)  # (its weights' bytes: the onnxruntime run from the file above computed with them)
-    assert [(t.name, list(t.dims)) for t in again.graph.initializer] == [("w0", [n, n]), ("w1", [n, n]), ("w2", [n, 8])]
-    assert np.frombuffer(again.graph.initializer[1].raw_data[:8], np.float32).tolist() == [-0.5, 0.0]
-    assert hashlib.sha256(again.graph.initializer[2].raw_data).digest() == hashlib.sha256(w2.tobytes()).digest()
     assert len(digest) == 64  # hashed part by part: the whole would not serialize
 
 
@@ -163,3 +167,74 @@ def test_a_weight_numpy_cannot_hand_over_is_serialized_with_the_model():
     x = np.ones((1, 256), np.float32)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_array_equal(irm.onnxruntime_session(model).run(None, {"x": x})[0], want)
+
+
+def _saved_large(tmp_path, monkeypatch, name: str = "model.onnx"):
+    """A three-weight model saved with its weights beside it (the threshold lowered), and its weights."""
+    monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 16)
+    w = _weights(np.random.default_rng(5), (64, 300), (300, 200), (200, 100))  # each 64 KiB or more: a weight
+    path = tmp_path / name
+    irm.save(_mlp(w), path)
+    return path, w
+
+
+def test_a_stage_file_is_read_with_its_weights_left_in_their_file(tmp_path, monkeypatch):
+    path, w = _saved_large(tmp_path, monkeypatch)
+    model = irm.read(path)
+    for t, want in zip(model.graph.initializer, w):
+        assert irm.is_mapped(t) and irm.is_weight(t) and not t.raw_data
+        got = irm.array(t)
+        np.testing.assert_array_equal(got, want)
+        assert not got.flags.writeable and not got.flags.owndata  # a view of the file, not a copy
+        np.testing.assert_array_equal(numpy_helper.to_array(irm.inline(t)), want)
+    inline = irm.materialize(irm.read(path))
+    assert not any(irm.is_mapped(t) for t in inline.graph.initializer)
+    assert irm.sha256(model) == irm.sha256(inline) == irm.sha256(_mlp(w))  # the bytes count, not where they are
+    irm.check(model)
+    x = np.random.default_rng(6).standard_normal((1, 64)).astype(np.float32)
+    want = x @ w[0] @ w[1] @ w[2]
+    np.testing.assert_allclose(irm.onnxruntime_session(model).run(None, {"x": x})[0], want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    with pytest.raises(Exception, match="relative path"):
+        numpy_helper.to_array(model.graph.initializer[0])  # onnx's own reader refuses it: `irm.array` is the way
+
+
+def test_saving_mapped_weights_links_their_file_copies_a_part_and_never_links_a_users_file(tmp_path, monkeypatch):
+    path, w = _saved_large(tmp_path, monkeypatch)
+    data = tmp_path / "model.onnx.data"
+    model = irm.read(path)
+    irm.save(model, tmp_path / "same.onnx")  # every weight, unchanged: the one file, linked
+    assert (tmp_path / "same.onnx.data").stat().st_ino == data.stat().st_ino
+    irm.save(model, tmp_path / "copy.onnx", link=False)  # for onnx's own loader, which refuses a linked file
+    assert (tmp_path / "copy.onnx.data").stat().st_ino != data.stat().st_ino
+    np.testing.assert_array_equal(irm.array(irm.load(tmp_path / "copy.onnx").graph.initializer[2]), w[2])
+    # a segment of two of the three weights: those two copied file to file, at aligned offsets
+    part = irm.extract_segment(irm.infer_shapes(model), [1, 2], ["m0"], ["m2"])
+    irm.save(part, tmp_path / "part.onnx")
+    assert (tmp_path / "part.onnx.data").stat().st_size < data.stat().st_size
+    again = irm.read(tmp_path / "part.onnx")
+    for t, want in zip(again.graph.initializer, w[1:]):
+        np.testing.assert_array_equal(irm.array(t), want)
+        assert int(next(e.value for e in t.external_data if e.key == "offset")) % 4096 == 0
+    # a changed weight is written from memory beside the mapped ones
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(w[0] * 2, "w0"))
+    irm.save(model, tmp_path / "changed.onnx")
+    changed = irm.read(tmp_path / "changed.onnx")
+    np.testing.assert_array_equal(irm.array(changed.graph.initializer[0]), w[0] * 2)
+    np.testing.assert_array_equal(irm.array(changed.graph.initializer[1]), w[1])
+    # a user's model is mapped where it lies, and a save copies it: a link would follow the user's later edits
+    user = tmp_path / "user"
+    user.mkdir()
+    onnx.save(_mlp(w), str(user / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="m.data")
+    loaded = irm.load(user / "m.onnx")
+    assert all(irm.is_mapped(t) for t in loaded.graph.initializer)
+    irm.save(loaded, tmp_path / "imported.onnx")
+    assert (tmp_path / "imported.onnx.data").stat().st_ino != (user / "m.data").stat().st_ino
+    assert irm.sha256(irm.read(tmp_path / "imported.onnx")) == irm.sha256(_mlp(w))
+    # below the threshold, mapped weights are saved into the model itself, and no .data is left
+    monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 30)
+    irm.save(irm.read(path), tmp_path / "small.onnx")
+    assert not (tmp_path / "small.onnx.data").exists()
+    small = onnx.load(str(tmp_path / "small.onnx"))
+    np.testing.assert_array_equal(numpy_helper.to_array(small.graph.initializer[1]), w[1])
+    assert irm.sha256(irm.read(path)) == irm.sha256(small)

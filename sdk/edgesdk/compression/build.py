@@ -13,7 +13,6 @@ from collections.abc import Collection, Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..ir import model as irm
 from .plan import DENSE, read_plan, write_plan
@@ -55,7 +54,7 @@ def load_plan(path, model: onnx.ModelProto) -> dict[str, PruneMethod]:
 
 def pruned_weight(model: onnx.ModelProto, layer: Layer, method: PruneMethod) -> np.ndarray:
     """`layer`'s weight as `method` alone would prune it, as stored."""
-    w = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == layer.weight))
+    w = irm.array(next(i for i in model.graph.initializer if i.name == layer.weight))
     return np.where(oriented(mask(oriented(w, layer), method), layer), w, np.zeros((), w.dtype))
 
 

@@ -214,17 +214,17 @@ def correct_weights(dense_model: onnx.ModelProto, pruned_model: onnx.ModelProto,
         masks = {k: np.asarray(v, dtype=bool) for k, v in masks_or_records.items()}
     else:
         by_name = {x.name: x for x in layers}
-        masks = {r["layer"]: numpy_helper.to_array(pruned_weight(by_name[r["layer"]])) != 0
+        masks = {r["layer"]: irm.array(pruned_weight(by_name[r["layer"]])) != 0
                  for r in masks_or_records if r["layer"] in by_name}
     todo = [x for x in layers if x.name in masks]
     activations = run_samples(dense_model, samples, [x.input for x in todo])
     report: dict[str, dict] = {}
     for layer in todo:
         weight = pruned_weight(layer)
-        stored = numpy_helper.to_array(weight)
+        stored = irm.array(weight)
         view = oriented(stored, layer)
         flat = (view.shape[0], -1)
-        dense = oriented(numpy_helper.to_array(dense_weights[layer.weight]), layer).reshape(flat).astype(np.float64)
+        dense = oriented(irm.array(dense_weights[layer.weight]), layer).reshape(flat).astype(np.float64)
         pruned = view.reshape(flat).astype(np.float64)
         keep = oriented(masks[layer.name], layer).reshape(flat)
         x = _rows(nodes[layer.output], layer, [a[layer.input] for a in activations], max_rows)

@@ -36,6 +36,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import UsageError
+from ..ir import model as irm
 from ..ir.model import graphs, infer_shapes, static_shapes
 
 MAX_GROUP = 16
@@ -222,12 +223,12 @@ def prune_model(model: onnx.ModelProto, method: PruneMethod | Mapping[str, Prune
     methods = method if isinstance(method, Mapping) else {x.name: method for x in layers}
     by_weight: dict[str, list[tuple[Layer, np.ndarray]]] = collections.defaultdict(list)
     for layer in layers:
-        dense = numpy_helper.to_array(inits[layer.weight])
+        dense = irm.array(inits[layer.weight])
         by_weight[layer.weight].append((layer, oriented(mask(oriented(dense, layer), methods[layer.name]), layer)))
 
     records = []
     for name, group in by_weight.items():
-        dense = numpy_helper.to_array(inits[name])
+        dense = irm.array(inits[name])
         in_place = uses[name] == len(group) and all(np.array_equal(k, group[0][1]) for _, k in group)
         for layer, keep in group:
             pruned = np.where(keep, dense, np.zeros((), dense.dtype))

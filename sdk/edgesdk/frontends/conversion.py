@@ -66,7 +66,7 @@ def convert(path: Path, fmt: str, work: Path, *, batch: int, input_shapes: dict[
         raise error(result["code"], f"{path}: {result['message']}", result.get("hint", ""), notes=result.get("notes"))
 
     try:
-        model = irm.read(files["converted.onnx"])
+        model = irm.materialize(irm.read(files["converted.onnx"]))  # (read in: `work` goes when import ends)
     except Exception as e:
         raise UserError("import.convert-failed", f"{path}: the converter wrote no readable ONNX ({type(e).__name__})",
                         "this is a bug in edgesdk's conversion: report it with the model") from None

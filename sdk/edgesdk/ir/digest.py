@@ -39,6 +39,8 @@ def graph_structure_sha256(model) -> str:
     one compiled artifact with it: a captioner's per-frame CNN.)"""
     import onnx
 
+    from . import model as irm
+
     g = model.graph
     h = hashlib.sha256()
     inits = {i.name: i for i in g.initializer}
@@ -48,7 +50,7 @@ def graph_structure_sha256(model) -> str:
         h.update(b"I" + i.type.SerializeToString(deterministic=True))
     for name, init in inits.items():
         content = onnx.TensorProto()
-        content.CopyFrom(init)
+        content.CopyFrom(irm.inline(init))  # a mapped weight: its bytes, not where they are
         content.name = ""
         ref[name] = "w" + hashlib.sha256(content.SerializeToString(deterministic=True)).hexdigest()
     for n_i, node in enumerate(g.node):

@@ -288,7 +288,7 @@ def _index_consumers_after(start: onnx.NodeProto, consumers: dict) -> list[str]:
 
 def _scalar_constants(g: onnx.GraphProto) -> dict[str, Value]:
     """Initializers and Constant nodes holding one number (an offset, a 0 to compare with) or one bool."""
-    arrays = {i.name: numpy_helper.to_array(i) for i in g.initializer if int(np.prod(i.dims)) == 1}
+    arrays = {i.name: irm.array(i) for i in g.initializer if int(np.prod(i.dims)) == 1}
     for node in g.node:
         if node.op_type == "Constant" and node.attribute:
             value = helper.get_attribute_value(node.attribute[0])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import external_data_helper as ext_data, helper, numpy_helper
 
 from ..errors import UserError
 
@@ -25,10 +25,18 @@ CAPABLE_KEY = "edgesdk.capable"
 # protobuf's 2 GB limit. onnx's Python API serializes the whole model for each of those calls: a copy of
 # every weight each time, and no call at all past 2 GB. Shapes are computed from small tensors only.
 WEIGHT_BYTES = 1 << 16
-# a model whose initializers pass this size keeps its weights in a `.data` file beside it (`save`)
-EXTERNAL_FROM = 1 << 30
+# a model whose initializers pass this size keeps its weights in a `.data` file beside it (`save`), where
+# the next stage maps them (`read`): ResNet50 (98 MB) and larger never hold them in memory between stages
+EXTERNAL_FROM = 64 << 20
 # where a `weightless` stub says its data is: nowhere on disk (onnxruntime gets the array itself)
 IN_MEMORY = "edgesdk:weight-held-in-memory"
+
+# Mapped weights. A model read from a file with external data (`read`, `load`) keeps its main graph's
+# weights there: each initializer stays an external tensor whose location is the file's absolute path.
+# Nothing copies them into memory: `array` maps a weight's bytes, `save` copies them file to file (or
+# links the file where the model's weights are the whole of it), onnxruntime and onnx_ir read them
+# in place. A stage that does not change the weights never holds them. `inline` and `materialize`
+# read them into the message where a library wants the bytes themselves (TVM's importer).
 
 
 def infer_shapes(model: onnx.ModelProto, *, strict: bool = True) -> onnx.ModelProto:
@@ -46,7 +54,66 @@ def infer_shapes(model: onnx.ModelProto, *, strict: bool = True) -> onnx.ModelPr
 
 
 def is_weight(tensor: onnx.TensorProto) -> bool:
-    return tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.ByteSize() >= WEIGHT_BYTES
+    """A mapped weight, or an initializer of `WEIGHT_BYTES` or more held in the message."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return is_mapped(tensor)
+    return tensor.ByteSize() >= WEIGHT_BYTES
+
+
+def is_mapped(tensor: onnx.TensorProto) -> bool:
+    """Whether `tensor`'s data is still in the file it was read from (`read`, `load`): its location is absolute."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and os.path.isabs(_external(tensor).get("location", ""))
+
+
+def _external(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def array(tensor: onnx.TensorProto) -> np.ndarray:
+    """`numpy_helper.to_array`, where a mapped weight is a read-only view of its file (`np.memmap`), not a copy."""
+    if not is_mapped(tensor):
+        return numpy_helper.to_array(tensor)
+    if tensor.data_type not in _ARRAY_TYPES:  # bfloat16, 4-bit, float8: onnx's own conversion
+        return numpy_helper.to_array(inline(tensor))
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+    shape = tuple(tensor.dims)
+    if not all(shape):
+        return np.zeros(shape, dtype)
+    info = _external(tensor)
+    return np.asarray(np.memmap(info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=shape))
+
+
+def inline(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """`tensor` itself, or for a mapped weight a copy that holds its bytes (as a tensor saved inline reads)."""
+    if not is_mapped(tensor):
+        return tensor
+    out = onnx.TensorProto()
+    out.CopyFrom(tensor)
+    del out.external_data[:]
+    out.ClearField("data_location")
+    out.raw_data = _mapped_bytes(tensor)
+    return out
+
+
+def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every mapped weight of `model` read into it (in place), for a library that wants the bytes in the
+    message; returns `model`."""
+    for t in model.graph.initializer:
+        if is_mapped(t):
+            t.CopyFrom(inline(t))
+    return model
+
+
+def _mapped_bytes(tensor: onnx.TensorProto) -> bytes:
+    info = _external(tensor)
+    with open(info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"]))
+
+
+def _data_bytes(tensor: onnx.TensorProto) -> int:
+    """What a tensor's data takes: a mapped weight's length in its file, else its message's size."""
+    return int(_external(tensor)["length"]) if is_mapped(tensor) else tensor.ByteSize()
 
 
 def weightless(model: onnx.ModelProto, *, stubs: bool = False) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
@@ -87,9 +154,9 @@ def onnxruntime_session(model: onnx.ModelProto, opts=None, *, outputs: list[onnx
         shell.graph.output.extend(outputs)
     stubs = {t.name: t for t in shell.graph.initializer}
     for t in [t for t in weights if t.data_type not in _ARRAY_TYPES]:  # bfloat16, 4-bit, float8: serialized after all
-        stubs[t.name].CopyFrom(t)
+        stubs[t.name].CopyFrom(inline(t))
     weights = [t for t in weights if t.data_type in _ARRAY_TYPES]
-    arrays = [numpy_helper.to_array(t) for t in weights]
+    arrays = [array(t) for t in weights]  # a mapped weight: a view of its file, which onnxruntime reads in place
     if weights:
         opts.add_external_initializers([t.name for t in weights], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
     session = ort.InferenceSession(shell.SerializeToString(), opts, providers=["CPUExecutionProvider"])
@@ -121,7 +188,20 @@ def check(model: onnx.ModelProto) -> None:
     shell, weights = weightless(model)
     onnx.checker.check_model(shell)
     for t in weights:
-        onnx.checker.check_tensor(t)
+        if is_mapped(t):  # its bytes were checked to be there when it was read (`read`, `load`)
+            _check_mapped(t)
+        else:
+            onnx.checker.check_tensor(t)
+
+
+def _check_mapped(t: onnx.TensorProto) -> None:
+    if t.data_type not in _ARRAY_TYPES:
+        onnx.checker.check_tensor(inline(t))
+        return
+    need = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    if int(_external(t)["length"]) != need:
+        raise onnx.checker.ValidationError(f"tensor '{t.name}': its external data holds {_external(t)['length']} "
+                                           f"bytes, its type and shape need {need}")
 
 
 def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
@@ -148,13 +228,34 @@ def load(path: Path, *, check: bool = True) -> onnx.ModelProto:
 
 
 def read(path: Path) -> onnx.ModelProto:
-    """A model a stage of this build wrote (`save`), with its external data."""
+    """A model a stage of this build wrote (`save`): its weights in a `.data` file stay there, mapped."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    tensors = external_tensors(model)
+    base = Path(os.path.abspath(path.parent))
+    for t in model.graph.initializer:
+        if ext_data.uses_external_data(t):
+            info = ext_data.ExternalDataInfo(t)
+            _BUILD_FILES.add(_set_mapped(t, base / info.location, info))
+    tensors = [t for t in external_tensors(model) if not is_mapped(t)]  # in attributes and subgraphs: read in
     if tensors:
         _read_external_data(tensors, path.parent)
     return model
+
+
+# the `.data` files `read` mapped: this build wrote them and never writes them again, so that `save` may
+# link one (a user's file is copied: a link would follow the user's later edits)
+_BUILD_FILES: set[str] = set()
+
+
+def _set_mapped(t: onnx.TensorProto, file: Path, info) -> str:
+    """Make `t` a mapped weight of `file` (absolute); returns the file's path."""
+    where = os.path.abspath(file)
+    offset = info.offset or 0
+    length = info.length if info.length is not None else max(os.path.getsize(where) - offset, 0)
+    del t.external_data[:]
+    for key, value in (("location", where), ("offset", str(offset)), ("length", str(length))):
+        t.external_data.add(key=key, value=value)
+    return where
 
 
 def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
@@ -216,7 +317,12 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         raise UserError("import.external-data", f"{path}: {len(problems)} tensor(s) stored as external data cannot be read",
                         "keep the .data file(s) beside the .onnx file, as they were saved", notes=problems)
     try:
-        for t in tensors:  # onnx's own checks (no symlink, no hard link, no escape), one tensor at a time
+        for t in model.graph.initializer:  # weights: onnx's own checks (no symlink, no hard link, no escape), then mapped
+            if ext.uses_external_data(t):
+                info = ext.ExternalDataInfo(t)
+                os.close(ext._open_external_data_fd(str(base), info.location, t.name, True))
+                _set_mapped(t, base / info.location, info)
+        for t in [t for t in tensors if not is_mapped(t)]:  # in attributes and subgraphs: read in
             ext.load_external_data_for_tensor(t, str(base))
             t.ClearField("data_location")  # as a tensor saved inline reads
     except Exception as e:
@@ -251,16 +357,19 @@ def _read_external_data(tensors: list[onnx.TensorProto], base: Path) -> None:
             f.close()
 
 
-def save(model: onnx.ModelProto, path: Path) -> None:
+def save(model: onnx.ModelProto, path: Path, *, link: bool = True) -> None:
     """Write atomically (temporary files, then rename). A model past `EXTERNAL_FROM` bytes keeps its
-    weights in `<name>.data` beside it (ONNX external data, each weight at an offset aligned to 4 KiB
-    so that a reader can map it), written one weight at a time: never a second copy of them all."""
+    weights in `<name>.data` beside it (ONNX external data, each weight at an
+    offset aligned to 4 KiB so that a reader can map it), written one weight at a time: never a second
+    copy of them all. A mapped weight is copied file to file; where the weights are the whole of a
+    `.data` file this build wrote, that file is linked instead (`_BUILD_FILES`), unless `link` is false:
+    for a file that onnx's own loader reads, which refuses a file with several links."""
     model.ir_version = min(model.ir_version or IR_VERSION, IR_VERSION)
     path = Path(path)
     tmp = Path(f"{path}.tmp{os.getpid()}")
     data = path.with_name(path.name + ".data")
-    if _initializer_bytes(model) <= EXTERNAL_FROM:
-        tmp.write_bytes(model.SerializeToString())
+    if not _keeps_external(model):
+        tmp.write_bytes(_inlined(model).SerializeToString())
         tmp.replace(path)
         data.unlink(missing_ok=True)
         return
@@ -268,16 +377,16 @@ def save(model: onnx.ModelProto, path: Path) -> None:
     stubs = {t.name: t for t in shell.graph.initializer if t.name in {w.name for w in weights}}
     tmp_data = Path(f"{data}.tmp{os.getpid()}")
     try:
-        with open(tmp_data, "wb") as f:
-            for t in weights:
-                f.seek(-f.tell() % 4096, os.SEEK_CUR)
-                offset, raw = f.tell(), _raw_bytes(t)
-                f.write(raw)
-                stub = stubs[t.name]
-                del stub.external_data[:]
-                for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(len(raw)))):
-                    stub.external_data.add(key=key, value=value)
-                del raw
+        linked = _whole_file(weights) if link else None
+        if linked is not None and _linked(linked, tmp_data):
+            places = [(t, int(_external(t)["offset"]), int(_external(t)["length"])) for t in weights]
+        else:
+            places = _write_weights(weights, tmp_data)
+        for t, offset, length in places:
+            stub = stubs[t.name]
+            del stub.external_data[:]
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(length))):
+                stub.external_data.add(key=key, value=value)
         tmp.write_bytes(shell.SerializeToString())
         tmp_data.replace(data)
         tmp.replace(path)
@@ -287,16 +396,102 @@ def save(model: onnx.ModelProto, path: Path) -> None:
         raise
 
 
+def _keeps_external(model: onnx.ModelProto) -> bool:
+    """Whether `save` writes the weights beside the model (past `EXTERNAL_FROM`)."""
+    return _initializer_bytes(model) > EXTERNAL_FROM
+
+
+def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` itself, or where it has mapped weights a copy with their bytes in it (a small model
+    read from a file with external data is saved and hashed as one whole message)."""
+    if not any(is_mapped(t) for t in model.graph.initializer):
+        return model
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip="graph")
+    copy_fields(model.graph, out.graph, skip="initializer")
+    out.graph.initializer.extend(inline(t) for t in model.graph.initializer)
+    return out
+
+
+def _whole_file(weights: list[onnx.TensorProto]) -> str | None:
+    """The `.data` file this build wrote that holds `weights` and nothing else, if there is one."""
+    files = {_external(t)["location"] if is_mapped(t) else None for t in weights}
+    if len(files) != 1 or None in files or next(iter(files)) not in _BUILD_FILES:
+        return None
+    file = next(iter(files))
+    held = sum(int(_external(t)["length"]) for t in weights)
+    try:  # each weight aligned to 4 KiB: padding is all that may lie between them
+        return file if os.path.getsize(file) <= held + 4096 * len(weights) else None
+    except OSError:
+        return None
+
+
+def _linked(file: str, dest: Path) -> bool:
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(file, dest)
+        return True
+    except OSError:  # another file system, or one without hard links: the weights are copied
+        return False
+
+
+def _write_weights(weights: list[onnx.TensorProto], dest: Path) -> list[tuple[onnx.TensorProto, int, int]]:
+    """Write each weight to `dest` at a 4 KiB-aligned offset; mapped ones file to file. Returns
+    (weight, offset, length) for each."""
+    places = []
+    sources: dict[str, object] = {}
+    try:
+        with open(dest, "wb") as f:
+            for t in weights:
+                f.seek(-f.tell() % 4096, os.SEEK_CUR)
+                offset = f.tell()
+                if is_mapped(t):
+                    info = _external(t)
+                    src = sources.get(info["location"]) or sources.setdefault(info["location"], open(info["location"], "rb"))
+                    length = int(info["length"])
+                    f.flush()
+                    _copy_range(src.fileno(), f.fileno(), int(info.get("offset", 0)), offset, length)
+                    f.seek(offset + length)
+                else:
+                    raw = _raw_bytes(t)
+                    length = len(raw)
+                    f.write(raw)
+                    del raw
+                places.append((t, offset, length))
+            f.truncate(f.tell())
+    finally:
+        for src in sources.values():
+            src.close()
+    return places
+
+
+def _copy_range(src: int, dst: int, src_offset: int, dst_offset: int, length: int) -> None:
+    """`length` bytes from `src` at `src_offset` to `dst` at `dst_offset`: in the kernel
+    (`copy_file_range`) where the file system can, else through a 16 MiB buffer."""
+    done = 0
+    while done < length:
+        at, to, want = src_offset + done, dst_offset + done, length - done
+        try:
+            n = os.copy_file_range(src, dst, want, at, to)
+        except OSError:
+            chunk = os.pread(src, min(16 << 20, want), at)
+            n = os.pwrite(dst, chunk, to) if chunk else 0
+        if n == 0:
+            raise OSError(f"external data ends {want} bytes early")
+        done += n
+
+
 def feed_hash(h, model: onnx.ModelProto) -> None:
-    """Feed `model`'s deterministic serialization to hashlib object `h`; past `EXTERNAL_FROM` bytes of
-    initializers (where protobuf may not serialize it whole), the model without its weights, then each weight."""
-    if _initializer_bytes(model) <= EXTERNAL_FROM:
-        h.update(model.SerializeToString(deterministic=True))
+    """Feed `model`'s deterministic serialization to hashlib object `h`, a mapped weight as a tensor
+    saved inline reads (wherever its file is); past `EXTERNAL_FROM` bytes of initializers (where
+    protobuf may not serialize it whole), the model without its weights, then each weight."""
+    if not _keeps_external(model):
+        h.update(_inlined(model).SerializeToString(deterministic=True))
         return
     shell, weights = weightless(model)
     h.update(shell.SerializeToString(deterministic=True))
     for t in weights:
-        h.update(t.SerializeToString(deterministic=True))
+        h.update(inline(t).SerializeToString(deterministic=True))
 
 
 def sha256(model: onnx.ModelProto) -> str:
@@ -306,7 +501,7 @@ def sha256(model: onnx.ModelProto) -> str:
 
 
 def _initializer_bytes(model: onnx.ModelProto) -> int:
-    return sum(t.ByteSize() for t in model.graph.initializer)  # (a whole model's ByteSize fails past 2 GB)
+    return sum(_data_bytes(t) for t in model.graph.initializer)  # (a whole model's ByteSize fails past 2 GB)
 
 
 def _raw_bytes(t: onnx.TensorProto) -> bytes:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..ir import model as irm
 
@@ -39,10 +39,7 @@ class Region:
 
     def function(self, model: onnx.ModelProto) -> Callable[[np.ndarray], np.ndarray]:
         """f as a numpy function (float64 in and out), evaluated by onnxruntime on the region's nodes."""
-        import onnxruntime as ort
-
-        sub = _submodel(model, self)
-        session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = irm.onnxruntime_session(_submodel(model, self))
 
         def f(x: np.ndarray) -> np.ndarray:
             flat = np.asarray(x, np.float64).reshape(-1).astype(np.float32)
@@ -130,7 +127,7 @@ def _elementwise(node: onnx.NodeProto, consts: set[str], values: dict[str, float
 def _scalar_constants(model: onnx.ModelProto) -> dict[str, float]:
     out = {}
     for t in model.graph.initializer:
-        a = numpy_helper.to_array(t)
+        a = irm.array(t)
         if a.size == 1 and np.issubdtype(a.dtype, np.floating):
             out[t.name] = float(a.reshape(()))
     return out

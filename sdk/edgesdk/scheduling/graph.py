@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import onnx
 
 from ..config import HOST
@@ -88,8 +89,9 @@ def _weight_keys(model: onnx.ModelProto, shapes, consts) -> tuple[tuple[tuple[st
     first: dict[tuple, str] = {}
     alias: dict[str, str] = {}
     for init in model.graph.initializer:
-        if init.name in consts and init.raw_data:
-            content = (init.data_type, tuple(init.dims), hashlib.blake2b(init.raw_data, digest_size=16).digest())
+        if init.name in consts and (irm.is_mapped(init) or init.raw_data):
+            raw = irm.array(init).reshape(-1).view(np.uint8) if irm.is_mapped(init) else init.raw_data  # (mapped: not copied)
+            content = (init.data_type, tuple(init.dims), hashlib.blake2b(raw, digest_size=16).digest())
             alias[init.name] = first.setdefault(content, init.name)
     keys, key_bytes = [], {}
     for n in model.graph.node:

@@ -4,6 +4,8 @@ the kernel (which picks a process, often not the build) an hour in.
 
     peak = BASE_BYTES + HELD_COPIES x weights + the hungriest compiler the build may run
 
+(MAPPED_HELD_COPIES instead of HELD_COPIES past `irm.EXTERNAL_FROM`, where the stages map the weights.)
+
 A compiler's share is its backend's `compile_base_bytes + compile_bytes_per_weight_byte x weights`
 (`backends/__init__.py`, each measured). The compilers a build may run: each accelerator's backends,
 and on the CPU the backends the tune stage measures (`--cpu-backends`) besides the host's own; with
@@ -23,6 +25,7 @@ from .. import backends
 from ..config import HOST
 from ..devices import registry
 from ..errors import UsageError, UserError
+from ..ir import model as irm
 from ..ir.memory import GiB, available_bytes, shown
 
 # the build of a model of one 3x3 convolution: TensorFlow, TVM and the runtime loaded, no weights to
@@ -32,6 +35,10 @@ BASE_BYTES = int(1.1 * GiB)
 # cut from it and a reference session's (tune); the model, the optimized model and a transient (import);
 # the float model, its session and the bundle's self-test (package). Measured: 2.3 to 4.3 (memory.json)
 HELD_COPIES = 4
+# the same past `irm.EXTERNAL_FROM`, where the stages map the weights from their files instead of holding
+# them (`irm.read`): a session's copy and the self-test's, and the file's pages while they are read.
+# Measured: 2.0 (the 2.25 GiB MLP, --low-memory)
+MAPPED_HELD_COPIES = 2
 # the CPU backends a `--low-memory` build compiles: onnxruntime reads the weights where they are
 LOW_MEMORY_BACKENDS = ("onnxruntime",)
 # EDGESDK_MEMORY_CHECK=off builds whatever the estimate says
@@ -64,7 +71,7 @@ def compilers(target, options) -> list[str]:
 
 
 def estimate(weights: int, target, options) -> Estimate:
-    held = BASE_BYTES + HELD_COPIES * weights
+    held = BASE_BYTES + (MAPPED_HELD_COPIES if weights > irm.EXTERNAL_FROM else HELD_COPIES) * weights
     best = Estimate(weights, held, "")
     accelerated = {b for dev in target.devices if dev.kind != HOST for b in registry.model(dev.kind).backends}
     for name in compilers(target, options):

@@ -113,7 +113,7 @@ def quantize_segment(job) -> dict:
     method = CalibrationMethod.Percentile if job.method == "percentile" else CalibrationMethod.MinMax
     with tempfile.TemporaryDirectory(prefix="edgesdk-qdq-") as tmp:
         src = Path(tmp) / "float.onnx"
-        irm.save(job.model, src)
+        irm.save(job.model, src, link=False)  # onnx's loader in quantize_static refuses a linked file
         # calibration runs an augmented copy of the model written beside it; the quantizer's advice on
         # the root logger (pre-process the model first: our import stage has) is not the user's to read
         logging.disable(logging.WARNING)

@@ -85,7 +85,7 @@ def affine_as_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Rewrit
                     or types.get(x) != TensorProto.FLOAT or consts[c].data_type != TensorProto.FLOAT
                     or shapes.get(node.output[0]) != shape):
                 continue
-            value = per_channel(numpy_helper.to_array(consts[c]), shape)
+            value = per_channel(irm.array(consts[c]), shape)
             if value is not None:
                 return x, value.astype(np.float64)
         return None

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ...errors import UserError
 from ...ir import model as irm
@@ -63,7 +62,7 @@ def _check_model(model: onnx.ModelProto, cpu: bool = False) -> tuple[dict[str, n
     """Constants of the graph and each node's lowering (`lowering_for`; None where it folds away);
     raises UserError listing every input or node we cannot take."""
     graph = model.graph
-    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    consts = {i.name: irm.array(i) for i in graph.initializer}
     problems = []
     for vi in graph.input:
         if vi.name in consts:

@@ -214,13 +214,17 @@ def _import(model: onnx.ModelProto) -> Any:
 def _weightless_checker():
     """TVM's importer runs onnx.checker on the whole model first (and only warns on what it finds):
     that serializes every weight once more, and fails past protobuf's 2 GB. While it imports, the
-    checker sees the model without its weights (`irm.weightless`), which import checked one by one."""
-    check_model = onnx.checker.check_model
+    checker sees the model without its weights (`irm.weightless`), which import checked one by one;
+    and it reads a mapped weight (`irm.is_mapped`) from its file by `irm.array`, where onnx's own
+    `to_array` would refuse its absolute location."""
+    check_model, to_array = onnx.checker.check_model, onnx.numpy_helper.to_array
     onnx.checker.check_model = lambda model, *args, **kwargs: check_model(irm.weightless(model)[0], *args, **kwargs)
+    onnx.numpy_helper.to_array = lambda t, *args, **kwargs: (irm.array(t) if irm.is_mapped(t)
+                                                             else to_array(t, *args, **kwargs))
     try:
         yield
     finally:
-        onnx.checker.check_model = check_model
+        onnx.checker.check_model, onnx.numpy_helper.to_array = check_model, to_array
 
 
 def _dims_text(tensor_type: onnx.TypeProto.Tensor) -> str:
@@ -292,14 +296,12 @@ KERNEL_META = "edgesdk.kernel"
 
 def _forced_kernels(model: onnx.ModelProto) -> dict[str, str]:
     """The kernel forced on each Conv node marked KERNEL_META, by its weight's digest (sparse.weight_digest)."""
-    from onnx import numpy_helper
-
     weights = {t.name: t for t in model.graph.initializer}
     out = {}
     for node in model.graph.node:
         kernel = next((p.value for p in node.metadata_props if p.key == KERNEL_META), None)
         if kernel is not None and node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in weights:
-            out[sparse.weight_digest(numpy_helper.to_array(weights[node.input[1]]))] = kernel
+            out[sparse.weight_digest(irm.array(weights[node.input[1]]))] = kernel
     return out
 
 
