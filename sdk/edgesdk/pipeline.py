@@ -271,7 +271,8 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             digests[phase.name] = (dest / "digest").read_text()
             if phase.name == "import" and i < stop and record.get("weight_bytes") is not None:
                 # before the stages that hold the weights several times over: stop now if they cannot fit
-                build_memory.check(record["weight_bytes"], target, options, log)
+                build_memory.check(record["weight_bytes"], target, options, log,
+                                   converter_peak=record.get("converter_peak_rss"))
             if os.environ.get(CRASH_ENV) == phase.name:  # the fault-injection hook: killed between stages
                 os.kill(os.getpid(), signal.SIGKILL)
         try:

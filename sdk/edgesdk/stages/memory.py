@@ -53,7 +53,7 @@ class Estimate:
 
     def describe(self) -> str:
         by = f", while {self.compiler} compiles" if self.compiler else ""
-        return f"about {shown(self.peak)} at its peak{by} ({shown(self.weights)} of weights)"
+        return f"about {shown(self.peak)} at its peak after import{by} ({shown(self.weights)} of weights)"
 
 
 def compilers(target, options) -> list[str]:
@@ -87,13 +87,16 @@ def estimate(weights: int, target, options) -> Estimate:
     return best
 
 
-def check(weights: int, target, options, log) -> Estimate:
-    """The estimate, logged; a `build.out-of-memory` error where it passes the memory this machine has
-    available (unless EDGESDK_MEMORY_CHECK=off)."""
+def check(weights: int, target, options, log, *, converter_peak: int | None = None) -> Estimate:
+    """The estimate of the stages after import, logged (with `converter_peak`, what import's converter
+    child held at its peak: import has run by now, and its converter is watched on its own); a
+    `build.out-of-memory` error where it passes the memory this machine has available (unless
+    EDGESDK_MEMORY_CHECK=off)."""
     found = estimate(weights, target, options)
     available = available_bytes()
-    log(f"build: memory: {found.describe()}; " + (f"{shown(available)} available" if available is not None
-                                                   else "available memory unknown"))
+    converter = f"; import's converter held {shown(converter_peak)} at its peak" if converter_peak else ""
+    log(f"build: memory: {found.describe()}{converter}; " + (f"{shown(available)} available" if available is not None
+                                                              else "available memory unknown"))
     switch = os.environ.get(CHECK_ENV, "on").strip().lower()
     if switch not in ("on", "off"):
         raise UsageError("build.bad-env", f"{CHECK_ENV}={os.environ[CHECK_ENV]!r}: expected on or off",
