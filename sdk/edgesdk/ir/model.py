@@ -260,9 +260,7 @@ def _set_mapped(t: onnx.TensorProto, file: Path, info) -> str:
 
 def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     """Every tensor of `model` (initializers, attributes, subgraphs) whose data is external."""
-    from onnx import external_data_helper as ext
-
-    return [t for t in ext._get_all_tensors(model) if ext.uses_external_data(t)]
+    return [t for t in ext_data._get_all_tensors(model) if ext_data.uses_external_data(t)]
 
 
 def check_model(model: onnx.ModelProto, path: Path) -> None:
@@ -283,8 +281,6 @@ def _clipped(text: str, limit: int) -> str:
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     """Check every external-data reference before reading it, so that a missing or short `.data`
     file is named (with each tensor that needs it) instead of surfacing as onnx's first complaint."""
-    from onnx import external_data_helper as ext
-
     base = Path(os.path.abspath(path.parent))  # as onnx resolves locations: beside the file as named
     tensors = external_tensors(model)
     if not tensors:
@@ -292,7 +288,7 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     problems = []
     for t in tensors:
         try:
-            info = ext.ExternalDataInfo(t)
+            info = ext_data.ExternalDataInfo(t)
         except Exception:  # offset/length that are not numbers
             problems.append(f"tensor '{t.name}': its external data reference is malformed")
             continue
@@ -318,12 +314,12 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                         "keep the .data file(s) beside the .onnx file, as they were saved", notes=problems)
     try:
         for t in model.graph.initializer:  # weights: onnx's own checks (no symlink, no hard link, no escape), then mapped
-            if ext.uses_external_data(t):
-                info = ext.ExternalDataInfo(t)
-                os.close(ext._open_external_data_fd(str(base), info.location, t.name, True))
+            if ext_data.uses_external_data(t):
+                info = ext_data.ExternalDataInfo(t)
+                os.close(ext_data._open_external_data_fd(str(base), info.location, t.name, True))
                 _set_mapped(t, base / info.location, info)
         for t in [t for t in tensors if not is_mapped(t)]:  # in attributes and subgraphs: read in
-            ext.load_external_data_for_tensor(t, str(base))
+            ext_data.load_external_data_for_tensor(t, str(base))
             t.ClearField("data_location")  # as a tensor saved inline reads
     except Exception as e:
         # onnx says "Data of TensorProto ( tensor name: w) should be stored in PATH, but it has multiple hard
@@ -339,12 +335,10 @@ def _read_external_data(tensors: list[onnx.TensorProto], base: Path) -> None:
     """Each tensor's bytes from its location into the tensor, for the files this build wrote (`read`).
     onnx's own loader, which reads a user's model (`load`), refuses a file with several hard links:
     that is how the stage cache shares a weights file a stage did not change."""
-    from onnx import external_data_helper as ext
-
     files: dict[str, object] = {}
     try:
         for t in tensors:
-            info = ext.ExternalDataInfo(t)
+            info = ext_data.ExternalDataInfo(t)
             if info.location not in files:
                 files[info.location] = open(base / info.location, "rb")
             f = files[info.location]
