@@ -84,6 +84,24 @@ def test_truncated_external_data_says_how_short(tmp_path):
     assert e.value.notes == ["tensor 'w': m.onnx.data holds 40 bytes, the tensor needs bytes 0..64"]
 
 
+def test_external_data_longer_than_its_tensor_is_refused(tmp_path):
+    """No length given, and the file holds more than the tensor's type and shape need (found by `make
+    fuzz`: onnx's checker took the extra bytes, and import wrote a malformed weight on)."""
+    model, w = _matmul_model()
+    (weight,) = model.graph.initializer
+    weight.ClearField("raw_data")
+    weight.ClearField("float_data")
+    weight.data_location = TensorProto.EXTERNAL
+    weight.external_data.add(key="location", value="w.bin")
+    (tmp_path / "w.bin").write_bytes(w.tobytes() + bytes(8))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UserError) as e:
+        _load(path, tmp_path)
+    assert e.value.code == "import.invalid-model"
+    assert f"tensor 'w': its external data holds {w.nbytes + 8} bytes, its type and shape need {w.nbytes}" in e.value.message
+
+
 def test_external_data_outside_the_model_directory_is_refused(tmp_path):
     model, _ = _matmul_model()
     inner = tmp_path / "models"
