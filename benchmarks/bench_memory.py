@@ -29,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-from edgesdk.ir.memory import resident_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "bench-memory"
@@ -39,9 +38,10 @@ ESTIMATE = re.compile(r"build: memory: about ([\d.]+) (GiB|MiB) at its peak")
 STAGE = re.compile(r"^\[(\d)/6\] (\w+) (\.\.\.|done|cached)")
 
 
-def tree_rss(root: int, *, anonymous: bool = False) -> int:
-    """Resident bytes of `root` and every process below it; `anonymous`: less the pages of files mapped
-    (a mapped weight's file, the libraries), which the kernel can drop and read again."""
+def tree_rss(root: int) -> tuple[int, int]:
+    """Resident bytes of `root` and every process below it, and the same less the pages of files mapped
+    (a mapped weight's file, the libraries), which the kernel can drop and read again: one walk, one
+    read of each process's statm."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -51,21 +51,19 @@ def tree_rss(root: int, *, anonymous: bool = False) -> int:
                 children.setdefault(parent, []).append(int(entry))
             except (OSError, ValueError, IndexError):
                 pass
-    total, todo = 0, [root]
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = anonymous = 0
+    todo = [root]
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        total += resident_bytes(pid) - (shared_bytes(pid) if anonymous else 0)
-    return total
-
-
-def shared_bytes(pid: int) -> int:
-    """A process's resident pages that are shared or backed by a file (statm's third field)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[2]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                resident, shared = (int(x) * page for x in f.read().split()[1:3])
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        total, anonymous = total + resident, anonymous + resident - shared
+    return total, anonymous
 
 
 def measured_build(model: Path, target: str, out: Path, low_memory: bool = False) -> dict:
@@ -80,9 +78,9 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
 
     def sample() -> None:
         while not state["done"]:
-            rss = tree_rss(proc.pid)
+            rss, anonymous = tree_rss(proc.pid)
             state["peak"] = max(state["peak"], rss)
-            state["anonymous"] = max(state["anonymous"], tree_rss(proc.pid, anonymous=True))
+            state["anonymous"] = max(state["anonymous"], anonymous)
             stage = state["stage"]
             state["peaks"][stage] = max(state["peaks"].get(stage, 0), rss)
             time.sleep(0.2)

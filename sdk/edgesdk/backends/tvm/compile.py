@@ -196,7 +196,7 @@ def _import(model: onnx.ModelProto) -> Any:
             hint="fix the input shapes at import, e.g. --input-shape x=1x3x224x224",
         )
     try:
-        with warnings.catch_warnings(), _weightless_checker():
+        with warnings.catch_warnings(), _importer_reads_weights_in_place():
             # the importer warns once per tensor name with a dot in it ("Renaming name ..."): noise
             warnings.filterwarnings("ignore", message="Renaming name")
             return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
@@ -211,7 +211,7 @@ def _import(model: onnx.ModelProto) -> Any:
 
 
 @contextlib.contextmanager
-def _weightless_checker():
+def _importer_reads_weights_in_place():
     """TVM's importer runs onnx.checker on the whole model first (and only warns on what it finds):
     that serializes every weight once more, and fails past protobuf's 2 GB. While it imports, the
     checker sees the model without its weights (`irm.weightless`), which import checked one by one;
