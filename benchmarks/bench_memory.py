@@ -5,7 +5,7 @@ children) sampled every 0.2 s, its peak per stage, beside the build's own estima
 
     .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16,mlp2g] [--targets x86]
                                                 [--low-memory both|on|off] [--out benchmarks/memory.json]
-                                                [--plot benchmarks/memory.png]
+                                                [--plot PNG]
 
 Each model is saved once under .cache/bench-memory/ and built from scratch (a fresh -o and an empty
 --tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not what is
@@ -74,12 +74,13 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     cmd = [str(ROOT / ".venv" / "bin" / "edgesdk"), "build", str(model), "--target", target, "-o", str(out),
            "--trials", "0", "--tuning-db", str(db)] + (["--low-memory"] if low_memory else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    state = {"stage": "start", "peaks": {}, "peak": 0, "anonymous": 0, "done": False}
+    state = {"stage": "start", "peaks": {}, "peak": 0, "anonymous": 0, "done": False, "line": "", "peak_line": ""}
 
     def sample() -> None:
         while not state["done"]:
             rss, anonymous = tree_rss(proc.pid)
-            state["peak"] = max(state["peak"], rss)
+            if rss > state["peak"]:  # the build's last log line when the peak was sampled: what held it
+                state["peak"], state["peak_line"] = rss, state["line"]
             state["anonymous"] = max(state["anonymous"], anonymous)
             stage = state["stage"]
             state["peaks"][stage] = max(state["peaks"].get(stage, 0), rss)
@@ -90,6 +91,7 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     t0, started, seconds, log = time.perf_counter(), {}, {}, []
     for line in proc.stderr:
         log.append(line.rstrip())
+        state["line"] = line.strip()
         m = STAGE.match(line)
         if m and m[3] == "...":
             state["stage"], started[m[2]] = m[2], time.perf_counter()
@@ -104,7 +106,7 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     shutil.rmtree(out, ignore_errors=True)  # VGG16's -o alone holds GBs: gone once measured
     shutil.rmtree(db, ignore_errors=True)
     return {"exit": code, "peak_bytes": state["peak"], "peak_anonymous_bytes": state["anonymous"],
-            "stage_peak_bytes": state["peaks"],
+            "stage_peak_bytes": state["peaks"], "peak_after_line": state["peak_line"],
             "estimate_bytes": estimate, "refused": any("build.out-of-memory" in x or "needs about" in x
                                                        and "available" in x for x in log if x.startswith("error")),
             "stage_seconds": seconds,
@@ -202,7 +204,7 @@ def main() -> int:
     parser.add_argument("--targets", default="x86")
     parser.add_argument("--low-memory", default="both", choices=("both", "on", "off"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "memory.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "memory.png")
+    parser.add_argument("--plot", type=Path, default=None, help="where to plot them (none unless given)")
     args = parser.parse_args()
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.low_memory]
     result = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(), "cpu": _cpu_name()}, "runs": {}}

@@ -7,7 +7,8 @@ finisher (`registry.py`).
 from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
                        Finisher, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
                        register_finisher, registered, unregister, unregister_finisher)
-from .tflite.limits import CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, FLATBUFFER_LIMIT
+from .tflite.limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
+                            FLATBUFFER_LIMIT)
 
 # What each compiler holds while it compiles a segment (beyond the build's own copies of the model), measured
 # on this project's machines (benchmarks/bench_memory.py, RESULTS "Build memory against model size"):
@@ -15,6 +16,7 @@ from .tflite.limits import CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE
 # constants, then the loaded module; onnxruntime's session over arrays it is handed (irm.onnxruntime_session).
 TFLITE_MEMORY = {"compile_base_bytes": CONVERTER_BASE_BYTES, "compile_bytes_per_weight_byte": CONVERTER_BYTES_PER_WEIGHT_BYTE,
                  "max_weight_bytes": FLATBUFFER_LIMIT}
+TFLITE_INT8_MEMORY = {**TFLITE_MEMORY, "compile_bytes_per_weight_byte": CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE}
 TVM_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 7.0}
 ONNXRUNTIME_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 
@@ -34,7 +36,7 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",
-                 lowering="edgesdk.backends.tflite.lowering:lowering_reason", **TFLITE_MEMORY))
+                 lowering="edgesdk.backends.tflite.lowering:lowering_reason", **TFLITE_INT8_MEMORY))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason",
@@ -48,7 +50,7 @@ register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-lite
 register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
-                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_MEMORY))
+                 lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_INT8_MEMORY))
 register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",

@@ -16,11 +16,11 @@ import faulthandler
 import itertools
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from ..errors import EdgeSDKError, UsageError, UserError
+from ..ir.memory import tensorflow_env
 from .formats import DESCRIPTIONS
 
 
@@ -81,7 +81,7 @@ class _Failures(logging.Handler):
 
 
 def _tensorflow():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tensorflow_env()
     import tensorflow as tf
     import tf2onnx
 

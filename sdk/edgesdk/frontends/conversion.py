@@ -29,7 +29,7 @@ import onnx
 
 from ..errors import UsageError, UserError
 from ..ir import model as irm
-from ..ir.memory import available_bytes, resident_bytes, shown
+from ..ir.memory import available_bytes, resident_bytes, shown, tensorflow_env
 from . import onnx_file
 from .formats import DESCRIPTIONS
 from .standard_ops import OpSite
@@ -85,7 +85,7 @@ def _run_child(command: list[str], log: Path, path: Path, fmt: str,
     """Run the converter to its end: its return code and peak resident memory (bytes)."""
     floor = memory_floor()
     env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tensorflow_env(env)
     env["PYTHONHASHSEED"] = "0"  # str hashes, like node hashes (_child._number_nodes), fixed: same file, same bytes
     sdk = str(Path(__file__).resolve().parents[2])  # the child imports edgesdk from where we run
     env["PYTHONPATH"] = os.pathsep.join([sdk] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

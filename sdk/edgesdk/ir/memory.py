@@ -38,6 +38,19 @@ def shown(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
 
 
+# for a process that imports TensorFlow, set before it does: oneDNN's allocator keeps every tensor it
+# frees for its own reuse, so a conversion's weights stayed held after it (and a Keras model's after
+# its export); the system allocator hands them back
+TENSORFLOW_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}
+
+
+def tensorflow_env(env: dict | None = None) -> None:
+    """`TENSORFLOW_ENV` into `env` (this process's environment by default), where not already set."""
+    target = os.environ if env is None else env
+    for key, value in TENSORFLOW_ENV.items():
+        target.setdefault(key, value)
+
+
 def give_back() -> None:
     """Collect garbage and hand the heap's free pages back to the system (glibc's malloc_trim): after a
     compiler has run in this process, what it freed otherwise stays counted against the build."""

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -24,7 +27,8 @@ import onnx
 from ...errors import UserError
 from ...ir.memory import available_bytes, shown
 from ...runtime.manifest import QuantParams, TensorSpec
-from .limits import CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, FLATBUFFER_LIMIT
+from .limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
+                     FLATBUFFER_LIMIT)
 from . import mixed as mixed_precision
 from .flatbuffer import op_counts
 from .narrowing import _narrow_to_percentile
@@ -70,7 +74,7 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not 50.0 < percentile <= 100.0:
         raise UserError("compress.calib-percentile", f"calibration percentile {percentile} is outside (50, 100]",
                         "99.99 keeps all but one value in 10,000 per tail; 100 is min-max")
-    require_memory(model)
+    require_memory(model, int8=True)
     lowered = _lower(model, cpu=cpu)
     samples = [_to_tf_layout(lowered, feed) for feed in calibration]
     if not samples:
@@ -101,17 +105,21 @@ def convert_float(model: onnx.ModelProto, out_path: Path, *, cpu: bool = False) 
     return _finish(lowered, _convert(lowered, None), Path(out_path))
 
 
-def converter_memory(model: onnx.ModelProto) -> tuple[int, int]:
+def converter_memory(model: onnx.ModelProto, int8: bool = False) -> tuple[int, int]:
     """The segment's weight bytes and what the converter would hold converting it (an estimate)."""
     weights = sum(_tensor_bytes(t) for t in model.graph.initializer)
-    return weights, CONVERTER_BASE_BYTES + CONVERTER_BYTES_PER_WEIGHT_BYTE * weights
+    return weights, CONVERTER_BASE_BYTES + _bytes_per_weight_byte(int8) * weights
 
 
-def require_memory(model: onnx.ModelProto) -> None:
+def _bytes_per_weight_byte(int8: bool) -> int:
+    return CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE if int8 else CONVERTER_BYTES_PER_WEIGHT_BYTE
+
+
+def require_memory(model: onnx.ModelProto, int8: bool = False) -> None:
     """Refuse, before it starts, a conversion that would take more memory than the machine has left:
     the kernel would kill the build (or another process) partway instead."""
     available = available_bytes()
-    weights, need = converter_memory(model)
+    weights, need = converter_memory(model, int8)
     if weights >= FLATBUFFER_LIMIT:
         raise UserError("tflite.too-large",
                         f"graph '{model.graph.name}' holds {shown(weights)} of weights, and a TFLite model is a "
@@ -121,7 +129,7 @@ def require_memory(model: onnx.ModelProto) -> None:
     if available is not None and need > available:
         raise UserError("tflite.out-of-memory",
                         f"converting graph '{model.graph.name}' to TFLite needs about {shown(need)} "
-                        f"({shown(weights)} of weights, about {CONVERTER_BYTES_PER_WEIGHT_BYTE} bytes per byte in "
+                        f"({shown(weights)} of weights, about {_bytes_per_weight_byte(int8)} bytes per byte in "
                         f"TensorFlow's converter), and this machine has {shown(available)} available",
                         "build on a machine with more memory, or keep this part of the model off the TFLite "
                         "backends (--cpu-backends without litert; for the Edge TPU, a smaller model)")
@@ -134,29 +142,113 @@ def _tensor_bytes(t: onnx.TensorProto) -> int:
     return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
 
 
-def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Any:
+SIGNATURE = "serving_default"  # the converted model's one signature (the runner's `get_signature_runner()`)
+
+
+@contextlib.contextmanager
+def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Iterator[Any]:
+    """TensorFlow's converter for the traced segment: float when `samples` is None, else full int8 with
+    min-max ranges from `samples` (in the function's layout).
+
+    The function is saved to a SavedModel in a temporary folder and then let go (`lowered.release()`:
+    the `lowered` keeps only its specs), so the converter's importer is the one holder of the weights
+    while it runs. (`from_concrete_functions` makes the same SavedModel, but kept the function's
+    variables and a copy it loads back held beside the importer's.) The conversion metadata is left
+    out, and two steps run only where they change the model (`_only_if`): deduplicating equal buffers,
+    and the calibrator's intermediate tensors for LSTM ops. Each of those rebuilt the whole FlatBuffer
+    as Python objects, about four times its size. TensorFlow's oneDNN allocator, which kept what it
+    freed, is off (`ir.memory.TENSORFLOW_ENV`). Per byte of weights, above TensorFlow's base: fp32 9.1
+    -> 3.1, int8 12.5 -> 6.0 (a 512 MiB MatMul segment, benchmarks/RESULTS.md "Models of every size,
+    part 4")."""
     import tensorflow as tf
+    from tensorflow.lite.python import lite
+    from tensorflow.lite.python.optimize import calibrator
 
     # the converter's calibrator builds a tf.lite.Interpreter internally and TF warns about its
     # own deprecation on every conversion: noise for our users, who never see that interpreter
     warnings.filterwarnings("ignore", message=r"\s*Warning: tf.lite.Interpreter is deprecated")
 
-    converter = tf.lite.TFLiteConverter.from_concrete_functions(
-        [lowered.function.get_concrete_function()], lowered.module)
-    if samples is not None:
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        # keyed by signature name: the converter's input order need not be ours
-        keys = [spec.key for spec in lowered.inputs]
-        converter.representative_dataset = lambda: (dict(zip(keys, sample)) for sample in samples)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        converter.inference_input_type = tf.int8
-        converter.inference_output_type = tf.int8
-    return converter
+    folder = tempfile.mkdtemp(prefix="edgesdk-tflite-")
+    try:
+        tf.saved_model.save(lowered.module, folder, signatures={SIGNATURE: lowered.function.get_concrete_function()})
+        lowered.release()
+        gc.collect()  # the traced function's variables sit in reference cycles
+        converter = tf.lite.TFLiteConverter.from_saved_model(folder, signature_keys=[SIGNATURE])
+        gc.collect()  # from_saved_model loads the model back to read its signatures: let its weights go
+        converter.exclude_conversion_metadata = True
+        if samples is not None:
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            # keyed by signature name: the converter's input order need not be ours
+            keys = [spec.key for spec in lowered.inputs]
+            converter.representative_dataset = lambda: (dict(zip(keys, sample)) for sample in samples)
+            converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+            converter.inference_input_type = tf.int8
+            converter.inference_output_type = tf.int8
+        # two steps of the converter that rebuild the whole FlatBuffer as objects (about four times its
+        # size), run only where they would change it
+        dedup = _only_if(_has_equal_buffers, lite._deduplicate_readonly_buffers)
+        intermediates = _only_if(_has_ops_with_intermediates, calibrator.add_intermediate_tensors)
+        with _replaced(lite, "_deduplicate_readonly_buffers", dedup), \
+                _replaced(calibrator, "add_intermediate_tensors", intermediates):
+            yield converter
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)  # an AttributeError where TensorFlow renamed it: loud, not silent
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _only_if(needed: Callable[[bytes], bool], step: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+    """A converter step that rebuilds the whole FlatBuffer, run only where `needed` says it changes it."""
+    return lambda model: step(model) if needed(model) else model
+
+
+# the builtin ops TensorFlow's calibrator gives intermediate tensors to (its operator properties)
+_OPS_WITH_INTERMEDIATES = ("LSTM", "UNIDIRECTIONAL_SEQUENCE_LSTM", "BIDIRECTIONAL_SEQUENCE_LSTM")
+
+
+def _has_ops_with_intermediates(model: bytes) -> bool:
+    """Whether TensorFlow's `add_intermediate_tensors` has an op of `model` to add to. Our lowerings make
+    none of those ops (tested: it adds nothing to them)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    root = schema.Model.GetRootAsModel(model, 0)
+    codes = {getattr(schema.BuiltinOperator, name) for name in _OPS_WITH_INTERMEDIATES}
+    return any(max(root.OperatorCodes(i).BuiltinCode(), root.OperatorCodes(i).DeprecatedBuiltinCode()) in codes
+               for i in range(root.OperatorCodesLength()))
+
+
+def _has_equal_buffers(model: bytes) -> bool:
+    """Whether two buffers of `model` hold the same bytes: what TensorFlow's deduplication of read-only
+    buffers merges. Buffers are compared where they lie (hashes of views into `model`, only among
+    buffers of one size)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    root = schema.Model.GetRootAsModel(model, 0)
+    by_size: dict[int, list[int]] = {}
+    for i in range(root.BuffersLength()):
+        size = root.Buffers(i).DataLength()
+        if size:
+            by_size.setdefault(size, []).append(i)
+    for indices in by_size.values():
+        if len(indices) > 1:
+            digests = {hashlib.sha256(memoryview(root.Buffers(i).DataAsNumpy())).digest() for i in indices}
+            if len(digests) < len(indices):
+                return True
+    return False
 
 
 def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes:
     """The converter in one step: float when `samples` is None, else full int8 (min-max ranges)."""
-    return _quiet(_converter(lowered, samples).convert)
+    with _converter(lowered, samples) as converter:
+        return _quiet(converter.convert)
 
 
 def _quiet(call: Any, *args: Any) -> Any:
@@ -180,9 +272,9 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     from tensorflow.lite.python import convert, lite
     from tensorflow.lite.tools import flatbuffer_utils
 
-    converter = _converter(lowered, samples)
-    converter._experimental_calibrate_only = True  # pylint: disable=protected-access
-    calibrated = converter.convert()
+    with _converter(lowered, samples) as converter:
+        converter._experimental_calibrate_only = True  # pylint: disable=protected-access
+        calibrated = converter.convert()
     ranges: dict[str, Any] = {"method": method}
     if method == "percentile":
         graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
@@ -197,7 +289,7 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
         io = tf.float32 if keep_float else tf.int8
         quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=io,
                                    output_data_type=io, denylisted_nodes=list(keep_float) or None))
-        return lite._deduplicate_readonly_buffers(quantized)  # pylint: disable=protected-access
+        return _only_if(_has_equal_buffers, convert.deduplicate_readonly_buffers)(quantized)
 
     return calibrated, ranges, quantize
 

@@ -7,7 +7,6 @@ outputs keep their `p`, reported in `TensorSpec.perm` (the runtime transposes on
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ import onnx
 
 from ...errors import UserError
 from ...ir import model as irm
+from ...ir.memory import tensorflow_env
 from ...runtime.manifest import TensorSpec
 from .layout import _Ctx, _identity, _input_perm, _inv, _Value
 from .lowering import Shapes, _fold, lowering_for
@@ -38,6 +38,10 @@ class _Lowered:
     module: Any  # tf.Module holding it (the converter takes signatures from it)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Let the traced function and its weights go (once saved for the converter): the specs stay."""
+        self.function = self.module = None
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -95,7 +99,7 @@ def _check_model(model: onnx.ModelProto, cpu: bool = False) -> tuple[dict[str, n
 def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
     """Trace the segment into a tf.function whose signature keys name its ONNX tensors: with the Edge
     TPU's lowerings, and with `cpu` (LiteRT on the CPU) the CPU's behind them."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tensorflow_env()
     import tensorflow as tf
 
     consts, lowerings = _check_model(model, cpu)
@@ -167,7 +171,7 @@ class _VariableWeights:
 
     Constants travel inside every copy of the graph the converter makes (the function, its SavedModel,
     the GraphDef it reloads, grappler's), about 42 bytes per byte of weights; a variable is written once
-    to the SavedModel's checkpoint and read once by its importer, about 10 (convert.py). The converter
+    to the SavedModel's checkpoint and read once by its importer, about 3 to 6 (convert.py). The converter
     freezes the variables into the flatbuffer's constant buffers: the .tflite has the same ops and weights
     and computes the same outputs bit for bit (MobileNetV2, checked), a few bytes of metadata apart. A trace makes
     the same arrays in the same order, so a later trace of the function reuses the variables of the
