@@ -3,11 +3,12 @@ of growing size and of an ONNX model past protobuf's 2 GB (a wide MLP, random we
 data), the resident memory of the whole process tree (the build and its converter and compiler
 children) sampled every 0.2 s, its peak per stage, beside the build's own estimate (`stages/memory.py`).
 
-    .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16,mlp2g] [--targets x86]
+    .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16,mlp2g,vgg16.savedmodel] [--targets x86]
                                                 [--low-memory both|on|off] [--out benchmarks/memory.json]
                                                 [--plot PNG]
 
-Each model is saved once under .cache/bench-memory/ and built from scratch (a fresh -o and an empty
+A Keras application may also be given as a TensorFlow SavedModel (`vgg16.savedmodel`) or an fp32 TFLite
+file (`vgg16.tflite`). Each model is saved once under .cache/bench-memory/ and built from scratch (a fresh -o and an empty
 --tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not what is
 measured). The base is the tree's peak building a model of one 3x3 convolution (TensorFlow's
 converter, TVM and the runtime loaded, no weights to speak of). A build the estimate refuses
@@ -130,6 +131,29 @@ def saved(name: str) -> Path:
     return _made(path, KERAS + f"keras.applications.{MODELS[name]}(weights=None).save({str(path)!r})")
 
 
+def exported(name: str, fmt: str) -> Path:
+    """The Keras application `name` in another format a user brings: a TensorFlow SavedModel (Keras's
+    `export`) or an fp32 .tflite (TensorFlow's converter)."""
+    build = f"import tensorflow as tf; m = keras.applications.{MODELS[name]}(weights=None); "
+    if fmt == "savedmodel":
+        path = WORK / f"{name}_savedmodel"
+        return _made(path, KERAS + build + f"m.export({str(path)!r})")
+    if fmt == "tflite":
+        path = WORK / f"{name}.tflite"
+        return _made(path, KERAS + build + f"open({str(path)!r}, 'wb').write(tf.lite.TFLiteConverter.from_keras_model(m).convert())")
+    raise SystemExit(f"bench-memory: format {fmt!r} is not known (savedmodel, tflite)")
+
+
+def model_for(name: str) -> Path:
+    """A --models entry: tiny, mlp2g, a Keras application, or one in another format (vgg16.savedmodel)."""
+    if name == "tiny":
+        return tiny()
+    if name == "mlp2g":
+        return mlp2g()
+    base, _, fmt = name.partition(".")
+    return exported(base, fmt) if fmt else saved(base)
+
+
 def tiny() -> Path:
     path = WORK / "tiny.keras"
     return _made(path, KERAS + "i = keras.Input((32, 32, 3), name='image'); "
@@ -161,7 +185,10 @@ onnx.save(m, {str(path)!r}, save_as_external_data=True, all_tensors_to_one_file=
 
 
 def weight_bytes(model: Path) -> int:
-    """The model's weights: an ONNX file's initializers (external data included); a Keras file's size."""
+    """The model's weights: an ONNX file's initializers (external data included); a SavedModel's variables;
+    a Keras or TFLite file's size."""
+    if model.is_dir():
+        return sum(p.stat().st_size for p in (model / "variables").iterdir())
     if model.suffix != ".onnx":
         return model.stat().st_size
     return model.stat().st_size + sum(p.stat().st_size for p in model.parent.glob(model.name + ".data"))
@@ -213,13 +240,17 @@ def main() -> int:
             key = f"{target}{' --low-memory' if low else ''}"
             rows = result["runs"][key] = {}
             for name in ["tiny", *args.models.split(",")]:
-                model = tiny() if name == "tiny" else mlp2g() if name == "mlp2g" else saved(name)
+                model = model_for(name)
                 size = weight_bytes(model)
-                print(f"bench-memory: {name} ({size / 2**20:.0f} MiB) for {key} ...", file=sys.stderr, flush=True)
-                rows[name] = {"file_bytes": size, "weight_bytes": size,
+                # the same weights in another format: counted as the Keras file holds them (Keras's SavedModel
+                # export writes each variable twice, under two paths of its object graph)
+                weights = weight_bytes(saved(name.partition(".")[0])) if "." in name else size
+                print(f"bench-memory: {name} ({weights / 2**20:.0f} MiB) for {key} ...", file=sys.stderr, flush=True)
+                rows[name] = {"file_bytes": size, "weight_bytes": weights,
                               **measured_build(model, target, WORK / f"out-{name}-{target}", low)}
                 args.out.write_text(json.dumps(result, indent=2) + "\n")  # each build kept as it finishes
-    plot(result, args.plot)
+    if args.plot:
+        plot(result, args.plot)
     stages = ["import", "legalize", "schedule", "tune", "compress", "package"]
     print("| build | model | weights MiB | exit | peak GiB | of it anonymous | estimate GiB | (peak - base) / weights | "
           + " | ".join(stages) + " |")
