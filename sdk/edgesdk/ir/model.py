@@ -392,7 +392,7 @@ def save(model: onnx.ModelProto, path: Path, *, link: bool = True) -> None:
 
 def _keeps_external(model: onnx.ModelProto) -> bool:
     """Whether `save` writes the weights beside the model (past `EXTERNAL_FROM`)."""
-    return _initializer_bytes(model) > EXTERNAL_FROM
+    return weight_bytes(model) > EXTERNAL_FROM
 
 
 def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -494,8 +494,9 @@ def sha256(model: onnx.ModelProto) -> str:
     return h.hexdigest()
 
 
-def _initializer_bytes(model: onnx.ModelProto) -> int:
-    return sum(_data_bytes(t) for t in model.graph.initializer)  # (a whole model's ByteSize fails past 2 GB)
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """What the model's initializers take, mapped or held (a whole model's ByteSize fails past 2 GB)."""
+    return sum(_data_bytes(t) for t in model.graph.initializer)
 
 
 def _raw_bytes(t: onnx.TensorProto) -> bytes:

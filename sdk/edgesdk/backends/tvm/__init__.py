@@ -30,10 +30,10 @@ from .compile import TvmResult, compile_onnx, importer_ops
 from .database import repair_database
 from .runner import Boards, check_boards
 from .search import Progress
-from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch
+from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch, weight_limit
 # private names that tests/backends/test_tvm.py and test_tvm_tuning.py call
 from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: F401
 from .tuning import tune_onnx
 
 __all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "host_cpu",
-           "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]
+           "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx", "weight_limit"]
