@@ -53,7 +53,7 @@ def require_linkable(model, codegen: dict, sid: str) -> None:
     limit, weights = weight_limit(codegen), irm.weight_bytes(model)
     if limit is not None and weights >= limit:
         raise UserError("tvm.too-large",
-                        f"segment {sid} holds {shown(weights)} of weights, and TVM links them into a "
+                        f"segment {sid} holds {shown(weights)} of weights, and TVM links them into an "
                         f"{target_arch(codegen)} shared library, which reaches less than {shown(limit)} of data",
                         "--low-memory builds the CPU segments with onnxruntime, which reads weights of any size")
 
