@@ -215,11 +215,8 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
     # each variable's value as an eager tensor, read now: tf2onnx works inside a graph, where a variable
     # cannot be read, and an eager tensor's numpy() is a view of its buffer, not a copy
     values = {n: tf.convert_to_tensor(v.value) for n, v in zip(names, variables)}
-    optimizer = tf2onnx.optimizer
-    optimize_graph = optimizer.optimize_graph
-    failed_in = []
 
-    def with_weights(graph, _catch_errors=True, *args, **kwargs):  # catch_errors: decided here
+    def with_weights(graph) -> None:
         from onnx import numpy_helper
 
         for node in list(graph.inputs):
@@ -229,44 +226,57 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
                 node.type = "Const"
                 node.set_attr("value", numpy_helper.from_array(values[name].numpy(), name))
         _fold_weight_arithmetic(graph)
-        try:
-            optimized = optimize_graph(graph, lean_first is False, *args, **kwargs)
-        except Exception:
-            failed_in.append("optimize_graph")
-            raise
+
+    def let_go() -> None:
         # the graph holds the weights now: let TensorFlow free its own copy before tf2onnx writes the model
         values.clear()
         for variable in variables:
             if getattr(variable, "_value", None) is not None:  # Keras 3's handle on the tf.Variable
                 variable._value = None
-        return optimized
 
-    def convert():
-        return tf2onnx.convert.from_function(tf.function(serve, input_signature=signature),
-                                             input_signature=signature, opset=request["opset"])[0]
-
-    # With catch_errors, tf2onnx deep-copies the whole graph, weights and all, before each of its
-    # optimizers, to fall back on where one fails: 6 to 15 copies of the weights at the peak. The first
-    # try goes without (as tf2onnx's own large-model path does); only where an optimizer failed is the
-    # model converted again with them.
-    optimizer.optimize_graph = with_weights
-    try:
-        lean_first = True
-        try:
-            proto = convert()
-        except Exception:
-            if not failed_in:
-                raise
-            lean_first = False
-            proto = convert()
-    finally:
-        optimizer.optimize_graph = optimize_graph
+    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(
+        tf.function(serve, input_signature=signature), input_signature=signature, opset=request["opset"])[0],
+        before=with_weights, after=let_go)
     by_name = {o.name: o for o in proto.graph.output}  # in the model's order (a dict's come sorted by key)
     if set(by_name) == set(output_names):
         ordered = [by_name[n] for n in output_names]
         del proto.graph.output[:]
         proto.graph.output.extend(ordered)
     return proto
+
+
+def _lean_first(tf2onnx, convert, before=lambda graph: None, after=lambda: None):
+    """`convert()` with tf2onnx's optimizers run without catch_errors, and only where one of them fails,
+    again with it. With catch_errors, tf2onnx deep-copies the whole graph, weights and all, before each
+    of its optimizers, to fall back on where one fails: 6 to 15 copies of the weights at the peak
+    (tf2onnx's own large-model path goes without too). `before(graph)` runs on tf2onnx's graph just
+    before it is optimized, `after()` once it is."""
+    optimizer = tf2onnx.optimizer
+    optimize_graph = optimizer.optimize_graph
+    failed_in = []
+    lean = [True]
+
+    def optimize(graph, _catch_errors=True, *args, **kwargs):  # catch_errors: decided here
+        before(graph)
+        try:
+            optimized = optimize_graph(graph, not lean[0], *args, **kwargs)
+        except Exception:
+            failed_in.append("optimize_graph")
+            raise
+        after()
+        return optimized
+
+    optimizer.optimize_graph = optimize
+    try:
+        try:
+            return convert()
+        except Exception:
+            if not failed_in:
+                raise
+            lean[0] = False
+            return convert()
+    finally:
+        optimizer.optimize_graph = optimize_graph
 
 
 # Float arithmetic on constants only, as grappler folded it when the weights were constants of the
@@ -353,7 +363,8 @@ def _savedmodel(request: dict) -> dict:
     def serve(*inputs):
         return fn(**dict(zip(names, inputs)))
 
-    proto, _ = tf2onnx.convert.from_function(serve, input_signature=specs, opset=request["opset"])
+    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(serve, input_signature=specs,
+                                                                      opset=request["opset"])[0])
     return _finish(proto, request, tf2onnx, failures.failed, notes)
 
 

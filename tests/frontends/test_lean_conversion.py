@@ -1,0 +1,69 @@
+"""tf2onnx's optimizers run first without catch_errors (`_child._lean_first`): with it, tf2onnx deep-copies
+the whole graph, weights and all, before each optimizer. Where one fails on that first pass, the model
+is converted again with catch_errors, as tf2onnx does by default. The failure is FAULT INJECTION: an
+optimizer added to tf2onnx's real list that raises once; the conversions are tf2onnx's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from edgesdk.frontends import _child
+
+
+@pytest.fixture
+def tf2onnx_and_function():
+    tf, tf2onnx, _ = _child._tensorflow()
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    spec = [tf.TensorSpec((1, 4), tf.float32, name="x")]
+
+    @tf.function(input_signature=spec)
+    def f(x):
+        return {"y": tf.nn.relu(tf.matmul(x, tf.constant(w)))}
+
+    return tf2onnx, lambda: tf2onnx.convert.from_function(f, input_signature=spec, opset=17)[0]
+
+
+def _run(proto: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def test_a_lean_pass_that_an_optimizer_fails_is_converted_again_with_catch_errors(tf2onnx_and_function, monkeypatch):
+    tf2onnx, convert = tf2onnx_and_function
+    seen = []
+
+    class FailsWithoutCatch:  # FAULT INJECTION: an optimizer that fails on the lean pass only
+        def __init__(self):
+            pass
+
+        def optimize(self, graph, iteration):
+            seen.append(iteration)
+            if len(seen) == 1:
+                raise RuntimeError("injected")
+            return graph
+
+    optimizers = dict(tf2onnx.optimizer._optimizers)
+    monkeypatch.setattr(tf2onnx.optimizer, "_optimizers", {**optimizers, "fails_once": FailsWithoutCatch})
+    calls = []
+    proto = _child._lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
+                               after=lambda: calls.append("after"))
+    assert calls == ["before", "before", "after"]  # the lean pass failed; the second, with catch_errors, did not
+    x = np.array([[1.0, -2.0, 3.0, 0.5]], np.float32)
+    want = np.maximum(x @ np.arange(12, dtype=np.float32).reshape(4, 3), 0)
+    np.testing.assert_allclose(_run(proto, x), want, rtol=1e-6)
+    assert tf2onnx.optimizer.optimize_graph.__module__ == "tf2onnx.optimizer"  # put back
+
+
+def test_a_lean_pass_runs_once_where_no_optimizer_fails(tf2onnx_and_function):
+    tf2onnx, convert = tf2onnx_and_function
+    calls = []
+    proto = _child._lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
+                               after=lambda: calls.append("after"))
+    assert calls == ["before", "after"]
+    x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+    np.testing.assert_allclose(_run(proto, x), np.maximum(x @ np.arange(12, dtype=np.float32).reshape(4, 3), 0),
+                               rtol=1e-6)
