@@ -377,8 +377,8 @@ def _tflite(request: dict) -> dict:
     done: dict[str, str] = {}
     refused: dict[str, str] = {}
     rewrite = tflite_custom.rewriter(flatbuffer["custom_ops"], done, refused)
-    proto, _ = tf2onnx.convert.from_tflite(request["source"], opset=request["opset"],
-                                           custom_rewriter=[rewrite] if rewrite else None)
+    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_tflite(
+        request["source"], opset=request["opset"], custom_rewriter=[rewrite] if rewrite else None)[0])
     _rename_values(proto.graph, flatbuffer["signature_names"])
     notes = [f"TFLite custom op {code} ({count} node(s)) converted by edgesdk as {tflite_custom.HANDLERS[code][0]}"
              for code, count in sorted(collections.Counter(done.values()).items())]
