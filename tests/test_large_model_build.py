@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgesdk import pipeline
 from edgesdk.errors import UsageError, UserError
 from edgesdk.ir import model as irm
+from edgesdk.ir.memory import shown
 from edgesdk.pipeline import BuildOptions, build, stage_dir
 from edgesdk.runtime import BundleModel, Manifest
 from edgesdk.stages import memory
@@ -110,7 +111,20 @@ def test_a_build_the_machine_cannot_hold_stops_after_import_with_its_estimate(ml
     assert e.value.code == "build.out-of-memory"
     assert "512 MiB available" in e.value.message and "at its peak" in e.value.message
     assert "--low-memory" in e.value.hint and memory.CHECK_ENV in e.value.hint
+    # --low-memory would not fit in 512 MiB either: the hint says so rather than offer it first
+    assert e.value.hint.startswith("build on a machine with more memory (--low-memory, onnxruntime alone on the CPU, "
+                                   "would still need about ")
     assert stage_dir(out, "import").is_dir() and not stage_dir(out, "legalize").exists()
+    # where --low-memory fits, the hint offers it first, with its estimate
+    from edgesdk.config import load_target
+
+    weights = irm.weight_bytes(irm.read(stage_dir(out, "import") / "model.onnx"))
+    low = memory.estimate(weights, load_target("x86")[0], BuildOptions(model=mlp, target="x86", out=out, low_memory=True))
+    monkeypatch.setattr(memory, "available_bytes", lambda: low.peak + (1 << 20))
+    with pytest.raises(UserError) as fits:
+        build(BuildOptions(model=mlp, target="x86", out=out))
+    assert fits.value.hint.startswith(f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 512 << 20)
     # already --low-memory: the hint is a bigger machine
     with pytest.raises(UserError) as again:
         build(BuildOptions(model=mlp, target="x86", out=out, low_memory=True))

@@ -104,9 +104,14 @@ def check(weights: int, target, options, log, *, converter_peak: int | None = No
     if available is None or found.peak <= available or switch == "off":
         return found
     low = estimate(weights, target, dataclasses.replace(options, low_memory=True))
-    lower = (f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})"
-             if not options.low_memory and low.peak < found.peak else None)
-    bigger = f"{lower}, or build on a machine with more memory" if lower else "build on a machine with more memory"
+    if options.low_memory or low.peak >= found.peak:
+        bigger = "build on a machine with more memory"
+    elif low.peak <= available:  # the trade that fits, first
+        bigger = (f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)}), "
+                  "or build on a machine with more memory")
+    else:
+        bigger = (f"build on a machine with more memory (--low-memory, onnxruntime alone on the CPU, would still "
+                  f"need about {shown(low.peak)})")
     raise UserError(
         "build.out-of-memory",
         f"this build needs {found.describe()}, and this machine has {shown(available)} available",
