@@ -1,9 +1,9 @@
 """Edge TPU segments as TFLite: our own ONNX → TF lowering in NHWC, then full-int8 conversion.
 
 An Edge TPU segment (an ONNX graph with static shapes and float32 inputs) is traced into one
-`tf.function` by `LOWERINGS`, one lowering per ONNX op, and converted by
-`tf.lite.TFLiteConverter.from_concrete_functions` to a full-int8 model (int8 weights per
-channel, int8 activations calibrated on the given feeds, int8 inputs and outputs).
+`tf.function` by `LOWERINGS`, one lowering per ONNX op, saved as a SavedModel and converted by
+`tf.lite.TFLiteConverter.from_saved_model` to a full-int8 model (int8 weights per channel, int8
+activations calibrated on the given feeds, int8 inputs and outputs).
 
     lowering.py    the per-op tables (`LOWERINGS`, the Edge TPU's ops, `lowering_reason`; `CPU_LOWERINGS`,
                    what LiteRT also runs on the CPU, `cpu_lowering_reason`)
