@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import os
 import shutil
@@ -171,10 +170,8 @@ def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Ite
     folder = tempfile.mkdtemp(prefix="edgesdk-tflite-")
     try:
         tf.saved_model.save(lowered.module, folder, signatures={SIGNATURE: lowered.function.get_concrete_function()})
-        lowered.release()
-        gc.collect()  # the traced function's variables sit in reference cycles
+        lowered.release()  # the variables go with it: no garbage collection needed (measured the same without)
         converter = tf.lite.TFLiteConverter.from_saved_model(folder, signature_keys=[SIGNATURE])
-        gc.collect()  # from_saved_model loads the model back to read its signatures: let its weights go
         converter.exclude_conversion_metadata = True
         if samples is not None:
             converter.optimizations = [tf.lite.Optimize.DEFAULT]
