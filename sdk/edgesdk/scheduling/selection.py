@@ -431,7 +431,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                         why += failed
             unlinkable = _unlinkable(planned, target) if winner is planned else None
             if unlinkable and FALLBACK in allowed and model is not None:
-                cands, skipped = candidates(plan, span, model, [FALLBACK])
+                cands, _ = candidates(plan, span, model, [FALLBACK])
                 fallback = next((c for c in cands if c.name == FALLBACK), None)
                 if fallback is not None:
                     considered[PLANNED] = {"skipped": unlinkable}
