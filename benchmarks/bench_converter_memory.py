@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,7 +79,6 @@ def measured(model: Path, kind: str) -> dict:
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), kind, str(Path(tmp) / "out.tflite")],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         peak = anonymous = 0
-        import threading
 
         def sample() -> None:
             nonlocal peak, anonymous

@@ -266,7 +266,7 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax" the
     converter's own one-step conversion (tested)."""
     import tensorflow as tf
-    from tensorflow.lite.python import convert, lite
+    from tensorflow.lite.python import convert
     from tensorflow.lite.tools import flatbuffer_utils
 
     with _converter(lowered, samples) as converter:
