@@ -31,7 +31,27 @@ def count_nodes(model: ir.Model) -> int:
 def from_patterns(name: str, *rules: pattern.RewriteRule, commute: bool = False) -> Rule:
     """One named rule from onnxscript rewrite rules (variants of one rewrite, e.g. operand orders)."""
     rule_set = pattern.RewriteRuleSet(list(rules), commute=commute)
-    return Rule(name, lambda model: rule_set.apply_to_model(model))
+
+    def apply(model: ir.Model) -> int:
+        try:
+            return rule_set.apply_to_model(model)
+        finally:
+            _forget_matches(rule_set)
+
+    return Rule(name, apply)
+
+
+def _forget_matches(rule_set: pattern.RewriteRuleSet) -> None:
+    """Let go of the last match each rule's matcher keeps: it holds values of the model it matched, and
+    through them the model, its weights and the proto they were read from (VGG16's 528 MiB stayed held
+    through the whole build). The rules live as long as the process; the models must not."""
+    for rule in rule_set.rules:
+        matcher = getattr(rule, "_matcher", None)
+        reset = getattr(matcher, "_init_match", None)  # onnxscript's own reset before each match
+        if reset is not None:
+            reset(0)
+        if getattr(matcher, "_graph", None) is not None:  # the graph of its last match
+            matcher._graph = None
 
 
 def from_pass(name: str, run: Callable[[ir.Model], object]) -> Rule:
