@@ -41,7 +41,7 @@ from .config import HOST, Target, load_target
 from .errors import UsageError, UserError
 from .ir import model as irm
 from .ir.digest import file_sha256, tree_sha256, value_sha256
-from .ir.memory import resident_bytes, shown
+from .ir.memory import give_back, resident_bytes, shown
 from .stages import memory as build_memory
 
 
@@ -296,9 +296,11 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
 
 
 def _say_size(stage: str, dest: Path, log: Callable[[str], None]) -> None:
-    """For a large model, what a stage wrote and what the build holds: progress with sizes."""
+    """For a large model, what a stage wrote and what the build holds (once it has handed back what the
+    stage freed): progress with sizes."""
     written = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     if written >= LARGE_OUTPUT:
+        give_back()  # what the stage freed, before the next one
         log(f"{stage}: wrote {shown(written)} to {dest.name}; the build holds {shown(resident_bytes())}")
 
 

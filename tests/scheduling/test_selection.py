@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -125,6 +126,32 @@ def test_a_wrong_candidate_is_never_chosen_however_fast(tmp_path):
     span = got.record["spans"][0]
     assert span["chosen"] == "onnxruntime"
     assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
+
+
+def _candidate_libraries() -> set[str]:
+    """The files of candidates' bundles this process has mapped (a library it loaded stays mapped)."""
+    return {line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "edgesdk-select-" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_a_large_candidate_is_checked_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """Past CHECKED_APART_BYTES (lowered here to 0) a candidate is built here and run only in a child
+    process: TVM never unloads a library it loaded, so its weights would stay held through the timing of
+    every other candidate. The check is the same: a TEST DOUBLE computing -y is refused."""
+    monkeypatch.setattr(selection, "CHECKED_APART_BYTES", 0)
+    model = _model()
+    wrong = Backend("wrongsign", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                    compiler=f"{__name__}:compile_negated", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    before = _candidate_libraries()
+    with backends.registered(wrong):
+        got = _select(model, _plan(model, SPLIT), tmp_path,
+                      _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.7, "wrongsign": 0.01}),
+                      allowed=("tvm", "onnxruntime", "wrongsign"))
+    span = got.record["spans"][0]
+    assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
+    assert span["chosen"] == "tvm" and span["candidates"]["planned"]["ms"] == 0.9  # checked in a child, and agreed
+    assert _candidate_libraries() == before  # no candidate's library was loaded by this process
 
 
 def test_a_candidate_that_fails_to_build_is_skipped_with_its_reason(tmp_path):

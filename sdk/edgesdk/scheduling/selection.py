@@ -69,6 +69,11 @@ RUNS = 10  # inferences per measurement, after WARMUP
 WARMUP = 3
 TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels that sum in another order
 CHECK_SAMPLES = 2
+# a candidate with more weights than this is checked in a process of its own (`_Apart`), as it is timed: a
+# TVM library once loaded is never unloaded (its weights stayed held twice, the library's and the VM's,
+# through the timing of every later candidate: 1.04 GiB for VGG16's); a smaller one is checked here, where
+# a child's start (about a second) would cost more than its weights
+CHECKED_APART_BYTES = 64 << 20
 
 # what times a candidate: (its name, the measurement) -> milliseconds; tests give a fake one
 Timer = Callable[[str, Callable[[], float]], float]
@@ -581,7 +586,7 @@ def _released(bundle):
     weights are never all held at once."""
     from ..runtime.executor import BundleModel
 
-    if not isinstance(bundle, BundleModel):  # a board's handle holds nothing here
+    if not isinstance(bundle, BundleModel):  # a board's handle, or a bundle checked apart, holds nothing here
         return bundle
     bundle.close()
     return _Checked(bundle.bundle, tuple(bundle.inputs))
@@ -590,7 +595,8 @@ def _released(bundle):
 def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
           int8: Int8 | None = None, boards: backends.Boards | None = None):
     """The candidate as a bundle of its own in `work` (`_write`), opened by the runtime's executor, which
-    times what a device runs; with `boards`, a handle that runs it on a board (`boards.OnBoard`)."""
+    times what a device runs (past `CHECKED_APART_BYTES` of weights, a handle that runs it in a process
+    of its own, `_Apart`); with `boards`, a handle that runs it on a board (`boards.OnBoard`)."""
     from ..runtime.executor import BundleModel
 
     manifest = _write(cand, models, target, work, tuning_db, int8)
@@ -598,7 +604,50 @@ def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pat
         from .boards import OnBoard
 
         return OnBoard(boards, work, manifest)
+    if sum(irm.weight_bytes(m) for m in models.values()) > CHECKED_APART_BYTES:
+        return _Apart(work, manifest.inputs, manifest.outputs)
     return BundleModel(work, log=lambda line: None)
+
+
+@dataclass(frozen=True)
+class _Apart:
+    """A candidate bundle never loaded by the build: `run_all` runs it in a process of its own (see
+    `CHECKED_APART_BYTES`), as `measure_alone` times it."""
+    bundle: Path
+    inputs: tuple
+    outputs: tuple
+
+    def run_all(self, feeds: list[dict]) -> list[dict]:
+        with tempfile.TemporaryDirectory(prefix="check-", dir=self.bundle.parent) as tmp:
+            given, got = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
+            np.savez(given, **{f"{i}|{name}": value for i, f in enumerate(feeds) for name, value in f.items()})
+            done = subprocess.run([sys.executable, "-c", _RUN_CHILD, str(self.bundle), str(given), str(got)],
+                                  capture_output=True, text=True, env=_child_env(), timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"its run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            outputs: list[dict] = [{} for _ in feeds]
+            with np.load(got) as values:
+                for key in values.files:
+                    i, name = key.split("|", 1)
+                    outputs[int(i)][name] = values[key]
+            return outputs
+
+    def close(self) -> None:
+        pass
+
+
+_RUN_CHILD = """
+import sys
+import numpy as np
+from edgesdk.runtime import BundleModel
+model = BundleModel(sys.argv[1], log=lambda s: None)
+feeds = {}
+with np.load(sys.argv[2]) as given:
+    for key in given.files:
+        i, name = key.split("|", 1)
+        feeds.setdefault(int(i), {})[name] = given[key]
+np.savez(sys.argv[3], **{f"{i}|{name}": value for i in sorted(feeds) for name, value in model.run(feeds[i]).items()})
+"""
 
 
 def _write(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
@@ -776,13 +825,19 @@ print(json.dumps(laps))
 def measure_alone(bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:
     """One measurement of a bundle in a child process of its own: milliseconds per inference of `runs`
     inferences after `warmup`, on the inputs in `feeds` (.npz)."""
-    env = dict(os.environ)  # the threads this process set for the runners (TVM_NUM_THREADS, EDGESDK_NUM_THREADS)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", _CHILD, str(bundle), str(feeds), str(warmup), str(runs)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=_child_env(), timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"the timing run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child_env() -> dict[str, str]:
+    """A candidate's child process: this one's environment (the threads it set for the runners,
+    TVM_NUM_THREADS and EDGESDK_NUM_THREADS), with edgesdk importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    return env
 
 
 def _reference(model: onnx.ModelProto, samples: list[dict], plan: Plan) -> list[dict]:
