@@ -605,6 +605,7 @@ def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pat
 
         return OnBoard(boards, work, manifest)
     if sum(irm.weight_bytes(m) for m in models.values()) > CHECKED_APART_BYTES:
+        give_back()  # what the compilers freed, before the child that runs it loads its weights
         return _Apart(work, manifest.inputs, manifest.outputs)
     return BundleModel(work, log=lambda line: None)
 
