@@ -88,9 +88,24 @@ def _tensorflow():
     _number_nodes(tf2onnx.graph.Node)
     _fresh_protos(tf2onnx.graph.Node)
     _missing_ops()
+    _numpy_2(tf2onnx.graph)
     failures = _Failures()
     logging.getLogger("tf2onnx").addHandler(failures)
     return tf, tf2onnx, failures
+
+
+def _numpy_2(graph_module) -> None:
+    """tf2onnx 1.17's large-model path (SavedModel import) calls `np.product`, which numpy 2 removed:
+    its module gets a numpy whose `product` is `prod`."""
+    import types
+
+    import numpy as np
+
+    if not hasattr(graph_module.np, "product"):
+        shim = types.ModuleType("numpy")
+        shim.__dict__.update(np.__dict__)
+        shim.product = np.prod
+        graph_module.np = shim
 
 
 def _missing_ops() -> None:
@@ -334,9 +349,37 @@ def _weight_names(paths: list[str], taken: set[str]) -> list[str]:
 
 def _savedmodel(request: dict) -> dict:
     tf, tf2onnx, failures = _tensorflow()
+    from tf2onnx.convert import _convert_common
+
+    notes: list[str] = []
+
+    def convert():
+        frozen, inputs, outputs, renamed, name = _frozen(tf, request, notes)
+        with tf.device("/cpu:0"):
+            return _convert_common(frozen, name=name, continue_on_error=True, opset=request["opset"],
+                                   input_names=inputs, output_names=outputs, large_model=True,
+                                   tensors_to_rename=renamed)
+
+    # tf2onnx's large-model path: the variables become constants of the graph once, their values kept
+    # apart from the TensorFlow graph it imports, and the graph is not run through grappler, whose copies
+    # of a frozen graph held VGG16's 528 MiB of weights 20 times over; the weights come back beside the
+    # ONNX graph (`_inlined`). A retry (`_lean_first`) freezes again: tf2onnx empties the frozen graph.
+    proto, storage = _lean_first(tf2onnx, convert)
+    return _finish(_inlined(proto, storage), request, tf2onnx, failures.failed, notes)
+
+
+def _frozen(tf, request: dict, notes: list[str]):
+    """The SavedModel's serving signature frozen (tf2onnx's large-model path), with its input and output
+    names, tf2onnx's renames and its name; the SavedModel is let go before it returns (its variables are
+    the frozen graph's constants now: Keras's `export` holds each weight twice, 1 GiB for VGG16)."""
+    import gc
+
+    from tf2onnx import tf_loader
+    from tf2onnx.convert import tensor_names_from_structed
+
     loaded = _reading("savedmodel", lambda: tf.saved_model.load(request["source"]))
     signatures = dict(getattr(loaded, "signatures", {}) or {})
-    notes = []
+    del notes[:]
     if "serving_default" in signatures:
         key = "serving_default"
         if set(signatures) - {"serving_default", "serve"}:  # model.export() writes serve as a twin of serving_default
@@ -363,9 +406,33 @@ def _savedmodel(request: dict) -> dict:
     def serve(*inputs):
         return fn(**dict(zip(names, inputs)))
 
-    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(serve, input_signature=specs,
-                                                                      opset=request["opset"])[0])
-    return _finish(proto, request, tf2onnx, failures.failed, notes)
+    concrete = serve.get_concrete_function(*specs)
+    inputs = [t.name for t in concrete.inputs if t.dtype != tf.dtypes.resource]
+    outputs = [t.name for t in concrete.outputs if t.dtype != tf.dtypes.resource]
+    renamed = tensor_names_from_structed(concrete, inputs, outputs)
+    with tf.device("/cpu:0"):
+        frozen = tf_loader.from_function(concrete, inputs, outputs, large_model=True)
+    name = concrete.name
+    del loaded, signatures, fn, serve, concrete
+    gc.collect()  # the restored objects' reference cycles: their variables go with them
+    return frozen, inputs, outputs, renamed, name
+
+
+def _inlined(proto, storage):
+    """`proto` with the tensors tf2onnx's large-model path left in `storage` (external, located by a key
+    of its `name_to_tensor_data`) back in the proto, each tensor's bytes moved, not copied twice over."""
+    import onnx
+    from onnx import external_data_helper
+
+    data = storage.name_to_tensor_data if storage is not None else {}
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        where = {e.key: e.value for e in tensor.external_data}
+        tensor.raw_data = data.pop(where["location"])
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+    return proto
 
 
 def _tflite(request: dict) -> dict:
