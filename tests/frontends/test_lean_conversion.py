@@ -67,3 +67,35 @@ def test_a_lean_pass_runs_once_where_no_optimizer_fails(tf2onnx_and_function):
     x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
     np.testing.assert_allclose(_run(proto, x), np.maximum(x @ np.arange(12, dtype=np.float32).reshape(4, 3), 0),
                                rtol=1e-6)
+
+
+def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(monkeypatch):
+    """A frozen graph reads each weight through an Identity (the variable's read); tf2onnx folded that
+    Identity into a new Const holding a copy of the weight (`_child._constants_stay`; SavedModel import). The Identity's
+    readers now take the weight's own Const: no Const of the weight's size is made, and the model
+    computes what the function does."""
+    tf, tf2onnx, _ = _child._tensorflow()
+    from tf2onnx import graph
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    v = tf.Variable(w)
+    spec = [tf.TensorSpec((1, 64), tf.float32, name="x")]
+
+    @tf.function(input_signature=spec)
+    def f(x):
+        return {"y": tf.matmul(x, v)}
+
+    made = []
+    make_const = graph.Graph.make_const
+
+    def spied(self, name, np_val=None, *args, **kwargs):
+        made.append(np.size(np_val))
+        return make_const(self, name, np_val, *args, **kwargs)
+
+    monkeypatch.setattr(graph.Graph, "make_const", spied)
+    # tf2onnx's large-model path, as SavedModel import takes it: no grappler pass folds the Identity first
+    proto = _child._inlined(*tf2onnx.convert.from_function(f, input_signature=spec, opset=17, large_model=True))
+    assert w.size not in made
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    want = f(tf.constant(x))["y"].numpy()
+    np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
