@@ -99,3 +99,35 @@ def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(mo
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     want = f(tf.constant(x))["y"].numpy()
     np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, monkeypatch):
+    """tf2onnx infers each new node's shapes on a model of that node, its constant inputs as
+    initializers: a Transpose it inserts on a TFLite FullyConnected's weight serialized and parsed the
+    whole weight several times (`_child._shapes_without_weights`). Only constants small enough to be
+    shapes go in now, and the converted model computes what the TFLite model does."""
+    tf, tf2onnx, _ = _child._tensorflow()
+    from tf2onnx import schemas
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    spec = [tf.TensorSpec((1, 64), tf.float32, name="x")]
+
+    @tf.function(input_signature=spec)
+    def f(x):
+        return tf.nn.relu(tf.matmul(x, tf.constant(w)))
+
+    path = tmp_path / "fc.tflite"
+    path.write_bytes(tf.lite.TFLiteConverter.from_concrete_functions([f.get_concrete_function()], f).convert())
+    largest = []
+    infer_shapes = schemas.shape_inference.infer_shapes
+
+    def spied(model, *args, **kwargs):
+        largest.append(max((int(np.prod(t.dims)) for t in model.graph.initializer), default=0))
+        return infer_shapes(model, *args, **kwargs)
+
+    monkeypatch.setattr(schemas.shape_inference, "infer_shapes", spied)
+    proto = tf2onnx.convert.from_tflite(str(path), opset=17)[0]
+    assert largest and max(largest) <= _child.SHAPE_VALUES < w.size
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    want = f(tf.constant(x)).numpy()
+    np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -16,6 +16,7 @@ import faulthandler
 import itertools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def _tensorflow():
     _missing_ops()
     _numpy_2(tf2onnx.graph)
     _constants_stay(tf2onnx.tfonnx)
+    _shapes_without_weights(tf2onnx.graph)
     failures = _Failures()
     logging.getLogger("tf2onnx").addHandler(failures)
     return tf, tf2onnx, failures
@@ -123,6 +125,27 @@ def _constants_stay(tfonnx) -> None:
 
     folded.constants_stay = True
     tfonnx.compute_const_folding_using_tf, tfonnx.fold_constants_using_tf = computed, folded
+
+
+# a constant this small may be a shape, an axis or a slice bound, which shape inference reads
+SHAPE_VALUES = 1024
+
+
+def _shapes_without_weights(graph_module) -> None:
+    """tf2onnx infers a new node's output shapes with ONNX's shape inference on a model of that node
+    alone, its constant inputs included as initializers: a Transpose inserted on a weight (a TFLite
+    FullyConnected's) serialized, inferred and parsed VGG16's 392 MiB fc1 weight four times over. Only
+    constants that may carry shapes are included now; a larger one stays a typed input of that model."""
+    infer = graph_module.infer_onnx_shape_dtype
+    if getattr(infer, "without_weights", False):  # done already in this process
+        return
+
+    def inferred(node, opset_version, input_shapes, input_dtypes, initializers=None):
+        small = [t for t in initializers or [] if math.prod(t.dims) <= SHAPE_VALUES]
+        return infer(node, opset_version, input_shapes, input_dtypes, small)
+
+    inferred.without_weights = True
+    graph_module.infer_onnx_shape_dtype = inferred
 
 
 def _numpy_2(graph_module) -> None:
