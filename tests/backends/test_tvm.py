@@ -29,8 +29,8 @@ from onnx import TensorProto, helper, numpy_helper
 from edgesdk.backends import tvm as tvm_backend
 from edgesdk.backends.tvm import targets
 from edgesdk.errors import UserError
-from edgesdk.runtime.backends.tvm_runner import open_runner
-from edgesdk.runtime.manifest import Segment
+from edgesdk.runtime.backends.tvm_runner import open_runner, weights_path
+from edgesdk.runtime.manifest import ManifestError, Segment
 from tests import model_zoo
 from tests.numeric import assert_close
 
@@ -265,6 +265,60 @@ def test_aarch64_cross_compile_is_an_aarch64_shared_object(tmp_path):
     assert elf_machine(tmp_path / "conv.so") == (2, 3, EM_AARCH64)
     assert result.target == AARCH64
     assert [s.name for s in result.outputs] == ["pooled", "features"]
+    # an aarch64 library reaches its constants by 32-bit relocations: linked into it, 2.25 GiB of weights
+    # did not link; beside it, none are in it
+    model, weight = mlp_graph()
+    result = tvm_backend.compile_onnx(model, AARCH64, tmp_path / "mlp.so")
+    assert result.weights == 2 and weights_path(tmp_path / "mlp.so").stat().st_size >= 2 * weight.nbytes
+    assert weight.tobytes()[:4096] not in (tmp_path / "mlp.so").read_bytes()
+
+
+def mlp_graph() -> tuple[onnx.ModelProto, np.ndarray]:
+    """Two MatMuls of 1 MiB weights each (the second the first's transpose, so the two are distinct), a Relu
+    between; and the first weight."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((512, 512)) / 16).astype(np.float32)
+    return _model([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+                   helper.make_node("MatMul", ["r", "w2"], ["y"])],
+                  {"x": (4, 512)}, ["y"], {"w1": w, "w2": np.ascontiguousarray(w.T)}), w
+
+
+def test_weights_leave_the_library_for_a_file_the_runner_maps(tmp_path):
+    """The library holds code; `main` takes the weights after the inputs, from the file beside it, which the
+    runner maps and hands TVM without a copy: in memory once, as file pages (not anonymous copies)."""
+    model, weight = mlp_graph()
+    library = tmp_path / "mlp.so"
+    result = tvm_backend.compile_onnx(model, HOST, library)
+    weights = weights_path(library)
+    assert (result.weights, result.weight_bytes) == (2, weights.stat().st_size)
+    assert library.stat().st_size < weight.nbytes and weight.tobytes()[:4096] not in library.read_bytes()
+    segment = Segment("s0", "cpu", "tvm", library.name, result.inputs, result.outputs)
+    runner = open_runner(tmp_path, segment, None)
+    maps = Path("/proc/self/maps").read_text()
+    assert str(weights) in maps  # mapped, not read into memory
+    feeds = random_feeds(model)
+    assert_close(runner.run(feeds)["y"], run_ort(model, feeds)["y"], "y")
+
+
+def test_a_missing_or_foreign_weights_file_is_named(tmp_path):
+    model, _ = mlp_graph()
+    library = tmp_path / "mlp.so"
+    result = tvm_backend.compile_onnx(model, HOST, library)
+    segment = Segment("s0", "cpu", "tvm", library.name, result.inputs, result.outputs)
+    weights = weights_path(library)
+    good = weights.read_bytes()
+    weights.write_bytes(b"not weights" + good[64:])
+    with pytest.raises(ManifestError, match=r"segment s0: mlp.weights: not a weights file"):
+        open_runner(tmp_path, segment, None)
+    weights.write_bytes(good[:-1024])  # the second weight cut short
+    with pytest.raises(ManifestError, match=r"mlp.weights: weight 1 .* lies outside the file"):
+        open_runner(tmp_path, segment, None)
+    weights.unlink()
+    with pytest.raises(ManifestError, match=r"mlp.weights: missing; the library takes 2 weights from it"):
+        open_runner(tmp_path, segment, None)
+    # a segment without a constant of 1 KiB writes no file, and a stale one is removed
+    weights.write_bytes(good)
+    assert tvm_backend.compile_onnx(conv_graph(), HOST, library).weights == 0 and not weights.exists()
 
 
 def test_cuda_compiles_without_a_gpu(tmp_path):

@@ -273,39 +273,6 @@ def test_cpu_backends_planned_keeps_the_plan_and_reads_nothing(tmp_path):
     assert only_tvm.plan.segments == plan.segments and only_tvm.record["spans"][0]["chosen"] == "planned"
 
 
-def test_a_foreign_span_whose_tvm_cut_cannot_be_linked_goes_to_onnxruntime(tmp_path, monkeypatch):
-    """An aarch64 library holds less than 2 GiB of TVM's constants: past it the linker fails at the end of
-    the compile (the 2.25 GiB MLP for arm_2tpu, "relocation truncated to fit"). By policy such a span
-    goes whole to onnxruntime, and TVM's compile refuses such a segment before it starts. The bound is
-    lowered here to below this model's 2 KiB first weight."""
-    from edgesdk.backends.tvm import segment as tvm_segment
-    from edgesdk.backends.tvm import targets
-    from edgesdk.errors import UserError
-
-    model = _model()
-    plan = _plan(model, SPLIT)
-    plan = replace(plan, segments=(replace(plan.segments[0], param_bytes=16 * 32 * 4), *plan.segments[1:]))
-    monkeypatch.setitem(targets.LINKED_WEIGHT_LIMIT, "aarch64", 1024)
-    got = _select(model, plan, tmp_path, _never_timed, allowed=("tvm", "onnxruntime"), measurable=FOREIGN,
-                  target="arm_2tpu")
-    (span,) = got.record["spans"]
-    assert span["chosen"] == "onnxruntime"
-    assert span["candidates"]["planned"]["skipped"].startswith("s0 holds 0 MiB of weights, and an aarch64 library")
-    assert span["why"].startswith("policy: the schedule's cut cannot be linked: s0 holds")
-    (seg,) = got.plan.segments
-    assert (seg.backend, seg.nodes) == ("onnxruntime", ("mm1", "relu", "mm2")) and set(got.models) == {"s0"}
-
-    arm, x86 = load_target("arm_2tpu")[0].host.codegen, load_target("x86")[0].host.codegen
-    first = _segment_models(model)(plan.segments[0])
-    with pytest.raises(UserError) as e:
-        tvm_segment.require_linkable(first, arm, "s0")
-    assert e.value.code == "tvm.too-large" and "--low-memory" in e.value.hint
-    tvm_segment.require_linkable(first, x86, "s0")  # no bound on x86-64: the 2.25 GiB MLP links and runs
-    # with the real bound, this span keeps the schedule's cut (test_cpu_backends_planned_keeps_the_plan...)
-    monkeypatch.setitem(targets.LINKED_WEIGHT_LIMIT, "aarch64", 1 << 31)
-    tvm_segment.require_linkable(first, arm, "s0")
-
-
 def test_a_litert_span_that_disagrees_with_onnxruntime_keeps_the_plan(tmp_path, monkeypatch):
     """The policy's candidate is checked as a measured one is: a TEST DOUBLE in its place computes -y."""
     model = _model()

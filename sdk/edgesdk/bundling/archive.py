@@ -30,7 +30,7 @@ def file_table(bundle: Path) -> dict[str, dict]:
             for p in sorted(bundle.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
-# A model's weights (`segments/*.data`) are float bytes gzip shrinks by some 7 %, at 30 MB/s: past this size
+# A model's weights (`segments/*.data` of onnxruntime, `segments/*.weights` of TVM) are float bytes gzip shrinks by some 7 %, at 30 MB/s: past this size
 # they go into the tarball stored (gzip level 0, a member of its own), which takes seconds, not minutes.
 STORED_FROM = 64 << 20
 
@@ -51,7 +51,7 @@ def write_tarball(bundle: Path, dest: Path) -> None:
                     tar.addfile(info)
                 else:
                     info.size, info.mode = p.stat().st_size, 0o644
-                    weights = p.suffix == ".data" and info.size >= STORED_FROM
+                    weights = p.suffix in (".data", ".weights") and info.size >= STORED_FROM
                     with open(p, "rb") as f:
                         gz.level(0 if weights else 9)
                         tar.addfile(info, f)

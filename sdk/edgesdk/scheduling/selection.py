@@ -62,7 +62,6 @@ INT8_BACKENDS = {"litert": "litert-int8", "onnxruntime": "onnxruntime-int8"}
 GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
 GATE_TOP1 = 0.9  # and its least agreement of the arg max of a class-score output's last axis
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
-FALLBACK = "onnxruntime"  # by policy, for a span whose TVM cut cannot be linked: it reads weights of any size
 POLICY = "litert"  # where the target's CPU cannot be timed here: the whole span on LiteRT/XNNPACK, what ARM users run
 ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
 RUNS = 10  # inferences per measurement, after WARMUP
@@ -363,9 +362,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
     2. else the whole span on LiteRT/XNNPACK (`POLICY`, what ARM users run), where it lowers every node
        and its output agrees with onnxruntime on the float model (`_check`, on this host: TFLite's fp32
        kernels compute the same function on every CPU, within TOLERANCE);
-    3. else the schedule's cut (TVM's untuned kernels), with why; where a TVM segment of it holds more
-       weights than TVM can link for the target's CPU (`_unlinkable`: 2 GiB on aarch64), the whole span
-       on onnxruntime (`FALLBACK`) instead.
+    3. else the schedule's cut (TVM's untuned kernels), with why.
 
     With `int8` (`--cpu-precision int8`, `litert-int8` allowed), step 2 tries LiteRT's int8 first, where
     it passes the accuracy gate on the held-out samples (`gate`, on this host: the int8 kernels'
@@ -434,33 +431,12 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                         break
                     else:
                         why += failed
-            unlinkable = _unlinkable(planned, target) if winner is planned else None
-            if unlinkable and FALLBACK in allowed and model is not None:
-                cands, _ = candidates(plan, span, model, [FALLBACK])
-                fallback = next((c for c in cands if c.name == FALLBACK), None)
-                if fallback is not None:
-                    considered[PLANNED] = {"skipped": unlinkable}
-                    considered[FALLBACK] = {"policy": "reads weights of any size"}
-                    winner, why = fallback, f"the schedule's cut cannot be linked: {unlinkable}"
-                    models.update({s.id: _extract(model, s) for s in fallback.segments})
             entry = {"segments": ids, "nodes": sum(len(s.nodes) for s in segs), "candidates": considered,
                      "chosen": winner.name, "why": f"policy: {why}; not measured: {unmeasured}"}
             record["spans"].append(entry)
             log(f"tune: {label} ({entry['nodes']} nodes): {winner.name}, policy: {why}")
             chosen[span] = winner, None
     return replace(_replan(plan, chosen), cpu_selection=record), models, record
-
-
-def _unlinkable(cand: Candidate, target) -> str | None:
-    """Why a TVM segment of `cand` cannot be linked for the target's CPU: weights past what its library
-    holds (`backends.tvm.weight_limit`: 2 GiB on aarch64). None where every one can."""
-    from ..backends.tvm import target_arch, weight_limit
-
-    codegen = target.host.codegen
-    limit = weight_limit(codegen)
-    big = next((s for s in cand.segments if s.backend == "tvm" and limit is not None and s.param_bytes >= limit), None)
-    return None if big is None else (f"{big.id} holds {shown(big.param_bytes)} of weights, and an {target_arch(codegen)} "
-                                     f"library TVM links holds less than {shown(limit)}")
 
 
 def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,

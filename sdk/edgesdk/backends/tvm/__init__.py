@@ -2,8 +2,9 @@
 
 Every build-side TVM call of edgesdk lives in this package, so a TVM API rename costs one
 place (TVM 0.27: Relax only, MetaSchedule under `tvm.s_tir.meta_schedule`, targets as JSON
-dicts). The bundle runtime loads the library with `tvm.runtime.load_module` and
-runs its Relax VM function `main`.
+dicts). The bundle runtime loads the library with `tvm.runtime.load_module`, maps the
+segment's weights file beside it, and runs its Relax VM function `main` on the inputs and
+the weights (runtime/backends/tvm_runner.py).
 
     compile.py        compile_onnx: import, lowering, scheduling, build
     targets.py        target architecture, `mcpu: native` and the host's CPU features, export
@@ -17,7 +18,8 @@ records by the structural hash of each fused TIR function, so the functions that
 
     compile: ONNX --from_onnx--> Relax (weights as constants) --_lower--> fused TIR
              functions --MetaScheduleApplyDatabase--> tuned ones --dlight (GPU) or fixed
-             MetaSchedule decisions (CPU)--> all scheduled --VM codegen, LLVM / CUDA C-->
+             MetaSchedule decisions (CPU)--> all scheduled --constants of 1 KiB or more made
+             parameters of main, written to <segment>.weights--> --VM codegen, LLVM / CUDA C-->
              .so (cross-linked for aarch64)
     tune:    the same fused TIR functions --MetaSchedule (evolutionary search, XGBoost
              cost model, measured here or on boards over RPC)--> records in a JSON
@@ -30,10 +32,10 @@ from .compile import TvmResult, compile_onnx, importer_ops
 from .database import repair_database
 from .runner import Boards, check_boards
 from .search import Progress
-from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch, weight_limit
+from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch
 # private names that tests/backends/test_tvm.py and test_tvm_tuning.py call
 from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: F401
 from .tuning import tune_onnx
 
 __all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "host_cpu",
-           "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx", "weight_limit"]
+           "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]

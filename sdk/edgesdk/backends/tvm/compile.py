@@ -12,6 +12,13 @@ no weight is transformed at run time). Channels-last makes the output channels t
 the default schedule vectorizes them, one weight vector serving a row of output pixels
 (`_tile_roles`). Weights are not stored in a schedule's own blocked order (TVM's layout-free
 buffers and RewriteLayout): that computed wrong results on PP-OCRv4 det (`_lower`).
+
+The weights (every constant of 1 KiB or more, as the passes left them: folded, transposed) leave the
+module before it is built (`_weights_as_parameters`): `main` takes them after its inputs, and they are
+written to a file beside the library (`tvm_runner.save_weights`), which the runner maps. Linked into
+the library, they were serialized and copied into LLVM's module on export (3.7x the weights above the
+compile's own peak, measured on a 768 MiB MLP), copied again when the library loads, and past 2 GiB an
+aarch64 library did not link.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from ...errors import UserError
 from ...ir import model as irm
+from ...runtime.backends.tvm_runner import save_weights, weights_path
 from ...runtime.manifest import TensorSpec
 from . import fast_math, sparse
 from .database import _apply_database, _open_database
@@ -50,6 +59,8 @@ class TvmResult:
     rewrites: dict[str, int] = field(default_factory=dict)  # `_rewritten`'s rewrites of the graph, by kind
     sparse_kernels: int = 0  # pruned convolutions computed by sparse kernels (sparse.py)
     sparse_choices: tuple[dict, ...] = ()  # each pruned convolution's kernel: sparse or dense, timed or by policy
+    weights: int = 0  # tensors `main` takes after its inputs, from the weights file beside the library
+    weight_bytes: int = 0  # that file's size (0: no file)
 
 
 def importer_ops() -> frozenset[str]:
@@ -71,9 +82,11 @@ def compile_onnx(
     """Compile an ONNX segment for `target` into the shared library `out_path`.
 
     Needs: static input shapes, an opset the Relax importer reads (>= 11), ops it supports.
-    Guarantees: `out_path` is written atomically (a complete library or no file); the
-    library's VM function `main` takes the inputs in `TvmResult.inputs` order and returns
-    one tensor (one output) or a tuple (several), in `TvmResult.outputs` order. Functions
+    Guarantees: `out_path` is written atomically (a complete library or no file), and so is its
+    weights file (`tvm_runner.weights_path`: written where the segment has a constant of
+    WEIGHT_MIN_BYTES or more, else absent); the library's VM function `main` takes the inputs in
+    `TvmResult.inputs` order, then the file's `TvmResult.weights` tensors, and returns one tensor
+    (one output) or a tuple (several), in `TvmResult.outputs` order. Functions
     with a record in `tuning_db` (a database tuned for this same target) use the tuned
     schedule; on CPU the others get a fixed heuristic schedule (parallel, vectorized,
     register-blocked; see `_cpu_default_schedules`), on CUDA dlight's rule-based GPU
@@ -112,18 +125,63 @@ def compile_onnx(
         else:
             mod, default_scheduled = _cpu_default_schedules(mod, target)
             default_scheduled += sparse_defaults
-        backend = _backend_pipeline(tvm_target)
-        finish = tvm.transform.Sequential(
-            backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
-        )
-        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=finish)
-    if tvm_target.kind.name == "cuda":
-        _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
-    _export(executable, target, Path(out_path))
+        mod, weights = _weights_as_parameters(mod)
+        count, weights_file = len(weights), weights_path(Path(out_path))
+        weight_bytes = save_weights(weights_file, weights) if weights else 0
+        del weights  # the file holds them now; the build below never reads them
+        if not count:
+            weights_file.unlink(missing_ok=True)  # a previous build's
+        try:
+            backend = _backend_pipeline(tvm_target)
+            finish = tvm.transform.Sequential(
+                backend.dataflow_lower_passes(tvm_target) + backend.finalize_passes(tvm_target)
+            )
+            executable = tvm.compile(mod, target=tvm_target, relax_pipeline=finish)
+            if tvm_target.kind.name == "cuda":
+                _check_cuda_kernels(executable, str(tvm_target.attrs["arch"]))
+            _export(executable, target, Path(out_path))
+        except BaseException:
+            weights_file.unlink(missing_ok=True)
+            raise
     return TvmResult(
         inputs=inputs, outputs=outputs, tasks=tasks, tuned=tuned, target=target, default_scheduled=default_scheduled,
         rewrites=rewrites, sparse_kernels=sparse_kernels, sparse_choices=tuple(choices[0] if choices else ()),
+        weights=count, weight_bytes=weight_bytes,
     )
+
+
+# A constant this large or larger leaves the library for its weights file; smaller ones (scalars, short
+# vectors) stay constants of the library, where they cost nothing worth a file's entry.
+WEIGHT_MIN_BYTES = 1024
+
+
+def _weights_as_parameters(mod: Any) -> tuple[Any, list]:
+    """`mod` with each constant of `main` of WEIGHT_MIN_BYTES or more made a parameter of `main`, after its
+    own, and those constants' values in parameter order (one parameter per distinct constant)."""
+    from tvm import relax
+
+    lifted: list = []  # (constant, its parameter)
+
+    @relax.expr_functor.mutator
+    class Lift(relax.PyExprMutator):
+        def visit_generic_const_(self, const):
+            value = const.value
+            if int(np.prod(value.shape, dtype=np.int64)) * np.dtype(str(value.dtype)).itemsize < WEIGHT_MIN_BYTES:
+                return const
+            for seen, param in lifted:
+                if seen.same_as(const):
+                    return param
+            param = relax.Var(f"weight{len(lifted)}", const.ty)
+            lifted.append((const, param))
+            return param
+
+    main = mod["main"]
+    body = Lift(mod).visit_expr(main.body)
+    if not lifted:
+        return mod, []
+    mod["main"] = relax.Function([*main.params, *(p for _, p in lifted)], body, main.ret_ty, main.is_pure,
+                                 main.attrs, main.span)
+    return mod, [c.value for c, _ in lifted]
 
 
 def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from ...ir.model import infer_shapes, sha256, static_shapes
+from ...runtime.backends.tvm_runner import load_weights
 from ..registry import KERNEL_TIMES, LayerTimesJob
 from . import sparse
 from .compile import compile_onnx
@@ -103,5 +104,6 @@ def _segment_ms(model: onnx.ModelProto, target: dict, database: Path | None, tun
         args = [tvm.runtime.tensor(rng.standard_normal(s.shape).astype(s.dtype) if s.dtype.startswith("float")
                                    else np.zeros(s.shape, s.dtype))
                 for s in sorted(res.inputs, key=lambda s: int(s.key))]
+        args += load_weights(lib_path, res.weights, tvm.cpu(0), "timed")
         main = vm["main"]
         return sparse._median_ms(lambda: main(*args))

@@ -7,12 +7,10 @@ from __future__ import annotations
 import functools
 import platform
 
-from ...errors import UserError
-from ...ir import model as irm
 from ...ir.memory import shown
 from ..registry import KERNEL_TIMES, CompileJob, Compiled, TuneJob
 from .compile import compile_onnx, importer_ops
-from .targets import missing_host_features, target_arch, weight_limit
+from .targets import missing_host_features, target_arch
 from .tuning import tune_onnx, untuned_reason
 
 # The build host's own CPU, for the twins that produce golden outputs of foreign bundles.
@@ -24,11 +22,13 @@ CUDA_NEEDS = ("CUDA segments carry CUDA source that TVM compiles when the librar
 def compile_segment(job: CompileJob) -> Compiled:
     seg, codegen = job.segment, job.device.codegen
     sid = seg.id
-    require_linkable(job.model, codegen, sid)
     job.log(f"package: {sid}: compiling {len(seg.nodes)} nodes with TVM for {describe(codegen)}")
     db = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
     res = compile_onnx(job.model, codegen, job.segments_dir / f"{sid}.so", tuning_db=db,
                        kernel_times=job.tuning_db / KERNEL_TIMES, keep_kernel_times=job.keep_kernel_times)
+    if res.weight_bytes:
+        job.log(f"package: {sid}: {res.weights} weights ({shown(res.weight_bytes)}) in segments/{sid}.weights, "
+                "beside the library")
     if res.rewrites:
         job.log(f"package: {sid}: rewritten for TVM: " + ", ".join(f"{k} x{n}" for k, n in res.rewrites.items()))
     if res.sparse_choices:
@@ -45,17 +45,6 @@ def compile_segment(job: CompileJob) -> Compiled:
                            **({"sparse_kernels": res.sparse_kernels, "sparse_choices": list(res.sparse_choices)}
                               if res.sparse_choices else {})},
                     device_needs=CUDA_NEEDS if codegen.get("kind") == "cuda" else ())
-
-
-def require_linkable(model, codegen: dict, sid: str) -> None:
-    """Refuse, before TVM compiles, a segment whose weights its library cannot hold for this CPU
-    (`targets.weight_limit`): the linker would fail at the end of the compile instead."""
-    limit, weights = weight_limit(codegen), irm.weight_bytes(model)
-    if limit is not None and weights >= limit:
-        raise UserError("tvm.too-large",
-                        f"segment {sid} holds {shown(weights)} of weights, and TVM links them into an "
-                        f"{target_arch(codegen)} shared library, which reaches less than {shown(limit)} of data",
-                        "--low-memory builds the CPU segments with onnxruntime, which reads weights of any size")
 
 
 def lowering_reason(node, shapes, consts) -> str | None:

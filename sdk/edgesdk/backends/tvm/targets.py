@@ -44,17 +44,6 @@ def target_arch(target: dict) -> str:
     return _ARCHES[machine]
 
 
-# TVM links a segment's weights into its shared library as constants. An aarch64 library reaches them by
-# 32-bit PC-relative relocations, so past 2 GiB it does not link ("relocation truncated to fit:
-# R_AARCH64_PREL32", measured with a 2.25 GiB MLP); x86-64's links and runs (the same MLP).
-LINKED_WEIGHT_LIMIT = {"aarch64": 1 << 31}
-
-
-def weight_limit(target: dict) -> int | None:
-    """The most weight bytes a library TVM builds for `target` can hold (None: no known bound)."""
-    return LINKED_WEIGHT_LIMIT.get(target_arch(target))
-
-
 # What `mcpu: native` means, when set: a CPU name LLVM knows (haswell, znver3) taken as this host's.
 # On an AVX-512 host, EDGESDK_HOST_CPU=haswell builds what an AVX2-only host would, so that host's
 # numerics can be checked here. Features the named CPU has and this host lacks stay off.

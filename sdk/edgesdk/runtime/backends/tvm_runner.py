@@ -1,13 +1,23 @@
 """Runs a TVM segment: a shared library exported by the build's TVM backend.
 
 The library holds a Relax VM executable whose function `main` takes the segment inputs
-in `TensorSpec.key` order and returns one tensor, or a tuple when the segment has several
-outputs. This module needs only TVM's runtime (it works with `TVM_USE_RUNTIME_LIB=1`,
-which imports in about a second and never loads the compiler) and numpy.
+in `TensorSpec.key` order, then the segment's weights, and returns one tensor, or a tuple
+when the segment has several outputs. The weights are a file beside the library
+(`weights_path`: segments/s0.so -> segments/s0.weights, in the format `save_weights` writes),
+not constants linked into it: a library holding them copied them at load (the mapped library,
+then the VM's own tensors, with a serialized copy between: 4x the weights for VGG16), and an
+aarch64 library cannot link past 2 GiB of them. On the CPU the runner maps the file and gives
+TVM views of it (DLPack), so the weights are in memory once, in pages the kernel may drop and
+read again; on a GPU each is copied to the device once.
+
+This module needs only TVM's runtime (it works with `TVM_USE_RUNTIME_LIB=1`, which imports
+in about a second and never loads the compiler) and numpy.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from pathlib import Path
 
@@ -42,9 +52,10 @@ class TvmRunner:
         self._vm = VirtualMachine(library_module, self._device)
         self._main = self._vm["main"]
         arity = self._vm._get_function_arity("main")
-        if arity != len(self._inputs):
+        if arity < len(self._inputs):
             raise ManifestError(f"segment {segment.id}: its library's main takes {arity} inputs; the manifest lists "
                                 f"{len(self._inputs)}")
+        self._weights = load_weights(Path(library), arity - len(self._inputs), self._device, segment.id)
         # The VM keeps per-call state (registers, its memory pool): one call at a time.
         self._lock = threading.Lock()
 
@@ -65,7 +76,7 @@ class TvmRunner:
         took 3.4 ms of 16)."""
         args = [self._argument(feeds, spec) for spec in self._inputs]
         with self._lock:
-            result = self._main(*args)
+            result = self._main(*args, *self._weights)
             values = list(result) if _is_tuple(result) else [result]
             if len(values) != len(self._outputs):
                 raise ManifestError(f"segment {self._segment.id}: its library returns {len(values)} outputs; the "
@@ -94,6 +105,92 @@ def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, 
     cuda-bindings package, or nvcc with `TVM_CUDA_COMPILE_MODE=nvcc`).
     """
     return TvmRunner(Path(bundle) / segment.artifact, segment, _device_index(physical_device or segment.device))
+
+
+# A weights file: MAGIC, the header's length (8 bytes, little-endian), the header (JSON: each tensor's dtype,
+# shape and offset, in the order `main` takes them), then the tensors, each at an offset ALIGNMENT divides
+# (TVM's kernels assume 64-byte aligned buffers; the file is mapped at a page boundary).
+WEIGHTS_SUFFIX = ".weights"
+MAGIC = b"EDGESDK-TVM-WEIGHTS-1\n"
+ALIGNMENT = 64
+
+
+def weights_path(library: Path) -> Path:
+    """The weights file of the library at `library`: beside it, the suffix WEIGHTS_SUFFIX."""
+    return Path(library).with_suffix(WEIGHTS_SUFFIX)
+
+
+def save_weights(path: Path, tensors: list) -> int:
+    """Write `tensors` (objects with `.numpy()`, or numpy arrays) to `path` in the weights format, one at a
+    time (never two copies of all of them), to a temporary name renamed into place. Returns the bytes written."""
+    arrays = [getattr(t, "numpy", None) for t in tensors]
+    specs, offset = [], 0
+    for t in tensors:
+        shape, dtype = tuple(int(d) for d in t.shape), np.dtype(str(t.dtype))
+        offset = -(-offset // ALIGNMENT) * ALIGNMENT
+        specs.append({"dtype": dtype.name, "shape": list(shape), "offset": offset})
+        offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    header = json.dumps({"tensors": specs}).encode()
+    start = -(-(len(MAGIC) + 8 + len(header)) // ALIGNMENT) * ALIGNMENT
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+            for t, spec, to_numpy in zip(tensors, specs, arrays):
+                f.seek(start + spec["offset"])
+                value = to_numpy() if to_numpy is not None else np.asarray(t)
+                f.write(np.ascontiguousarray(value).data)
+                del value
+            f.truncate(start + offset)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return start + offset
+
+
+def load_weights(library: Path, count: int, device, segment_id: str) -> list:
+    """The `count` weights `library`'s main takes after its inputs, from its weights file, as TVM tensors on
+    `device`: views of the mapped file on the CPU (no copy), copies on a GPU. A missing, linked, short or
+    foreign file is a ManifestError naming it."""
+    import tvm
+
+    if count == 0:
+        return []
+    path = weights_path(library)
+    where = f"segment {segment_id}: {path.name}"
+    if not path.is_file():
+        raise ManifestError(f"{where}: missing; the library takes {count} weights from it (keep the .weights "
+                            "file beside its library, as the build wrote it)")
+    if os.path.realpath(path) != os.path.abspath(path):
+        raise ManifestError(f"{where}: leads through a link (a bundle holds none)")
+    data = np.memmap(path, dtype=np.uint8, mode="c")  # private pages: DLPack exports only writable arrays
+    head = bytes(data[:len(MAGIC) + 8])
+    if not head.startswith(MAGIC):
+        raise ManifestError(f"{where}: not a weights file (its first bytes are {head[:len(MAGIC)]!r})")
+    size = int.from_bytes(head[len(MAGIC):], "little")
+    try:
+        specs = json.loads(bytes(data[len(MAGIC) + 8:len(MAGIC) + 8 + size]))["tensors"]
+    except (ValueError, KeyError) as exc:
+        raise ManifestError(f"{where}: its header cannot be read ({exc})") from exc
+    if len(specs) != count:
+        raise ManifestError(f"{where}: holds {len(specs)} weights; the library takes {count}")
+    start = -(-(len(MAGIC) + 8 + size) // ALIGNMENT) * ALIGNMENT
+    out = []
+    for k, spec in enumerate(specs):
+        try:
+            dtype, shape, offset = np.dtype(spec["dtype"]), tuple(int(d) for d in spec["shape"]), int(spec["offset"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ManifestError(f"{where}: weight {k} is not described as a tensor ({spec})") from exc
+        begin = start + offset
+        end = begin + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset < 0 or begin % ALIGNMENT or end > data.size:
+            raise ManifestError(f"{where}: weight {k} ({spec}) lies outside the file's {data.size} bytes or unaligned")
+        view = data[begin:end].view(dtype).reshape(shape)
+        out.append(tvm.runtime.from_dlpack(view) if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
+                   else tvm.runtime.tensor(view, device=device))
+    return out
 
 
 def _is_tuple(value) -> bool:
