@@ -5,6 +5,8 @@ optimizer added to tf2onnx's real list that raises once; the conversions are tf2
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -69,7 +71,15 @@ def test_a_lean_pass_runs_once_where_no_optimizer_fails(tf2onnx_and_function):
                                rtol=1e-6)
 
 
-def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(monkeypatch):
+def _written(tmp_path: Path, converted) -> onnx.ModelProto:
+    """A tf2onnx large-model conversion's (proto, storage) as the converter child writes it, read back."""
+    tf2onnx = _child._tensorflow()[1]
+    path = tmp_path / "converted.onnx"
+    _child._finish(*converted[:1], {"onnx": str(path)}, tf2onnx, {}, storage=converted[1])
+    return onnx.load(str(path))
+
+
+def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(monkeypatch, tmp_path):
     """A frozen graph reads each weight through an Identity (the variable's read); tf2onnx folded that
     Identity into a new Const holding a copy of the weight (`_child._constants_stay`; SavedModel import). The Identity's
     readers now take the weight's own Const: no Const of the weight's size is made, and the model
@@ -94,7 +104,7 @@ def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(mo
 
     monkeypatch.setattr(graph.Graph, "make_const", spied)
     # tf2onnx's large-model path, as SavedModel import takes it: no grappler pass folds the Identity first
-    proto = _child._inlined(*tf2onnx.convert.from_function(f, input_signature=spec, opset=17, large_model=True))
+    proto = _written(tmp_path, tf2onnx.convert.from_function(f, input_signature=spec, opset=17, large_model=True))
     assert w.size not in made
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     want = f(tf.constant(x))["y"].numpy()
@@ -131,3 +141,77 @@ def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, 
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     want = f(tf.constant(x)).numpy()
     np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_tflite_weight_becomes_its_constant_from_one_copy(tmp_path, monkeypatch):
+    """tf2onnx made each TFLite constant through a TensorFlow TensorProto, a numpy array, an ONNX tensor and
+    the node's copy of it (five copies of VGG16's 392 MiB fc1 weight at once), and asked an interpreter with
+    XNNPACK, which packs every weight once more, for the shapes (`_child._tflite_read_lean`). No ONNX tensor
+    of the weight's size is made apart from its node now, the interpreter runs without delegates, and the
+    converted model computes what the TFLite model does."""
+    tf, tf2onnx, _ = _child._tensorflow()
+    from onnx import numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    spec = [tf.TensorSpec((1, 64), tf.float32, name="x")]
+
+    @tf.function(input_signature=spec)
+    def f(x):
+        return tf.nn.relu(tf.matmul(x, tf.constant(w)))
+
+    path = tmp_path / "fc.tflite"
+    path.write_bytes(tf.lite.TFLiteConverter.from_concrete_functions([f.get_concrete_function()], f).convert())
+    made, resolvers = [], []
+    from_array, interpreter = numpy_helper.from_array, tf.lite.Interpreter
+
+    def spied_from_array(array, *args, **kwargs):
+        made.append(np.size(array))
+        return from_array(array, *args, **kwargs)
+
+    def spied_interpreter(*args, **kwargs):
+        resolvers.append(kwargs.get("experimental_op_resolver_type"))
+        return interpreter(*args, **kwargs)
+
+    monkeypatch.setattr(numpy_helper, "from_array", spied_from_array)
+    monkeypatch.setattr(tf.lite, "Interpreter", spied_interpreter)
+    with _child._weights_stored() as stored, _child._tflite_read_lean(tf2onnx.tflite_utils):
+        proto = tf2onnx.convert.from_tflite(str(path), opset=17)[0]
+    assert w.size not in made, made
+    assert resolvers == [tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES]
+    assert tf.lite.Interpreter is spied_interpreter and tf2onnx.tflite_utils.numpy_helper is numpy_helper  # restored
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    want = f(tf.constant(x)).numpy()
+    got = _run(_written(tmp_path, (proto, stored[-1])), x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_new_constant_is_made_from_one_copy(tmp_path):
+    """tf2onnx made a new constant (a weight its folding transposed) from a flattened copy, a bytes copy,
+    the tensor made from them and the node's copy of that (`_child._constants_made_once`); and its large-model
+    path stored a weight's bytes from a deep copy of the node's attribute, which the node kept
+    (`_child._values_moved`). Now no ONNX tensor of the weight is made apart from its node, the node's bytes
+    move to the storage, and the written model holds the weight."""
+    _, tf2onnx, _ = _child._tensorflow()
+    from onnx import TensorProto
+    from tf2onnx import graph
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    made = []
+    from_array = graph.numpy_helper.from_array
+    graph.numpy_helper.from_array = lambda array, *a, **k: made.append(np.size(array)) or from_array(array, *a, **k)
+    try:
+        g = graph.Graph([], opset=17)
+        const = g.make_const("w", w)
+    finally:
+        graph.numpy_helper.from_array = from_array
+    assert w.size not in made
+    np.testing.assert_array_equal(const.get_tensor_value(as_list=False), w)
+    g.make_node("Relu", [const.output[0]], outputs=["y"])
+    g.add_graph_output("y", TensorProto.FLOAT, list(w.shape))
+    storage = graph.ExternalTensorStorage()
+    proto = g.make_model("test", external_tensor_storage=storage)
+    assert not const.get_attr("value").t.raw_data  # moved, not copied
+    assert [len(v) for v in storage.name_to_tensor_data.values()] == [w.nbytes]
+    model = _written(tmp_path, (proto, storage))
+    (value,) = model.graph.initializer
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(value, base_dir=str(tmp_path)), w)

@@ -12,6 +12,7 @@ tf2onnx `import.convert-failed`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import itertools
 import json
@@ -92,6 +93,8 @@ def _tensorflow():
     _numpy_2(tf2onnx.graph)
     _constants_stay(tf2onnx.tfonnx)
     _shapes_without_weights(tf2onnx.graph)
+    _constants_made_once(tf2onnx.graph.Graph)
+    _values_moved(tf2onnx.graph.Node)
     failures = _Failures()
     logging.getLogger("tf2onnx").addHandler(failures)
     return tf, tf2onnx, failures
@@ -146,6 +149,72 @@ def _shapes_without_weights(graph_module) -> None:
 
     inferred.without_weights = True
     graph_module.infer_onnx_shape_dtype = inferred
+
+
+def _constants_made_once(graph_class) -> None:
+    """tf2onnx makes each new constant (a weight its constant folding transposed, a Keras or TFLite weight
+    made a Const) from a copy of the value flattened to test its type, a copy in bytes, the tensor made from
+    them, and a copy of that tensor in the node's attribute: five copies of VGG16's 392 MiB fc1 weight at
+    once. A numeric value past SHAPE_VALUES is made here as a node with an empty tensor of its type and
+    shape, then the value's bytes are set in the node's own tensor: two copies at once, one kept."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    make_const = graph_class.make_const
+    if getattr(make_const, "made_once", False):  # done already in this process
+        return
+
+    def made_once(self, name, np_val, skip_conversion=False, raw=True):
+        if not raw or not isinstance(np_val, np.ndarray) or np_val.dtype == object or np_val.size <= SHAPE_VALUES:
+            return make_const(self, name, np_val, skip_conversion, raw)
+        empty = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np_val.dtype), dims=np_val.shape)
+        node = self.make_node("Const", [], outputs=[name], name=name, attr={"value": empty},
+                              skip_conversion=skip_conversion, dtypes=[empty.data_type], infer_shape_dtype=False)
+        node.get_attr("value").t.raw_data = np.ascontiguousarray(np_val).astype(np_val.dtype.newbyteorder("<"),
+                                                                                 copy=False).tobytes()
+        self.set_shape(name, np_val.shape)
+        self.set_dtype(name, empty.data_type)
+        return node
+
+    made_once.made_once = True
+    graph_class.make_const = made_once
+
+
+def _values_moved(node_class) -> None:
+    """tf2onnx's large-model path stores a constant's bytes apart as the ONNX graph is made
+    (`Node.get_value_attr`, with an ExternalTensorStorage), from a deep copy of its attribute: the node
+    kept its own, so every weight was held twice (the node's and the storage's) and three times while it
+    was copied. Here the bytes are moved: taken once into the storage and cleared from the node, whose
+    graph only the model made from it is used after. A later call returns the attribute stored then."""
+    import copy
+
+    from onnx import AttributeProto, TensorProto
+
+    get_value_attr = node_class.get_value_attr
+    if getattr(get_value_attr, "moved", False):  # done already in this process
+        return
+
+    def moved(self, external_tensor_storage=None):
+        storage = external_tensor_storage
+        a = self._attr.get("value")
+        if (storage is None or self in storage.node_to_modified_value_attr or a is None
+                or a.type != AttributeProto.TENSOR or math.prod(a.t.dims) <= storage.external_tensor_size_threshold):
+            return get_value_attr(self, external_tensor_storage)
+        name = self.name.strip() + "_" + str(storage.name_counter)
+        for c in '~"#%&*:<>?/\\{|}':  # as tf2onnx names it
+            name = name.replace(c, "_")
+        storage.name_counter += 1
+        storage.name_to_tensor_data[name] = a.t.raw_data
+        a.t.ClearField("raw_data")
+        stored = copy.deepcopy(a)
+        location = stored.t.external_data.add()
+        location.key, location.value = "location", name
+        stored.t.data_location = TensorProto.EXTERNAL
+        storage.node_to_modified_value_attr[self] = stored
+        return stored
+
+    moved.moved = True
+    node_class.get_value_attr = moved
 
 
 def _numpy_2(graph_module) -> None:
@@ -254,12 +323,12 @@ def _keras(request: dict) -> dict:
     # refuses Lambda layers' pickled code, which a build tool must not run.
     model = _reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False), KERAS_HINT)
     specs = [tf.TensorSpec(_static(t.name, tuple(t.shape), request), t.dtype, name=t.name) for t in model.inputs]
-    proto = _keras_weights_apart(model, specs, request, tf, tf2onnx)
-    return _finish(proto, request, tf2onnx, failures.failed)
+    proto, storage = _keras_weights_apart(model, specs, request, tf, tf2onnx)
+    return _finish(proto, request, tf2onnx, failures.failed, storage=storage)
 
 
 def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
-    """The converted model, its graph traced with the weights as inputs.
+    """The converted model and tf2onnx's storage of its weights, its graph traced with the weights as inputs.
 
     tf2onnx's own path (`from_keras`) freezes every variable into a constant of the TensorFlow graph,
     which then passes through several GraphDef copies and grappler's constant folding: VGG16's 553 MB of
@@ -303,15 +372,129 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
             if getattr(variable, "_value", None) is not None:  # Keras 3's handle on the tf.Variable
                 variable._value = None
 
-    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(
-        tf.function(serve, input_signature=signature), input_signature=signature, opset=request["opset"])[0],
-        before=with_weights, after=let_go)
+    with _weights_stored() as stored:
+        proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(
+            tf.function(serve, input_signature=signature), input_signature=signature, opset=request["opset"])[0],
+            before=with_weights, after=let_go)
+    storage = stored[-1]
     by_name = {o.name: o for o in proto.graph.output}  # in the model's order (a dict's come sorted by key)
     if set(by_name) == set(output_names):
         ordered = [by_name[n] for n in output_names]
         del proto.graph.output[:]
         proto.graph.output.extend(ordered)
-    return proto
+    return proto, storage
+
+
+@contextlib.contextmanager
+def _weights_stored():
+    """tf2onnx's `Graph.make_model` with an ExternalTensorStorage, as its large-model path makes the model:
+    each weight's bytes leave the graph's constants for the storage as the ONNX graph is made, so that the
+    graph, then the model (onnx's `make_model` copies the graph), copy none of them; `_finish` writes them
+    from the storage. Yields the list each call's storage is appended to. (tf2onnx's own large-model path
+    for a TFLite file fails: it compresses a TensorFlow graph that file does not have.)"""
+    from tf2onnx import graph
+
+    make_model = graph.Graph.make_model
+    stored: list = []
+
+    def storing(self, *args, external_tensor_storage=None, **kwargs):
+        stored.append(external_tensor_storage or graph.ExternalTensorStorage())
+        return make_model(self, *args, external_tensor_storage=stored[-1], **kwargs)
+
+    graph.Graph.make_model = storing
+    try:
+        yield stored
+    finally:
+        graph.Graph.make_model = make_model
+
+
+@contextlib.contextmanager
+def _tflite_read_lean(tflite_utils):
+    """tf2onnx's reading of a TFLite file, each weight copied once.
+
+    - It asks TFLite's interpreter for the tensors' shapes, and the interpreter's default XNNPACK delegate
+      packed every weight into a layout of its own first: here the interpreter runs without delegates.
+    - It made each constant from the buffer's bytes through a TensorFlow TensorProto, a numpy array, an
+      ONNX tensor and the node's copy of it: five copies of VGG16's 392 MiB fc1 weight at once. Here the
+      buffer's bytes (one copy of the file's) become the node's tensor directly (`_Content`, `_Pending`).
+    """
+    import types
+
+    import numpy as np
+    import tensorflow as tf
+    from onnx import TensorProto
+
+    real = {k: getattr(tflite_utils, k) for k in ("tensor_pb2", "tensor_util", "numpy_helper", "helper")}
+    interpreter = tf.lite.Interpreter
+
+    class _Dims(list):
+        def add(self):
+            self.append(types.SimpleNamespace(size=0))
+            return self[-1]
+
+    class _Content:
+        """The fields of TensorFlow's TensorProto tflite_utils sets, the buffer's bytes kept as they are."""
+
+        def __init__(self):
+            self.tensor_content, self.dtype = b"", 0
+            self.tensor_shape = types.SimpleNamespace(dim=_Dims())
+
+    class _Pending:
+        """An ONNX tensor to be: a view of one bytes object, which becomes the node's tensor's bytes."""
+
+        def __init__(self, array, content: bytes, name):
+            self.array, self.content, self.name = array, content, name
+
+    def make_ndarray(t):
+        if isinstance(t, _Content):
+            try:
+                dtype = np.dtype(tf.dtypes.as_dtype(t.dtype).as_numpy_dtype)
+                if dtype.kind in "biufc" and dtype.isnative:
+                    return np.frombuffer(t.tensor_content, dtype).reshape([d.size for d in t.tensor_shape.dim])
+            except (TypeError, ValueError):
+                pass
+            proto = real["tensor_pb2"].TensorProto(tensor_content=t.tensor_content, dtype=t.dtype)
+            for d in t.tensor_shape.dim:
+                proto.tensor_shape.dim.add().size = d.size
+            t = proto
+        return real["tensor_util"].MakeNdarray(t)
+
+    def from_array(array, name=None):
+        owner = array
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        if (isinstance(owner, bytes) and len(owner) == array.nbytes and array.flags.c_contiguous
+                and array.size > SHAPE_VALUES and array.dtype.isnative):
+            return _Pending(array, owner, name)
+        return real["numpy_helper"].from_array(array, name)
+
+    def make_node(op_type, inputs, outputs, name=None, doc_string=None, domain=None, **kwargs):
+        value = kwargs.get("value")
+        if not isinstance(value, _Pending):
+            return real["helper"].make_node(op_type, inputs, outputs, name, doc_string, domain, **kwargs)
+        dtype = real["helper"].np_dtype_to_tensor_dtype(value.array.dtype)
+        kwargs["value"] = TensorProto(name=value.name, data_type=dtype, dims=value.array.shape)
+        node = real["helper"].make_node(op_type, inputs, outputs, name, doc_string, domain, **kwargs)
+        next(a for a in node.attribute if a.name == "value").t.raw_data = value.content
+        return node
+
+    def forward(module, **own):  # the module's names, `own` in place of some
+        return types.SimpleNamespace(**{**{k: getattr(module, k) for k in dir(module) if not k.startswith("__")},
+                                        **own})
+
+    tflite_utils.tensor_pb2 = types.SimpleNamespace(TensorProto=_Content)
+    tflite_utils.tensor_util = types.SimpleNamespace(MakeNdarray=make_ndarray)
+    tflite_utils.numpy_helper = forward(real["numpy_helper"], from_array=from_array)
+    tflite_utils.helper = forward(real["helper"], make_node=make_node)
+    tf.lite.Interpreter = lambda *args, **kwargs: interpreter(*args, **{
+        "experimental_op_resolver_type": tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        **kwargs})
+    try:
+        yield
+    finally:
+        for k, module in real.items():
+            setattr(tflite_utils, k, module)
+        tf.lite.Interpreter = interpreter
 
 
 def _lean_first(tf2onnx, convert, before=lambda graph: None, after=lambda: None):
@@ -417,9 +600,9 @@ def _savedmodel(request: dict) -> dict:
     # tf2onnx's large-model path: the variables become constants of the graph once, their values kept
     # apart from the TensorFlow graph it imports, and the graph is not run through grappler, whose copies
     # of a frozen graph held VGG16's 528 MiB of weights 20 times over; the weights come back beside the
-    # ONNX graph (`_inlined`). A retry (`_lean_first`) freezes again: tf2onnx empties the frozen graph.
+    # ONNX graph (`_finish` writes them from where tf2onnx left them). A retry (`_lean_first`) freezes again: tf2onnx empties the frozen graph.
     proto, storage = _lean_first(tf2onnx, convert)
-    return _finish(_inlined(proto, storage), request, tf2onnx, failures.failed, notes)
+    return _finish(proto, request, tf2onnx, failures.failed, notes, storage)
 
 
 def _frozen(tf, request: dict, notes: list[str]):
@@ -472,23 +655,6 @@ def _frozen(tf, request: dict, notes: list[str]):
     return frozen, inputs, outputs, renamed, name
 
 
-def _inlined(proto, storage):
-    """`proto` with the tensors tf2onnx's large-model path left in `storage` (external, located by a key
-    of its `name_to_tensor_data`) back in the proto, each tensor's bytes moved, not copied twice over."""
-    import onnx
-    from onnx import external_data_helper
-
-    data = storage.name_to_tensor_data if storage is not None else {}
-    for tensor in external_data_helper._get_all_tensors(proto):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        where = {e.key: e.value for e in tensor.external_data}
-        tensor.raw_data = data.pop(where["location"])
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.DEFAULT
-    return proto
-
-
 def _tflite(request: dict) -> dict:
     _, tf2onnx, failures = _tensorflow()
     from . import tflite_custom
@@ -498,8 +664,10 @@ def _tflite(request: dict) -> dict:
     done: dict[str, str] = {}
     refused: dict[str, str] = {}
     rewrite = tflite_custom.rewriter(flatbuffer["custom_ops"], done, refused)
-    proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_tflite(
-        request["source"], opset=request["opset"], custom_rewriter=[rewrite] if rewrite else None)[0])
+    with _weights_stored() as stored, _tflite_read_lean(tf2onnx.tflite_utils):
+        proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_tflite(
+            request["source"], opset=request["opset"], custom_rewriter=[rewrite] if rewrite else None)[0])
+    storage = stored[-1]
     _rename_values(proto.graph, flatbuffer["signature_names"])
     notes = [f"TFLite custom op {code} ({count} node(s)) converted by edgesdk as {tflite_custom.HANDLERS[code][0]}"
              for code, count in sorted(collections.Counter(done.values()).items())]
@@ -508,7 +676,7 @@ def _tflite(request: dict) -> dict:
               f"{'x'.join(map(str, shape))} in the file: --batch {request['batch']} does not apply to it"
               for name, shape, signature in flatbuffer["inputs"]
               if shape and request["batch"] != shape[0] and (not signature or signature[0] != -1)]
-    result = _finish(proto, request, tf2onnx, {**failures.failed, **refused}, notes)
+    result = _finish(proto, request, tf2onnx, {**failures.failed, **refused}, notes, storage)
     result["custom_codes"] = sorted({op.code for op in flatbuffer["custom_ops"]})
     return result
 
@@ -610,16 +778,40 @@ def _subgraphs(node) -> list:
     return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
 
 
-def _finish(proto, request: dict, tf2onnx, failed: dict[str, str], notes: list[str] | None = None) -> dict:
-    """Write the converted model, every tensor over 1 KiB as external data in one file beside it: a
-    model of any size (protobuf stops at 2 GB), and each tensor's bytes moved out of the proto, not copied."""
+def _finish(proto, request: dict, tf2onnx, failed: dict[str, str], notes: list[str] | None = None,
+            storage=None) -> dict:
+    """Write the converted model, every tensor of 1 KiB or more as external data in one file beside it: a
+    model of any size (protobuf stops at 2 GB). A tensor tf2onnx's large-model path left in `storage`
+    (located by a key of its `name_to_tensor_data`) is written from there, and let go once written; one
+    in the proto is moved out of it: no weight is ever copied whole into another buffer."""
     import onnx
+    from onnx import external_data_helper
 
     proto.ir_version = min(proto.ir_version, 10)  # what onnxruntime 1.31 and every backend read
     data = Path(request["onnx"] + ".data")
-    data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save(proto, request["onnx"], save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data.name, size_threshold=1024)
+    stored = storage.name_to_tensor_data if storage is not None else {}
+    with open(data, "wb") as f:
+        for tensor in external_data_helper._get_all_tensors(proto):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                key = next(e.value for e in tensor.external_data if e.key == "location")
+                value = stored.pop(key)
+            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+                value = tensor.raw_data
+                tensor.ClearField("raw_data")
+            else:
+                continue
+            offset = -(-f.tell() // 64) * 64
+            f.seek(offset)
+            f.write(value)
+            del value
+            del tensor.external_data[:]
+            for key, text in (("location", data.name), ("offset", str(offset)), ("length", str(f.tell() - offset))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, text
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+    if stored:
+        raise RuntimeError(f"tf2onnx left {len(stored)} tensor(s) no node of the graph reads")
+    Path(request["onnx"]).write_bytes(proto.SerializeToString())
     return {"converter": f"tf2onnx {tf2onnx.__version__}", "notes": notes or [], "failed": failed}
 
 

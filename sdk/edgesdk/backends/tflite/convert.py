@@ -124,7 +124,7 @@ def require_memory(model: onnx.ModelProto, int8: bool = False) -> None:
                         f"graph '{model.graph.name}' holds {shown(weights)} of weights, and a TFLite model is a "
                         f"FlatBuffer, which holds less than {shown(FLATBUFFER_LIMIT)}",
                         "keep this part of the model off the TFLite backends (--cpu-backends without litert); "
-                        "onnxruntime reads weights of any size, and TVM for x86-64")
+                        "onnxruntime and TVM read weights of any size")
     if available is not None and need > available:
         raise UserError("tflite.out-of-memory",
                         f"converting graph '{model.graph.name}' to TFLite needs about {shown(need)} "
