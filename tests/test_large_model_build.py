@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgesdk import pipeline
+from edgesdk import backends, pipeline
 from edgesdk.errors import UsageError, UserError
 from edgesdk.ir import model as irm
 from edgesdk.ir.memory import shown
@@ -124,6 +124,8 @@ def test_a_build_the_machine_cannot_hold_stops_after_import_with_its_estimate(ml
     with pytest.raises(UserError) as fits:
         build(BuildOptions(model=mlp, target="x86", out=out))
     assert fits.value.hint.startswith(f"--low-memory compiles the CPU segments with onnxruntime alone (about {shown(low.peak)})")
+    # what the stages hold fits: the build went on to the plan, and stopped before its compilers
+    assert stage_dir(out, "schedule").is_dir() and not stage_dir(out, "tune").exists()
     monkeypatch.setattr(memory, "available_bytes", lambda: 512 << 20)
     # already --low-memory: the hint is a bigger machine
     with pytest.raises(UserError) as again:
@@ -162,6 +164,31 @@ def test_the_estimate_follows_the_compilers_a_build_runs():
     assert small <= irm.EXTERNAL_FROM < w
     assert (memory.estimate(small, x86, BuildOptions(model="m", target="x86", out="o", low_memory=True)).peak
             == memory.BASE_BYTES + memory.HELD_COPIES * small + 2 * small)  # onnxruntime: 2 bytes per byte
+
+
+def test_the_estimate_after_schedule_prices_the_devices_the_plan_uses():
+    """Before the plan, an arm_2tpu build prices TFLite's int8 converter (the Edge TPU's) on the whole model;
+    once the plan puts it all on the CPU, it prices the CPU's compilers alone, and where it puts a segment on
+    a TPU, the converter on that segment's weights."""
+    import types
+
+    from edgesdk.config import load_target
+    from edgesdk.scheduling.plan import PlanSegment
+
+    def segment(sid, device, param_bytes):
+        return PlanSegment(sid, device, "tvm", f"segments/{sid}.onnx", ("n",), ("x",), ("y",), 1.0, param_bytes, 1.0)
+
+    arm = load_target("arm_2tpu")[0]
+    options = BuildOptions(model="m", target="arm_2tpu", out="o")
+    w = 1 << 30
+    before = memory.estimate(w, arm, options)
+    cpu_only = memory.estimate(w, arm, options, types.SimpleNamespace(segments=(segment("s0", "cpu", w),)))
+    assert before.compiler == "tflite" and cpu_only.compiler == "tvm" and cpu_only.peak < before.peak
+    assert cpu_only.peak == memory.held_bytes(w) + int(backends.backend("tvm").compile_bytes_per_weight_byte * w)
+    on_tpu = memory.estimate(w, arm, options, types.SimpleNamespace(
+        segments=(segment("s0", "edgetpu:0", 64 << 20), segment("s1", "cpu", w - (64 << 20)))))
+    tpu_share = memory.estimate(w, arm, options, types.SimpleNamespace(segments=(segment("s0", "edgetpu:0", 64 << 20),)))
+    assert tpu_share.compiler == "tflite" and tpu_share.peak < on_tpu.peak <= cpu_only.peak < before.peak
 
 
 def test_low_memory_is_in_build_help():

@@ -42,6 +42,7 @@ from .errors import UsageError, UserError
 from .ir import model as irm
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 from .ir.memory import give_back, resident_bytes, shown
+from .scheduling.plan import Plan
 from .stages import memory as build_memory
 
 
@@ -231,6 +232,7 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     model_digest = _model_digest(model)
     digests: dict[str, str] = {}  # each stage's output digest, as the stages after it read them
     results: list[StageResult] = []
+    weight_bytes = None  # the model's, once import has run (the memory checks)
     try:
         for i, phase in enumerate(PHASES[: stop + 1]):
             stage = importlib.import_module(phase.module)
@@ -271,8 +273,11 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
             digests[phase.name] = (dest / "digest").read_text()
             if phase.name == "import" and i < stop and record.get("weight_bytes") is not None:
                 # before the stages that hold the weights several times over: stop now if they cannot fit
-                build_memory.check(record["weight_bytes"], target, options, log,
-                                   converter_peak=record.get("converter_peak_rss"))
+                weight_bytes = record["weight_bytes"]
+                build_memory.check(weight_bytes, target, options, log, converter_peak=record.get("converter_peak_rss"))
+            if phase.name == "schedule" and i < stop and weight_bytes is not None:
+                # before the compilers: stop now if those of the devices the plan uses cannot fit
+                build_memory.check(weight_bytes, target, options, log, plan=Plan.load(dest))
             if os.environ.get(CRASH_ENV) == phase.name:  # the fault-injection hook: killed between stages
                 os.kill(os.getpid(), signal.SIGKILL)
         try:

@@ -33,8 +33,8 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
                  # 4: depthwise convolutions inside sparse runs in CHWN, the pixel block fitted to the registers;
                  # 5: batch-1 sparse convolutions on x86 as sparse.row_kernel (masked tails); 6: strided ones too;
                  # 7: row_kernel's output channels in parallel parts; 8: sparse kernels timed as compiled (the
-                 # per-layer choice may differ)
-                 revision=8, **TVM_MEMORY))
+                 # per-layer choice may differ); 9: weights in a file beside the library, mapped by the runner
+                 revision=9, **TVM_MEMORY))
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",
