@@ -85,14 +85,23 @@ def ort_run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return session.run(None, {model.graph.input[0].name: x})[0]
 
 
+def run_library(lib, result, x: np.ndarray) -> np.ndarray:
+    """The library `lib` compiled as `result` says, run on `x` with its weights (the file beside it)."""
+    import tvm
+
+    from edgesdk.runtime.backends.tvm_runner import load_weights
+
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(lib)), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x), *load_weights(lib, result.weights, tvm.cpu(), "s0")).numpy()
+
+
 def tvm_run(model: onnx.ModelProto, x: np.ndarray, tmp_path) -> tuple[np.ndarray, int]:
     """The model compiled for this host by TVM, run on `x`; and how many sparse kernels its library has."""
     import tvm
 
     lib = tmp_path / "segment.so"
-    tvm_compile.compile_onnx(model, {"kind": "llvm", "mcpu": "native"}, lib)
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(lib)), tvm.cpu())
-    out = vm["main"](tvm.runtime.tensor(x)).numpy()
+    result = tvm_compile.compile_onnx(model, {"kind": "llvm", "mcpu": "native"}, lib)
+    out = run_library(lib, result, x)
     lowered = tvm_compile._lowered(model, tvm.target.Target({"kind": "llvm"}))
     kernels = sum(1 for gv in lowered.functions if gv.name_hint.startswith("sparse_conv2d"))
     return out, kernels
@@ -145,8 +154,7 @@ def test_batch_one_rows_that_lanes_do_not_divide_run_the_masked_row_kernel(targe
     model = conv_model(1, 20, 12, h, w, 3, stride, (1, 1, 1, 1), weight)
     x = rng.standard_normal((1, 20, h, w)).astype(np.float32)
     lib = tmp_path / "segment.so"
-    tvm_compile.compile_onnx(model, target, lib)
-    got = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(lib)), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    got = run_library(lib, tvm_compile.compile_onnx(model, target, lib), x)
     assert_close(got, ort_run(model, x), "sparse conv")
     lowered = tvm_compile._lowered(model, tvm.target.Target(target))
     kernels = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("sparse_conv2d")]
@@ -264,8 +272,7 @@ def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_rec
     result = tvm_compile.compile_onnx(model, target, tmp_path / "tuned.so", tuning_db=tmp_path / "db")
     assert result.sparse_kernels == 1 and result.tuned == result.tasks
     x = np.random.default_rng(5).standard_normal((8, 16, 14, 14)).astype(np.float32)
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "tuned.so")), tvm.cpu())
-    assert_close(vm["main"](tvm.runtime.tensor(x)).numpy(), ort_run(model, x), "tuned sparse conv")
+    assert_close(run_library(tmp_path / "tuned.so", result, x), ort_run(model, x), "tuned sparse conv")
 
 
 @pytest.mark.parametrize("stride", [1, 2])
