@@ -102,13 +102,16 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     code = proc.wait()
     state["done"] = True
     sampler.join()
-    said = next((m for x in log if (m := ESTIMATE.search(x))), None)
-    estimate = float(said[1]) * (2**30 if said[2] == "GiB" else 2**20) if said else None
+    # the estimate after import (every compiler the target may run), then after schedule (the plan's devices)
+    said = [m for x in log if (m := ESTIMATE.search(x))]
+    estimates = [float(m[1]) * (2**30 if m[2] == "GiB" else 2**20) for m in said]
+    estimate = estimates[-1] if estimates else None
     shutil.rmtree(out, ignore_errors=True)  # VGG16's -o alone holds GBs: gone once measured
     shutil.rmtree(db, ignore_errors=True)
     return {"exit": code, "peak_bytes": state["peak"], "peak_anonymous_bytes": state["anonymous"],
             "stage_peak_bytes": state["peaks"], "peak_after_line": state["peak_line"],
-            "estimate_bytes": estimate, "refused": any("build.out-of-memory" in x or "needs about" in x
+            "estimate_bytes": estimate, "estimate_before_plan_bytes": estimates[0] if estimates else None,
+            "refused": any("build.out-of-memory" in x or "needs about" in x
                                                        and "available" in x for x in log if x.startswith("error")),
             "stage_seconds": seconds,
             "wall_s": round(time.perf_counter() - t0, 1), "errors": [x for x in log if x.startswith("error")][:3],

@@ -181,7 +181,9 @@ def _weights_as_parameters(mod: Any) -> tuple[Any, list]:
         return mod, []
     mod["main"] = relax.Function([*main.params, *(p for _, p in lifted)], body, main.ret_ty, main.is_pure,
                                  main.attrs, main.span)
-    return mod, [c.value for c, _ in lifted]
+    values = [c.value for c, _ in lifted]
+    lifted.clear()  # `Lift`, a class, lives in a reference cycle until the collector runs: not the weights with it
+    return mod, values
 
 
 def _lowered(model: onnx.ModelProto, tvm_target: Any) -> Any:

@@ -121,9 +121,9 @@ def weights_path(library: Path) -> Path:
 
 
 def save_weights(path: Path, tensors: list) -> int:
-    """Write `tensors` (objects with `.numpy()`, or numpy arrays) to `path` in the weights format, one at a
-    time (never two copies of all of them), to a temporary name renamed into place. Returns the bytes written."""
-    arrays = [getattr(t, "numpy", None) for t in tensors]
+    """Write `tensors` (TVM tensors on the CPU, or numpy arrays) to `path` in the weights format, each from a
+    view of its memory where it offers one (DLPack), to a temporary name renamed into place. Returns the
+    bytes written."""
     specs, offset = [], 0
     for t in tensors:
         shape, dtype = tuple(int(d) for d in t.shape), np.dtype(str(t.dtype))
@@ -136,9 +136,9 @@ def save_weights(path: Path, tensors: list) -> int:
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-            for t, spec, to_numpy in zip(tensors, specs, arrays):
+            for t, spec in zip(tensors, specs):
                 f.seek(start + spec["offset"])
-                value = to_numpy() if to_numpy is not None else np.asarray(t)
+                value = _view(t)
                 f.write(np.ascontiguousarray(value).data)
                 del value
             f.truncate(start + offset)
@@ -148,6 +148,16 @@ def save_weights(path: Path, tensors: list) -> int:
         if tmp.exists():
             tmp.unlink()
     return start + offset
+
+
+def _view(tensor) -> np.ndarray:
+    """`tensor`'s values as numpy: a view of its memory (DLPack) where it gives one, else a copy."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    try:
+        return np.from_dlpack(tensor)
+    except (TypeError, BufferError, RuntimeError, AttributeError):
+        return tensor.numpy()
 
 
 def load_weights(library: Path, count: int, device, segment_id: str) -> list:
