@@ -73,3 +73,21 @@ def test_legalize_never_makes_the_plan_slower_than_no_rewrites():
     x86 = load_target("x86")[0]
     make_plan(_convs("cpu/tvm"), x86, mode="latency", inter_op=False, as_imported=lambda: loaded.append(1) or on_cpu)
     assert not loaded
+
+
+def test_an_edge_tpu_run_is_cut_before_its_weights_pass_what_a_flatbuffer_holds():
+    """The Edge TPU's compiler reads a TFLite FlatBuffer, which holds less than 2 GiB: a run of nodes on one
+    TPU is cut before the node that would take its weights there (a segment of 2.5 GiB could never be
+    compiled); the CPU's runs are not (their backends read weights of any size, or tune skips one that
+    cannot)."""
+    from edgesdk.backends import backend
+    from edgesdk.scheduling.segments import split_by_backend
+
+    gib = 1 << 30
+    assert backend("tflite").max_weight_bytes == 2 * gib
+    sizes = (3 * gib // 2, gib, gib // 4, gib // 4)
+    runs = split_by_backend([(0, 4, "edgetpu:0")], ["tvm"] * 4, sizes)
+    assert [(r.device, r.nodes) for r in runs] == [("edgetpu:0", [0]), ("edgetpu:0", [1, 2, 3])]
+    assert [r.nodes for r in split_by_backend([(0, 4, "cpu")], ["tvm"] * 4, sizes)] == [[0, 1, 2, 3]]
+    # without the sizes (or under the bound), one run, as before
+    assert [r.nodes for r in split_by_backend([(0, 4, "edgetpu:0")], ["tvm"] * 4)] == [[0, 1, 2, 3]]

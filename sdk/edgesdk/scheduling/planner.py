@@ -79,7 +79,7 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     placed_ = best.placed
     chosen, problem, maps = placed_.spans, placed_.problem, placed_.replicas
     scheduler_s = time.perf_counter() - t0
-    placed = split_by_backend(chosen, cpu_backend)
+    placed = split_by_backend(chosen, cpu_backend, problem.weights_bytes)
     t1 = time.perf_counter()
     par = interop.parallelize(placed, problem, model, target, shapes, consts, mode == "latency" and inter_op)
     scheduler_s += time.perf_counter() - t1
@@ -92,7 +92,7 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         inputs=tuple(i.name for i in model.graph.input if i.name not in consts),
         outputs=tuple(o.name for o in model.graph.output), probes=probes,
         segments=segments,
-        pipeline_stages=_pipeline_stages(mode, chosen, segments, cpu_backend),
+        pipeline_stages=_pipeline_stages(mode, chosen, segments, cpu_backend, problem.weights_bytes),
         parallel_steps=tuple(tuple(st) for st in par.steps),
         inter_op=interop.summary(par, placed),
         predicted=_predicted(problem, placed, one, stream),
@@ -295,13 +295,14 @@ def _predicted(problem: Problem, placed: list[PlannedSegment], one, flow) -> dic
             "sequential_ms": round(sequential, 4)}
 
 
-def _pipeline_stages(mode: str, chosen, segments: tuple[PlanSegment, ...], cpu_backend: list[str]):
+def _pipeline_stages(mode: str, chosen, segments: tuple[PlanSegment, ...], cpu_backend: list[str],
+                     weights_bytes: tuple[int, ...]):
     """Segment ids per stage of a stream: in throughput mode a stage is a device's contiguous range (its
     CPU backend pieces run as one stage); in latency mode each segment is a stage."""
     if mode != "throughput":
         return tuple((s.id,) for s in segments)
     ids = iter(s.id for s in segments)
-    return tuple(tuple(next(ids) for _ in split_by_backend([stage], cpu_backend)) for stage in chosen)
+    return tuple(tuple(next(ids) for _ in split_by_backend([stage], cpu_backend, weights_bytes)) for stage in chosen)
 
 
 def _search(mode: str, how: str, replicas: int) -> str:

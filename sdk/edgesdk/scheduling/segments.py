@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from .. import backends
 from ..config import HOST
 from ..devices import registry
 from ..devices.cost import node_flops
@@ -34,18 +35,28 @@ class PlannedSegment:
     predicted_ms: float = 0.0   # a group of a parallel step: its time on those threads
 
 
-def split_by_backend(segments, cpu_backend: list[str]) -> list[PlannedSegment]:
-    """(start, stop, device) spans -> runs of consecutive nodes with one device and one backend."""
+def split_by_backend(segments, cpu_backend: list[str], weights_bytes: tuple[int, ...] = ()) -> list[PlannedSegment]:
+    """(start, stop, device) spans -> runs of consecutive nodes with one device and one backend.
+
+    With each node's `weights_bytes`, an accelerator's run is cut before a node that would take its weights
+    to its backend's bound (`Backend.max_weight_bytes`: a TFLite FlatBuffer, what the Edge TPU's compiler
+    reads, holds less than 2 GiB), so that every segment of the plan can be compiled."""
     runs: list[PlannedSegment] = []
+    held = 0  # the last run's weights
     for start, stop, device in segments:
         kind = device.split(":")[0]
         for n in range(start, stop):
             # the host's backend is chosen per node by legalize; an accelerator's is its model's first
             backend = cpu_backend[n] if kind == HOST else registry.model(kind).backends[0]
-            if runs and runs[-1].device == device and runs[-1].backend == backend and runs[-1].nodes[-1] == n - 1:
+            size = weights_bytes[n] if weights_bytes else 0
+            bound = backends.backend(backend).max_weight_bytes if kind != HOST and size else 0
+            if (runs and runs[-1].device == device and runs[-1].backend == backend and runs[-1].nodes[-1] == n - 1
+                    and not (bound and held + size >= bound)):
                 runs[-1].nodes.append(n)
+                held += size
             else:
                 runs.append(PlannedSegment(device, backend, [n]))
+                held = size
     return runs
 
 
