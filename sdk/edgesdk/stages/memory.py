@@ -55,7 +55,7 @@ class Estimate:
 
     def describe(self) -> str:
         by = f", while {self.compiler} compiles" if self.compiler else ""
-        return f"about {shown(self.peak)} at its peak after import{by} ({shown(self.weights)} of weights)"
+        return f"about {shown(self.peak)} at its peak{by} ({shown(self.weights)} of weights)"
 
 
 def compilers(target, options) -> list[str]:
