@@ -111,14 +111,9 @@ def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(mo
     np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, monkeypatch):
-    """tf2onnx infers each new node's shapes on a model of that node, its constant inputs as
-    initializers: a Transpose it inserts on a TFLite FullyConnected's weight serialized and parsed the
-    whole weight several times (`_child._shapes_without_weights`). Only constants small enough to be
-    shapes go in now, and the converted model computes what the TFLite model does."""
-    tf, tf2onnx, _ = _child._tensorflow()
-    from tf2onnx import schemas
-
+def _fully_connected_tflite(tf, tmp_path: Path):
+    """A 64x32 weight (past SHAPE_VALUES) in a TFLite FullyConnected with a Relu: the weight, the function
+    and the .tflite file."""
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     spec = [tf.TensorSpec((1, 64), tf.float32, name="x")]
 
@@ -128,6 +123,18 @@ def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, 
 
     path = tmp_path / "fc.tflite"
     path.write_bytes(tf.lite.TFLiteConverter.from_concrete_functions([f.get_concrete_function()], f).convert())
+    return w, f, path
+
+
+def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, monkeypatch):
+    """tf2onnx infers each new node's shapes on a model of that node, its constant inputs as
+    initializers: a Transpose it inserts on a TFLite FullyConnected's weight serialized and parsed the
+    whole weight several times (`_child._shapes_without_weights`). Only constants small enough to be
+    shapes go in now, and the converted model computes what the TFLite model does."""
+    tf, tf2onnx, _ = _child._tensorflow()
+    from tf2onnx import schemas
+
+    w, f, path = _fully_connected_tflite(tf, tmp_path)
     largest = []
     infer_shapes = schemas.shape_inference.infer_shapes
 
@@ -152,15 +159,7 @@ def test_a_tflite_weight_becomes_its_constant_from_one_copy(tmp_path, monkeypatc
     tf, tf2onnx, _ = _child._tensorflow()
     from onnx import numpy_helper
 
-    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
-    spec = [tf.TensorSpec((1, 64), tf.float32, name="x")]
-
-    @tf.function(input_signature=spec)
-    def f(x):
-        return tf.nn.relu(tf.matmul(x, tf.constant(w)))
-
-    path = tmp_path / "fc.tflite"
-    path.write_bytes(tf.lite.TFLiteConverter.from_concrete_functions([f.get_concrete_function()], f).convert())
+    w, f, path = _fully_connected_tflite(tf, tmp_path)
     made, resolvers = [], []
     from_array, interpreter = numpy_helper.from_array, tf.lite.Interpreter
 
