@@ -316,8 +316,15 @@ def test_a_missing_or_foreign_weights_file_is_named(tmp_path):
     weights.unlink()
     with pytest.raises(ManifestError, match=r"mlp.weights: missing; the library takes 2 weights from it"):
         open_runner(tmp_path, segment, None)
-    # a segment without a constant of 1 KiB writes no file, and a stale one is removed
+    (tmp_path / "elsewhere.weights").write_bytes(good)
+    weights.symlink_to(tmp_path / "elsewhere.weights")
+    with pytest.raises(ManifestError, match=r"mlp.weights: a link \(a bundle holds none\)"):
+        open_runner(tmp_path, segment, None)
+    weights.unlink()
     weights.write_bytes(good)
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)  # a folder reached through a link (a slot's)
+    assert open_runner(tmp_path.parent / f"{tmp_path.name}-link", segment, None).run(random_feeds(model))["y"].shape
+    # a segment without a constant of 1 KiB writes no file, and a stale one is removed
     assert tvm_backend.compile_onnx(conv_graph(), HOST, library).weights == 0 and not weights.exists()
 
 
