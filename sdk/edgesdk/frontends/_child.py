@@ -170,8 +170,8 @@ def _constants_made_once(graph_class) -> None:
         empty = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np_val.dtype), dims=np_val.shape)
         node = self.make_node("Const", [], outputs=[name], name=name, attr={"value": empty},
                               skip_conversion=skip_conversion, dtypes=[empty.data_type], infer_shape_dtype=False)
-        node.get_attr("value").t.raw_data = np.ascontiguousarray(np_val).astype(np_val.dtype.newbyteorder("<"),
-                                                                                 copy=False).tobytes()
+        # tobytes lays a transposed view out in C order itself: one copy
+        node.get_attr("value").t.raw_data = np_val.astype(np_val.dtype.newbyteorder("<"), copy=False).tobytes()
         self.set_shape(name, np_val.shape)
         self.set_dtype(name, empty.data_type)
         return node
@@ -795,8 +795,10 @@ def _finish(proto, request: dict, tf2onnx, failed: dict[str, str], notes: list[s
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 key = next(e.value for e in tensor.external_data if e.key == "location")
                 value = stored.pop(key)
-            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
-                value = tensor.raw_data
+            elif tensor.HasField("raw_data"):
+                value = tensor.raw_data  # a copy of the bytes: read once
+                if len(value) < 1024:
+                    continue
                 tensor.ClearField("raw_data")
             else:
                 continue

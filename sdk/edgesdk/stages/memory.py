@@ -108,13 +108,13 @@ def _shares(weights: int, target, options, plan) -> dict[str, int]:
     if plan is None:
         return dict.fromkeys(compilers(target, options), weights)
     shares: dict[str, int] = {}
+    on_cpu = [seg for seg in plan.segments if seg.device.split(":")[0] == HOST]
     for seg in plan.segments:
-        kind = seg.device.split(":")[0]
-        if kind != HOST:
-            for name in registry.model(kind).backends:
+        if seg not in on_cpu:
+            for name in registry.model(seg.device.split(":")[0]).backends:
                 shares[name] = max(shares.get(name, 0), seg.param_bytes)
-    cpu = sum(seg.param_bytes for seg in plan.segments if seg.device.split(":")[0] == HOST)
-    if any(seg.device.split(":")[0] == HOST for seg in plan.segments):
+    if on_cpu:
+        cpu = sum(seg.param_bytes for seg in on_cpu)
         for name in _cpu_compilers(options):
             shares[name] = max(shares.get(name, 0), cpu)
     return shares

@@ -115,6 +115,11 @@ MAGIC = b"EDGESDK-TVM-WEIGHTS-1\n"
 ALIGNMENT = 64
 
 
+def _aligned(n: int) -> int:
+    """`n` rounded up to ALIGNMENT."""
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
 def weights_path(library: Path) -> Path:
     """The weights file of the library at `library`: beside it, the suffix WEIGHTS_SUFFIX."""
     return Path(library).with_suffix(WEIGHTS_SUFFIX)
@@ -127,11 +132,11 @@ def save_weights(path: Path, tensors: list) -> int:
     specs, offset = [], 0
     for t in tensors:
         shape, dtype = tuple(int(d) for d in t.shape), np.dtype(str(t.dtype))
-        offset = -(-offset // ALIGNMENT) * ALIGNMENT
+        offset = _aligned(offset)
         specs.append({"dtype": dtype.name, "shape": list(shape), "offset": offset})
         offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     header = json.dumps({"tensors": specs}).encode()
-    start = -(-(len(MAGIC) + 8 + len(header)) // ALIGNMENT) * ALIGNMENT
+    start = _aligned(len(MAGIC) + 8 + len(header))
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -186,7 +191,7 @@ def load_weights(library: Path, count: int, device, segment_id: str) -> list:
         raise ManifestError(f"{where}: its header cannot be read ({exc})") from exc
     if len(specs) != count:
         raise ManifestError(f"{where}: holds {len(specs)} weights; the library takes {count}")
-    start = -(-(len(MAGIC) + 8 + size) // ALIGNMENT) * ALIGNMENT
+    start = _aligned(len(MAGIC) + 8 + size)
     out = []
     for k, spec in enumerate(specs):
         try:
