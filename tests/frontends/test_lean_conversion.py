@@ -214,3 +214,87 @@ def test_a_new_constant_is_made_from_one_copy(tmp_path):
     model = _written(tmp_path, (proto, storage))
     (value,) = model.graph.initializer
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(value, base_dir=str(tmp_path)), w)
+
+
+def _loop_savedmodel(tf, path: Path):
+    """A SavedModel whose signature reads a 16x16 weight inside a while loop and a 512-element bias
+    outside it; returns the module, to compute what the signature does."""
+
+    class Module(tf.Module):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            self.w = tf.Variable(rng.standard_normal((16, 16)).astype(np.float32) / 4)
+            self.b = tf.Variable(rng.standard_normal(512).astype(np.float32))
+
+        @tf.function(input_signature=(tf.TensorSpec((1, 16), tf.float32, name="x"),))
+        def serve(self, x):
+            _, y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(tf.matmul(y, self.w))),
+                                 (tf.constant(0), x))
+            return {"y": y + tf.reduce_sum(self.b)}
+
+    module = Module()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+    return module
+
+
+def _constants(graph_def) -> list:
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    return [n for n in nodes if n.op == "Const"]
+
+
+def test_a_savedmodel_is_frozen_with_each_weight_a_placeholder_viewing_its_variable(tmp_path):
+    """TensorFlow's freeze copied each variable into the frozen GraphDef, and tf2onnx imported that into a
+    TensorFlow graph: VGG16's converter peaked at 2.9 GiB for 528 MiB of weights. Now no constant of the
+    frozen graph holds a weight: each is a placeholder whose value is a read-only view of its variable's
+    buffer (`_child._frozen_without_weights`), and the converted model computes what the signature does."""
+    tf, _, _ = _child._tensorflow()
+    module = _loop_savedmodel(tf, tmp_path / "loop")
+    values: dict = {}
+    request = {"source": str(tmp_path / "loop"), "input_shapes": {}, "batch": 1, "opset": 17,
+               "onnx": str(tmp_path / "loop.onnx"), "result": str(tmp_path / "result.json")}
+    graph_def = _child._frozen(tf, request, [], values)[0]
+    assert max(len(n.attr["value"].tensor.tensor_content) for n in _constants(graph_def)) < 1024
+    placeholders = {f"{n.name}:0": n for n in graph_def.node if n.op == "Placeholder"}
+    assert set(values) <= set(placeholders) and len(values) == 2
+    by_size = {v.size: v for v in values.values()}
+    for variable in (module.w, module.b):
+        value = by_size[variable.shape.num_elements()]
+        assert not value.flags.owndata and not value.flags.writeable  # the variable's buffer, not a copy
+        np.testing.assert_array_equal(value, variable.numpy())
+
+    values.clear()
+    _child._savedmodel(request)
+    x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
+    want = module.serve(tf.constant(x))["y"].numpy()
+    np.testing.assert_allclose(_run(onnx.load(request["onnx"]), x), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_weight_frozen_into_a_library_function_freezes_again_with_its_value(tmp_path, monkeypatch):
+    """Where the freeze leaves a weight's constant in a function of the graph's library (FAULT INJECTION:
+    the first freeze's result has one marked constant moved into a function), that weight would have no
+    placeholder: the signature is frozen again as TensorFlow has it, every weight a constant."""
+    tf, _, _ = _child._tensorflow()
+    from tf2onnx import tf_loader
+
+    _loop_savedmodel(tf, tmp_path / "loop")
+    freeze = tf_loader.from_function
+    calls = []
+
+    def moving_one(*args, **kwargs):
+        graph_def = freeze(*args, **kwargs)
+        calls.append(len(calls))
+        if len(calls) == 1:
+            marked = next(n for n in graph_def.node if n.attr["value"].tensor.tensor_content.startswith(b"edgesdk-weight:"))
+            function = graph_def.library.function.add()
+            function.signature.name = "moved"
+            function.node_def.add().CopyFrom(marked)
+            graph_def.node.remove(marked)
+        return graph_def
+
+    monkeypatch.setattr(tf_loader, "from_function", moving_one)
+    values: dict = {}
+    request = {"source": str(tmp_path / "loop"), "input_shapes": {}, "batch": 1}
+    graph_def = _child._frozen(tf, request, [], values)[0]
+    assert calls == [0, 1] and values == {}
+    sizes = sorted(len(n.attr["value"].tensor.tensor_content) for n in _constants(graph_def))
+    assert sizes[-2:] == [16 * 16 * 4, 512 * 4]

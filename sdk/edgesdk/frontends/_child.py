@@ -350,20 +350,12 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
         return dict(zip(output_names, tf.nest.flatten(outputs)))
 
     signature = [*specs, *weight_specs]
-    # each variable's value as an eager tensor, read now: tf2onnx works inside a graph, where a variable
-    # cannot be read, and an eager tensor's numpy() is a view of its buffer, not a copy
-    values = {n: tf.convert_to_tensor(v.value) for n, v in zip(names, variables)}
+    # each variable's value, read now: tf2onnx works inside a graph, where a variable cannot be read; a
+    # view of the variable's buffer, not a copy (`_view`)
+    values = {n: _view(tf.convert_to_tensor(v.value)) for n, v in zip(names, variables)}
 
     def with_weights(graph) -> None:
-        from onnx import numpy_helper
-
-        for node in list(graph.inputs):
-            name = node.output[0]
-            if name in values:
-                graph.inputs.remove(node)
-                node.type = "Const"
-                node.set_attr("value", numpy_helper.from_array(values[name].numpy(), name))
-        _fold_weight_arithmetic(graph)
+        _weights_in(graph, values)
 
     def let_go() -> None:
         # the graph holds the weights now: let TensorFlow free its own copy before tf2onnx writes the model
@@ -497,6 +489,21 @@ def _tflite_read_lean(tflite_utils):
         tf.lite.Interpreter = interpreter
 
 
+def _weights_in(graph, values: dict) -> None:
+    """Each input of tf2onnx's graph named in `values` made a constant of its value (a numpy array), and
+    the arithmetic on weights alone folded (`_fold_weight_arithmetic`); the numpy views of `values` may
+    go once it returns: each constant holds its own bytes."""
+    from onnx import numpy_helper
+
+    for node in list(graph.inputs):
+        name = node.output[0]
+        if name in values:
+            graph.inputs.remove(node)
+            node.type = "Const"
+            node.set_attr("value", numpy_helper.from_array(values[name], name))
+    _fold_weight_arithmetic(graph)
+
+
 def _lean_first(tf2onnx, convert, before=lambda graph: None, after=lambda: None):
     """`convert()` with tf2onnx's optimizers run without catch_errors, and only where one of them fails,
     again with it. With catch_errors, tf2onnx deep-copies the whole graph, weights and all, before each
@@ -589,26 +596,31 @@ def _savedmodel(request: dict) -> dict:
     from tf2onnx.convert import _convert_common
 
     notes: list[str] = []
+    values: dict = {}  # a weight's placeholder in the frozen graph -> its value
 
     def convert():
-        frozen, inputs, outputs, renamed, name = _frozen(tf, request, notes)
+        frozen, inputs, outputs, renamed, name = _frozen(tf, request, notes, values)
         with tf.device("/cpu:0"):
             return _convert_common(frozen, name=name, continue_on_error=True, opset=request["opset"],
-                                   input_names=inputs, output_names=outputs, large_model=True,
+                                   input_names=[*inputs, *values], output_names=outputs, large_model=True,
                                    tensors_to_rename=renamed)
 
-    # tf2onnx's large-model path: the variables become constants of the graph once, their values kept
-    # apart from the TensorFlow graph it imports, and the graph is not run through grappler, whose copies
-    # of a frozen graph held VGG16's 528 MiB of weights 20 times over; the weights come back beside the
-    # ONNX graph (`_finish` writes them from where tf2onnx left them). A retry (`_lean_first`) freezes again: tf2onnx empties the frozen graph.
-    proto, storage = _lean_first(tf2onnx, convert)
-    return _finish(proto, request, tf2onnx, failures.failed, notes, storage)
+    # tf2onnx's large-model path without its weights: the serving signature is frozen with each weight a
+    # placeholder (`_frozen`), so that neither the frozen GraphDef nor TensorFlow's graph tf2onnx imports
+    # holds one (their copies held VGG16's 528 MiB of weights 3 times at the converter's peak); each
+    # becomes a constant of tf2onnx's own graph just before it is optimized, as for a Keras model, and is
+    # written beside the ONNX graph from tf2onnx's storage (`_finish`). A retry (`_lean_first`) freezes again.
+    with _weights_stored() as stored:
+        proto = _lean_first(tf2onnx, lambda: convert()[0], before=lambda graph: _weights_in(graph, values),
+                             after=values.clear)
+    return _finish(proto, request, tf2onnx, failures.failed, notes, stored[-1])
 
 
-def _frozen(tf, request: dict, notes: list[str]):
-    """The SavedModel's serving signature frozen (tf2onnx's large-model path), with its input and output
-    names, tf2onnx's renames and its name; the SavedModel is let go before it returns (its variables are
-    the frozen graph's constants now: Keras's `export` holds each weight twice, 1 GiB for VGG16)."""
+def _frozen(tf, request: dict, notes: list[str], values: dict):
+    """The SavedModel's serving signature frozen, with its input and output names, tf2onnx's renames and
+    its name. Each weight of 1 KiB or more is a placeholder of the frozen graph, its value put in `values`
+    under the placeholder's name (`_frozen_without_weights`). The SavedModel is let go before it returns:
+    what is left of it is the weights the signature reads (Keras's `export` holds each weight twice)."""
     import gc
 
     from tf2onnx import tf_loader
@@ -648,11 +660,91 @@ def _frozen(tf, request: dict, notes: list[str]):
     outputs = [t.name for t in concrete.outputs if t.dtype != tf.dtypes.resource]
     renamed = tensor_names_from_structed(concrete, inputs, outputs)
     with tf.device("/cpu:0"):
-        frozen = tf_loader.from_function(concrete, inputs, outputs, large_model=True)
+        frozen = _frozen_without_weights(tf_loader, concrete, inputs, outputs, values)
     name = concrete.name
     del loaded, signatures, fn, serve, concrete
-    gc.collect()  # the restored objects' reference cycles: their variables go with them
+    gc.collect()  # the restored objects' reference cycles: the variables the signature does not read go with them
     return frozen, inputs, outputs, renamed, name
+
+
+_WEIGHT_MARK = b"edgesdk-weight:"
+
+
+def _view(tensor):
+    """An eager tensor's value as a read-only numpy view of its buffer. TensorFlow's `numpy()` copies a
+    buffer a variable shares (a variable's read); DLPack hands over the buffer itself and keeps it alive.
+    A value DLPack cannot hand over (a GPU's, a dtype numpy lacks) is copied as `numpy()` does."""
+    import numpy as np
+    import tensorflow as tf
+
+    class Exported:
+        def __dlpack__(self, stream=None, **kwargs):
+            return tf.experimental.dlpack.to_dlpack(tensor)
+
+        def __dlpack_device__(self):
+            return (1, 0)  # kDLCPU
+
+    try:
+        if tensor.device and not tensor.device.endswith("CPU:0"):
+            raise ValueError(tensor.device)
+        return np.from_dlpack(Exported())
+    except Exception:  # noqa: BLE001 - any that cannot go this way goes the usual way
+        return tensor.numpy()
+
+
+def _frozen_without_weights(tf_loader, concrete, inputs: list[str], outputs: list[str], values: dict):
+    """`concrete` frozen (tf2onnx's large-model freeze) with each weight of 1 KiB or more a placeholder of
+    the frozen GraphDef, its value (the variable's buffer, not a copy) put in `values` under `name:0`.
+
+    TensorFlow's freeze copies each variable's value into a TensorProto of the GraphDef, and tf2onnx
+    imports the GraphDef into a TensorFlow graph: both copies lived beside the variables. Here the freeze
+    gets a marked, empty TensorProto for each weight (`make_tensor_proto`), and each constant so marked
+    becomes a placeholder of the same name, dtype and shape. Where the freeze put a weight anywhere else
+    (in a function of the graph's library, which tf2onnx converts too), it runs again as TensorFlow has it."""
+    import numpy as np
+    from tensorflow.python.framework import convert_to_constants, tensor_shape, tensor_util
+    from tensorflow.python.ops import variables
+
+    make_tensor_proto = tensor_util.make_tensor_proto
+    converter = convert_to_constants._FunctionConverterDataInEager
+    evaluate = converter._eval
+    left_out: list = []
+
+    def viewing(self, tensor):
+        return _view(tensor.read_value()) if isinstance(tensor, variables.Variable) else evaluate(self, tensor)
+
+    def leaving_out(array, dtype=None, shape=None, *args, **kwargs):
+        if not isinstance(array, np.ndarray) or array.nbytes < 1024 or array.dtype == object:
+            return make_tensor_proto(array, dtype, shape, *args, **kwargs)
+        proto = make_tensor_proto(np.zeros((), array.dtype))
+        for field in ("float_val", "double_val", "int_val", "int64_val", "half_val", "bool_val"):
+            proto.ClearField(field)
+        proto.tensor_shape.CopyFrom(tensor_shape.as_shape(array.shape).as_proto())
+        proto.tensor_content = _WEIGHT_MARK + str(len(left_out)).encode()
+        left_out.append(array)
+        return proto
+
+    tensor_util.make_tensor_proto, converter._eval = leaving_out, viewing
+    try:
+        graph_def = tf_loader.from_function(concrete, inputs, outputs, large_model=True)
+    finally:
+        tensor_util.make_tensor_proto, converter._eval = make_tensor_proto, evaluate
+    marked = [node for node in graph_def.node
+              if node.op == "Const" and node.attr["value"].tensor.tensor_content.startswith(_WEIGHT_MARK)]
+    if len(marked) != len(left_out):
+        del graph_def, marked, left_out[:]
+        return tf_loader.from_function(concrete, inputs, outputs, large_model=True)
+    for node in marked:
+        tensor = node.attr["value"].tensor
+        value = left_out[int(tensor.tensor_content[len(_WEIGHT_MARK):])]
+        dtype, shape = tensor.dtype, tensor_shape.TensorShape(tensor.tensor_shape).as_proto()
+        name = node.name
+        node.Clear()
+        node.name, node.op = name, "Placeholder"
+        node.attr["dtype"].type = dtype
+        node.attr["shape"].shape.CopyFrom(shape)
+        values[f"{name}:0"] = value
+    return graph_def
 
 
 def _tflite(request: dict) -> dict:
