@@ -298,3 +298,39 @@ def test_a_weight_frozen_into_a_library_function_freezes_again_with_its_value(tm
     assert calls == [0, 1] and values == {}
     sizes = sorted(len(n.attr["value"].tensor.tensor_content) for n in _constants(graph_def))
     assert sizes[-2:] == [16 * 16 * 4, 512 * 4]
+
+
+def test_a_keras_files_weights_are_read_from_a_copy_on_disk_in_the_work_folder(conv_net_files, tmp_path, monkeypatch):
+    """Keras read a .keras file's whole weights file into memory and the variables from that, where memory
+    looked sufficient: VGG16's 528 MiB twice at once. In the converter the weights file is extracted to a
+    temporary folder inside the build's work folder (never beside the user's model) and read from there;
+    Keras is put back as it was, and the model loaded is the model saved."""
+    import io
+    import zipfile
+
+    import keras
+    from keras.src.saving import saving_lib
+
+    with zipfile.ZipFile(conv_net_files["keras"]) as archive:
+        weights_file = archive.getinfo("model.weights.h5").file_size
+    in_memory = []
+    monkeypatch.setattr(io, "BytesIO", lambda *a, real=io.BytesIO: in_memory.append(len(a[0]) if a else 0) or real(*a))
+    extracted = []
+    work = tmp_path / "work"
+    work.mkdir()
+    with _child._weights_read_from_disk(work):
+        temporary = saving_lib.tempfile.TemporaryDirectory
+
+        def spied(*args, **kwargs):
+            folder = temporary(*args, **kwargs)
+            extracted.append(Path(folder.name))
+            return folder
+
+        monkeypatch.setattr(saving_lib.tempfile, "TemporaryDirectory", spied, raising=False)
+        model = keras.models.load_model(conv_net_files["keras"], compile=False)
+    assert [p.parent for p in extracted] == [work] and not extracted[0].exists()  # used, then removed
+    assert weights_file not in in_memory  # no BytesIO made from the weights file's bytes
+    assert saving_lib.is_memory_sufficient.__module__ == saving_lib.__name__ and saving_lib.tempfile.__name__ == "tempfile"
+    saved = keras.models.load_model(conv_net_files["keras"], compile=False)
+    for mine, theirs in zip(model.weights, saved.weights, strict=True):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())

@@ -321,10 +321,38 @@ def _keras(request: dict) -> dict:
 
     # compile=False: the optimizer and losses are not part of the function; safe_mode (the default)
     # refuses Lambda layers' pickled code, which a build tool must not run.
-    model = _reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False), KERAS_HINT)
+    with _weights_read_from_disk(Path(request["onnx"]).parent):
+        model = _reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False),
+                         KERAS_HINT)
     specs = [tf.TensorSpec(_static(t.name, tuple(t.shape), request), t.dtype, name=t.name) for t in model.inputs]
     proto, storage = _keras_weights_apart(model, specs, request, tf, tf2onnx)
     return _finish(proto, request, tf2onnx, failures.failed, storage=storage)
+
+
+@contextlib.contextmanager
+def _weights_read_from_disk(folder: Path):
+    """Keras reading a .keras file's weights from a copy on disk in `folder`, not from memory. Where memory
+    looks sufficient, Keras reads the archive's whole weights file into memory and the variables from
+    that: VGG16's 528 MiB twice at once, the converter's peak. Otherwise it extracts the file to a
+    temporary folder beside the model, where a user's folder may be read-only: here, in `folder`."""
+    from keras.src.saving import saving_lib
+
+    class InFolder:
+        def __getattr__(self, name):
+            return getattr(tempfile, name)
+
+        @staticmethod
+        def TemporaryDirectory(*args, dir=None, **kwargs):  # noqa: N802 - tempfile's name
+            return tempfile.TemporaryDirectory(*args, dir=folder, **kwargs)
+
+    import tempfile
+
+    with contextlib.ExitStack() as undo:
+        for name, value in (("is_memory_sufficient", lambda model: False), ("tempfile", InFolder())):
+            original = getattr(saving_lib, name)  # an AttributeError where Keras renamed it: loud
+            undo.callback(setattr, saving_lib, name, original)
+            setattr(saving_lib, name, value)
+        yield
 
 
 def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
