@@ -49,6 +49,7 @@ from ...errors import UserError
 from ...ir import model as irm
 from ...ir.calibration import LABELS, load_calibration, load_labelled
 from ...ir.digest import tree_sha256
+from ...ir.memory import give_back
 from ...scheduling.plan import Plan
 from ...scheduling.selection import held_out_split
 
@@ -100,6 +101,8 @@ def run(artifact: Path, ctx) -> dict:
     wanted = sorted({t for s in quantized for t in s.inputs + s.outputs})
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = ort_backend.run_many(full, samples, wanted)  # one session: each holds the weights once more
+    del full  # each segment is read from its own file: the whole model is not held while TensorFlow converts
+    give_back()  # and what the session freed goes back before the converter runs
     for seg in quantized:
         if seg.same_as:
             continue
