@@ -335,6 +335,8 @@ def _weights_read_from_disk(folder: Path):
     looks sufficient, Keras reads the archive's whole weights file into memory and the variables from
     that: VGG16's 528 MiB twice at once, the converter's peak. Otherwise it extracts the file to a
     temporary folder beside the model, where a user's folder may be read-only: here, in `folder`."""
+    import tempfile
+
     from keras.src.saving import saving_lib
 
     class InFolder:
@@ -344,8 +346,6 @@ def _weights_read_from_disk(folder: Path):
         @staticmethod
         def TemporaryDirectory(*args, dir=None, **kwargs):  # noqa: N802 - tempfile's name
             return tempfile.TemporaryDirectory(*args, dir=folder, **kwargs)
-
-    import tempfile
 
     with contextlib.ExitStack() as undo:
         for name, value in (("is_memory_sufficient", lambda model: False), ("tempfile", InFolder())):
@@ -382,9 +382,6 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
     # view of the variable's buffer, not a copy (`_view`)
     values = {n: _view(tf.convert_to_tensor(v.value)) for n, v in zip(names, variables)}
 
-    def with_weights(graph) -> None:
-        _weights_in(graph, values)
-
     def let_go() -> None:
         # the graph holds the weights now: let TensorFlow free its own copy before tf2onnx writes the model
         values.clear()
@@ -395,7 +392,7 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
     with _weights_stored() as stored:
         proto = _lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(
             tf.function(serve, input_signature=signature), input_signature=signature, opset=request["opset"])[0],
-            before=with_weights, after=let_go)
+            before=lambda graph: _weights_in(graph, values), after=let_go)
     storage = stored[-1]
     by_name = {o.name: o for o in proto.graph.output}  # in the model's order (a dict's come sorted by key)
     if set(by_name) == set(output_names):
