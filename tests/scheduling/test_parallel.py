@@ -67,7 +67,7 @@ def test_dp_equals_brute_force_within_one_block(seed, n, cores, density, dispatc
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 9), cores=st.integers(1, 3),
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 8), cores=st.integers(1, 3),
        density=st.sampled_from([0.1, 0.3]))
 def test_dp_over_linear_clusters_equals_brute_force_over_them(seed, n, cores, density):
     rng = np.random.default_rng(seed)
