@@ -91,6 +91,7 @@ def measured_build(model: Path, target: str, out: Path, low_memory: bool = False
     sampler.start()
     t0, started, seconds, log = time.perf_counter(), {}, {}, []
     for line in proc.stderr:
+        line = line.replace(str(ROOT), "<repo>")  # no machine's paths in the recorded lines
         log.append(line.rstrip())
         state["line"] = line.strip()
         m = STAGE.match(line)
