@@ -709,9 +709,9 @@ def _view(tensor):
         def __dlpack_device__(self):
             return (1, 0)  # kDLCPU
 
+    if tensor.device and not tensor.device.endswith("CPU:0"):
+        return tensor.numpy()
     try:
-        if tensor.device and not tensor.device.endswith("CPU:0"):
-            raise ValueError(tensor.device)
         return np.from_dlpack(Exported())
     except Exception:  # noqa: BLE001 - any that cannot go this way goes the usual way
         return tensor.numpy()
@@ -727,7 +727,8 @@ def _frozen_without_weights(tf_loader, concrete, inputs: list[str], outputs: lis
     becomes a placeholder of the same name, dtype and shape. Where the freeze put a weight anywhere else
     (in a function of the graph's library, which tf2onnx converts too), it runs again as TensorFlow has it."""
     import numpy as np
-    from tensorflow.python.framework import convert_to_constants, tensor_shape, tensor_util
+    from tensorflow.core.framework import tensor_pb2
+    from tensorflow.python.framework import convert_to_constants, dtypes, tensor_shape, tensor_util
     from tensorflow.python.ops import variables
 
     make_tensor_proto = tensor_util.make_tensor_proto
@@ -741,11 +742,9 @@ def _frozen_without_weights(tf_loader, concrete, inputs: list[str], outputs: lis
     def leaving_out(array, dtype=None, shape=None, *args, **kwargs):
         if not isinstance(array, np.ndarray) or array.nbytes < 1024 or array.dtype == object:
             return make_tensor_proto(array, dtype, shape, *args, **kwargs)
-        proto = make_tensor_proto(np.zeros((), array.dtype))
-        for field in ("float_val", "double_val", "int_val", "int64_val", "half_val", "bool_val"):
-            proto.ClearField(field)
-        proto.tensor_shape.CopyFrom(tensor_shape.as_shape(array.shape).as_proto())
-        proto.tensor_content = _WEIGHT_MARK + str(len(left_out)).encode()
+        proto = tensor_pb2.TensorProto(dtype=dtypes.as_dtype(array.dtype).as_datatype_enum,
+                                       tensor_shape=tensor_shape.as_shape(array.shape).as_proto(),
+                                       tensor_content=_WEIGHT_MARK + str(len(left_out)).encode())
         left_out.append(array)
         return proto
 
