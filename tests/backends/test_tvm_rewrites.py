@@ -16,6 +16,7 @@ from onnx import helper
 
 from edgesdk.backends.tvm.rewrites import _wider, integer_powers_as_products, narrow_rows_widened
 from edgesdk.backends.tvm.segment import compile_segment
+from tests.numeric import assert_close
 from tests.passes.harness import model, ops
 
 CUDA = {"kind": "cuda", "arch": "sm_86", "host": {"kind": "llvm", "mtriple": "x86_64-linux-gnu"}}
@@ -97,6 +98,23 @@ def powf_exponents(library) -> set[float]:
 
 
 # --- narrow rows -----------------------------------------------------------------------------------
+
+
+def test_a_pad_folds_into_its_conv_without_its_weights_serialized(weights_never_handed_over):
+    """On x86 a zero Pad before a Conv becomes the Conv's own padding (`_fold_pads_into_convs`); the shape
+    inference the rule needs sees the model without its weights, as every shape inference of a segment does."""
+    from edgesdk.backends.tvm.compile import _fold_pads_into_convs
+
+    rng = np.random.default_rng(3)
+    original = model([helper.make_node("Pad", ["x", "pads"], ["p"]), helper.make_node("Conv", ["p", "w"], ["y"])],
+                     {"x": (1, 32, 8, 8)}, ["y"],
+                     {"pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64),
+                      "w": rng.standard_normal((64, 32, 3, 3)).astype(np.float32)})  # 72 KiB: a weight
+    folded = _fold_pads_into_convs(original)
+    assert ops(folded) == {"Conv": 1}
+    assert not weights_never_handed_over, weights_never_handed_over
+    x = rng.standard_normal((1, 32, 8, 8)).astype(np.float32)
+    assert_close(run(folded, x)[0], run(original, x)[0], "y")
 
 
 def prime_width_convs() -> onnx.ModelProto:

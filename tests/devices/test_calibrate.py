@@ -186,6 +186,30 @@ def test_measure_ops_refuses_dynamic_shapes():
     assert e.value.notes[0] == "input 'x'"
 
 
+def test_measure_ops_runs_a_model_whose_weights_stay_in_their_file(tmp_path, monkeypatch, weights_never_handed_over):
+    """`edgesdk calibrate` measures the import stage's model, whose weights past 64 MiB stay in its `.data`
+    file (mapped: an absolute location, which onnxruntime refuses in a model's bytes): the sessions get them
+    as arrays, and onnxruntime's resolved graph keeps them beside it."""
+    rng = np.random.default_rng(0)
+    mlp = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w1"], ["y"])], "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 128])],
+        [numpy_helper.from_array(rng.standard_normal((256, 128)).astype(np.float32), "w0"),
+         numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), "w1")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    monkeypatch.setattr(irm, "EXTERNAL_FROM", 1 << 16)  # the threshold lowered: a small model takes the path
+    irm.save(irm.infer_shapes(mlp), tmp_path / "mlp.onnx")
+    mapped = irm.read(tmp_path / "mlp.onnx")
+    assert all(irm.is_mapped(t) for t in mapped.graph.initializer)
+    samples = measure_ops(mapped, threads=1, runs=2, name="mlp")
+    assert [(s.op_type, s.param_bytes) for s in samples] == [("MatMul", 256 * 128 * 4), ("Relu", 0),
+                                                             ("MatMul", 128 * 128 * 4)]
+    assert all(s.ms > 0 for s in samples)
+    assert not weights_never_handed_over, weights_never_handed_over
+
+
 # --- evaluating --------------------------------------------------------------------------------
 
 

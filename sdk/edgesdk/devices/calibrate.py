@@ -176,7 +176,7 @@ def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int 
         opts = _session_options(ort, threads)
         opts.enable_profiling = True
         opts.profile_file_prefix = str(Path(tmp) / "profile")
-        sess = ort.InferenceSession(executed.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        sess = irm.onnxruntime_session(executed, opts)
         for _ in range(warmup + runs):
             sess.run(None, feeds)
         events = json.loads(Path(sess.end_profiling()).read_text())
@@ -231,11 +231,12 @@ def _executed_graph(named: onnx.ModelProto, opts, path: Path) -> tuple[onnx.Mode
     The resolved graph it saves shows them; an inlined node belongs to the function node whose outputs
     it computes, directly or through other inlined nodes. Those are named `edgesdk_i_k` and the resolved
     graph is what gets profiled."""
-    import onnxruntime as ort
-
     opts.optimized_model_filepath = str(path)
-    ort.InferenceSession(named.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    executed = onnx.load(str(path))
+    # the resolved graph's weights go beside it, where `irm.read` maps them: never into the graph's bytes
+    for key, value in (("file_name", path.name + ".data"), ("min_size_in_bytes", str(irm.WEIGHT_BYTES))):
+        opts.add_session_config_entry(f"session.optimized_model_external_initializers_{key}", value)
+    irm.onnxruntime_session(named, opts)
+    executed = irm.read(path)
     executed.ir_version = min(executed.ir_version, irm.IR_VERSION)
     parts: dict[int, list[str]] = {}
     unnamed_producer = {t: n for n in executed.graph.node if not n.name.startswith("edgesdk_") for t in n.output}
@@ -262,7 +263,7 @@ def _shapes(model: onnx.ModelProto, model_name: str) -> dict[str, tuple[int, ...
     shapes = irm.static_shapes(model)
     produced = [t for n in model.graph.node for t in n.output if t]
     if not all(t in shapes for t in produced):
-        shapes = irm.static_shapes(onnx.shape_inference.infer_shapes(model, data_prop=True))
+        shapes = irm.static_shapes(irm.infer_shapes(irm.weightless(model)[0], strict=False))
     unknown = [t for t in produced if t not in shapes]
     inputs = [i.name for i in model.graph.input if i.name not in shapes]
     if inputs or unknown:

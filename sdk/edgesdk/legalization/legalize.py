@@ -132,7 +132,7 @@ def _exact_rewrites(model: onnx.ModelProto, nodes: list[support.NodeSupport], mo
         return model, chosen, {}
     original = model
     model, counts = exact.apply(model, only=chosen)
-    onnx.checker.check_model(model)  # a rule that breaks the graph is a bug, not the user's problem
+    irm.check(model)  # a rule that breaks the graph is a bug, not the user's problem
     model = _infer(model)
     rewrites = {name: {"count": n, "exactness": RULES[name].exactness} for name, n in counts.items() if n}
     if not rewrites:

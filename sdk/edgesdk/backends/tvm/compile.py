@@ -222,13 +222,17 @@ def _fold_pads_into_convs(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each zero Pad of a Conv's input folded into the Conv's own padding
     (onnxscript's rule). Relax imports a Pad as an opaque TIR function, which ConvertLayout
     cannot move into NHWC; a Conv's padding it can."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import ShapeInferencePass
     from onnxscript import rewriter
     from onnxscript.rewriter.rules.common import fuse_pad_into_conv_rule
 
     if not any(node.op_type == "Pad" for node in model.graph.node):
         return model
-    model = onnx.shape_inference.infer_shapes(model)  # the rule needs the Pad input's rank
-    return rewriter.rewrite(model, pattern_rewrite_rules=[fuse_pad_into_conv_rule])
+    graph = ir.serde.deserialize_model(model)
+    # the rule needs the Pad input's rank; onnx_ir's inference leaves the weights out of what it serializes
+    ShapeInferencePass(strict_mode=False, data_prop=False)(graph)
+    return ir.serde.serialize_model(rewriter.rewrite(graph, pattern_rewrite_rules=[fuse_pad_into_conv_rule]))
 
 
 def _import(model: onnx.ModelProto) -> Any:
