@@ -217,7 +217,7 @@ def test_arm_bundle_has_int8_tpu_segments(arm_mobilenet):
 def test_arm_mobilenet_stream_is_replicated_on_both_tpus(arm_mobilenet):
     """MobileNetV2 fits one Edge TPU's cache: built for a stream, the plan is the model on edgetpu:0 and a
     replica on edgetpu:1 taking every other frame, predicted about twice one TPU's frames/s and no slower
-    than Coral's own replication (the same plan, costed alike); the replica ships its own copy of the
+    than Coral's own replication (a baseline is a candidate, costed alike); the replica ships its own copy of the
     int8 model, both co-compiled per TPU by the finish command."""
     m = Manifest.load(arm_mobilenet.bundle)
     plan = json.loads((arm_mobilenet.bundle / "plan.json").read_text())
@@ -233,7 +233,7 @@ def test_arm_mobilenet_stream_is_replicated_on_both_tpus(arm_mobilenet):
     alone = plan["baselines"]["coral default (first unsupported op onwards on the cpu)"]["throughput_fps"]
     coral = plan["baselines"]["coral replication (the model on every edge tpu, frames dealt in turn)"]
     assert plan["predicted"]["throughput_fps"] >= 1.8 * alone
-    assert plan["predicted"]["throughput_fps"] >= 0.99 * coral["throughput_fps"]
+    assert plan["predicted"]["throughput_fps"] >= coral["throughput_fps"]
 
 
 def test_arm_pretrained_int8_accuracy_bound(arm_ppocr):

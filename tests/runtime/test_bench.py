@@ -111,3 +111,21 @@ def test_an_aarch64_bundle_is_benched_under_qemu_and_says_so(arm_rec):
     # the Edge TPU is absent here: its segments ran their int8 models on the CPU, and say so
     tpu = [g for g in r["segments"] if g["device"].startswith("edgetpu")]
     assert tpu and all("CPU" in g["note"] for g in tpu)
+
+
+def test_a_concurrent_callers_error_is_raised_not_lost():
+    """A caller thread whose run() raises: the bench raises that error (it used to die with its thread
+    and the figures were made of the other callers' calls)."""
+    import threading
+
+    from edgesdk.runtime.bench import _callers
+
+    class Model:
+        def run(self, feeds):
+            if threading.current_thread().name == "bench-caller-1":
+                raise RuntimeError("segment s1 failed on edgetpu:0")
+            return {"y": feeds["x"] + 1}
+
+    with pytest.raises(RuntimeError, match="segment s1 failed"):
+        _callers(Model(), {"x": np.zeros(3, np.float32)}, 3, 2, lambda *a: None)
+    assert not [t for t in threading.enumerate() if t.name.startswith("bench-caller")]

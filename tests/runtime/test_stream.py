@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 
 from edgesdk.runtime import BundleModel
 from edgesdk.runtime import manifest as mf
+from edgesdk.runtime import streaming
 
 SHAPE = (1, 4)
 
@@ -202,3 +203,126 @@ def test_a_replica_naming_an_unknown_segment_is_refused(replicated):
     text = (replicated / "manifest.json").read_text().replace('"s1.r1",\n      "s2"', '"s9",\n      "s2"')
     with pytest.raises(mf.ManifestError, match=r"manifest.replicas\[0\].*s9"):
         mf.Manifest.from_json(text)
+
+
+# --- the stream's own machinery, with fake runners (no model): `streaming.stream` directly -------------
+
+GATE_S = 10.0   # a gate left shut (a regression) opens after this, so no thread is left behind for good
+
+
+def _fake(sid: str, device: str, inputs: list[str], outputs: list[str]) -> mf.Segment:
+    spec = lambda n: mf.TensorSpec(n, (2, 2), "float32")  # noqa: E731
+    return mf.Segment(sid, device, "fake", f"{sid}.fake", tuple(map(spec, inputs)), tuple(map(spec, outputs)))
+
+
+def _stream_in_thread(run, timeout: float = 2 * GATE_S) -> dict:
+    """`run()` on a thread of its own, joined with a timeout: a stream that hangs fails the test instead of
+    the suite. Returns {"result": ...} or {"error": ...}."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = run()
+        except BaseException as e:  # noqa: BLE001 -- looked at by the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="test-stream-caller", daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the stream hung: its caller still waits"
+    return box
+
+
+def test_tasks_are_taken_without_comparing_frames_that_hold_arrays():
+    """Frames are never compared by value (their arrays have no truth value), so a device taking a later
+    frame's task past an earlier one's does not kill its worker.
+
+    cpu: a = x + 1;  tpu A: c = 3a;  tpu B: b = 2a;  cpu: d = b + 1;  cpu: y = c + d
+    The replica swaps the two Edge TPUs. Frame 0 has c (edgetpu:0) but waits for b (edgetpu:1, held shut);
+    frame 1 has b (edgetpu:0) but not yet c (edgetpu:1, busy with frame 0): the CPU's queue holds frame 0's
+    "d" (not ready) before frame 1's "d" (ready), the two frames' values hold as many arrays ({x, a, c} and
+    {x, a, b}), and taking frame 1's task used to compare them: ValueError in the CPU worker, then the
+    caller waiting for ever on frame 0."""
+    segs = [_fake("s0", "cpu", ["x"], ["a"]), _fake("s1", "edgetpu:0", ["a"], ["c"]),
+            _fake("s2", "edgetpu:1", ["a"], ["b"]), _fake("s3", "cpu", ["b"], ["d"]),
+            _fake("s4", "cpu", ["c", "d"], ["y"])]
+    replica = [segs[0], dataclasses.replace(segs[1], id="s1.r1", device="edgetpu:1", replica=1),
+               dataclasses.replace(segs[2], id="s2.r1", device="edgetpu:0", replica=1), segs[3], segs[4]]
+    frame1_at_d = threading.Event()
+
+    def b_of(f):          # tpu B; frame 0's is held until the CPU has taken frame 1's "d"
+        if f["a"][0, 0] == 0 + 1:
+            frame1_at_d.wait(GATE_S)
+        return {"b": 2 * f["a"]}
+
+    def d_of(f):
+        if f["b"][0, 0] == 2 * (1 + 1):
+            frame1_at_d.set()
+        return {"d": f["b"] + 1}
+
+    fn = {"s0": lambda f: {"a": f["x"] + 1}, "s1": lambda f: {"c": 3 * f["a"]}, "s2": b_of, "s3": d_of,
+          "s4": lambda f: {"y": f["c"] + f["d"]}}
+    plan = [(s, fn[s.id]) for s in segs]
+    replicas = [[(s, fn[s.id.split(".")[0]]) for s in replica]]
+    xs = [np.full((2, 2), i, np.float32) for i in range(2)]
+
+    box = _stream_in_thread(lambda: list(streaming.stream(
+        plan, lambda seg, runner, env: {t.name: env[t.name] for t in seg.inputs}, lambda runner, feeds: runner(feeds),
+        lambda env: {"y": env["y"]}, ({"x": x} for x in xs), depth=2, replicas=replicas)))
+    assert "error" not in box, box.get("error")
+    assert len(box["result"]) == 2
+    for x, out in zip(xs, box["result"]):
+        np.testing.assert_array_equal(out["y"], 3 * (x + 1) + 2 * (x + 1) + 1)
+    assert not stream_threads()
+
+
+@pytest.mark.parametrize("where", ["feeds_of", "the worker's own loop"])
+def test_a_workers_error_reaches_the_caller_and_nothing_waits_on_a_dead_worker(where, monkeypatch):
+    """An exception in a worker, in a segment's feeds or in the worker's own bookkeeping (taking its next
+    task), is raised by `stream()`; the other workers are stopped and joined."""
+    segs = [_fake("s0", "cpu", ["x"], ["a"]), _fake("s1", "edgetpu:0", ["a"], ["b"]),
+            _fake("s2", "cpu", ["b"], ["y"])]
+    fn = {"s0": lambda f: {"a": f["x"] + 1}, "s1": lambda f: {"b": 2 * f["a"]}, "s2": lambda f: {"y": f["b"]}}
+
+    def feeds_of(seg, runner, env):
+        if where == "feeds_of" and seg.id == "s1":
+            raise KeyError("feeds of s1 lost")
+        return {t.name: env[t.name] for t in seg.inputs}
+
+    if where != "feeds_of":
+        take = streaming._take
+
+        def broken(queue, ready):
+            if threading.current_thread().name == "edgesdk-stream-edgetpu:0":
+                raise RuntimeError("edgetpu:0's queue is broken")
+            return take(queue, ready)
+
+        monkeypatch.setattr(streaming, "_take", broken)
+    frames_in = ({"x": np.full((2, 2), i, np.float32)} for i in range(6))
+    box = _stream_in_thread(lambda: list(streaming.stream(
+        [(s, fn[s.id]) for s in segs], feeds_of, lambda runner, feeds: runner(feeds), lambda env: {"y": env["y"]},
+        frames_in, depth=3)))
+    expected = KeyError if where == "feeds_of" else RuntimeError
+    assert isinstance(box.get("error"), expected), box
+    assert not stream_threads()
+
+
+def test_the_self_tests_stream_check_reports_a_failed_stream(bundle, monkeypatch):
+    """A stream that raises is a failed check with its reason (never an escaped exception), and the frames
+    it never gave count as differing."""
+    from edgesdk.runtime.selftest import stream_check
+
+    model = BundleModel(bundle, log=lambda s: None)
+    real = model.stream
+
+    def fails_after_one(feeds, **kw):
+        for k, out in enumerate(real(feeds, **kw)):
+            if k == 1:
+                raise RuntimeError("the stream's worker for edgetpu:0 failed")
+            yield out
+
+    monkeypatch.setattr(model, "stream", fails_after_one)
+    s = stream_check(model, {"x": np.arange(4, dtype=np.float32).reshape(SHAPE)})
+    assert not s["passed"] and s["mismatched_frames"] == [1, 2, 3]
+    assert s["error"] == "RuntimeError: the stream's worker for edgetpu:0 failed"
+    assert not stream_threads()

@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import onnx
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.config import load_target
@@ -91,3 +93,103 @@ def test_an_edge_tpu_run_is_cut_before_its_weights_pass_what_a_flatbuffer_holds(
     assert [r.nodes for r in split_by_backend([(0, 4, "cpu")], ["tvm"] * 4, sizes)] == [[0, 1, 2, 3]]
     # without the sizes (or under the bound), one run, as before
     assert [r.nodes for r in split_by_backend([(0, 4, "edgetpu:0")], ["tvm"] * 4)] == [[0, 1, 2, 3]]
+
+
+REPLICATION = "coral replication (the model on every edge tpu, frames dealt in turn)"
+
+
+def _detector(n_back: int = 10, channels: int = 64, hw: int = 40) -> onnx.ModelProto:
+    """A detector's shape: a backbone of 3x3 convolutions that fits one Edge TPU's cache, then a head with
+    CPU-only ops (Pow, no Edge TPU op) around a small 1x1 prediction convolution."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [numpy_helper.from_array(np.array(2.0, np.float32), "two")], "x"
+
+    def node(op, inputs, output, capable, **attrs):
+        n = helper.make_node(op, inputs, [output], **attrs)
+        irm.set_meta(n, irm.CAPABLE_KEY, capable)
+        nodes.append(n)
+        return output
+
+    def conv(x, cin, cout, k, name):
+        inits.append(numpy_helper.from_array((rng.standard_normal((cout, cin, k, k)) * 0.1).astype(np.float32), name))
+        return node("Relu", [node("Conv", [x, name], name + "_c", "edgetpu,cpu/tvm", pads=[k // 2] * 4)], name + "_r",
+                    "edgetpu,cpu/tvm")
+
+    for k in range(n_back):
+        x = conv(x, channels, channels, 3, f"b{k}")
+    x = conv(node("Pow", [x, "two"], "p0", "cpu/tvm"), channels, 4, 1, "head")
+    y = node("Pow", [x, "two"], "y", "cpu/tvm")
+    g = helper.make_graph(nodes, "detector",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, hw, hw])],
+                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, 4, hw, hw])], inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_a_baseline_predicted_better_is_the_plan():
+    """The scheduler's own throughput plan for this detector (the backbone on one TPU, the prediction
+    convolution on the other between the CPU's ops, the whole replicated) streams at 862 frames/s; Coral's
+    replication (the backbone on each TPU, the head on the CPU) at 899: its placement is the plan, said so,
+    and no reported baseline is predicted better than the plan."""
+    m = _detector()
+    stream = make_plan(m, TARGET, mode="throughput", inter_op=False)
+    plan = stream.plan
+    fps = plan.predicted["throughput_fps"]
+    assert all(fps >= b["throughput_fps"] for b in plan.baselines.values() if "error" not in b), plan.baselines
+    assert fps == plan.baselines[REPLICATION]["throughput_fps"]
+    assert [(s.device, len(s.nodes)) for s in plan.segments] == [("edgetpu:0", 20), ("cpu", 4)]
+    assert plan.replicas == ({"edgetpu:0": "edgetpu:1", "edgetpu:1": "edgetpu:0"},)
+    chosen = plan.chosen
+    assert chosen["candidate"] == f"baseline: {REPLICATION}" and chosen["objective"] == "throughput_fps"
+    assert chosen["versus"] == "the scheduler's own plan" and chosen["throughput_fps"] == fps
+    ours = chosen["versus_throughput_fps"]
+    assert ours < fps and chosen["margin_percent"] == round(100 * (fps - ours) / ours, 2) > 1
+    said = plan.decisions[0]
+    assert said.startswith(f"the baseline '{REPLICATION}' predicts") and "takes the baseline's placement" in said
+    assert REPLICATION in plan.search
+    # the record survives plan.json, and the build's summary says which candidate won and by how much
+    from edgesdk.report.text import placement_summary
+    from edgesdk.scheduling.plan import Plan
+
+    assert Plan.from_json(plan.to_json()) == plan
+    summary = placement_summary(json.loads(plan.to_json()))
+    assert f"chosen: the placement of the baseline '{REPLICATION}' ({fps:g} frames/s), " \
+           f"{chosen['margin_percent']:.2f} % better than the scheduler's own plan ({ours:g} frames/s)" in summary
+    # latency: the scheduler's own plan is as fast as the best baseline (a tie keeps it), none faster
+    latency = make_plan(m, TARGET, mode="latency", inter_op=False).plan
+    assert latency.chosen["candidate"] == "the scheduler's own plan" and latency.chosen["margin_percent"] >= 0
+    assert all(latency.predicted["latency_ms"] <= b["latency_ms"]
+               for b in latency.baselines.values() if "error" not in b)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 6), channels=st.sampled_from([8, 48, 96]),
+       hw=st.sampled_from([8, 24, 48]), mode=st.sampled_from(["latency", "throughput"]))
+@example(seed=3, n=5, channels=48, hw=8, mode="throughput")  # greedy's placement streamed faster than the DPs' plan
+def test_the_plan_is_never_predicted_worse_than_a_baseline_it_reports(seed, n, channels, hw, mode):
+    """Random chains of convolutions, ReLUs and CPU-only Pows, each convolution and ReLU runnable on the
+    Edge TPU or not: the plan's figure on the mode's objective is at least every reported baseline's."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [numpy_helper.from_array(np.array(2.0, np.float32), "two")], "x"
+    for k in range(n):
+        op = rng.choice(["Conv", "Conv1", "Relu", "Pow"])
+        capable = "cpu/tvm" if op == "Pow" or rng.random() < 0.3 else "edgetpu,cpu/tvm"
+        if op.startswith("Conv"):
+            size = 1 if op == "Conv1" else 3
+            inits.append(numpy_helper.from_array(rng.normal(size=(channels, channels, size, size)).astype(np.float32),
+                                                 f"w{k}"))
+            node = helper.make_node("Conv", [x, f"w{k}"], [f"t{k}"], pads=[size // 2] * 4)
+        else:
+            node = helper.make_node(op, [x, "two"] if op == "Pow" else [x], [f"t{k}"])
+        irm.set_meta(node, irm.CAPABLE_KEY, capable)
+        nodes.append(node)
+        x = f"t{k}"
+    shape = [1, channels, hw, hw]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, shape)], inits)
+    m = onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    plan = make_plan(m, TARGET, mode=mode, inter_op=False).plan
+    key = "latency_ms" if mode == "latency" else "throughput_fps"
+    sign = 1 if mode == "latency" else -1
+    figures = {name: b[key] for name, b in plan.baselines.items() if "error" not in b}
+    assert figures and all(sign * plan.predicted[key] <= sign * v for v in figures.values()), (plan.predicted, figures)
+    assert plan.chosen["objective"] == key and plan.chosen[key] == plan.predicted[key]

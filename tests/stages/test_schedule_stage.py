@@ -82,6 +82,10 @@ def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
     # (Coral's split needs a TPU prefix of at least 2 nodes; here Softplus ends it after one)
     assert "1-node Edge TPU prefix" in base["coral --num_segments 2 (parameter-count split)"]["error"]
     assert all(plan["predicted"]["sequential_ms"] <= b["sequential_ms"] + 1e-9 for b in base.values() if "error" not in b)
+    # every baseline is a candidate: none is predicted faster than the plan, which says which it is
+    assert all(plan["predicted"]["latency_ms"] <= b["latency_ms"] for b in base.values() if "error" not in b)
+    assert plan["chosen"]["objective"] == "latency_ms"
+    assert plan["chosen"]["latency_ms"] == plan["predicted"]["latency_ms"]
     assert plan["predicted"]["latency_ms"] <= plan["predicted"]["sequential_ms"] + 1e-9
     assert base["coral default (first unsupported op onwards on the cpu)"]["segments"] == 2
     # Coral's data parallelism: its default plan on each TPU, each TPU costed as holding every weight
@@ -100,6 +104,7 @@ def test_plan_is_no_worse_than_any_baseline_and_has_a_report(tmp_path):
     assert coral_alone["segments"] == 2 and plan["predicted"]["latency_ms"] < coral_alone["latency_ms"]
     report = (tmp_path / "o/.build/3-schedule/schedule.html").read_text()
     assert report.count("data:image/png;base64,") == 2 and "<th>bytes moved</th>" in report
+    assert "<p>Chosen: " in report
     # each Edge TPU's cache and co-compile order, and the decisions where there are any
     assert "<h2>Parameter caches</h2>" in report
     assert ("<h2>Decisions</h2>" in report) == bool(plan["decisions"])

@@ -6,6 +6,8 @@ import base64
 import html
 from typing import Any
 
+from .text import chosen_line
+
 
 def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list[tuple[str, bytes]]) -> str:
     """The schedule stage's `schedule.html`: predicted figures, baselines on the same cost model,
@@ -25,7 +27,7 @@ def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list
 <p>Predicted: {p['latency_ms']:.3f} ms per inference (simulated; {p['sequential_ms']:.3f} ms with no overlap),
 {p['throughput_fps']:.1f} frames/s on a stream. Search: {html.escape(plan['search'])}; {plan['scheduler_s']} s.</p>
 <p>Cost model: {html.escape(plan['cost_model'])}.</p>
-<h2>Baselines, same cost model</h2><table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
+<h2>Baselines, same cost model</h2>{_chosen(plan)}<table><tr><th>rule</th><th>latency ms</th><th>frames/s</th></tr>
 <tr><td><b>this plan</b></td><td>{p['latency_ms']}</td><td>{p['throughput_fps']}</td></tr>{base}</table>
 {_caches(plan)}{_decisions(plan)}{_inter_op(plan)}
 <h2>Utilization on the stream</h2><p>{', '.join(f'{k} {v:.0%}' for k, v in plan['utilization'].items())}</p>
@@ -52,6 +54,12 @@ def _caches(plan: dict[str, Any]) -> str:
             "<th>cached</th><th>streamed every inference</th><th>co-compile order</th><th>capacity from</th></tr>"
             f"{rows}</table><p>{html.escape(caches['search'])}; rounds (objective, lower is better): {rounds}.</p>"
             + replicas)
+
+
+def _chosen(plan: dict[str, Any]) -> str:
+    """Which candidate the plan is (each baseline is one), against the best other."""
+    line = chosen_line(plan.get("chosen") or {})
+    return f"<p>{html.escape(line[0].upper() + line[1:])}.</p>" if line else ""
 
 
 def _decisions(plan: dict[str, Any]) -> str:

@@ -37,11 +37,31 @@ def placement_summary(plan: dict[str, Any]) -> str:
                      + ", ".join(f"{a} -> {b}" for a, b in moved.items()))
     lines.append(f"predicted: {p['latency_ms']:.3f} ms per inference, {p['throughput_fps']:.1f} frames/s on a stream "
                  f"(simulated on the cost model of devices/cost.py)")
+    if line := chosen_line(plan.get("chosen") or {}):
+        lines.append(f"  {line}")
     for name, b in (plan.get("baselines") or {}).items():
         if "error" not in b:
             lines.append(f"  vs {name}: {b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s")
     lines += cpu_selection_summary(plan.get("cpu_selection") or {})
     return "\n".join(lines)
+
+
+def chosen_line(chosen: dict[str, Any]) -> str:
+    """Which candidate the plan is, against the best other one (`Plan.chosen`); "" for a plan without it."""
+    if not chosen:
+        return ""
+    key = chosen["objective"]
+    unit = " ms per inference" if key == "latency_ms" else " frames/s"
+
+    def who(name: str) -> str:
+        return f"the placement of the baseline '{name[len('baseline: '):]}'" if name.startswith("baseline: ") else name
+
+    line = f"chosen: {who(chosen['candidate'])} ({chosen[key]:g}{unit})"
+    if "versus" in chosen:
+        margin = chosen["margin_percent"]
+        line += (f", {margin:.2f} % better than " if margin else ", as good as ") + \
+            f"{who(chosen['versus'])} ({chosen['versus_' + key]:g}{unit})"
+    return line
 
 
 def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:

@@ -111,16 +111,20 @@ def _callers(model: BundleModel, feeds: dict, count: int, each: int, progress) -
     expected = model.run(feeds)
     latencies: list[list[float]] = [[] for _ in range(count)]
     wrong: list[int] = []
+    failed: list[BaseException] = []   # a caller's error, raised here: a thread's own would be lost
     start = threading.Barrier(count + 1)
 
     def caller(i: int) -> None:
         start.wait()
-        for _ in range(each):
-            t = time.perf_counter()
-            out = model.run(feeds)
-            latencies[i].append((time.perf_counter() - t) * 1000)
-            if any(not np.array_equal(out[n], expected[n]) for n in expected):
-                wrong.append(i)
+        try:
+            for _ in range(each):
+                t = time.perf_counter()
+                out = model.run(feeds)
+                latencies[i].append((time.perf_counter() - t) * 1000)
+                if any(not np.array_equal(out[n], expected[n]) for n in expected):
+                    wrong.append(i)
+        except BaseException as e:  # noqa: BLE001 -- raised by _callers once every caller has ended
+            failed.append(e)
 
     threads = [threading.Thread(target=caller, args=(i,), name=f"bench-caller-{i}") for i in range(count)]
     for t in threads:
@@ -130,6 +134,8 @@ def _callers(model: BundleModel, feeds: dict, count: int, each: int, progress) -
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if failed:
+        raise failed[0]
     progress(f"{count} caller(s)", 1, 1)
     calls = [x for lat in latencies for x in lat]
     lat = percentiles(calls)

@@ -72,11 +72,17 @@ def stream_check(model: BundleModel, inputs: dict[str, np.ndarray], frames: int 
     expected = [model.run(f) for f in feeds]
     sequential = time.perf_counter() - t0
     t0 = time.perf_counter()
-    got = list(model.stream(feeds))
+    got, error = [], None
+    try:
+        for out in model.stream(feeds):
+            got.append(out)
+    except Exception as e:  # noqa: BLE001 -- a stream that fails is a failed check, reported with its reason
+        error = f"{type(e).__name__}: {e}"
     streamed = time.perf_counter() - t0
+    # a frame the stream never gave counts as one that differs
     wrong = [k for k, (g, e) in enumerate(zip(got, expected))
-             if set(g) != set(e) or any(not np.array_equal(g[n], e[n]) for n in e)]
-    return {"frames": frames, "passed": len(got) == frames and not wrong, "mismatched_frames": wrong,
+             if set(g) != set(e) or any(not np.array_equal(g[n], e[n]) for n in e)] + list(range(len(got), frames))
+    return {"frames": frames, "passed": error is None and not wrong, "mismatched_frames": wrong, "error": error,
             "sequential_seconds": round(sequential, 4), "stream_seconds": round(streamed, 4)}
 
 
@@ -108,6 +114,7 @@ def main(argv: list[str]) -> int:
         s = report["stream"]
         print(f"{'ok' if s['passed'] else 'FAIL'}  pipelined stream of {s['frames']} frames equals run() frame by frame"
               + (f" (frames {s['mismatched_frames']} differ)" if s["mismatched_frames"] else "")
+              + (f" (the stream failed: {s['error']})" if s.get("error") else "")
               + f": {s['stream_seconds']:.3f} s, {s['sequential_seconds']:.3f} s one after another")
         for n in report["notes"]:
             print(f"note: {n}")

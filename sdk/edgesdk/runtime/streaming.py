@@ -21,7 +21,13 @@ read only as results are taken. Results come out in input order.
 Errors: a segment that raises marks its frame failed; the frame's other segments are skipped (they
 are ready at once, so no worker waits on them), and the error is raised to the caller when that
 frame's turn comes. A frame that the caller's iterator raises for (a malformed input refused by the
-model's checks) is raised after every frame before it has been yielded. Closing the generator (or an error) stops the workers and joins them.
+model's checks) is raised after every frame before it has been yielded. An error in a worker's own
+loop (not a segment's) ends that worker: the caller never waits on a dead worker; its next wait for a
+frame not yet done raises that error instead. Closing the generator (or an error) stops the workers
+and joins them.
+
+Frames are compared by identity only: a task is taken from its queue by position, and `_Frame` has no
+value equality (its arrays have no truth value, so `==` on two frames raises).
 """
 
 from __future__ import annotations
@@ -32,13 +38,27 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-@dataclass
+# never by value: a frame's env holds arrays, and == on arrays has no truth value
+@dataclass(eq=False)
 class _Frame:
     env: dict
     done: dict[str, threading.Event]          # segment id -> finished (or skipped)
     plan: int = 0                             # which of the plans (replicas) it runs
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# How long the caller waits on the workers before it looks again whether each is still alive (a worker
+# that ends records why and wakes the caller; this bounds the wait should that ever be missed).
+LIVENESS_POLL_S = 1.0
+
+
+def _take(queue: list, ready: Callable) -> tuple | None:
+    """The earliest ready task of a device's queue, removed by its position (never by comparing tasks)."""
+    for i, task in enumerate(queue):
+        if ready(task[0], task[1]):
+            return queue.pop(i)
+    return None
 
 
 def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
@@ -58,6 +78,7 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
     pending: dict[str, list] = {d: [] for d in devices}   # (frame, segment, runner), in global order
     cond = threading.Condition()
     stopping = False
+    failed: list[BaseException] = []   # a worker's own error (not a segment's): the stream cannot go on
 
     def ready(frame: _Frame, seg) -> bool:
         return frame.error is not None or all(frame.done[sid].is_set() for sid in waits[frame.plan][seg.id])
@@ -68,9 +89,8 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                 while True:
                     if stopping:
                         return
-                    task = next((t for t in pending[device] if ready(t[0], t[1])), None)
+                    task = _take(pending[device], ready)
                     if task is not None:
-                        pending[device].remove(task)
                         break
                     cond.wait()
             frame, seg, runner = task
@@ -87,11 +107,30 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                 frame.done[seg.id].set()
                 cond.notify_all()
 
-    workers = [threading.Thread(target=work, args=(d,), name=f"edgesdk-stream-{d}", daemon=True) for d in devices]
-    for w in workers:
-        w.start()
+    def worker(device: str) -> None:
+        try:
+            work(device)
+        except BaseException as e:  # noqa: BLE001 -- raised to the caller by its next wait
+            with cond:
+                failed.append(e)
+                cond.notify_all()
+
+    def wait_for(frame: _Frame) -> None:
+        """Until every segment of `frame` is done; a worker's failure is raised instead."""
+        with cond:
+            while not all(event.is_set() for event in frame.done.values()):
+                if failed:
+                    raise failed[0]
+                if not all(w.is_alive() for w in workers):
+                    raise RuntimeError("a worker of the stream ended before the frame it owed was done")
+                cond.wait(LIVENESS_POLL_S)
+
+    workers: list[threading.Thread] = []
     in_flight: list[_Frame] = []
     try:
+        for d in devices:
+            workers.append(threading.Thread(target=worker, args=(d,), name=f"edgesdk-stream-{d}", daemon=True))
+            workers[-1].start()
         source = iter(frames)
         exhausted, fed = False, 0
         refused: BaseException | None = None  # a frame the caller's iterator could not give (a bad input)
@@ -119,8 +158,7 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
                     raise refused
                 return
             frame = in_flight.pop(0)
-            for event in frame.done.values():
-                event.wait()
+            wait_for(frame)
             if frame.error is not None:
                 raise frame.error
             yield outputs(frame.env)
@@ -130,4 +168,5 @@ def stream(runners: list, feeds_of: Callable, call: Callable, outputs: Callable,
             stopping = True
             cond.notify_all()
         for w in workers:
-            w.join()
+            if w.ident is not None:   # started
+                w.join()

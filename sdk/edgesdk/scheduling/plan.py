@@ -73,10 +73,13 @@ class Plan:
     # data parallelism in a stream: each replica's device map (two Edge TPUs: edgetpu:0 and edgetpu:1
     # swapped); frame f runs replica f mod (1 + len(replicas)), replica 0 being the plan itself
     replicas: tuple[dict[str, str], ...] = ()
+    # which candidate the plan is: the scheduler's own, or a baseline's placement predicted better on the
+    # same cost model; its figure on the mode's objective, the runner-up's, and the margin in per cent
+    chosen: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                           if f.name not in ("cpu_selection", "caches", "replicas") or getattr(self, f.name)},
+                           if f.name not in ("cpu_selection", "caches", "replicas", "chosen") or getattr(self, f.name)},
                           indent=2) + "\n"
 
     def replica_segments(self) -> tuple[tuple[PlanSegment, ...], ...]:
@@ -96,7 +99,7 @@ class Plan:
                     d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
                     d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())),
                     d.get("cpu_selection", {}), d.get("caches", {}),
-                    tuple(dict(m) for m in d.get("replicas", ())))
+                    tuple(dict(m) for m in d.get("replicas", ())), d.get("chosen", {}))
 
     @staticmethod
     def load(directory: Path) -> "Plan":

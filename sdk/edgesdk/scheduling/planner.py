@@ -6,6 +6,10 @@ stream runs faster), by place-and-recost over the accelerators' parameter caches
 plan priced with each instance holding the weights placed on it), splits CPU runs by backend, re-schedules CPU runs for inter-operator parallelism
 (`interop`), cuts the segments (`segments`), simulates one inference and a stream of `STREAM_FRAMES`
 frames (`simulate`), costs the documented baselines (`baselines`), and assembles the frozen `Plan`.
+Every baseline is a candidate: carried through the same steps (backend split, inter-operator
+parallelism, simulation) it is costed exactly as the plan would be, and where it predicts better than
+the scheduler's own plan its placement becomes the plan (`Plan.chosen` says which won, by how much), so
+a plan is never predicted worse than a baseline it reports.
 It reads and writes no file: the schedule stage writes what it returns.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx
 
@@ -41,7 +45,8 @@ class Scheduled:
     runs: tuple[PlannedSegment, ...]  # the segments' nodes (graph indices), in the plan's order
     one: simulate.Timeline  # one inference
     flow: simulate.Timeline  # a stream of STREAM_FRAMES frames
-    scheduler_s: float  # the placement's and the inter-op DP's run time: a measurement, not part of the plan
+    # the placement's, the baselines' and the inter-op DP's run time: a measurement, not part of the plan
+    scheduler_s: float
 
 
 def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
@@ -58,7 +63,9 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     a plan slower than `--no-rewrites` would; `decisions` says which and by how much. Per region: where
     the plan places every node of one of legalize's `approximations` (its report entries) on the CPU,
     the model is made again with that region as exported (`with_approximations(keep)`: the legalized
-    model with only the approximations numbered `keep`), placed, and kept where it predicts faster."""
+    model with only the approximations numbered `keep`), placed, and kept where it predicts faster.
+    Last, every baseline is a candidate (`_baseline_candidates`): where one predicts better than that
+    plan, on the mode's objective, its placement is the plan (`Plan.chosen`, `decisions`)."""
     load = functools.cache(as_imported) if as_imported is not None else None
     t0 = time.perf_counter()
     best = _Candidate.of(model, target, mode)
@@ -75,18 +82,20 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     if rewritten and load is not None:
         best, said = _with_or_without_rewrites(best, _Candidate.of(load(), target, mode), mode)
         choice.append(said)
-    model, shapes, consts, built, cpu_backend = best.model, best.shapes, best.consts, best.built, best.cpu_backend
+    # every baseline is a candidate, finished and costed exactly as the plan is; the best one is the plan
+    ours = _finish(best, target, mode, inter_op)
+    costed, candidates = _baseline_candidates(best, load, target, mode, inter_op, ours)
+    won, winner = _best_of(ours, candidates, mode)
+    scheduler_s = time.perf_counter() - t0
+    if winner:
+        choice.append(_said(winner, won, ours, mode))
+    best, placed, par, one, stream = won.candidate, won.placed, won.par, won.one, won.stream
+    model, shapes, consts, cpu_backend = best.model, best.shapes, best.consts, best.cpu_backend
     placed_ = best.placed
     chosen, problem, maps = placed_.spans, placed_.problem, placed_.replicas
-    scheduler_s = time.perf_counter() - t0
-    placed = split_by_backend(chosen, cpu_backend, problem.weights_bytes)
-    t1 = time.perf_counter()
-    par = interop.parallelize(placed, problem, model, target, shapes, consts, mode == "latency" and inter_op)
-    scheduler_s += time.perf_counter() - t1
     probes = logit_probes(model)
     segments, models = cut(model, par.runs, problem, shapes, consts, probes)
     segments = shared(segments, models)
-    one, stream = _simulate(problem, placed, par, maps)
     plan = Plan(
         target=target.name, mode=mode,
         inputs=tuple(i.name for i in model.graph.input if i.name not in consts),
@@ -98,11 +107,12 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         predicted=_predicted(problem, placed, one, stream),
         utilization={k: round(v, 4) for k, v in stream.utilization.items()},
         cost_model=COST_MODEL, search=_search(mode, placed_.how, len(maps)),
-        baselines={**_baselines(built, target), **_imported_baselines(load, target)},
+        baselines=costed,
         placement=placement_counts(par.runs),
         decisions=tuple(choice + _decisions(problem, chosen)),
         caches=_caches(problem, target, chosen, segments, placed_.rounds, maps),
         replicas=maps,
+        chosen=_chosen(won, winner, ours, candidates, mode),
     )
     return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, stream, scheduler_s)
 
@@ -112,20 +122,31 @@ REPLICA_GAIN = 0.02  # a replicated stream must predict this much more frames/s 
 
 @dataclass(frozen=True)
 class _Candidate:
-    """A model placed: the legalized one, or the one as imported."""
+    """A model placed: the legalized one, or the one as imported (`placed` None: its problem built only)."""
 
     model: onnx.ModelProto
     shapes: dict
     consts: set
     built: Problem
     cpu_backend: list[str]
-    placed: "_Placed"
+    placed: "_Placed | None"
 
     @staticmethod
     def of(model: onnx.ModelProto, target, mode: str) -> "_Candidate":
+        unplaced = _Candidate.unplaced(model, target)
+        return replace(unplaced, placed=_place(unplaced.built, mode))
+
+    @staticmethod
+    def unplaced(model: onnx.ModelProto, target) -> "_Candidate":
+        """The model's problem built, nothing placed yet (`placed` None)."""
         shapes, consts = irm.static_shapes(model), irm.constant_names(model)
         built, cpu_backend = build_problem(model, target, shapes, consts)
-        return _Candidate(model, shapes, consts, built, cpu_backend, _place(built, mode))
+        return _Candidate(model, shapes, consts, built, cpu_backend, None)
+
+    def placed_as(self, spans, maps: tuple[dict[str, str], ...], how: str) -> "_Candidate":
+        """This model with a placement given (a baseline's), priced by the caches it and its replicas load."""
+        plans = [list(spans), *(replicate(spans, m) for m in maps)]
+        return replace(self, placed=_Placed(list(spans), how, tuple(maps), cache.recost(self.built, plans), ()))
 
 
 def _with_or_without_rewrites(legalized: _Candidate, imported: _Candidate, mode: str) -> tuple[_Candidate, str]:
@@ -316,9 +337,14 @@ def _search(mode: str, how: str, replicas: int) -> str:
     elif how == "pipeline":
         text = ("contiguous stages on distinct devices; optimal for the slowest stage (pipelining DP), and "
                 "faster in the simulated stream than the latency plan")
+    elif how.startswith(BASELINE):
+        text = (f"the placement of the baseline '{how[len(BASELINE):]}', predicted better than the scheduler's own "
+                "plan on the same cost model (a baseline is a candidate; `chosen` gives both figures)")
     else:
         text = "a DP's plan with segments moved or split between the accelerators, faster in the simulated stream"
-    if replicas:
+    if replicas and how.startswith(BASELINE):
+        text += f"; replicated: {replicas + 1} copies with the accelerators rotated take frames in turn"
+    elif replicas:
         text += (f"; replicated: {replicas + 1} copies with the accelerators swapped take frames in turn, "
                  f"more than {REPLICA_GAIN:.0%} faster in the simulated stream than one")
     return text + caches
@@ -348,30 +374,165 @@ def _decisions(problem: Problem, segments) -> list[str]:
     return out
 
 
-def _baselines(problem: Problem, target, *, vendors_only: bool = False) -> dict[str, dict]:
+def _rule_plans(problem: Problem, target, *, vendors_only: bool = False) -> dict[str, list | str]:
     """The documented rules (all on the CPU, greedy, each accelerator vendor's; `vendors_only`: the
-    vendors' alone), costed and simulated on the same cost model, each plan priced by its own caches
-    (`cache.recost`); a rule that cannot place the graph says why. A vendor's data-parallel advice (the
-    model on each of several instances: each holds all its weights) is streamed with the frames dealt to
-    the instances in turn."""
+    vendors' alone) applied to `problem`: name -> the rule's plans (one plan; a vendor's data-parallel
+    advice, the model on each of several instances, a plan per instance, frames dealt to them in turn),
+    or why the rule cannot place the graph."""
     rules, copies = _vendor_rules(target)
     if not vendors_only:
         rules = {"all on the cpu": baselines.all_cpu, "greedy (first capable accelerator)": baselines.greedy, **rules}
-    out = {}
+    out: dict[str, list | str] = {}
     for name, rule in rules.items():
         try:
-            segs = rule(problem)
+            out[name] = [rule(problem)]
         except ValueError as e:
-            out[name] = {"error": str(e)}
-            continue
-        out[name] = _costed(problem, segs)
+            out[name] = str(e)
     for name, (rule, ids) in copies.items():
         try:
-            plans = rule(problem, ids)
+            out[name] = rule(problem, ids)
         except ValueError as e:
-            out[name] = {"error": str(e)}
+            out[name] = str(e)
+    return out
+
+
+BASELINE = "baseline: "   # `_Placed.how` of a baseline's placement taken as the plan, before its name
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """A candidate carried through to what the plan would run: its spans split by backend, CPU runs
+    re-scheduled for inter-operator parallelism (latency mode), one inference and a stream simulated."""
+
+    candidate: _Candidate
+    placed: list[PlannedSegment]
+    par: interop.InterOp
+    one: simulate.Timeline
+    stream: simulate.Timeline
+
+    def score(self, mode: str) -> float:
+        """The mode's objective, lower better: one inference's ms, or minus a stream's frames/s."""
+        return self.one.makespan_ms if mode == "latency" else -self.stream.throughput_fps
+
+    def predicted(self) -> dict[str, float]:
+        return _predicted(self.candidate.placed.problem, self.placed, self.one, self.stream)
+
+
+def _finish(candidate: _Candidate, target, mode: str, inter_op: bool) -> _Finished:
+    p = candidate.placed
+    placed = split_by_backend(p.spans, candidate.cpu_backend, p.problem.weights_bytes)
+    par = interop.parallelize(placed, p.problem, candidate.model, target, candidate.shapes, candidate.consts,
+                              mode == "latency" and inter_op)
+    one, stream = _simulate(p.problem, placed, par, p.replicas)
+    return _Finished(candidate, placed, par, one, stream)
+
+
+def _as_replicas(problem: Problem, plans: list) -> tuple[dict[str, str], ...] | None:
+    """The device maps (`replica_maps`' rotations, the form a plan's `replicas` take) under which plans[1:]
+    are copies of plans[0], or None where they are not (the runtime deals frames only over such copies)."""
+    first, rest = [tuple(s) for s in plans[0]], plans[1:]
+    if not rest:
+        return ()
+    maps = replica_maps(problem, first)
+    if len(maps) == len(rest) and all(replicate(first, m) == [tuple(s) for s in p] for m, p in zip(maps, rest)):
+        return tuple(maps)
+    return None
+
+
+def _baseline_candidates(ours: _Candidate, load: Callable[[], onnx.ModelProto] | None, target, mode: str,
+                         inter_op: bool, finished: _Finished) -> tuple[dict[str, dict], dict[str, _Finished | str]]:
+    """Each baseline's reported figures ({name: figures}, or {"error": why} where its rule cannot place the
+    graph), and the baselines as candidates ({name: finished}, or why it cannot be a plan). A baseline is
+    finished like the plan (`_finish`): its figures are what the plan would predict with its placement.
+    The vendors' rules are applied to the model as imported too (`AS_IMPORTED` after each name); a
+    placement the scheduler's own plan already has is not finished twice. In latency mode a replicated
+    baseline is a candidate without its replicas (one inference runs the first copy only)."""
+    rules = {name: (ours, plans) for name, plans in _rule_plans(ours.built, target).items()}
+    if load is not None and any(_vendor_rules(target)):
+        imported = _Candidate.unplaced(load(), target)
+        rules.update({name + AS_IMPORTED: (imported, plans)
+                      for name, plans in _rule_plans(imported.built, target, vendors_only=True).items()})
+    seen = {(id(ours.model), tuple(map(tuple, ours.placed.spans)), _key(ours.placed.replicas)): finished}
+    costed: dict[str, dict] = {}
+    candidates: dict[str, _Finished | str] = {}
+    for name, (model, plans) in rules.items():
+        if isinstance(plans, str):
+            costed[name] = {"error": plans}
             continue
-        out[name] = {**_costed(problem, plans[0], plans[1:]), "replicas": len(plans)}
+        spans = [tuple(s) for s in plans[0]]
+        maps = _as_replicas(model.built, plans)
+        reported = _finished(seen, model, spans, maps or (), BASELINE + name, target, mode, inter_op)
+        figures = {**reported.predicted(), "segments": len(spans)}
+        costed[name] = {**figures, "replicas": len(plans)} if len(plans) > 1 else figures
+        if maps is None:
+            candidates[name] = ("its copies are not the plan with the accelerators rotated, the only copies the "
+                                "runtime deals frames to")
+        elif mode == "latency" and maps:
+            candidates[name] = _finished(seen, model, spans, (), BASELINE + name, target, mode, inter_op)
+        else:
+            candidates[name] = reported
+    return costed, candidates
+
+
+def _key(maps) -> tuple:
+    return tuple(tuple(sorted(m.items())) for m in maps)
+
+
+def _finished(seen: dict, model: _Candidate, spans: list, maps: tuple, how: str, target, mode: str,
+              inter_op: bool) -> _Finished:
+    key = (id(model.model), tuple(spans), _key(maps))
+    if key not in seen:
+        seen[key] = _finish(model.placed_as(spans, maps, how), target, mode, inter_op)
+    return seen[key]
+
+
+def _best_of(ours: _Finished, candidates: dict[str, _Finished | str], mode: str) -> tuple[_Finished, str]:
+    """The candidate predicted best (a baseline only where strictly better: a tie keeps the scheduler's
+    plan), and the winning baseline's name ("" for the scheduler's own)."""
+    won, winner = ours, ""
+    for name, c in candidates.items():
+        if not isinstance(c, str) and c.score(mode) < won.score(mode):
+            won, winner = c, name
+    return won, winner
+
+
+def _figure(f: _Finished, mode: str) -> tuple[str, float]:
+    p = f.predicted()
+    return ("latency_ms", p["latency_ms"]) if mode == "latency" else ("throughput_fps", p["throughput_fps"])
+
+
+def _margin(better: float, worse: float, mode: str) -> float:
+    """How much better, in per cent of the worse figure: less latency, or more frames/s."""
+    if not worse:
+        return 0.0
+    return round(100 * ((worse - better) if mode == "latency" else (better - worse)) / worse, 2)
+
+
+def _said(winner: str, won: _Finished, ours: _Finished, mode: str) -> str:
+    key, theirs = _figure(won, mode)
+    _, mine = _figure(ours, mode)
+    unit = " ms per inference" if key == "latency_ms" else " frames/s"
+    return (f"the baseline '{winner}' predicts {theirs:g}{unit}, the scheduler's own plan {mine:g}{unit}: the plan "
+            f"takes the baseline's placement ({_margin(theirs, mine, mode):+.2f} %)")
+
+
+OURS = "the scheduler's own plan"
+
+
+def _chosen(won: _Finished, winner: str, ours: _Finished, candidates: dict[str, _Finished | str], mode: str) -> dict:
+    """`Plan.chosen`: which candidate the plan is (the scheduler's own plan, or a baseline's placement) and
+    its figure on the mode's objective; `versus`: the scheduler's own plan where a baseline won, else the
+    best baseline, with its figure and the margin; any baseline that cannot be a plan, and why."""
+    key, value = _figure(won, mode)
+    out: dict = {"candidate": BASELINE + winner if winner else OURS, "objective": key, key: value}
+    others = {BASELINE + n: c for n, c in candidates.items() if not isinstance(c, str)}
+    versus = (OURS, ours) if winner else min(others.items(), key=lambda kv: kv[1].score(mode), default=None)
+    if versus is not None:
+        theirs = _figure(versus[1], mode)[1]
+        out.update({"versus": versus[0], f"versus_{key}": theirs, "margin_percent": _margin(value, theirs, mode)})
+    refused = {n: why for n, why in candidates.items() if isinstance(why, str)}
+    if refused:
+        out["not_candidates"] = refused
     return out
 
 
@@ -389,24 +550,3 @@ def _vendor_rules(target) -> tuple[dict, dict]:
             name, rule = baselines.VENDOR_REPLICATION[m.kind]
             copies[name] = (rule, ids)
     return rules, copies
-
-
-def _imported_baselines(load: Callable[[], onnx.ModelProto] | None, target) -> dict[str, dict]:
-    """The vendors' rules on the model before legalize (`AS_IMPORTED` after each name); none, and the
-    model not loaded, where it was not given or the target has no accelerator with rules of its vendor."""
-    if load is None or not any(_vendor_rules(target)):
-        return {}
-    model = load()
-    shapes, consts = irm.static_shapes(model), irm.constant_names(model)
-    problem, _ = build_problem(model, target, shapes, consts)
-    vendor = _baselines(problem, target, vendors_only=True)
-    return {name + AS_IMPORTED: b for name, b in vendor.items()}
-
-
-def _costed(problem: Problem, segs, replicas=()) -> dict:
-    problem = cache.recost(problem, [segs, *replicas])
-    one = simulate.one_inference(problem, segs)
-    stream = flow(problem, [segs, *replicas])
-    sequential = sum(placement.segment_ms(problem, *seg) for seg in segs)
-    return {"latency_ms": round(one.makespan_ms, 4), "throughput_fps": round(stream.throughput_fps, 2),
-            "sequential_ms": round(sequential, 4), "segments": len(segs)}

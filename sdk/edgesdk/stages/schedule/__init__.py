@@ -29,7 +29,9 @@ different devices overlap where the graph allows) for the predicted latency and 
 The documented baselines (all on the CPU; Coral's default; Coral's parameter-count split over the
 TPUs; Coral's data parallelism; greedy first-capable-accelerator) are costed and simulated beside it;
 the vendor's rules also on the model as imported, none of legalize's rewrites (what Coral's compiler
-alone gets). Where legalize rewrote the model, the model as imported is placed too, and the plan is made
+alone gets). Each baseline is a candidate, costed exactly as the plan would be: where one predicts
+better (latency, or frames/s in throughput mode), its placement is the plan, and `plan.json`'s
+`chosen` says which candidate won and by how much. Where legalize rewrote the model, the model as imported is placed too, and the plan is made
 of whichever predicts faster: legalize never makes a plan slower than `--no-rewrites`. Before that,
 per region: an approximation whose nodes the plan puts all on the CPU is tried left as exported
 (legalize's `exact.onnx` with the other approximations put back), and kept so where that is faster. A CPU segment is split by
@@ -45,6 +47,7 @@ from pathlib import Path
 
 from ...ir import model as irm
 from ...legalization.legalize import annotated, with_approximations
+from ...report.text import chosen_line
 from ...scheduling.explain import write_report
 from ...scheduling.planner import make_plan
 
@@ -73,7 +76,7 @@ def run(artifact: Path, ctx) -> dict:
     write_report(scheduled, ctx.out / "schedule.html")
     _log(ctx, scheduled)
     return {"segments": len(plan.segments), "placement": plan.placement, "predicted": plan.predicted,
-            "baselines": plan.baselines, "scheduler_s": round(scheduled.scheduler_s, 4),
+            "baselines": plan.baselines, "chosen": plan.chosen, "scheduler_s": round(scheduled.scheduler_s, 4),
             "decisions": list(plan.decisions),
             "inter_op": {k: v for k, v in plan.inter_op.items() if k != "search"}}
 
@@ -86,6 +89,8 @@ def _log(ctx, scheduled) -> None:
     for name, b in plan.baselines.items():
         ctx.log(f"schedule: baseline {name}: " + (f"{b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s"
                                                  if "error" not in b else f"not applicable ({b['error']})"))
+    if line := chosen_line(plan.chosen):
+        ctx.log(f"schedule: {line}")
     for r in plan.inter_op.get("runs", ()):
         ctx.log(f"schedule: inter-operator parallelism: {r['nodes']} cpu nodes in {r['stages']} stages, "
                 f"{r['parallel_stages']} of them concurrent groups: {r['sequential_ms']:.3f} -> "
