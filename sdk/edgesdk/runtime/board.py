@@ -25,7 +25,7 @@ not have these functions (and cannot start under qemu-user, where the board is e
 TVM's RPC has no authentication, and whoever reaches the port runs code on the board (a client
 uploads a library and loads it). So the server listens on 127.0.0.1 unless `--host` says otherwise
 (reach it through an SSH tunnel: docs/tuning.md), and warns when it listens wider. What it can
-confine, it does: every path a session writes, reads, removes, lists or loads (TVM resolves them all
+confine, it does: every path a session writes, reads, removes or loads (TVM resolves them all
 through `tvm.rpc.server.workpath` and `tvm.rpc.server.load_module`, which each session's process
 replaces here, `_confine`) and the files `measure` reads and unpacks stay inside the session's work
 directory: an absolute path, `..` or a link that leads out of it is refused.
@@ -140,8 +140,8 @@ def _confine(server) -> None:
     """Each session's environment with its paths kept inside its work directory. TVM's session process
     (forked for each session) registers `tvm.rpc.server.workpath`, `load_module` and
     `download_linked_module` anew with `os.path.join` (an absolute path escapes): its `_server_env` is
-    wrapped so that ours replace them right after. upload, download, remove and listdir resolve their
-    paths through `workpath`."""
+    wrapped so that ours replace them right after. upload, download and remove resolve their paths
+    through `workpath`."""
     import tvm_ffi
     from tvm.runtime.module import load_module
 
@@ -180,7 +180,7 @@ def register() -> None:
     tvm_ffi.register_global_func("edgesdk.board.measure", measure, override=True)
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.board", description=__doc__.split("\n\n")[0])
     p.add_argument("--tracker", required=True, help="the build host's TVM RPC tracker, HOST:PORT")
     p.add_argument("--key", required=True, help="the key the build names with --rpc-key")
@@ -190,11 +190,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9090)
     p.add_argument("--port-end", type=int, default=9199)
     p.add_argument("--load-library", default=None, help="a library TVM's RPC server loads (as rpc_server's)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
     a = p.parse_args(argv)
     host, _, port = a.tracker.rpartition(":")
     if not host or not port.isdigit():
