@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from edgesdk.cli import main as cli_main
 from edgesdk.ir.numeric import compare
 from edgesdk.pipeline import BuildOptions, build
 from edgesdk.runtime import BundleModel
@@ -92,3 +93,78 @@ def test_inspect_shows_the_gate(int8_build):
     _, result = int8_build
     text = inspect_bundle(Manifest.load(result.bundle), result.bundle)
     assert "int8 candidates quantized on 12 calibration samples" in text and "(cosine 0." in text
+
+
+# --- a planted timing cache: the tiny MLP, built in this process so that a TEST DOUBLE can stand in for
+# onnxruntime's int8 backend (its outputs all zeros; the timing cache's key is the real backend's) ---------
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A tuning database whose timing cache claims `{"ms": 0.0001, "gate": {"cosine": 0.9999, ...}}` for the
+    int8 candidate whose outputs are zeros (refused by the gate when it was measured): the build's arguments."""
+    import onnx
+
+    from tests.scheduling.test_selection import PLANTED_GATE, _model, _plant, zeroed_int8
+
+    zeroed_int8(monkeypatch)
+    monkeypatch.setattr(selection, "measure_alone", lambda bundle, feeds, **_: [1.0] * 3)  # A FAKE TIMER
+    onnx.save(_model(), tmp_path / "mlp.onnx")
+    args = ["build", str(tmp_path / "mlp.onnx"), "--target", "x86", "--cpu-precision", "int8",
+            "--cpu-backends", "onnxruntime", "--tuning-db", str(tmp_path / "db")]
+    assert cli_main([*args, "-o", str(tmp_path / "first"), "--until", "tune"]) == 0
+    _plant(tmp_path / "db" / "timing.json", "accuracy gate", PLANTED_GATE)
+    return args
+
+
+def _fp32_and_bundle(model: Path, bundle: Path) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(5).standard_normal((1, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    return want, BundleModel(bundle, log=lambda s: None).run({"x": x})["y"]
+
+
+def test_a_planted_timing_cache_never_ships_a_bundle_of_zeros(planted, tmp_path, capsys):
+    """The planted entry replays a time, not the gate: the candidate is gated again, dropped, and the
+    fastest candidate that passes its check ships; the bundle computes what the model does."""
+    capsys.readouterr()
+    assert cli_main([*planted, "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "onnxruntime-int8 skipped: accuracy gate: y's cosine similarity to fp32 is 0.0000" in err, err
+    span = json.loads((tmp_path / "out" / "bundle" / "plan.json").read_text())["cpu_selection"]["spans"][0]
+    assert span["chosen"] != "onnxruntime-int8" and "skipped" in span["candidates"]["onnxruntime-int8"]
+    want, got = _fp32_and_bundle(tmp_path / "mlp.onnx", tmp_path / "out" / "bundle")
+    assert np.abs(want).max() > 0.1 and np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_a_bundle_under_the_gate_is_never_published(planted, tmp_path, capsys, monkeypatch):
+    """Were the selection fooled (its gate made to pass here), the package stage's end-to-end check refuses
+    the bundle of zeros: exit 1 naming the output and its figure, and no bundle/ or bundle.tar.gz."""
+    monkeypatch.setattr(selection, "gate", lambda *a, **k: {"cosine": 0.9999, "top1": 1.0, "samples": 2})
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert cli_main([*planted, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "error: the bundle's y has a cosine similarity of 0.00000 to the fp32 model on 8 samples, under the " \
+           "accuracy gate (0.99) its int8 CPU segments (s0) were chosen behind" in err, err
+    assert "hint: the int8 CPU segments lose more than the gate allows" in err and "Traceback" not in err
+    assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
+
+
+def test_a_fifo_as_the_timing_cache_is_refused_at_once(tmp_path, capsys):
+    """A FIFO in place of timing.json hung the build (a plain open waits for a writer): now exit 1, naming it."""
+    import os
+
+    import onnx
+
+    from tests.scheduling.test_selection import _model, no_hang
+
+    onnx.save(_model(), tmp_path / "mlp.onnx")
+    (tmp_path / "db").mkdir()
+    os.mkfifo(tmp_path / "db" / "timing.json")
+    with no_hang():
+        code = cli_main(["build", str(tmp_path / "mlp.onnx"), "--target", "x86", "--cpu-backends", "planned",
+                         "--tuning-db", str(tmp_path / "db"), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"error: the timing cache {tmp_path / 'db' / 'timing.json'}: is not a regular file" in err, err
+    assert "hint: the timing cache only saves measuring again: remove the file" in err
+    assert not (tmp_path / "out" / "bundle").exists()

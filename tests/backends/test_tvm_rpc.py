@@ -5,6 +5,8 @@ search with a report, and the next run resumes it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -260,3 +262,147 @@ def test_a_stock_rpc_server_cannot_time_candidates(tracker, tmp_path):
         assert record["measured_on"] is None and "chosen by policy" in record["note"]
     finally:
         _stop(proc)
+
+
+# --- the board server's exposure: its address, and the paths a session may touch ----------------------
+# (edgesdk's board server on this host, not under qemu: what is checked is the server's own Python)
+
+HOST_KEY = "confined"
+
+
+@pytest.fixture
+def host_board(tracker, tmp_path):
+    """The board server started as a board's operator starts it (no --host), registered under HOST_KEY; its
+    sessions' work directories under `sessions/` (TMPDIR), and a file of the operator's outside them."""
+    from types import SimpleNamespace
+
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    (tmp_path / "keep.txt").write_text("the operator's")
+    port = _free_port()
+    log = tmp_path / "board.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-B", "-m", "runtime.board", "--tracker", f"127.0.0.1:{tracker}",
+                                 "--key", HOST_KEY, "--port", str(port), "--port-end", str(port + 1)],
+                                stdout=out, stderr=out, cwd=tmp_path, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(SDK / "edgesdk"), "TMPDIR": str(sessions)})
+    try:
+        deadline = time.monotonic() + 60
+        while _servers(tracker, HOST_KEY) == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        yield SimpleNamespace(port=port, log=log, sessions=sessions, root=tmp_path)
+    finally:
+        _stop(proc)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of this host's IPv4 and IPv6 sockets listening on `port` (/proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+@contextlib.contextmanager
+def _session(tracker_port: int):
+    from tvm import rpc
+
+    client = rpc.connect_tracker("127.0.0.1", tracker_port)
+    try:
+        sess = client.request(HOST_KEY, priority=1, session_timeout=60, max_retry=1)
+        try:
+            yield sess
+        finally:
+            sess._sess = None  # ends the session (as scheduling/boards.py does)
+    finally:
+        client.close()
+
+
+def test_the_board_server_listens_on_loopback_by_default(host_board):
+    assert _listening_addresses(host_board.port) == {"0100007F"}  # 127.0.0.1, and nothing else
+    log = host_board.log.read_text()
+    assert f"listening on 127.0.0.1:{host_board.port}" in log and "warning" not in log
+
+
+def test_a_wider_address_is_given_on_purpose_and_warned_of(monkeypatch, capsys):
+    """`--host 0.0.0.0` is honoured, with a warning that anyone who reaches the port runs code on the board
+    (the server itself is not started here: nothing listens on every address during the tests)."""
+    from types import SimpleNamespace
+
+    from tvm.rpc import server
+
+    from edgesdk.runtime import board
+
+    started: list[str] = []
+    monkeypatch.setattr(server, "_server_env", server._server_env)  # main wraps it: put back after the test
+    monkeypatch.setattr(server, "_popen_start_rpc_server", lambda host, port, *a, **k: started.append(host) or port)
+    monkeypatch.setattr(server.PopenRPCServerState, "current", SimpleNamespace(thread=SimpleNamespace(join=lambda: None)),
+                        raising=False)
+    assert board.main(["--tracker", "127.0.0.1:9190", "--key", "k"]) == 0
+    assert started == ["127.0.0.1"] and "warning" not in capsys.readouterr().err
+    assert board.main(["--tracker", "127.0.0.1:9190", "--key", "k", "--host", "0.0.0.0"]) == 0
+    assert started[-1] == "0.0.0.0"
+    assert ("warning: listening on 0.0.0.0: anyone who reaches this port can upload and run native code on this "
+            "board (TVM's RPC has no authentication)") in capsys.readouterr().err
+
+
+def test_a_session_cannot_write_read_remove_or_load_outside_its_work_directory(host_board, tracker):
+    """TVM's upload, download, remove and load_module, and edgesdk.board.measure, with absolute paths
+    and '..': each refused, nothing written or removed outside the session's work directory; inside it,
+    upload and download still work."""
+    import numpy as np
+
+    outside = host_board.root / "keep.txt"
+    with _session(tracker) as sess:
+        for bad in (str(host_board.root / "planted.txt"), "../planted.txt", "../../planted.txt"):
+            with pytest.raises(Exception, match="is refused"):
+                sess.upload(bytearray(b"planted"), bad)
+        for call in (lambda: sess.download(str(outside)), lambda: sess.download("../../keep.txt"),
+                     lambda: sess.remove(str(outside)), lambda: sess.remove("../../keep.txt"),
+                     lambda: sess.load_module(str(outside)), lambda: sess.load_module("../../keep.txt")):
+            with pytest.raises(Exception, match="is refused"):
+                call()
+        measure = sess.get_function("edgesdk.board.measure")
+        buf = io.BytesIO()
+        np.savez(buf, **{"0/x": np.zeros((1, 4), np.float32)})
+        sess.upload(bytearray(buf.getvalue()), "feeds.npz")
+        for candidate, feeds in ((str(outside), "feeds.npz"), ("../candidate.tar", "feeds.npz"),
+                                 ("candidate.tar", str(host_board.root / "feeds.npz"))):
+            with pytest.raises(Exception, match="is refused"):
+                measure(candidate, feeds, 0, 0)
+        sess.upload(bytearray(b"inside"), "inside.bin")  # the work directory itself still serves
+        assert bytes(sess.download("inside.bin")) == b"inside"
+    assert not list(host_board.root.rglob("planted.txt")) and outside.read_text() == "the operator's"
+
+
+def test_measure_refuses_a_candidate_archive_that_reaches_outside(tmp_path):
+    """The members `measure` unpacks, and a link inside the work directory that leads out of it."""
+    import tarfile
+
+    from edgesdk.runtime import board
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "out").symlink_to(tmp_path)
+    for name in ("/etc/x", "../x", "a/../../x"):
+        with pytest.raises(ValueError, match="is refused"):
+            board.inside(work, name)
+    with pytest.raises(ValueError, match="leads out of the session's work directory through a link"):
+        board.inside(work, "out/x")
+    assert board.inside(work, "segments/s0.so") == str(work.resolve() / "segments" / "s0.so")
+    for member in ("../escaped", "/abs", "a/../../escaped"):
+        with tarfile.open(work / "candidate.tar", "w") as tar:
+            info = tarfile.TarInfo(member)
+            tar.addfile(info, io.BytesIO(b""))
+        board._WORK[:] = [work]
+        try:
+            with pytest.raises(ValueError, match="is refused"):
+                board.measure("candidate.tar", "feeds.npz", 0, 0)
+        finally:
+            board._WORK.clear()
+    assert not (tmp_path / "escaped").exists() and not Path("/abs").exists()

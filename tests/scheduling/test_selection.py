@@ -8,8 +8,10 @@ onnxruntime or fails to build is skipped with its reason, however fast the fake 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgesdk import backends
 from edgesdk.backends import Backend, Compiled
 from edgesdk.config import load_target
+from edgesdk.errors import UserError
 from edgesdk.ir import model as irm
 from edgesdk.runtime.manifest import TensorSpec
 from edgesdk.scheduling import selection
@@ -207,6 +210,137 @@ def test_a_backend_whose_compiler_changed_is_measured_anew(tmp_path, monkeypatch
     timer = _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2})
     _select(model, plan, tmp_path, timer)
     assert "onnxruntime" in timer.asked and "tvm" not in timer.asked  # tvm's replayed: its compiler is unchanged
+
+
+# --- a timing cache replays times, never correctness ---------------------------------------------
+
+def _plant(cache: Path, skipped_because: str, entry: dict) -> str:
+    """The timing cache's entry of the candidate skipped for `skipped_because` replaced by `entry` (what a
+    planted or stale cache claims of it): its key."""
+    entries = json.loads(cache.read_text())
+    (key,) = [k for k, e in entries.items() if skipped_because in e.get("skipped", "")]
+    entries[key] = entry
+    cache.write_text(json.dumps(entries))
+    return key
+
+
+def test_a_wrong_candidate_whose_time_is_planted_in_the_cache_is_checked_and_dropped(tmp_path):
+    """A fast time planted for a candidate that computes -y: the next build checks the fastest even though
+    its time is replayed, drops it (its entry marked skipped) and checks the next fastest, which it ships."""
+    model = _model()
+    wrong = Backend("wrongsign", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                    compiler=f"{__name__}:compile_negated", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    cache = tmp_path / "db" / "timing.json"
+    with backends.registered(wrong):
+        _select(model, _plan(model, SPLIT), tmp_path, _timer({"planned": 0.9, "onnxruntime": 0.5, "wrongsign": 0.01}),
+                allowed=("onnxruntime", "wrongsign"))
+        key = _plant(cache, "differs from onnxruntime", {"ms": 0.0001})
+        lines: list[str] = []
+        got = selection.select(_plan(model, SPLIT), model, _segment_models(model), load_target("x86")[0],
+                               [{"x": np.ones((1, 16), np.float32)}, {"x": np.full((1, 16), 2, np.float32)}],
+                               allowed=("onnxruntime", "wrongsign"), tuning_db=tmp_path / "db" / "cpu",
+                               cache=selection.TimingCache(cache), measurable=None, host="test host", log=lines.append,
+                               timer=_never_timed)
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "onnxruntime" and got.plan.segments[0].backend == "onnxruntime"
+    assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
+    assert json.loads(cache.read_text())[key]["skipped"].startswith("its y differs from onnxruntime by")
+    assert any("wrongsign skipped" in line and "replayed from the timing cache" in line for line in lines), lines
+
+
+def compile_zeroed_int8(job) -> Compiled:
+    """An `onnxruntime-int8` segment whose outputs are all zeros: the quantized model, each output times 0."""
+    from edgesdk.backends.onnxruntime import compile_int8_segment
+
+    compiled = compile_int8_segment(job)
+    path = job.segments_dir.parent / compiled.artifact
+    m = onnx.load(str(path))
+    m.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "zero__"))
+    for out in m.graph.output:
+        for node in m.graph.node:
+            node.output[:] = [f"{o}__pre" if o == out.name else o for o in node.output]
+        m.graph.node.append(helper.make_node("Mul", [f"{out.name}__pre", "zero__"], [out.name]))
+    onnx.save(m, str(path))
+    return compiled
+
+
+def zeroed_int8(monkeypatch) -> None:
+    """onnxruntime's int8 backend replaced by one whose outputs are zeros (its timing cache key unchanged)."""
+    zeroed = replace(backends.backend("onnxruntime-int8"), compiler=f"{__name__}:compile_zeroed_int8")
+    monkeypatch.setattr(backends.registry, "_BACKENDS", {**backends.registry._BACKENDS, "onnxruntime-int8": zeroed})
+
+
+PLANTED_GATE = {"ms": 0.0001, "gate": {"cosine": 0.9999, "top1": 1.0, "samples": 2}}
+
+
+def test_an_int8_candidate_whose_gate_is_planted_in_the_cache_is_gated_again_and_dropped(tmp_path, monkeypatch):
+    """`{"ms": 0.0001, "gate": {"cosine": 0.9999, ...}}` planted for an int8 candidate whose outputs are zeros:
+    the gate is computed again, never read from the cache; the candidate is dropped, nothing is quantized for
+    the package stage, and the fastest float candidate is checked and chosen."""
+    zeroed_int8(monkeypatch)
+    model = _model()
+    timer = _timer({"planned": 0.9, "onnxruntime": 0.5, "onnxruntime-int8": 0.1})
+    first = _select_int8(model, _plan(model, SPLIT), tmp_path, timer, allowed=("onnxruntime",))
+    assert first.record["spans"][0]["chosen"] == "onnxruntime"  # refused by the gate when measured
+    key = _plant(tmp_path / "db" / "timing.json", "accuracy gate", PLANTED_GATE)
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=("onnxruntime",), int8_dir="again")
+    (span,) = got.record["spans"]
+    why = span["candidates"]["onnxruntime-int8"]["skipped"]
+    assert why.startswith("accuracy gate: y's cosine similarity to fp32 is 0.0000 < 0.99"), why
+    assert span["chosen"] == "onnxruntime" and got.quantized == {} and not (tmp_path / "again").exists()
+    assert "skipped" in json.loads((tmp_path / "db" / "timing.json").read_text())[key]
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 60):
+    """A call that would block for ever (opening a FIFO no one writes) fails the test instead."""
+    def expired(signum, frame):
+        raise AssertionError(f"still blocked after {seconds} s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{", "is not valid JSON (line 1 column 2: "),
+    ("[]", "holds a JSON array, not an object of entries"),
+    ('{"k": {"ms": "fast"}}', "line 1: entry 'k': 'ms' is \"fast\", not a finite positive number of milliseconds"),
+    ('{\n "k": {"ms": NaN}}', "line 2: entry 'k': 'ms' is NaN, not a finite positive number of milliseconds"),
+    ('{"k": {"ms": -1}}', "'ms' is -1, not a finite positive number"),
+    ('{"k": 3}', "entry 'k': is a JSON number, not an object"),
+    ('{"k": {"ms": 1, "gate": {"cosine": 7, "top1": null, "samples": 4}}}', "'gate.cosine' is 7, not a number in [-1, 1]"),
+    ('{"k": {"ms": 1, "mixed": {"float_ops": [1], "ops": 2}}}', "'mixed' is not an object of float_ops"),
+    ('{"k": {"ms": 1, "fast": true}}', "unknown key 'fast'"),
+    (b"\xff", "is not UTF-8 text"),
+])
+def test_a_damaged_timing_cache_is_refused_naming_the_file(tmp_path, text, needle):
+    path = tmp_path / "timing.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UserError) as err:
+        selection.TimingCache(path)
+    assert err.value.code == "tune.timing-cache" and err.value.exit_code == 1
+    assert err.value.message.startswith(f"the timing cache {path}: ") and needle in err.value.message, err.value.message
+    assert "remove the file, or point --tuning-db at another directory" in err.value.hint
+
+
+def test_a_timing_cache_that_is_a_fifo_or_too_large_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """A FIFO would block a plain open for ever (no writer comes): it is refused at once, as is a file past the bound."""
+    import os
+
+    fifo = tmp_path / "timing.json"
+    os.mkfifo(fifo)
+    with no_hang(), pytest.raises(UserError, match="is not a regular file"):
+        selection.TimingCache(fifo)
+    big = tmp_path / "big.json"
+    big.write_text("{}" + " " * 100)
+    monkeypatch.setattr(selection, "CACHE_MAX_BYTES", 64)
+    with pytest.raises(UserError, match="is 102 bytes, more than a timing cache's 64"):
+        selection.TimingCache(big)
+    assert selection.TimingCache(tmp_path / "absent.json").entries == {}
 
 
 # --- where this host cannot time the target's CPU (an aarch64 target here): chosen by policy ------

@@ -21,6 +21,7 @@ import onnx
 from .. import __version__, backends
 from ..compression import build as pruning
 from ..config import HOST
+from ..errors import UserError
 from ..ir import index_ranges
 from ..ir import model as irm
 from ..ir.calibration import load_calibration
@@ -89,7 +90,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
                        (lambda: irm.read(src.imported / "model.onnx"), "the imported fp32 model"))
     accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
     del host_model  # released by `accuracy`
-    _judge(accuracy, shipped.plan.segments, log, warn)
+    _judge(accuracy, shipped.plan, log)
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     manifest = dataclasses.replace(manifest, accuracy=accuracy, provenance=provenance(manifest, samples, calibration))
     write_sbom(bundle, manifest, pinned)
@@ -370,16 +371,57 @@ def _cpu_int8(src: Sources) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"segments": {}, "calibration": {}}
 
 
-def _judge(accuracy: dict, segments, log, warn) -> None:
-    """Log the bundle's accuracy; a float plan that disagrees with the model has a wrong kernel."""
-    quantized = any(backends.backend(s.backend).quantizes for s in segments)
+def _judge(accuracy: dict, plan: Plan, log) -> None:
+    """Log the bundle's accuracy against the fp32 model, and refuse a bundle that is off it where nothing
+    excuses it (no bundle is published then):
+
+    - with int8 CPU segments and no other reduced precision, every tensor compared (the outputs, a
+      softmax's logits) must reach the accuracy gate the tune stage chose them behind (the plan's
+      `cpu_selection.gate`: cosine similarity, and the top-1 agreement where one is taken);
+    - with no reduced precision anywhere, every tensor must agree within the tolerance the tune stage's
+      check of float candidates allows (`selection.TOLERANCE` of its largest magnitude): a float plan
+      that does not has a wrong kernel or a wrong tuning record.
+
+    An accelerator's int8 segments (the Edge TPU's) are reported, not judged here."""
+    from ..scheduling import selection
+
     for name, a in accuracy["tensors"].items():
         log(f"package: accuracy of {name} vs the fp32 model: cosine {a['cosine']:.5f}, "
             f"max abs error {a['max_abs_error']:.4g}")
-        if not quantized and a["cosine"] < 0.9999:
-            warn(f"{name} differs from the fp32 model (cosine {a['cosine']:.5f}) although no segment is "
-                 f"quantized: a compiled kernel computes wrong results; rebuild with --tuning-db pointing "
-                 f"at an empty directory to rule out a tuning record, and report it")
+    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
+    n = accuracy["samples"]
+    if not quantized:
+        for name, a in accuracy["tensors"].items():
+            err, rel = a["max_abs_error"], a["max_rel_error"]
+            scale = err / rel if rel else 0.0
+            if not err <= selection.TOLERANCE * max(scale, 1e-6):  # NaN fails too
+                raise UserError(
+                    "package.float-mismatch",
+                    f"the bundle's {name} differs from the fp32 model by {err:.4g} ({rel:.3g} of its largest "
+                    f"magnitude, more than the float tolerance {selection.TOLERANCE:g}) on {n} samples, although "
+                    f"nothing is quantized: a compiled kernel or a tuning record computes wrong results",
+                    hint="rebuild with --tuning-db pointing at an empty directory to rule out a tuning record; "
+                         "if it persists, report it with the model")
+        return
+    if any(s.device != HOST for s in quantized):
+        return
+    gate = {"cosine": selection.GATE_COSINE, "top1": selection.GATE_TOP1, **(plan.cpu_selection or {}).get("gate", {})}
+    ids = ", ".join(s.id for s in quantized)
+    hint = ("the int8 CPU segments lose more than the gate allows on these inputs: build with --cpu-precision fp32, "
+            "or give --calib samples like the real inputs; a tuning database from elsewhere can be ruled out with "
+            "--tuning-db pointing at an empty directory")
+    for name, a in accuracy["tensors"].items():
+        if not a["cosine"] >= gate["cosine"]:
+            raise UserError("package.accuracy-gate",
+                            f"the bundle's {name} has a cosine similarity of {a['cosine']:.5f} to the fp32 model on "
+                            f"{n} samples, under the accuracy gate ({gate['cosine']}) its int8 CPU segments "
+                            f"({ids}) were chosen behind", hint=hint)
+    top1 = accuracy.get("top1_agreement")
+    if top1 is not None and not top1 >= gate["top1"]:
+        raise UserError("package.accuracy-gate",
+                        f"the bundle's top-1 agrees with the fp32 model's on {top1:.0%} of {n} samples, under the "
+                        f"accuracy gate ({gate['top1']:.0%}) its int8 CPU segments ({ids}) were chosen behind",
+                        hint=hint)
 
 
 def toolchain() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """A board's RPC server for the build host: TVM's RPC, and candidate bundles run and timed on the board.
 
-    python -B -m runtime.board --tracker HOST:PORT --key KEY [--host 0.0.0.0] [--port 9090]
+    python -B -m runtime.board --tracker HOST:PORT --key KEY [--host 127.0.0.1] [--port 9090]
                                [--port-end 9199] [--load-library LIB]
 
 run from any bundle directory on the board (its `runtime/` is the device runtime; a bundle of the
@@ -21,11 +21,20 @@ candidate alone, as on the device.
 
 The listener runs in this process: TVM's `rpc.Server` starts it in a fresh interpreter, which would
 not have these functions (and cannot start under qemu-user, where the board is emulated in CI).
+
+TVM's RPC has no authentication, and whoever reaches the port runs code on the board (a client
+uploads a library and loads it). So the server listens on 127.0.0.1 unless `--host` says otherwise
+(reach it through an SSH tunnel: docs/tuning.md), and warns when it listens wider. What it can
+confine, it does: every path a session writes, reads, removes or loads (TVM resolves them all
+through `tvm.rpc.server.workpath` and `tvm.rpc.server.load_module`, which each session's process
+replaces here, `_confine`) and the files `measure` reads and unpacks stay inside the session's work
+directory: an absolute path, `..` or a link that leads out of it is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import platform
@@ -67,15 +76,16 @@ def measure(candidate: str, feeds: str, warmup: int, runs: int) -> str:
     """Run the uploaded candidate on every sample of the uploaded feeds, then time sample 0."""
     from .executor import BundleModel
 
-    workpath = _global("tvm.rpc.server.workpath")
-    where = Path(tempfile.mkdtemp(prefix="candidate-", dir=Path(workpath(candidate)).parent))
-    with tarfile.open(workpath(candidate)) as tar:
+    work = _session_work()
+    tar_path, feeds_path = inside(work, candidate), inside(work, feeds)
+    where = Path(tempfile.mkdtemp(prefix="candidate-", dir=work))
+    with tarfile.open(tar_path) as tar:
         for member in tar.getmembers():  # what the build host packs: plain files and folders inside
-            parts = Path(member.name).parts
-            if not (member.isfile() or member.isdir()) or Path(member.name).is_absolute() or ".." in parts:
+            if not (member.isfile() or member.isdir()):
                 raise ValueError(f"candidate archive member {member.name!r} is not a plain file inside it")
+            inside(where, member.name, what="candidate archive member")
         tar.extractall(where)
-    arrays = dict(np.load(workpath(feeds)))
+    arrays = dict(np.load(feeds_path))
     samples: dict[int, dict] = {}
     for key, value in arrays.items():
         i, name = key.split("/", 1)
@@ -94,14 +104,73 @@ def measure(candidate: str, feeds: str, warmup: int, runs: int) -> str:
                 laps.append((time.perf_counter() - t0) * 1e3)
     finally:
         model.close()
-    np.savez(workpath("outputs.npz"), **outputs)
+    np.savez(inside(work, "outputs.npz"), **outputs)
     return json.dumps({"laps_ms": laps, "outputs": "outputs.npz"})
 
 
-def _global(name: str):
-    import tvm_ffi
+def inside(root: Path, name: str, what: str = "path") -> str:
+    """`name` as a path inside the directory `root`, links resolved: raises ValueError for an absolute
+    path, a `..`, or a link that leads out of `root`."""
+    if not isinstance(name, str) or "\0" in name:
+        raise ValueError(f"{what} {name!r} is not a file name")
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise ValueError(f"{what} {name!r} is refused: a session's paths are relative to its work directory, "
+                         "without '..'")
+    base = Path(root).resolve()
+    full = (base / name).resolve()
+    if full != base and base not in full.parents:
+        raise ValueError(f"{what} {name!r} is refused: it leads out of the session's work directory through a link")
+    return str(full)
 
-    return tvm_ffi.get_global_func(name)
+
+_WORK: list[Path] = []  # the work directory of the session this process serves (`_confine`)
+
+
+def _session_work() -> Path:
+    if not _WORK:
+        raise ValueError("no RPC session is being served in this process")
+    return _WORK[0]
+
+
+def _no_linking(name: str):
+    raise ValueError(f"download_linked_module {name!r} is refused: edgesdk's board server links nothing on the board")
+
+
+def _confine(server) -> None:
+    """Each session's environment with its paths kept inside its work directory. TVM's session process
+    (forked for each session) registers `tvm.rpc.server.workpath`, `load_module` and
+    `download_linked_module` anew with `os.path.join` (an absolute path escapes): its `_server_env` is
+    wrapped so that ours replace them right after. upload, download and remove resolve their paths
+    through `workpath`."""
+    import tvm_ffi
+    from tvm.runtime.module import load_module
+
+    stock = server._server_env
+
+    def confined_env(load_library, work_path=None):
+        temp = stock(load_library, work_path)
+        work = Path(temp.temp_dir).resolve()
+        _WORK[:] = [work]
+        tvm_ffi.register_global_func("tvm.rpc.server.workpath", lambda name: inside(work, name), override=True)
+        tvm_ffi.register_global_func("tvm.rpc.server.load_module", lambda name: load_module(inside(work, name)),
+                                     override=True)
+        tvm_ffi.register_global_func("tvm.rpc.server.download_linked_module", _no_linking, override=True)
+        return temp
+
+    server._server_env = confined_env
+
+
+def exposure(host: str) -> str | None:
+    """The warning for a listening address other hosts can reach (None for loopback)."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"listening on {host}: anyone who reaches this port can upload and run native code on this board "
+            "(TVM's RPC has no authentication); listen on 127.0.0.1 and reach it through an SSH tunnel "
+            "(docs/tuning.md)")
 
 
 def register() -> None:
@@ -115,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.board", description=__doc__.split("\n\n")[0])
     p.add_argument("--tracker", required=True, help="the build host's TVM RPC tracker, HOST:PORT")
     p.add_argument("--key", required=True, help="the key the build names with --rpc-key")
-    p.add_argument("--host", default="0.0.0.0", help="the address this server listens on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address this server listens on (default 127.0.0.1, reached through an SSH tunnel); "
+                        "another address lets anyone who reaches the port run code on this board")
     p.add_argument("--port", type=int, default=9090)
     p.add_argument("--port-end", type=int, default=9199)
     p.add_argument("--load-library", default=None, help="a library TVM's RPC server loads (as rpc_server's)")
@@ -123,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = a.tracker.rpartition(":")
     if not host or not port.isdigit():
         p.error(f"--tracker {a.tracker!r} is not HOST:PORT")
+    warning = exposure(a.host)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     from tvm.rpc import server
 
     register()
+    _confine(server)
     bound = server._popen_start_rpc_server(a.host, a.port, a.port_end, tracker_addr=(host, int(port)), key=a.key,
                                            load_library=a.load_library)
     print(f"edgesdk board server for key {a.key} listening on {a.host}:{bound}, tracker {a.tracker}", flush=True)

@@ -24,7 +24,9 @@ says why, with `measured_on: null`.
 
 A measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
 bytes, the backend, the database's records it compiles with, the host CPU and the threads), so a
-rebuild replays it: the same choice, the same bundle bytes.
+rebuild replays it: the same choice, the same bundle bytes. It replays times, never correctness: the
+fastest candidate is built and checked again (an int8 one gated again) on every build, and one that
+fails is dropped from the cache for the next fastest, which is checked in turn.
 
 The chosen candidate's segments replace the span's in a new plan; a segment's predicted time becomes
 its measured time, and the plan's predicted latency moves by the difference.
@@ -34,9 +36,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
@@ -51,6 +55,7 @@ import onnx
 
 from .. import backends
 from ..config import HOST
+from ..errors import UserError
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back, shown
@@ -146,12 +151,22 @@ class Selected:
     calibration: dict = field(default_factory=dict)  # the samples they were calibrated on (the tune stage's record)
 
 
+# a timing cache holds well under a kilobyte per candidate measured: 64 MiB is far past any real one
+CACHE_MAX_BYTES = 64 << 20
+CACHE_HINT = ("the timing cache only saves measuring again: remove the file, or point --tuning-db at another "
+              "directory; the next build measures the candidates anew")
+
+
 class TimingCache:
-    """Measured medians by key, in one JSON file written whole (temporary file, then rename)."""
+    """Measured medians by key, in one JSON file written whole (temporary file, then rename).
+
+    It replays what an earlier build measured, never what it checked: the tune stage checks the candidate
+    it chooses on every build (`_measure_span`). A file that is not a regular file of at most
+    `CACHE_MAX_BYTES`, not JSON, or holds an entry of another shape is refused (`tune.timing-cache`)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+        self.entries: dict[str, dict] = _read_cache(path)
 
     def get(self, key: str) -> dict | None:
         return self.entries.get(key)
@@ -162,6 +177,103 @@ class TimingCache:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
         tmp.replace(self.path)
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    """The cache's entries: {} where the file does not exist. Opened without blocking (a FIFO planted as
+    the file would wait for a writer for ever), then refused unless a regular file of a bounded size."""
+    def refused(why: str) -> UserError:
+        return UserError("tune.timing-cache", f"the timing cache {path}: {why}", hint=CACHE_HINT)
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise refused(f"cannot be read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refused("is not a regular file (a FIFO, device or directory)")
+        if st.st_size > CACHE_MAX_BYTES:
+            raise refused(f"is {st.st_size:,} bytes, more than a timing cache's {CACHE_MAX_BYTES:,}")
+        chunks, size = [], 0
+        while size <= CACHE_MAX_BYTES and (chunk := os.read(fd, 1 << 20)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > CACHE_MAX_BYTES:  # grew while it was read
+        raise refused(f"is more than a timing cache's {CACHE_MAX_BYTES:,} bytes")
+    try:
+        text = b"".join(chunks).decode("utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise refused(f"is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise refused(f"is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise refused("is not valid JSON (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise refused(f"holds a JSON {_json_kind(data)}, not an object of entries")
+    for key, entry in data.items():
+        why = _entry_problem(entry)
+        if why is not None:
+            at = text.find(json.dumps(key))
+            line = f"line {text[:at].count(chr(10)) + 1}: " if at >= 0 else ""
+            name = key if len(key) <= 20 else key[:16] + "..."
+            raise refused(f"{line}entry {name!r}: {why}")
+    return data
+
+
+def _json_kind(x) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(x), "null")
+
+
+def _finite(x, low: float = -math.inf, high: float = math.inf) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
+
+
+def _entry_problem(entry) -> str | None:
+    """Why a timing cache entry is not one `TimingCache.put` writes (None where it is):
+    {"skipped": why} or {"ms": milliseconds, "gate": ..., "mixed": ...}."""
+    if not isinstance(entry, dict):
+        return f"is a JSON {_json_kind(entry)}, not an object"
+    if "skipped" in entry:
+        if set(entry) != {"skipped"} or not isinstance(entry["skipped"], str):
+            return "a skipped candidate's entry holds its reason (text) alone"
+        return None
+    unknown = sorted(set(entry) - {"ms", "gate", "mixed"})
+    if unknown:
+        return f"unknown key {unknown[0]!r}"
+    if "ms" not in entry:
+        return "no 'ms' (the measured milliseconds) and no 'skipped'"
+    if not _finite(entry["ms"], 0.0) or entry["ms"] <= 0:
+        return f"'ms' is {json.dumps(entry['ms'])}, not a finite positive number of milliseconds"
+    gate = entry.get("gate")
+    if gate is not None:
+        if not isinstance(gate, dict) or set(gate) != {"cosine", "top1", "samples"}:
+            return "'gate' is not an object of cosine, top1 and samples"
+        if not _finite(gate["cosine"], -1.0, 1.0):
+            return f"'gate.cosine' is {json.dumps(gate['cosine'])}, not a number in [-1, 1]"
+        if gate["top1"] is not None and not _finite(gate["top1"], 0.0, 1.0):
+            return f"'gate.top1' is {json.dumps(gate['top1'])}, not null or a number in [0, 1]"
+        if not _count(gate["samples"]):
+            return f"'gate.samples' is {json.dumps(gate['samples'])}, not a count"
+    mixed = entry.get("mixed")
+    if mixed is not None:
+        figures = ("calibration_cosine", "calibration_top1")  # what the search reached, where it searched
+        if (not isinstance(mixed, dict) or set(mixed) - {"float_ops", "ops", *figures}
+                or not _count(mixed.get("ops")) or not isinstance(mixed.get("float_ops"), list)
+                or not all(isinstance(f, str) for f in mixed["float_ops"])
+                or any(mixed.get(k) is not None and not _finite(mixed[k]) for k in figures)):
+            return "'mixed' is not an object of float_ops (op names) and ops (a count)"
+    return None
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def unmeasurable(target) -> str | None:
@@ -459,9 +571,10 @@ def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.Model
 def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],
                   int8: Int8 | None, model_outputs: Sequence[str], work: Path, tuning_db: Path, cache: TimingCache,
                   host: str, threads: int, log, timer: Timer, boards: backends.Boards | None = None):
-    """Compile, check and time one span's candidates (or replay them from the cache), here or with
+    """Compile, check and time one span's candidates (or replay their times from the cache), here or with
     `boards` on a board: the span's record, the winner, its measured time, and the segment models the
-    winner cuts anew."""
+    winner cuts anew. The winner is always a candidate checked by this build (`_recheck` where its time
+    was replayed)."""
     ids = [s.id for s in cands[0].segments]
     label = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
     entry: dict = {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
@@ -529,15 +642,38 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
         entry["candidates"][name] = {"skipped": why}
         log(f"tune: {label}: {name} skipped: {why}")
-    if not times:  # nothing could be measured: the plan stays as the cost model made it
+    # the cache replays times, never correctness: the fastest is checked unless this build checked it already,
+    # and one that fails (an entry planted, or measured by a build whose check has since changed) is dropped
+    order = [c.name for c in cands]
+    best = None
+    for name in sorted(times, key=lambda n: (times[n], order.index(n))):
+        if name in runnable:
+            best = name
+            break
+        cand = next(c for c in cands if c.name == name)
+        try:
+            checked = _recheck(cand, cut[name], target, work / name, tuning_db, int8 if _quantizes(cand) else None,
+                               boards, values, model_outputs)
+        except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
+            del times[name]
+            gates.pop(name, None)
+            entry["candidates"][name] = {"skipped": _short(e)}
+            cache.put(keys[name], {"skipped": _short(e)})
+            log(f"tune: {label}: {name} skipped: {_short(e)} (its time was replayed from the timing cache)")
+            give_back()
+            continue
+        if checked is not None and gates.get(name) != checked:  # the gate's figures as measured now
+            gates[name] = checked
+            cache.put(keys[name], {**cache.get(keys[name]), "gate": checked})
+        best = name
+        break
+    if best is None:  # nothing could be measured: the plan stays as the cost model made it
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
         found = int8.mixed_of(next(c for c in cands if c.name == name), cut[name]) if name in gates else None
         entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
                                      **({"mixed": _mixed_entry(found)} if found else {})}
-    order = [c.name for c in cands]
-    best = min(times, key=lambda n: (times[n], order.index(n)))
     others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
     entry["chosen"] = best
     entry["why"] = f"fastest measured: {times[best]:.3f} ms" + (f", against {others}" if others else "")
@@ -545,6 +681,22 @@ def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segmen
         + (f" ({', '.join(replayed)} replayed from the timing cache)" if replayed else ""))
     winner = next(c for c in cands if c.name == best)
     return entry, winner, times[best], ({} if best == PLANNED else cut[best])
+
+
+def _recheck(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
+             int8: Int8 | None, boards: backends.Boards | None, values: list[dict],
+             model_outputs: Sequence[str]) -> dict | None:
+    """A candidate whose time was replayed, built and checked as a measured one is: against onnxruntime
+    (None), or an int8 one through the accuracy gate on the held-out samples (its figures). Raises where
+    it does not build, run or pass."""
+    bundle = _open(cand, models, target, work, tuning_db, int8, boards)
+    try:
+        if int8 is not None:
+            return _gated(bundle, int8, cand, models, model_outputs)
+        _check(cand, bundle, values)
+        return None
+    finally:
+        bundle.close()
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,8 @@ def check_boards(boards: Boards, timeout_s: float = 5.0) -> int:
         raise UserError(
             "tune.rpc-tracker",
             f"the RPC tracker at {boards.host}:{boards.port} does not answer ({exc.strerror or exc})",
-            hint="start it with `python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port PORT`, "
-                 "or check --rpc-tracker",
+            hint="start it with `python -m tvm.exec.rpc_tracker --host 127.0.0.1 --port PORT` (boards reach it "
+                 "through an SSH tunnel: docs/tuning.md), or check --rpc-tracker",
         ) from exc
     servers = _servers(boards, timeout_s)
     if servers == 0:
