@@ -4,6 +4,8 @@
 #   rapidocr-onnxruntime 1.4.4  PP-OCRv4 detector/recognizer, PP-OCR direction classifier (ONNX)
 #   silero-vad 6.2.3            voice activity detector (ONNX: If, LSTM)
 #   mediapipe 0.10.18           face detector and selfie segmenter (TFLite, float16 weights)
+#   nudenet 3.4.2               320n.onnx: a YOLOv8n detector (Ultralytics 8.2.46 export, 18 classes, output
+#                               [1, 22, anchors]), the anchor-grid head YOLOv8 users put on a Coral
 set -euo pipefail
 dest=${1:-.cache/models}
 pip=${PIP:-.venv/bin/pip}
@@ -42,3 +44,5 @@ fetch rapidocr-onnxruntime==1.4.4 rapidocr_onnxruntime/models/
 fetch silero-vad==6.2.3 silero_vad/data/silero_vad.onnx silero_vad/data/silero_vad_16k_op15.onnx
 fetch mediapipe==0.10.18 mediapipe/modules/face_detection/face_detection_short_range.tflite \
   mediapipe/modules/selfie_segmentation/selfie_segmentation.tflite
+fetch nudenet==3.4.2 nudenet/320n.onnx
+echo "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f  $dest/320n.onnx" | sha256sum -c --quiet

@@ -20,6 +20,9 @@ PPOCR_REC = CACHE / "ch_PP-OCRv4_rec_infer.onnx"
 PPOCR_REC_SHAPE = "x=1x3x48x320"
 # silero-vad 6.2.3: `sr` (8000 or 16000) selects one of two If branches with different front ends
 SILERO_VAD = CACHE / "silero_vad.onnx"
+# nudenet 3.4.2's detector: a YOLOv8n (Ultralytics 8.2.46 export, input images 1x3xHxW, output [1, 4 + 18, anchors])
+YOLOV8N = CACHE / "320n.onnx"
+YOLOV8N_SHA256 = "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f"
 
 
 def ppocr_cls() -> Path:
@@ -33,6 +36,19 @@ def ppocr_rec() -> Path:
     if not PPOCR_REC.exists():
         raise FileNotFoundError(f"{PPOCR_REC} is missing: run `make models` first")
     return PPOCR_REC
+
+
+def yolov8n() -> Path:
+    """A real YOLOv8n detector with trained weights (its classes: nudity and faces, a content filter's),
+    exported by Ultralytics with dynamic height and width: the anchor-grid head of every YOLOv8 export."""
+    if not YOLOV8N.exists():
+        raise FileNotFoundError(f"{YOLOV8N} is missing: run `make models` first")
+    import hashlib
+
+    digest = hashlib.sha256(YOLOV8N.read_bytes()).hexdigest()
+    if digest != YOLOV8N_SHA256:
+        raise ValueError(f"{YOLOV8N} has sha256 {digest}, not nudenet 3.4.2's {YOLOV8N_SHA256}: run `make models`")
+    return YOLOV8N
 
 
 def mobilenet_v2(size: int = 224, alpha: float = 1.0) -> Path:

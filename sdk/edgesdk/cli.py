@@ -8,6 +8,7 @@ interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -118,6 +119,32 @@ def _native_stderr_silenced(active: bool):
         os.close(devnull)
 
 
+def _failure_as_json(command):
+    """`command` (one with `--json`) such that, with `--json`, a failure still prints one JSON object on
+    stdout: `{"error": {"code", "message", "notes", "hint", "exit_code"}}`, what the `error:`, note and
+    `hint:` lines say (they go to stderr as without `--json`, and the exit code is the same)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            if kwargs.get("as_json"):
+                print(json.dumps({"error": _error_json(e)}, indent=2, default=str), flush=True)
+            raise
+
+    return run
+
+
+def _error_json(e: Exception) -> dict:
+    if isinstance(e, EdgeSDKError):
+        return {"code": e.code, "message": e.message, "notes": e.notes, "hint": e.hint, "exit_code": e.exit_code}
+    return {"code": "internal", "message": f"internal error: {type(e).__name__}: {str(e)[:500]}", "notes": [],
+            "hint": "this is a bug in edgesdk; run again with --debug and report the traceback",
+            "exit_code": EXIT_INTERNAL}
+
+
 def _check_prune_options(prune: str | None, plan: str | None, budget: float | None, eval_data: Path | None,
                          layers: str | None, correct: bool, kernels: str) -> str | None:
     """The pruning options refused where they do not go together (exit 2, before anything runs); `--prune`
@@ -202,6 +229,7 @@ def _parse_values(values: list[str]) -> dict[str, tuple[float, ...]]:
 
 
 @app.command()
+@_failure_as_json
 def build(
     model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
     target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
@@ -242,7 +270,7 @@ def build(
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr."),
-    as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout (a failure: its error, as {\"error\": {code, message, notes, hint, exit_code}})."),
 ) -> None:
     """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
     if check_reproducible and until is not None:
@@ -477,6 +505,7 @@ def _trusted_keys(public_key: Path | None, trust_dir: Path | None, root: Path | 
 
 
 @app.command()
+@_failure_as_json
 def check(
     model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
     target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
@@ -491,7 +520,7 @@ def check(
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic calibration samples."),
     nodes: bool = typer.Option(False, "--nodes", help="List every node, not only each op type."),
-    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout (a failure: its error, as build --json prints it)."),
 ) -> None:
     """Analyse MODEL for TARGET without building: which devices can run each op and why not,
     accelerator coverage by ops and FLOPs, CPU<->accelerator transitions, what legalize would rewrite."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
+from edgesdk.ir import model as irm
+from edgesdk.passes import constant_folding
+from tests import yolo_head
 from tests.passes.harness import EXACT, check_fires, const, f32, model, node, ops, optimized, assert_same
 
 X = {"x": [2, 3]}
@@ -56,9 +59,35 @@ def test_small_constant_of_shape_is_folded_so_a_pad_gets_constant_pads():
     assert numpy_helper.to_array(pads).tolist() == [0, 0, 0, 2]
 
 
-def test_large_constant_of_shape_is_kept():
-    m = model([node("ConstantOfShape", ["n"], ["big"]), node("Add", ["x", "big"], ["y"])],
-              {"x": [64, 64]}, ["y"], {"n": np.array([64, 64], np.int64)})
+def test_a_constant_of_shape_that_depends_on_no_input_is_folded():
+    # 4,096 elements (past onnxscript's 1,024) that do not depend on x: an initializer, not work each inference
+    m = model([node("ConstantOfShape", ["n"], ["big"], value=numpy_helper.from_array(f32([2.0]))),
+               node("Add", ["x", "big"], ["y"])], {"x": [64, 64]}, ["y"], {"n": np.array([64, 64], np.int64)})
+    out = check_fires(m, "fold-constants", 1, gone=("ConstantOfShape",))
+    assert ops(out) == {"Add": 1}
+
+
+def test_a_constant_past_the_bound_is_kept():
+    # one element more than MAX_FOLDED_ELEMENTS: not evaluated at build time (legalize gives it to the host)
+    n = constant_folding.MAX_FOLDED_ELEMENTS + 1
+    m = model([node("ConstantOfShape", ["n"], ["big"]), node("Slice", ["big", "start", "stop"], ["part"]),
+               node("Add", ["x", "part"], ["y"])],
+              {"x": [4]}, ["y"], {"n": np.array([n], np.int64), "start": np.array([0], np.int64),
+                                  "stop": np.array([4], np.int64)})
     out, _ = optimized(m)
-    assert ops(out)["ConstantOfShape"] == 1
+    assert ops(out) == {"ConstantOfShape": 1, "Slice": 1, "Add": 1}
+    assert_same(m, out, **EXACT)
+
+
+def test_the_anchor_grid_of_a_detection_head_is_folded_whole():
+    """YOLOv8's head computes its anchor points and strides from the feature maps' shapes (Shape, Range,
+    Expand, Concat, a ConstantOfShape of h*w = 1,600 strides): all of it is folded, past onnxscript's own
+    limits, so that nothing of it is left to run, on the CPU or in an accelerator segment."""
+    m = yolo_head.model()
+    out, record = optimized(m)
+    left = ops(out)
+    assert not {"ConstantOfShape", "Range", "Expand", "Shape", "Gather", "Cast", "Unsqueeze"} & set(left), left
+    assert irm.input_free_nodes(out) == set()
+    anchors = max((numpy_helper.to_array(t) for t in out.graph.initializer), key=lambda a: a.size)
+    assert anchors.shape == (2, 2100)  # the grid's points, 40x40 + 20x20 + 10x10
     assert_same(m, out, **EXACT)

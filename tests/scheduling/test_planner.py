@@ -193,3 +193,27 @@ def test_the_plan_is_never_predicted_worse_than_a_baseline_it_reports(seed, n, c
     figures = {name: b[key] for name, b in plan.baselines.items() if "error" not in b}
     assert figures and all(sign * plan.predicted[key] <= sign * v for v in figures.values()), (plan.predicted, figures)
     assert plan.chosen["objective"] == key and plan.chosen[key] == plan.predicted[key]
+
+
+def test_a_constant_never_goes_in_an_edge_tpu_segment():
+    """A YOLOv8 head's anchor grid as exported (here with no import to fold it): ConstantOfShape, Range,
+    Expand, Concat and Transpose that depend on no model input, read by the box decode. Placed by cost they
+    once joined the Edge TPU's segment, whose output they then were: a constant the segment cannot give.
+    Every such node is the host's (onnxruntime, in one run before the rest), never an accelerator's."""
+    from edgesdk.legalization.legalize import annotated
+    from tests import yolo_head
+
+    model = annotated(yolo_head.model(grid_from_shape=False), TARGET)
+    free = {irm.node_name(model.graph.node[i], i) for i in irm.input_free_nodes(model)}
+    assert {"/grid0.stride", "/grid0.rx", "/grid0.gx", "/anchors"} <= free
+    scheduled = make_plan(model, TARGET, mode="latency", inter_op=False)
+    produced = {o for n in scheduled.model.graph.node if irm.node_name(n, 0) in free for o in n.output}
+    segments = scheduled.plan.segments
+    assert any(s.device.startswith("edgetpu") for s in segments)
+    for s in segments:
+        if s.device != "cpu":
+            assert not free & set(s.nodes), (s.id, s.device, sorted(free & set(s.nodes)))
+            assert not produced & set(s.outputs), (s.id, s.outputs)
+    on_host = [s for s in segments if free & set(s.nodes)]
+    assert [(s.id, s.backend, s.inputs) for s in on_host] == [("s0", "onnxruntime", ())]
+    assert set(on_host[0].nodes) == free

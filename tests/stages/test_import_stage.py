@@ -133,8 +133,11 @@ def test_frozen_input_takes_the_if_branch_it_selects(tmp_path):
         state = rng.standard_normal((2, 1, 128)).astype(np.float32)
         ref = _session(SILERO_VAD).run(None, {"input": x, "state": state, "sr": np.array(16000, np.int64)})
         got = _session(model).run(None, {"input": x, "state": state})
-        for g, r in zip(got, ref):
-            assert _rel(g, r) < RTOL
+        # the speech probability on its scale, 1 (near 0 here, relative to itself a float32 rounding is 4e-5):
+        # import folds the LSTM's weights into initializers, which onnxruntime packs, summing in another order
+        prob, state_out = zip(got, ref)
+        assert np.abs(prob[0] - prob[1]).max() < RTOL
+        assert _rel(*state_out) < RTOL
 
 
 def test_frozen_input_errors(tmp_path):

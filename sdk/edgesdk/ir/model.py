@@ -570,6 +570,39 @@ def constant_names(model: onnx.ModelProto) -> set[str]:
     return {i.name for i in model.graph.initializer}
 
 
+def input_free_nodes(model: onnx.ModelProto) -> set[int]:
+    """Indices of the main graph's nodes that depend on no graph input (an input with an initializer counts
+    as a constant, as in `constant_names`), through their inputs or what their subgraphs read: values the
+    same for every inference, which import folds up to a size (`passes.constant_folding`)."""
+    g = model.graph
+    consts = constant_names(model)
+    dependent = {i.name for i in g.input if i.name not in consts}
+    free = set()
+    for index, node in enumerate(g.node):
+        reads = set(node.input)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                reads.update(name for body in graphs(sub) for n in body.node for name in n.input)
+        if reads & dependent:
+            dependent.update(node.output)
+        else:
+            free.add(index)
+    return free
+
+
+def constants_first(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (in place) with the nodes that depend on no graph input (`input_free_nodes`) moved before all
+    others, each part in its own order: still a topological order, and one in which such nodes, which only
+    the host runs, form one run at the start instead of cutting an accelerator's run in the middle."""
+    free = input_free_nodes(model)
+    if free and max(free) >= len(free):  # some node that depends on an input comes before one that does not
+        nodes = list(model.graph.node)
+        order = [nodes[i] for i in sorted(free)] + [n for i, n in enumerate(nodes) if i not in free]
+        del model.graph.node[:]
+        model.graph.node.extend(order)
+    return model
+
+
 def param_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the main graph's initializers as arrays (counted, not converted)."""
     total = 0

@@ -65,7 +65,7 @@ def annotated(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
     """A copy of `model` as it is, nothing rewritten, each node marked `edgesdk.capable` with the
     devices of `target` that run it (none: left unmarked, the CPU's onnxruntime): what a vendor's
     compiler alone gets to work with, for the schedule's baselines."""
-    copy = _copy(model)
+    copy = irm.constants_first(_copy(model))
     for node, s in zip(copy.graph.node, support.Tables([d.kind for d in target.devices]).model(copy)):
         if s.capable:
             irm.set_meta(node, irm.CAPABLE_KEY, ",".join(s.capable))
@@ -87,6 +87,7 @@ def _legalized(model: onnx.ModelProto, target: Target, options: Any, inputs: lis
     `after` (coverage and transitions)."""
     tables = support.Tables([d.kind for d in target.devices])
     result = _rewrite(model, target, options, inputs, tables, log, warn)
+    result["model"] = irm.constants_first(result["model"])  # the host's constants before the rest
     result["support"] = tables.model(result["model"])
     result["after"] = support.summarize(result["model"], result["support"])
     return result
@@ -125,7 +126,8 @@ def _exact_rewrites(model: onnx.ModelProto, nodes: list[support.NodeSupport], mo
     """Step 1: the exact rules an accelerator's refusals call for, applied: the model, rules chosen, rewrites."""
     accelerators = [m.kind for m in models]
     triggers = {code: trigger for m in models for code, trigger in m.rewrite_triggers.items()}
-    refused_ops = {n.op for n in nodes for r in n.refusals if r["device"] in accelerators}
+    # (a constant's refusal is no op type's: no rewrite cures it)
+    refused_ops = {n.op for n in nodes for r in n.refusals if r["device"] in accelerators and r["code"] != support.CONSTANT}
     refused_ops |= {triggers[r["code"]] for n in nodes for r in n.refusals if r["code"] in triggers}
     chosen = [r.name for r in exact.RULES if (set(r.replaces) or set(r.triggers)) & refused_ops]
     if not chosen:
@@ -256,7 +258,7 @@ def with_approximations(exact_model: onnx.ModelProto, approximations: list[dict]
     for region, approx, prefix in sorted(chosen, key=lambda t: -max(t[0].nodes)):
         _approximate(model, region, approx, int(prefix[len("relu_sum"):-1]))
     model, _ = passes.optimize(model)
-    model = _infer(model)
+    model = irm.constants_first(_infer(model))
     for node, s in zip(model.graph.node, support.Tables([d.kind for d in target.devices]).model(model)):
         irm.set_meta(node, irm.CAPABLE_KEY, ",".join(s.capable))
     return model

@@ -5,7 +5,11 @@ The tables themselves are data elsewhere: each device kind's own limits are its 
 limits), and what each backend can lower is asked of the backend (`Backend.lowering`: our TFLite lowering,
 `backends.tflite.LOWERINGS`; the op types TVM's ONNX importer converts, `backends.tvm.importer_ops`;
 every standard op for onnxruntime). A kind's backends are tried in its model's order, so on the CPU
-onnxruntime takes every standard op TVM lacks. This module asks them per node and sums up: coverage
+onnxruntime takes every standard op TVM lacks. A node that depends on no graph input (what import did
+not fold: a tensor past its bound, a random op, a quantized weight) is the host's alone, on its last
+backend: on an accelerator it is no work, and as a segment's output a constant the segment cannot
+compute (`CONSTANT`); legalize puts such nodes first (`irm.constants_first`), so that they make one run
+on the host before the rest. This module asks them per node and sums up: coverage
 of each accelerator by op count and by FLOPs, and the tensors that cross between the CPU and an
 accelerator when every node runs where it can (the most preferred capable device).
 """
@@ -26,6 +30,8 @@ from ..ir import model as irm
 
 # backend -> why it cannot lower a node (None: it can)
 Lowering = Callable[[onnx.NodeProto, dict, set], "str | None"]
+# the refusal of a node that depends on no graph input, on every accelerator
+CONSTANT = "legalize.constant"
 
 
 def label(kind: str, backend: str, backends: tuple[str, ...]) -> str:
@@ -60,18 +66,26 @@ class Tables:
         # the accelerators by preference, then the host, which takes what none of them does
         self.models = [*registry.accelerators(kinds), registry.model(HOST)]
 
-    def node(self, node: onnx.NodeProto, index: int, shapes, consts, types) -> NodeSupport:
+    def node(self, node: onnx.NodeProto, index: int, shapes, consts, types, *, constant: bool = False) -> NodeSupport:
         """Each kind in turn: its own refusal, else its first backend that lowers the node. A backend that
         fails is recorded (under its model's `unlowerable` code) when a later backend takes the node, or
-        when it was the kind's last resort."""
+        when it was the kind's last resort. A `constant` node (it depends on no graph input) is refused by
+        every accelerator."""
         support = NodeSupport(irm.node_name(node, index), node.op_type, [], flops=node_flops(node, shapes))
         for m in self.models:
+            if constant and m.kind != HOST:
+                support.refusals.append({"device": m.kind, "code": CONSTANT, "reason": (
+                    "it depends on no model input: a constant that import did not fold runs on the cpu, never in an "
+                    "accelerator segment")})
+                continue
             r = m.refusal(node, shapes, consts, types)
             if r is not None:
                 support.refusals.append({"device": m.kind, "code": r.code, "reason": r.reason})
                 continue
             failed = []
-            for backend in m.backends:
+            # a constant's run on the host may have no input at all, which only its last resort compiles
+            # (onnxruntime; TVM's cross-compiled library of constants alone does not link)
+            for backend in m.backends[-1:] if constant else m.backends:
                 if backend not in self.lowerings:
                     self.lowerings[backend] = backends.backend(backend).lowering_check()
                 why = self.lowerings[backend](node, shapes, consts)
@@ -90,7 +104,8 @@ class Tables:
 
     def model(self, model: onnx.ModelProto) -> list[NodeSupport]:
         shapes, consts, types = irm.static_shapes(model), irm.constant_names(model), irm.elem_types(model)
-        return [self.node(n, i, shapes, consts, types) for i, n in enumerate(model.graph.node)]
+        constant = irm.input_free_nodes(model)
+        return [self.node(n, i, shapes, consts, types, constant=i in constant) for i, n in enumerate(model.graph.node)]
 
 
 def summarize(model: onnx.ModelProto, nodes: list[NodeSupport]) -> dict:

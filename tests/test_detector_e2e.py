@@ -1,0 +1,164 @@
+"""YOLOv8 detectors for arm_2tpu, the flagship target's most common use.
+
+The head of a YOLOv8 export computes its anchor grid in the graph (ConstantOfShape/Range/Expand/Concat,
+none of it depending on the input's values): import folds it, and nothing of it reaches an Edge TPU
+segment, whose output it once was (compress refused the build). `edgesdk check` and `edgesdk build`
+agree; a failed build with `--json` still prints one JSON object naming the error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.runtime import BundleModel
+from tests import model_zoo, yolo_head
+from tests.test_cli import edgesdk
+
+
+def _parts(got: np.ndarray, want: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per part of a [4 + classes, anchors] output (the boxes in pixels, the class scores in [0, 1]): the
+    largest and the mean absolute error, each as a share of that part's scale (its largest magnitude in
+    `want`), and the cosine similarity."""
+    out = {}
+    for name, part in (("boxes", slice(0, 4)), ("scores", slice(4, None))):
+        g, w = got[..., part, :].astype(np.float64), want[..., part, :].astype(np.float64)
+        scale = np.abs(w).max()
+        err = np.abs(g - w)
+        out[name] = {"max": err.max() / scale, "mean": err.mean() / scale,
+                     "cosine": float((g * w).sum() / np.linalg.norm(g) / np.linalg.norm(w))}
+    return out
+
+
+def test_a_yolov8_head_builds_for_arm_2tpu_and_check_agrees(tmp_path):
+    """The head at 80x80 (its first scale's stride tensor a ConstantOfShape of 1,600 elements, 2,100
+    anchors, as YOLOv8n's at 320x320): check finds nothing that keeps a node off the Edge TPU, and the
+    build puts the whole detector there, grid folded, and exits 0."""
+    path = tmp_path / "yolov8_head.onnx"
+    onnx.save(yolo_head.model(), path)
+    check = edgesdk("check", str(path), "--target", "arm_2tpu", "--json")
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    refused = [(n["node"], r["code"]) for n in report["nodes"] for r in n["refusals"] if not r["device"].startswith("cpu")]
+    assert refused == [] and all(n["devices"][0] == "edgetpu" for n in report["nodes"]), refused
+    assert not {"ConstantOfShape", "Range", "Expand"} & {n["op"] for n in report["nodes"]}
+
+    out = tmp_path / "out"
+    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["bundle"] == str(out / "bundle")
+    plan = json.loads((out / "bundle" / "plan.json").read_text())
+    assert [s["device"] for s in plan["segments"]] == ["edgetpu:0"], plan["segments"]
+    # the boxes as onnxruntime computes them on the exported model, on inputs like the synthetic calibration's
+    # (the class scores share the boxes' int8 step in this head's last Concat: not compared here)
+    model = BundleModel(out / "bundle", log=lambda s: None)
+    reference = onnx.load(str(path))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    for _ in range(2):
+        x = rng.uniform(-1, 1, (1, 3, 80, 80)).astype(np.float32)
+        boxes = _parts(model.run({"images": x})["output0"], session.run(None, {"images": x})[0])["boxes"]
+        assert boxes["max"] <= 0.06 and boxes["mean"] <= 0.01, boxes
+
+
+def _constants_only(path: Path) -> Path:
+    """A model whose every output folds to a constant (Shape -> Concat): import refuses it (exit 1)."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Concat", ["s", "tail"], ["y"], axis=0)]
+    g = helper.make_graph(nodes, "shape_only", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, [3])],
+                          [numpy_helper.from_array(np.array([7], np.int64), "tail")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["build", "check"])
+@pytest.mark.parametrize("case, code, exit_code", [("bad-stage", "build.bad-stage", 2),
+                                                    ("constant", "import.nothing-to-compute", 1)])
+def test_a_failure_with_json_prints_the_error_as_json(tmp_path, command, case, code, exit_code):
+    """One JSON object on stdout, what the error: and hint: lines (still on stderr) say; the same exit code."""
+    model = _constants_only(tmp_path / "shape_only.onnx")
+    args = [command, str(model), "--target", "arm_2tpu", "--json"]
+    if command == "build":
+        args += ["-o", str(tmp_path / "out")] + (["--until", "bogus"] if case == "bad-stage" else [])
+    elif case == "bad-stage":
+        args[1] = str(tmp_path / "missing.onnx")
+        code, exit_code = "build.model-not-found", 2
+    proc = edgesdk(*args)
+    assert proc.returncode == exit_code, proc.stderr
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == code and error["exit_code"] == exit_code
+    assert f"error: {error['message']}" in proc.stderr and f"hint: {error['hint']}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "bundle").exists()
+
+
+def _photo(size: int) -> np.ndarray:
+    """matplotlib's sample photograph (Grace Hopper's portrait, 512x600), resized to size x size: RGB in
+    [0, 1], NCHW, as Ultralytics feeds a YOLOv8 export."""
+    import matplotlib
+    from PIL import Image
+
+    image = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").convert("RGB")
+    return (np.asarray(image.resize((size, size)), np.float32) / 255.0).transpose(2, 0, 1)[None]
+
+
+def _crops(directory: Path, count: int, size: int) -> Path:
+    """`count` calibration images: crops of 50-90% of the photograph, every other one mirrored; the
+    whole frame, which the test compares on, is none of them."""
+    import matplotlib
+    from PIL import Image, ImageOps
+
+    image = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").convert("RGB")
+    rng = np.random.default_rng(1)
+    directory.mkdir()
+    for k in range(count):
+        s = rng.uniform(0.5, 0.9)
+        w, h = int(image.width * s), int(image.height * s)
+        x0, y0 = rng.integers(0, image.width - w + 1), rng.integers(0, image.height - h + 1)
+        crop = image.crop((x0, y0, x0 + w, y0 + h)).resize((size, size))
+        (ImageOps.mirror(crop) if k % 2 else crop).save(directory / f"crop{k:02d}.png")
+    return directory
+
+
+def test_a_real_yolov8n_builds_for_arm_2tpu_and_finds_what_onnxruntime_finds(tmp_path):
+    """nudenet's YOLOv8n (trained weights) at 320x320 for arm_2tpu, calibrated on 16 crops of a photograph
+    and run on the whole photograph: the boxes and the class scores, each against onnxruntime on the model
+    as exported, relative to its own scale. The strongest detection (a face, 0.52) is the same anchor and
+    class, its score within 0.1 and its box within 2% of the image; overall the boxes agree to a cosine of
+    0.999 and a mean error of 2% of their scale, the scores to a cosine of 0.9."""
+    from edgesdk.pipeline import BuildOptions, build
+
+    source = model_zoo.yolov8n()
+    calib = _crops(tmp_path / "calib", 16, 320)
+    result = build(BuildOptions(model=source, target="arm_2tpu", out=tmp_path / "out",
+                                input_shapes={"images": (1, 3, 320, 320)}, calib=calib, calib_samples=16,
+                                calib_preprocess="color=RGB,scale=0.00392157,layout=NCHW",
+                                tuning_db=tmp_path / "tuning"))
+    plan = json.loads((result.bundle / "plan.json").read_text())
+    assert any(s["device"].startswith("edgetpu") for s in plan["segments"])
+    imported = onnx.load(str(tmp_path / "out" / ".build" / "1-import" / "model.onnx"))
+    assert not {"ConstantOfShape", "Range", "Expand"} & {n.op_type for n in imported.graph.node}
+
+    import onnxruntime as ort
+
+    x = _photo(320)
+    want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0][0]
+    got = BundleModel(result.bundle, log=lambda s: None).run({"images": x})["output0"][0]
+    assert got.shape == want.shape == (22, 2100)
+    parts = _parts(got, want)
+    assert parts["boxes"]["cosine"] >= 0.999 and parts["boxes"]["mean"] <= 0.02, parts
+    assert parts["scores"]["cosine"] >= 0.9, parts
+    best = int(want[4:].max(0).argmax())
+    assert want[4:, best].max() > 0.5 and int(want[4:, best].argmax()) == 1  # FACE_FEMALE
+    assert int(got[4:].max(0).argmax()) == best and int(got[4:, best].argmax()) == 1
+    assert abs(got[4:, best].max() - want[4:, best].max()) <= 0.1
+    assert np.abs(got[:4, best] - want[:4, best]).max() <= 0.02 * 320, (got[:4, best], want[:4, best])
