@@ -259,7 +259,7 @@ def build(
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 2 and 4 times over; the bundle may run slower. The build estimates its peak memory after import and again after schedule, and stops if this machine lacks it."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
-    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, 0 to 2^63 - 1, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
     check_reproducible: bool = typer.Option(False, "--check-reproducible", help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -359,8 +359,9 @@ def build(
 
 
 def _stamper(sign_key: Path | None, version: int | None):
-    """The bundle's version and signature, applied as the build publishes it; the key is read now, so a
-    wrong key fails before the build and not after it."""
+    """The bundle's version and signature, applied as the build publishes it; the key is read and the
+    version checked now, so a wrong one fails before the build and not after it."""
+    _check_bundle_version(version)
     if sign_key is None and version is None:
         return None
     from .bundling import signing
@@ -377,6 +378,8 @@ def _stamped(bundle: Path, quiet: bool) -> str | None:
     if not quiet:
         _err(f"bundle version {m.bundle_version}, " + (f"signed by key {key} (manifest.sig)" if key else
                                                       "unsigned (--sign-key or EDGESDK_SIGN_KEY signs it)"))
+        if key and m.bundle_version == 0:  # as `sign` warns: a signed release is one a device compares
+            _err(VERSION_0_WARNING)
     return key
 
 
@@ -407,7 +410,7 @@ def _check_reproducible(options, result, stamp, quiet: bool, log, on_stage) -> d
 def sign(
     bundle: Path = typer.Argument(..., help="A bundle directory (DIR/bundle: DIR/bundle.tar.gz is written again too) or a .tar.gz."),
     key: Path = typer.Option(..., "--key", "-k", envvar="EDGESDK_SIGN_KEY", help="The ed25519 private key (edgesdk keys generate)."),
-    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, help="Set the bundle's version as it is signed \\[default: keep the manifest's]."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", help="Set the bundle's version as it is signed, 0 to 2^63 - 1 \\[default: keep the manifest's]."),
 ) -> None:
     """Sign a bundle built earlier: manifest.sig over manifest.json, with its key id and version."""
     import tempfile
@@ -415,6 +418,7 @@ def sign(
     from .bundling import signing
     from .verify import opened_bundle
 
+    _check_bundle_version(bundle_version)
     signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
     if bundle.is_dir():  # in place; an edgesdk build's DIR/bundle.tar.gz beside it is written again
         tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
@@ -430,7 +434,7 @@ def sign(
         written = [bundle]
     print(f"signed {', '.join(map(str, written))}: key {signer.key_id}, bundle version {manifest.bundle_version}")
     if manifest.bundle_version == 0:
-        _err("warning: bundle version 0: devices cannot tell this bundle from an older one; give --bundle-version")
+        _err(VERSION_0_WARNING)
 
 
 @keys_app.command("generate")
