@@ -1,7 +1,7 @@
 """Verify a bundle: the signature, every hash, then the golden self-test on the bundle's own architecture.
 
-The signature and the files are checked here, by the SDK's own code: nothing of the bundle runs before
-they passed. Only then does the self-test run the bundle's code, in a separate Python process whose only
+The signature (when a key is given) and every file are checked here, by the SDK's own code: nothing of
+the bundle runs before they passed. Only then does the self-test run the bundle's code, in a separate Python process whose only
 import path is the bundle (so the bundle proves it is self-contained), in a process group of its own that
 ends at the timeout with everything it started; for an aarch64 bundle on another host it runs under
 qemu-user in the arm64 root file system when one is present. When the self-test cannot run, the report
