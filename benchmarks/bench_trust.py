@@ -11,7 +11,8 @@ an x86 bundle on this host). In one run, interleaved round by round, medians:
    signature of the manifest alone;
 2. verify on the build host, in process: the hash check alone (what `edgesdk verify` did before
    signatures) against signature + hash check + version (`verify.check_trust`);
-3. the device's `python -B -m runtime verify` as a process on this host, and under qemu-user in the
+3. the device's `python -B -m runtime verify` (a trusted copy of the runtime, as the device's active slot
+   holds it, checking the bundle) as a process on this host, and under qemu-user in the
    arm64 root file system (the board's Python and `cryptography` wheel, emulated: a board's own time
    is not this), each beside the same interpreter doing nothing (`python -B -c pass`), so what
    verification costs is the difference;
@@ -111,8 +112,11 @@ def main() -> None:
         tar = work / "arm" / "bundle.tar.gz"
         signing.stamp(bundle, version=1, key=key, tarball=tar)
         manifest_bytes = (bundle / "manifest.json").read_bytes()
+        # the device's trusted runtime (as its active slot holds it), never the bundle verifying itself
+        trusted = work / "device"
+        shutil.copytree(bundle / "runtime", trusted / "runtime")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env["PYTHONPATH"] = str(bundle)
+        env["PYTHONPATH"] = str(trusted)
         device = [sys.executable, "-B", "-m", "runtime", "verify", str(bundle), "--public-key", str(pub)]
         rootfs = qemu.find_rootfs()
         times: dict[str, list[float]] = {}
@@ -134,7 +138,7 @@ def main() -> None:
             for part, secs in json.loads(proc.stdout).items():
                 add(f"device verify, in process, this host: {part}", secs * 1000)
             if rootfs is not None and r < args.qemu_runs:
-                guest = lambda a: qemu.run_python(rootfs, a, cwd=work, env={"PYTHONPATH": str(bundle)}, timeout=600)
+                guest = lambda a: qemu.run_python(rootfs, a, cwd=work, env={"PYTHONPATH": str(trusted)}, timeout=600)
                 t0 = time.perf_counter()
                 proc = guest(["-B", "-m", "runtime", "verify", str(bundle), "--public-key", str(pub)])
                 add("device verify (qemu-user aarch64, emulated)", (time.perf_counter() - t0) * 1000)

@@ -1,7 +1,8 @@
 """Signed bundles end to end (issue 20): `edgesdk keys generate`, `build --sign-key`, `edgesdk sign`,
 and every case `edgesdk verify` and the device's `python -m runtime verify` refuse, on a real bundle (the
 PP-OCR classifier for x86, `x86_ppocr`) with real ed25519 keys; `--check-reproducible` and `make release`
-on a one-convolution model.
+on a one-convolution model. The device's verifier is a genuine runtime outside the bundle it checks (as
+the device's active slot holds it): a bundle never verifies itself.
 
 An attacker here can edit anything in the bundle, the manifest included, but holds no private key the
 device trusts: each refusal below is one such edit."""
@@ -51,13 +52,29 @@ def signed(x86_ppocr, keys, tmp_path) -> Path:
     return bundle
 
 
-def device_verify(bundle: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -B -m runtime verify` as a device runs it: the SDK's runtime copy that the bundle carries,
-    and nothing of the SDK on the path."""
+@pytest.fixture(scope="module")
+def device_runtime(tmp_path_factory) -> Path:
+    """A directory holding `runtime/`, a genuine copy of the SDK's runtime: what a device already trusts
+    (its active slot's runtime, or the one its image installs), never the bundle being verified."""
+    d = tmp_path_factory.mktemp("device-runtime")
+    shutil.copytree(REPO / "sdk" / "edgesdk" / "runtime", d / "runtime",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return d
+
+
+def runtime_command(runtime: Path, *args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -B -m runtime ARGS` with `runtime` alone on the import path (nothing of the SDK), run from
+    `cwd` (default: `runtime`, outside every bundle)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PYTHONPATH"] = str(bundle)
-    return subprocess.run([sys.executable, "-B", "-m", "runtime", "verify", str(bundle), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    env.update(PYTHONPATH=str(runtime), PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-B", "-m", "runtime", *args], env=env, cwd=cwd or runtime,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def device_verify(runtime: Path, bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -B -m runtime verify BUNDLE` as a device runs it: by the trusted runtime `runtime`, from
+    outside the bundle, with nothing of the SDK on the path."""
+    return runtime_command(runtime, "verify", str(bundle), *args)
 
 
 def restamp(bundle: Path, rel: str) -> None:
@@ -113,12 +130,12 @@ def test_bad_signing_keys_are_refused_before_the_build(keys, tmp_path, case, nee
 # --- signing --------------------------------------------------------------------------------------------
 
 
-def test_signed_bundle_verifies_on_the_host_and_with_the_devices_runtime(signed, keys):
+def test_signed_bundle_verifies_on_the_host_and_with_the_devices_runtime(signed, keys, device_runtime):
     proc = edgesdk("verify", str(signed), "--public-key", str(keys["pub"]), "--no-selftest")
     assert proc.returncode == 0, proc.stderr
     key_id = trust.load_public_key(keys["pub"]).key_id
     assert f"signature: verified: signed by key {key_id}" in proc.stdout and "bundle version 7" in proc.stdout
-    dev = device_verify(signed, "--trust", str(keys["trust"]))
+    dev = device_verify(device_runtime, signed, "--trust", str(keys["trust"]))
     assert dev.returncode == 0, dev.stderr
     assert f"signed by key {key_id}" in dev.stdout
     m = json.loads((signed / "manifest.json").read_text())
@@ -215,11 +232,11 @@ REFUSED = [  # case, what the message names (host and device alike)
 
 
 @pytest.mark.parametrize("case, needle", REFUSED, ids=[c for c, _ in REFUSED])
-def test_verify_refuses(signed, keys, case, needle):
+def test_verify_refuses(signed, keys, device_runtime, case, needle):
     _tamper(signed, case, keys)
     host = edgesdk("verify", str(signed), "--public-key", str(keys["pub"]))
     assert_user_facing(host, 1, needle)
-    device = device_verify(signed, "--public-key", str(keys["pub"]))
+    device = device_verify(device_runtime, signed, "--public-key", str(keys["pub"]))
     assert device.returncode == 1 and needle in device.stderr, device.stderr
     assert "Traceback" not in device.stderr
 
@@ -249,13 +266,13 @@ def test_a_trust_directory_accepts_either_key_while_one_is_rotated(signed, keys,
 
 @pytest.mark.parametrize("case, needle", [("private", "this is a private key"), ("empty-dir", "holds no public key"),
                                           ("missing", "no such file")])
-def test_unusable_public_keys_are_invocation_errors(signed, keys, tmp_path, case, needle):
+def test_unusable_public_keys_are_invocation_errors(signed, keys, device_runtime, tmp_path, case, needle):
     given = {"private": keys["key"], "missing": tmp_path / "none.pub"}.get(case, tmp_path / "empty")
     if case == "empty-dir":
         given.mkdir()
     flag = "--trust" if case == "empty-dir" else "--public-key"
     assert_user_facing(edgesdk("verify", str(signed), flag, str(given), "--no-selftest"), 2, needle)
-    device = device_verify(signed, flag, str(given))
+    device = device_verify(device_runtime, signed, flag, str(given))
     assert device.returncode == 2 and needle in device.stderr
 
 
@@ -277,6 +294,193 @@ def test_release_files_signatures(keys, tmp_path):
     assert ok.returncode == 0 and "signed by key" in ok.stdout
     sums.write_text("1" * 64 + "  a.tar.gz\n")
     assert_user_facing(edgesdk("keys", "verify", str(sums), "--public-key", str(keys["pub"])), 1, "does not verify")
+
+
+# --- who verifies: never the bundle itself -----------------------------------------------------------------
+
+
+def _tamper_runtime(bundle: Path, marker: Path) -> None:
+    """What an attacker who can edit the bundle does: runtime/trust.py passes every file (and leaves
+    `marker` when it is imported, so a test sees whether it ran), and plan.json is changed."""
+    with open(bundle / "runtime" / "trust.py", "a") as f:
+        f.write(f"\n\nopen({str(marker)!r}, 'w').write('the tampered trust.py ran')\n\n"
+                "def file_problems(bundle, manifest):\n    return []\n")
+    with open(bundle / "plan.json", "a") as f:
+        f.write(" ")
+
+
+def test_a_bundle_never_verifies_itself(signed, keys, device_runtime, tmp_path):
+    # the genuine runtime a bundle ships refuses to vouch for the bundle it was loaded from, however named
+    for cwd, named in ((signed, "."), (tmp_path, str(signed))):
+        own = runtime_command(signed, "verify", named, "--trust", str(keys["trust"]), cwd=cwd)
+        assert own.returncode == 2, own.stdout + own.stderr
+        lines = own.stderr.strip().splitlines()
+        assert lines[0] == (f"error: {named} is the bundle this runtime was loaded from: a bundle cannot vouch for "
+                            "itself (its own, unchecked code would check it)"), own.stderr
+        assert lines[1].startswith("hint: verify it with the runtime the device already trusts, from outside the "
+                                   "bundle: cd / && PYTHONPATH=ROOT/slots/<active> python3 -B -m runtime verify ")
+        assert "verified" not in own.stdout
+    missing = runtime_command(signed, "verify", "--trust", str(keys["trust"]), cwd=signed)  # no default bundle
+    assert missing.returncode == 2 and "the following arguments are required: bundle" in missing.stderr
+
+    marker = tmp_path / "tampered-trust-ran"
+    _tamper_runtime(signed, marker)
+    device = device_verify(device_runtime, signed, "--trust", str(keys["trust"]))
+    assert device.returncode == 1, device.stdout + device.stderr
+    assert device.stderr.startswith("error: not trusted: 2 file(s) do not match the manifest: plan.json: sha256 "
+                                     "does not match the manifest"), device.stderr
+    assert "runtime/trust.py: sha256 does not match the manifest (the file was changed)" in device.stderr
+    host = edgesdk("verify", str(signed), "--trust", str(keys["trust"]))
+    assert_user_facing(host, 1, f"{signed}: 2 file(s) do not match the manifest", "plan.json: sha256",
+                       "runtime/trust.py: sha256")
+    assert not marker.exists()  # nothing of the tampered bundle ran, on the device or on the host
+    assert not [p for p in signed.rglob("*.pyc")]
+
+
+def test_the_installed_sdks_runtime_verifies_too(signed, keys, tmp_path):
+    """`python -m edgesdk.runtime verify`, where a device image installs edgesdk's package."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "sdk"), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-B", "-m", "edgesdk.runtime", "verify", str(signed), "--trust",
+                           str(keys["trust"])], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "files match, bundle version 7" in proc.stdout, proc.stderr
+
+
+# --- key files, temporary files, versions, passphrases --------------------------------------------------
+
+
+def edgesdk_within(seconds: float, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`edgesdk ARGS` that must answer within `seconds` (a command stuck on a FIFO fails the test)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "sdk"), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "edgesdk.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=seconds)
+
+
+@pytest.fixture()
+def fifo(tmp_path) -> Path:
+    path = tmp_path / "key.fifo"
+    os.mkfifo(path)
+    return path
+
+
+def test_key_files_that_are_fifos_or_devices_are_refused_at_once(keys, device_runtime, fifo, tmp_path):
+    """Each command that reads a key, once (the trust directory's and the size bound's cases are in
+    tests/runtime/test_trust.py, the same code)."""
+    not_regular = "a FIFO, not a regular file"
+    for args, needle in [
+        (("verify", str(tmp_path), "--public-key", str(fifo)), f"public key {fifo}: {not_regular}"),
+        (("keys", "verify", str(keys["pub"]), "--public-key", str(fifo)), f"public key {fifo}: {not_regular}"),
+        (("sign", str(tmp_path), "--key", str(fifo)), f"signing key {fifo}: {not_regular}"),
+        (("build", str(tmp_path / "m.onnx"), "-t", "x86", "-o", str(tmp_path / "out"), "--sign-key", "/dev/zero"),
+         "signing key /dev/zero: a character device, not a regular file"),
+    ]:
+        assert_user_facing(edgesdk_within(60, *args), 2, needle)
+    assert not (tmp_path / "out").exists()
+    for bad, needle in ((fifo, f"signing key {fifo}: {not_regular}"),  # keys sign --key, build --sign-key
+                        (Path("/dev/zero"), "signing key /dev/zero: a character device, not a regular file")):
+        with pytest.raises(signing.UsageError, match=needle):
+            signing.load_private_key(bad)
+    device = device_verify(device_runtime, tmp_path, "--public-key", str(fifo))
+    assert (device.returncode, device.stderr) == (2, f"error: public key {fifo}: {not_regular}\n")
+
+
+def test_temporary_files_never_follow_a_planted_link(keys, x86_ppocr, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "k"
+    out.mkdir()
+    for name in (".vendor.pub.tmp", ".vendor.key.tmp"):
+        (out / name).symlink_to(victim)
+    proc = edgesdk("keys", "generate", "--out", str(out), "--name", "vendor")
+    assert proc.returncode == 0, proc.stderr
+    assert trust.load_public_key(out / "vendor.pub").key_id == signing.load_private_key(out / "vendor.key").key_id
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text("0" * 64 + "  a.tar.gz\n")
+    (tmp_path / ".SHA256SUMS.sig.tmp").symlink_to(victim)
+    assert edgesdk("keys", "sign", str(sums), "--key", str(keys["key"])).returncode == 0
+    assert edgesdk("keys", "verify", str(sums), "--public-key", str(keys["pub"])).returncode == 0
+    built = tmp_path / "out"
+    shutil.copytree(x86_ppocr.bundle, built / "bundle")
+    shutil.copy(x86_ppocr.bundle.parent / "bundle.tar.gz", built / "bundle.tar.gz")
+    (built / "bundle.tar.gz.tmp").symlink_to(victim)
+    proc = edgesdk("sign", str(built / "bundle"), "--key", str(keys["key"]), "--bundle-version", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert edgesdk("verify", str(built / "bundle.tar.gz"), "--public-key", str(keys["pub"]), "--no-selftest").returncode == 0
+    assert victim.read_text() == "precious" and not victim.is_symlink()
+    assert sorted(p.name for p in built.iterdir()) == ["bundle", "bundle.tar.gz", "bundle.tar.gz.tmp"]  # no temporary left
+
+
+@pytest.mark.parametrize("version", [str(2**63), "-1"])
+def test_out_of_range_bundle_versions_are_refused_before_anything_is_written(signed, keys, tmp_path, version):
+    before = {p.name: p.read_bytes() for p in (signed / "manifest.json", signed / "manifest.sig")}
+    needle = f"--bundle-version {version}: outside the versions a manifest holds, 0 to {2**63 - 1} (2^63 - 1, manifest.bundle_version)"
+    assert_user_facing(edgesdk("sign", str(signed), "--key", str(keys["key"]), "--bundle-version", version), 2, needle)
+    assert {p.name: p.read_bytes() for p in (signed / "manifest.json", signed / "manifest.sig")} == before
+    out = tmp_path / "out"
+    built = edgesdk("build", str(tmp_path / "m.onnx"), "-t", "x86", "-o", str(out), "--sign-key", str(keys["key"]),
+                    "--bundle-version", version)
+    assert_user_facing(built, 2, needle)
+    from_env = edgesdk("build", str(tmp_path / "m.onnx"), "-t", "x86", "-o", str(out),
+                       env={"EDGESDK_BUNDLE_VERSION": version})
+    assert_user_facing(from_env, 2, needle)
+    assert not out.exists()
+    with pytest.raises(signing.UsageError, match="outside the versions a manifest holds"):
+        signing.stamp(signed, version=int(version), key=signing.load_private_key(keys["key"]))
+    assert (signed / "manifest.json").read_bytes() == before["manifest.json"]
+    ok = edgesdk("verify", str(signed), "--public-key", str(keys["pub"]), "--no-selftest")
+    assert ok.returncode == 0 and "bundle version 7" in ok.stdout
+
+
+def test_a_build_signed_at_version_0_warns_as_sign_does(signed, keys, capsys):
+    """What `build --sign-key` says as it publishes the bundle it signed (`cli._stamped`)."""
+    from edgesdk import cli
+
+    key = signing.load_private_key(keys["key"])
+    warning = "warning: bundle version 0: devices cannot tell this bundle from an older one; give --bundle-version"
+    signing.stamp(signed, version=0, key=key)
+    assert cli._stamped(signed, quiet=False) == key.key_id
+    assert capsys.readouterr().err.splitlines() == [f"bundle version 0, signed by key {key.key_id} (manifest.sig)",
+                                                    warning]
+    signing.stamp(signed, version=5, key=key)
+    cli._stamped(signed, quiet=False)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_signed_manifest_with_trailing_data_is_refused_for_what_it_is(signed, keys, device_runtime):
+    data = (signed / "manifest.json").read_bytes() + b"{}\n"
+    (signed / "manifest.json").write_bytes(data)
+    (signed / "manifest.sig").write_bytes(signing.load_private_key(keys["key"]).sign(data))
+    key_id = trust.load_public_key(keys["pub"]).key_id
+    needle = f"manifest.json: signed by key {key_id}, but not a JSON document (Extra data: line "
+    assert_user_facing(edgesdk("verify", str(signed), "--public-key", str(keys["pub"])), 1, needle,
+                       "hint: the bundle is damaged or was not written by this edgesdk; rebuild it")
+    device = device_verify(device_runtime, signed, "--public-key", str(keys["pub"]))
+    assert device.returncode == 1 and f"error: not trusted: {needle}" in device.stderr, device.stderr
+
+
+def test_keys_generate_refusals_are_usage_errors(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    assert_user_facing(edgesdk("keys", "generate", "--out", str(file)), 2, f"--out {file}: not a directory",
+                       "hint: give a directory for NAME.key and NAME.pub")
+    assert file.read_text() == "not a directory"
+    out = tmp_path / "k"
+    for passphrase, needle in [(b"\xff\xfe secret", "EDGESDK_SIGN_KEY_PASSPHRASE is not UTF-8 text"),
+                               (b"p" * 1024, "EDGESDK_SIGN_KEY_PASSPHRASE is 1,024 bytes long, more than the 1023")]:
+        env = {k: v for k, v in os.environ.items() if k != signing.ENV_PASSPHRASE}
+        env.update(PYTHONPATH=str(REPO / "sdk"))
+        env[signing.ENV_PASSPHRASE.encode()] = passphrase
+        proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", "keys", "generate", "--out", str(out)],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert_user_facing(proc, 2, needle)
+        assert not out.exists()
+
+
+def test_a_long_passphrase_is_refused_when_signing(keys, tmp_path):
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text("0" * 64 + "  a.tar.gz\n")
+    proc = edgesdk("keys", "sign", str(sums), "--key", str(keys["key"]), env={signing.ENV_PASSPHRASE: "p" * 1024})
+    assert_user_facing(proc, 2, "EDGESDK_SIGN_KEY_PASSPHRASE is 1,024 bytes long")
+    assert not (tmp_path / "SHA256SUMS.sig").exists()
 
 
 # --- build, reproducibility and release on a one-convolution model ---------------------------------------
@@ -357,9 +561,10 @@ def test_make_release(conv_model, keys, tmp_path, signed_release):
 
 
 @pytest.mark.qemu
-def test_the_devices_python_verifies_signatures_under_qemu(arm_rec, keys, tmp_path):
+def test_the_devices_python_verifies_signatures_under_qemu(arm_rec, keys, device_runtime, tmp_path):
     """The arm64 root file system's Python 3.11 with the `cryptography` wheel the bundle's requirements
-    pin: a signed aarch64 bundle verifies, and one whose manifest was changed after signing does not."""
+    pin, running the device's trusted runtime: a signed aarch64 bundle verifies, and one whose manifest was
+    changed after signing does not."""
     from edgesdk.backends import qemu
 
     rootfs = qemu.find_rootfs()
@@ -370,7 +575,7 @@ def test_the_devices_python_verifies_signatures_under_qemu(arm_rec, keys, tmp_pa
     signing.stamp(bundle, version=3, key=signing.load_private_key(keys["key"]))
     assert "cryptography==" in (bundle / "requirements.txt").read_text()
     run = lambda: qemu.run_python(rootfs, ["-B", "-m", "runtime", "verify", str(bundle), "--trust", str(keys["trust"])],
-                                  cwd=tmp_path, env={"PYTHONPATH": str(bundle)}, timeout=300)
+                                  cwd=tmp_path, env={"PYTHONPATH": str(device_runtime)}, timeout=300)
     ok = run()
     assert ok.returncode == 0 and "bundle version 3" in ok.stdout, ok.stderr
     _tamper(bundle, "raised-version", keys)

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,50 @@ def test_failed_selftest_exits_1(bundle):
     assert_user_facing(proc, 1, "the self-test failed natively on x86_64")  # the verdict on stderr too
     proc = edgesdk("verify", str(bundle), "--json")
     assert proc.returncode == 1 and json.loads(proc.stdout)["selftest"] == "failed"
+
+
+def _hanging(bundle: Path, module: str, pid_file: Path) -> None:
+    """runtime/MODULE.py replaced by code that starts a child, records the child's pid and hangs; the
+    hashes re-stamped, so the bundle passes every check before its code runs."""
+    (bundle / "runtime" / f"{module}.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n\n"
+        "def main(args):\n    time.sleep(600)\n")
+    write_manifest(bundle, manifest_of(bundle))
+
+
+def _ends(pid: int) -> bool:
+    """Whether process `pid` ends (a SIGKILL sent to it takes effect when it is next scheduled)."""
+    for _ in range(200):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":  # a zombie has ended
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("command, module, flag, what", [("verify", "selftest", "--selftest-timeout", "self-test"),
+                                                          ("bench", "bench", "--timeout", "bench")])
+def test_a_hanging_selftest_or_bench_is_stopped_with_its_children(bundle, tmp_path, command, module, flag, what):
+    pid_file = tmp_path / "child.pid"
+    _hanging(bundle, module, pid_file)
+    proc = edgesdk(command, str(bundle), flag, "3")
+    assert_user_facing(proc, 1, f"error: {bundle}: the {what} (natively) did not finish in 3 s; it was stopped with "
+                       "every process it started", f"give it longer with {flag} SECONDS")
+    child = int(pid_file.read_text())
+    assert _ends(child)
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "1e300"])
+def test_a_timeout_outside_its_range_is_refused(bundle, value):
+    for command, flag in (("verify", "--selftest-timeout"), ("bench", "--timeout")):
+        assert_user_facing(edgesdk(command, str(bundle), flag, value), 2,
+                           f"error: {flag} {float(value):g}: not a number of seconds above 0 and at most 604800")
 
 
 # --- finding 2: the hash check cannot be bypassed -------------------------------------------------

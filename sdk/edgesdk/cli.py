@@ -97,6 +97,28 @@ def _parse_duration(text: str | None, flag: str) -> float | None:
     return seconds
 
 
+def _check_timeout(seconds: float, flag: str) -> None:
+    from .runtime.process import MAX_TIMEOUT_S
+
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
+        raise UsageError("cli.bad-timeout", f"{flag} {seconds:g}: not a number of seconds above 0 and at most "
+                         f"{MAX_TIMEOUT_S:g} (a week)", f"e.g. {flag} 1800")
+
+
+def _check_bundle_version(version: int | None, flag: str = "--bundle-version") -> None:
+    """A version the manifest's schema accepts, refused here before anything is built or written."""
+    from .runtime.manifest import MAX_BUNDLE_VERSION
+
+    if version is not None and not 0 <= version <= MAX_BUNDLE_VERSION:
+        raise UsageError("cli.bad-bundle-version", f"{flag} {version}: outside the versions a manifest holds, 0 to "
+                         f"{MAX_BUNDLE_VERSION} (2^63 - 1, manifest.bundle_version)",
+                         "give a version in that range, e.g. the release's commit time in seconds")
+
+
+VERSION_0_WARNING = ("warning: bundle version 0: devices cannot tell this bundle from an older one; "
+                     "give --bundle-version")
+
+
 @contextlib.contextmanager
 def _native_stderr_silenced(active: bool):
     """With --quiet, what TensorFlow, LiteRT and TVM print from native code (absl and XNNPACK
@@ -265,7 +287,7 @@ def build(
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 2 and 4 times over; the bundle may run slower. The build estimates its peak memory after import and again after schedule, and stops if this machine lacks it."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
-    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, 0 to 2^63 - 1, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
     check_reproducible: bool = typer.Option(False, "--check-reproducible", help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
@@ -365,8 +387,9 @@ def build(
 
 
 def _stamper(sign_key: Path | None, version: int | None):
-    """The bundle's version and signature, applied as the build publishes it; the key is read now, so a
-    wrong key fails before the build and not after it."""
+    """The bundle's version and signature, applied as the build publishes it; the key is read and the
+    version checked now, so a wrong one fails before the build and not after it."""
+    _check_bundle_version(version)
     if sign_key is None and version is None:
         return None
     from .bundling import signing
@@ -383,6 +406,8 @@ def _stamped(bundle: Path, quiet: bool) -> str | None:
     if not quiet:
         _err(f"bundle version {m.bundle_version}, " + (f"signed by key {key} (manifest.sig)" if key else
                                                       "unsigned (--sign-key or EDGESDK_SIGN_KEY signs it)"))
+        if key and m.bundle_version == 0:  # as `sign` warns: a signed release is one a device compares
+            _err(VERSION_0_WARNING)
     return key
 
 
@@ -413,7 +438,7 @@ def _check_reproducible(options, result, stamp, quiet: bool, log, on_stage) -> d
 def sign(
     bundle: Path = typer.Argument(..., help="A bundle directory (DIR/bundle: DIR/bundle.tar.gz is written again too) or a .tar.gz."),
     key: Path = typer.Option(..., "--key", "-k", envvar="EDGESDK_SIGN_KEY", help="The ed25519 private key (edgesdk keys generate)."),
-    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", min=0, help="Set the bundle's version as it is signed \\[default: keep the manifest's]."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", help="Set the bundle's version as it is signed, 0 to 2^63 - 1 \\[default: keep the manifest's]."),
 ) -> None:
     """Sign a bundle built earlier: manifest.sig over manifest.json, with its key id and version."""
     import tempfile
@@ -421,6 +446,7 @@ def sign(
     from .bundling import signing
     from .verify import opened_bundle
 
+    _check_bundle_version(bundle_version)
     signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
     if bundle.is_dir():  # in place; an edgesdk build's DIR/bundle.tar.gz beside it is written again
         tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
@@ -436,7 +462,7 @@ def sign(
         written = [bundle]
     print(f"signed {', '.join(map(str, written))}: key {signer.key_id}, bundle version {manifest.bundle_version}")
     if manifest.bundle_version == 0:
-        _err("warning: bundle version 0: devices cannot tell this bundle from an older one; give --bundle-version")
+        _err(VERSION_0_WARNING)
 
 
 @keys_app.command("generate")
@@ -662,19 +688,21 @@ def verify(
     installed_version: Optional[int] = typer.Option(None, "--installed-version", min=0, help="Refuse a bundle whose version is lower (rollback protection)."),
     allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="Accept a bundle older than the installed one (stated in the report)."),
     no_selftest: bool = typer.Option(False, "--no-selftest", help="Only check the signature, hashes and version."),
+    selftest_timeout: float = typer.Option(900.0, "--selftest-timeout", help="Seconds the self-test may take; then it is stopped with every process it started (exit 1)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
-    """Check the signature (with a key you give), every file's hash and the version, then run the golden
-    self-test on the bundle's own architecture."""
+    """Check the signature (with a key you give), every file's hash and the version, with edgesdk's own
+    code, then run the golden self-test on the bundle's own architecture."""
     from .verify import verify as run_verify
 
+    _check_timeout(selftest_timeout, "--selftest-timeout")
     keys = _trusted_keys(public_key, trust_dir, root)
     if root is not None and installed_version is None:
         from .runtime.install import installed_version as active_version
 
         installed_version = active_version(root)
     report = run_verify(bundle, run_selftest=not no_selftest, keys=keys, installed_version=installed_version,
-                        allow_downgrade=allow_downgrade)
+                        allow_downgrade=allow_downgrade, selftest_timeout=selftest_timeout)
     if as_json:
         print(json.dumps({"bundle": str(report.bundle), "hashes_ok": report.hashes_ok, "files": report.files,
                           "signature": report.signature, "bundle_version": report.bundle_version,
@@ -718,6 +746,7 @@ def bench(
     callers: str = typer.Option("1,2,4", "--callers", "-c", help="Concurrent callers to measure, joined by ','."),
     depth: Optional[str] = typer.Option(None, "--depth", "-d", help="Depths of the pipelined stream, joined by ',' \\[default: 1 and the devices + 1]."),
     frames: Optional[int] = typer.Option(None, "--frames", min=1, help="Frames per stream \\[default: from --runs]."),
+    timeout: float = typer.Option(3600.0, "--timeout", help="Seconds the bench may take; then it is stopped with every process it started (exit 1)."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON on stdout."),
 ) -> None:
     """How fast a bundle runs here: load time, latency percentiles, concurrent callers, the pipelined
@@ -728,6 +757,7 @@ def bench(
     from .runtime.bench import report
     from .verify import check_bundle, opened_bundle, runtime_process, where_it_runs
 
+    _check_timeout(timeout, "--timeout")
     for flag, value in (("--callers", callers), ("--depth", depth)):
         if value is not None and not all(x.strip().isdigit() and int(x) > 0 for x in value.split(",")):
             raise UsageError("bench.bad-counts", f"{flag} {value}: expected positive integers joined by ','",
@@ -742,8 +772,15 @@ def bench(
                 "--callers", callers, *(["--depth", depth] if depth else []),
                 *(["--frames", str(frames)] if frames else [])]
         # the runtime's progress goes straight to this terminal; its result comes back on stdout
-        proc = runtime_process(root, manifest, args, background=True, stdout=subprocess.PIPE, text=True)
-        out, _ = proc.communicate()
+        try:
+            proc = runtime_process(root, manifest, args, timeout=timeout, stdout=subprocess.PIPE, text=True,
+                                   errors="replace")
+        except subprocess.TimeoutExpired:
+            raise UserError("bench.timeout", f"{bundle}: the bench ({how}) did not finish in {timeout:g} s; it was "
+                            "stopped with every process it started",
+                            "give it longer with --timeout SECONDS, or fewer --runs; if it never finishes, run "
+                            "`edgesdk verify` on the bundle: its self-test shows whether it hangs") from None
+        out = proc.stdout
     try:
         result = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):

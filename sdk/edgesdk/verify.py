@@ -1,9 +1,11 @@
-"""Verify a bundle: every hash, then the golden self-test on the bundle's own architecture.
+"""Verify a bundle: the signature, every hash, then the golden self-test on the bundle's own architecture.
 
-The self-test runs in a separate Python process whose only import path is the bundle (so the
-bundle proves it is self-contained); for an aarch64 bundle on another host it runs under
-qemu-user in the arm64 root file system when one is present. When the self-test cannot run,
-the report says so plainly and never claims it passed.
+The signature (when a key is given) and every file are checked here, by the SDK's own code: nothing of
+the bundle runs before they passed. Only then does the self-test run the bundle's code, in a separate Python process whose only
+import path is the bundle (so the bundle proves it is self-contained), in a process group of its own that
+ends at the timeout with everything it started; for an aarch64 bundle on another host it runs under
+qemu-user in the arm64 root file system when one is present. When the self-test cannot run, the report
+says so plainly and never claims it passed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from .backends import qemu
 from .errors import UserError
 from .runtime import trust
 from .runtime.manifest import Manifest, ManifestError, RuntimeTooOld
+from .runtime.process import run_bounded
 from .runtime.unpack import UnpackError, max_bundle_bytes, unpack
+
+SELFTEST_TIMEOUT_S = 900.0  # `edgesdk verify --selftest-timeout`; the device's installer has its own
 
 
 @dataclass
@@ -155,7 +160,10 @@ def signature_state(bundle: Path, manifest: Manifest) -> str:
 
 
 def verify(path: Path, *, run_selftest: bool = True, keys: list[trust.TrustedKey] | None = None,
-           installed_version: int | None = None, allow_downgrade: bool = False) -> VerifyReport:
+           installed_version: int | None = None, allow_downgrade: bool = False,
+           selftest_timeout: float = SELFTEST_TIMEOUT_S) -> VerifyReport:
+    """The report on the bundle at `path`; `UserError` for a bundle refused before its self-test, and for
+    a self-test that did not finish within `selftest_timeout` seconds (`verify.selftest-timeout`)."""
     with opened_bundle(path) as bundle:
         verified = check_trust(bundle, Path(path), keys, installed_version=installed_version,
                                allow_downgrade=allow_downgrade)
@@ -168,7 +176,7 @@ def verify(path: Path, *, run_selftest: bool = True, keys: list[trust.TrustedKey
         if not run_selftest:
             report.detail = "self-test not requested (--no-selftest)"
             return report
-        proc = _selftest_process(bundle, manifest, report)
+        proc = _selftest_process(bundle, Path(path), manifest, report, selftest_timeout)
     if proc is None:
         return report
     try:
@@ -188,13 +196,21 @@ def verify(path: Path, *, run_selftest: bool = True, keys: list[trust.TrustedKey
     return report
 
 
-def _selftest_process(bundle: Path, manifest: Manifest, report: VerifyReport):
+def _selftest_process(bundle: Path, shown: Path, manifest: Manifest, report: VerifyReport, timeout: float):
     how, why_not = where_it_runs(manifest)
     if how is None:
         report.detail = f"self-test did NOT run: {why_not}"
         return None
     report.detail = f"{how} "
-    return runtime_process(bundle, manifest, ["selftest", "--json"], capture_output=True, text=True, timeout=900)
+    try:
+        return runtime_process(bundle, manifest, ["selftest", "--json"], timeout=timeout, capture_output=True,
+                               text=True, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise UserError("verify.selftest-timeout", f"{shown}: the self-test ({how}) did not finish in {timeout:g} s; "
+                        "it was stopped with every process it started",
+                        "give it longer with --selftest-timeout SECONDS (qemu-user runs a bundle many times slower "
+                        "than the board); if it never finishes, the bundle hangs on this host: rebuild it, and "
+                        "report it if a fresh build hangs too") from None
 
 
 def where_it_runs(manifest: Manifest) -> tuple[str | None, str]:
@@ -212,24 +228,23 @@ def where_it_runs(manifest: Manifest) -> tuple[str | None, str]:
     return None, f"the bundle is for {manifest.arch} and this host is {host}"
 
 
-def runtime_process(bundle: Path, manifest: Manifest, args: list[str], *, background: bool = False, **kwargs):
+def runtime_process(bundle: Path, manifest: Manifest, args: list[str], *, timeout: float,
+                    **kwargs) -> subprocess.CompletedProcess:
     """`python -B -m runtime ARGS` in the bundle, with only the bundle on the import path: natively, or
     under qemu-user for an aarch64 bundle (with EDGESDK_EMULATED=qemu-user), as `where_it_runs` says it
-    can. `subprocess.run` (its CompletedProcess), or with `background` a Popen; `kwargs` go to either."""
+    can. Run by `runtime.process.run_bounded`: after `timeout` seconds the process and everything it
+    started (the emulator's guest processes too) are killed and `subprocess.TimeoutExpired` is raised.
+    `kwargs` go to `subprocess.Popen` (stdout, stderr, text, capture_output)."""
     root = str(bundle.resolve())
     if manifest.arch == platform.machine():
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         # -B: no bytecode written into the bundle, which must stay byte for byte what was hashed
         env.update(PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
         command = [sys.executable, "-B", "-m", "runtime", *args]
-        return (subprocess.Popen if background else subprocess.run)(command, cwd=bundle, env=env, **kwargs)
-    guest = {"PYTHONPATH": root, "EDGESDK_EMULATED": "qemu-user"}
-    if background:
-        return qemu.start_python(qemu.find_rootfs(), ["-B", "-m", "runtime", *args], cwd=bundle.resolve(),
-                                 env=guest, **kwargs)
-    # run_python captures stdout and stderr as text itself
-    return qemu.run_python(qemu.find_rootfs(), ["-B", "-m", "runtime", *args], cwd=bundle.resolve(), env=guest,
-                           timeout=kwargs.get("timeout", 900))
+    else:
+        command, env = qemu.guest_command(qemu.find_rootfs(), ["-B", "-m", "runtime", *args],
+                                          {"PYTHONPATH": root, "EDGESDK_EMULATED": "qemu-user"})
+    return run_bounded(command, timeout=timeout, cwd=bundle.resolve(), env=env, **kwargs)
 
 
 def _has_gpu() -> bool:

@@ -5,6 +5,7 @@ version floor holds. The CLI's refusals are in tests/test_signing_e2e.py."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -98,3 +99,44 @@ def test_key_files(tmp_path):
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     with pytest.raises(trust.KeyFileError, match="not an ed25519 key"):
         trust.load_public_key(tmp_path / "ec.pub")
+
+
+def test_key_files_are_read_as_small_regular_files(tmp_path):
+    """A FIFO (whose open would wait for a writer), a device (/dev/zero never ends), a directory or a huge
+    file given as a key, or found as a *.pub in a trust directory, is refused at once."""
+    _, public, key_id = signing.generate_keys(tmp_path / "k")
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "huge.pub").write_bytes(b"-" * (trust.MAX_KEY_FILE_BYTES + 1))
+    for bad, needle in ((fifo, f"public key {fifo}: a FIFO, not a regular file"),
+                        (Path("/dev/zero"), "public key /dev/zero: a character device, not a regular file"),
+                        (tmp_path / "huge.pub", "huge.pub: larger than 16,384 bytes, more than such a file holds")):
+        with pytest.raises(trust.KeyFileError) as e:
+            trust.load_trust(bad)
+        assert needle in str(e.value)
+    rotation = tmp_path / "trust"
+    rotation.mkdir()
+    shutil.copy(public, rotation)
+    assert [k.key_id for k in trust.load_trust(rotation)] == [key_id]
+    (rotation / "a-dir.pub").mkdir()
+    with pytest.raises(trust.KeyFileError, match="a-dir.pub: a directory, not a regular file"):
+        trust.load_trust(rotation)
+    (rotation / "a-dir.pub").rmdir()
+    os.mkfifo(rotation / "planted.pub")
+    with pytest.raises(trust.KeyFileError, match="planted.pub: a FIFO, not a regular file"):
+        trust.load_trust(rotation)
+    (tmp_path / "link.pub").symlink_to(public)  # a key provisioned as a link is read through it
+    assert trust.load_public_key(tmp_path / "link.pub").key_id == key_id
+
+
+def test_a_signed_manifest_with_trailing_data_is_refused_as_not_json(tmp_path):
+    private, public, key_id = signing.generate_keys(tmp_path / "k")
+    keys, key = trust.load_trust(public), signing.load_private_key(private)
+    for data, reason in ((b'{"signing": {"key_id": "%s"}}\n{}\n' % key_id.encode(), "Extra data: line 2 column 1"),
+                         (b'{"signing": {"key_id": "%s"}' % key_id.encode(), "Expecting ',' delimiter"),
+                         (b"\xff" + b"{}", "can't decode byte 0xff")):
+        with pytest.raises(trust.TrustError) as e:
+            trust.check_signature(data, key.sign(data), keys)
+        assert e.value.code == "manifest"
+        assert str(e.value).startswith(f"manifest.json: signed by key {key_id}, but not a JSON document (")
+        assert reason in str(e.value)

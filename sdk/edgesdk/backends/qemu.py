@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import UserError
+from ..runtime.process import run_bounded
 
 QEMU = "qemu-aarch64-static"
 SITE = "opt/edgesdk-site"  # where the script installs the aarch64 wheels, relative to the rootfs
@@ -70,21 +71,25 @@ def run_python(
     followed by the rootfs's site, and a few harmless host variables (HOME, TMPDIR, locale, thread
     counts); `env`'s other entries are added last. The guest's `sys.executable` is an aarch64 binary
     that the host cannot exec directly: code run this way must not spawn Python subprocesses.
-    Raises `subprocess.TimeoutExpired` after `timeout` seconds; a non-zero exit is the caller's to read.
+    Raises `subprocess.TimeoutExpired` after `timeout` seconds, once qemu and every process the guest
+    started were killed (`runtime.process.run_bounded`); a non-zero exit is the caller's to read.
     """
-    command, guest = _guest_command(rootfs, args, env)
-    return subprocess.run(command, cwd=cwd, env=guest, capture_output=True, text=True, timeout=timeout)
+    command, guest = guest_command(rootfs, args, env)
+    return run_bounded(command, timeout=timeout, cwd=cwd, env=guest, capture_output=True, text=True,
+                       errors="replace")
 
 
 def start_python(rootfs: Path, args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
                  **popen: object) -> subprocess.Popen:
     """`run_python`'s guest, started in the background (a server): a Popen in a new session, so
     that `os.killpg(proc.pid, ...)` stops it with everything it forked."""
-    command, guest = _guest_command(rootfs, args, env)
+    command, guest = guest_command(rootfs, args, env)
     return subprocess.Popen(command, cwd=cwd, env=guest, start_new_session=True, **popen)  # type: ignore[arg-type]
 
 
-def _guest_command(rootfs: Path, args: list[str], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+def guest_command(rootfs: Path, args: list[str], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """The host command that runs the rootfs's `python3 ARGS...` under qemu-user, and its environment
+    (as `run_python` describes it)."""
     qemu = shutil.which(QEMU)
     if qemu is None:
         raise UserError(

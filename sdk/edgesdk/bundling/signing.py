@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError, UserError
 from ..runtime import trust
-from ..runtime.manifest import Manifest, ManifestError
+from ..runtime.files import UnreadableFile, read_regular_file
+from ..runtime.manifest import MAX_BUNDLE_VERSION, Manifest, ManifestError
 from .archive import write_tarball
 
 ENV_KEY = "EDGESDK_SIGN_KEY"
 ENV_PASSPHRASE = "EDGESDK_SIGN_KEY_PASSPHRASE"
+MAX_PASSPHRASE_BYTES = 1023  # the most OpenSSL's PEM encryption takes
 
 
 @dataclass(frozen=True)
@@ -45,27 +48,58 @@ def generate_keys(out_dir: Path, name: str = "edgesdk") -> tuple[Path, Path, str
     if not name or "/" in name or name.startswith("."):
         raise UsageError("keys.bad-name", f"--name {name!r} is not a file name", "give a plain name like vendor-2026")
     out_dir = Path(out_dir)
+    hint = "give a directory for NAME.key and NAME.pub with --out (it is made if missing)"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError("keys.bad-out", f"--out {out_dir}: not a directory", hint)
     private, public = out_dir / f"{name}.key", out_dir / f"{name}.pub"
     for p in (private, public):
-        if p.exists():
+        if p.exists() or p.is_symlink():
             raise UserError("keys.exists", f"{p} already exists: a key is never overwritten",
                             "choose another --name or --out; a key devices trust cannot be made again")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    passphrase = _passphrase()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError("keys.bad-out", f"--out {out_dir}: cannot be made ({e.strerror or e})", hint) from None
     key = Ed25519PrivateKey.generate()
-    passphrase = os.environ.get(ENV_PASSPHRASE, "").encode()
     encryption = (serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption())
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    # the private key is created with 0600 from its first byte (O_EXCL: never through an existing file)
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # the private key is created with 0600 from its first byte; O_EXCL|O_NOFOLLOW: never through an
+    # existing file or a link planted in its place
+    try:
+        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise UsageError("keys.bad-out", f"{private}: cannot be written ({e.strerror or e})", hint) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+        _write_atomic(public, pub, 0o644)
     except BaseException:
         private.unlink(missing_ok=True)
         raise
-    _write_atomic(public, pub, 0o644)
     return private, public, trust.key_id(key.public_key())
+
+
+def _passphrase() -> bytes | None:
+    """EDGESDK_SIGN_KEY_PASSPHRASE as bytes (None: unset or empty); one that is not UTF-8 text, or longer
+    than OpenSSL takes, is a usage error."""
+    raw = os.environb.get(ENV_PASSPHRASE.encode()) if os.supports_bytes_environ else None
+    if raw is None:
+        raw = os.environ.get(ENV_PASSPHRASE, "").encode("utf-8", "surrogateescape")
+    if not raw:
+        return None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("keys.passphrase", f"{ENV_PASSPHRASE} is not UTF-8 text",
+                         "set it to the passphrase as UTF-8 text") from None
+    if len(raw) > MAX_PASSPHRASE_BYTES:
+        raise UsageError("keys.passphrase", f"{ENV_PASSPHRASE} is {len(raw):,} bytes long, more than the "
+                         f"{MAX_PASSPHRASE_BYTES} a key's encryption takes", "choose a shorter passphrase")
+    return raw
 
 
 def load_private_key(path: Path | str, *, warn=lambda s: None) -> SigningKey:
@@ -77,15 +111,17 @@ def load_private_key(path: Path | str, *, warn=lambda s: None) -> SigningKey:
     path = Path(path)
     hint = "give the NAME.key that `edgesdk keys generate` wrote (--sign-key or EDGESDK_SIGN_KEY)"
     try:
-        data = path.read_bytes()[: trust.MAX_KEY_FILE_BYTES + 1]
+        data = read_regular_file(path, trust.MAX_KEY_FILE_BYTES, "signing key")
         mode = path.stat().st_mode
+    except UnreadableFile as e:
+        raise UsageError("keys.unreadable", str(e), hint) from None
     except OSError as e:
         raise UsageError("keys.unreadable", f"signing key {path}: cannot be read ({e.strerror or e})", hint) from None
     if b"PRIVATE KEY" not in data:
         raise UsageError("keys.not-private", f"signing key {path}: not a private key"
                          + (" (this is a public key: devices hold it, builds sign with NAME.key)"
                             if b"PUBLIC KEY" in data else ""), hint)
-    passphrase = os.environ.get(ENV_PASSPHRASE, "").encode() or None
+    passphrase = _passphrase()
     try:
         load = (serialization.load_ssh_private_key if b"OPENSSH" in data else serialization.load_pem_private_key)
         key = load(data, password=passphrase)
@@ -109,7 +145,13 @@ def stamp(bundle: Path, *, version: int | None = None, key: SigningKey | None = 
     """Set the bundle's version and sign it: manifest.json rewritten with `bundle_version` (when given)
     and `signing`, manifest.sig written (or removed when unsigned: an old signature no longer fits),
     and `tarball` written again from the directory. Every file must match the manifest first: a
-    changed bundle is never signed. Each file is replaced by a rename."""
+    changed bundle is never signed. The new manifest is checked against its schema and the new signature
+    against the key before anything is written, so a bundle that verified is never replaced by one that
+    does not; each file is then replaced by a rename."""
+    if version is not None and not 0 <= version <= MAX_BUNDLE_VERSION:
+        raise UsageError("sign.bad-version", f"bundle version {version}: outside the versions a manifest holds, "
+                         f"0 to {MAX_BUNDLE_VERSION} (2^63 - 1, manifest.bundle_version)",
+                         "give a version in that range")
     bundle = Path(bundle)
     text, _ = trust.read_signed(bundle)
     try:
@@ -126,11 +168,26 @@ def stamp(bundle: Path, *, version: int | None = None, key: SigningKey | None = 
         manifest = dataclasses.replace(manifest, bundle_version=version)
     manifest = dataclasses.replace(manifest, signing={"algorithm": "ed25519", "key_id": key.key_id} if key else {})
     data = manifest.to_json().encode()
-    _write_atomic(bundle / "manifest.json", data, 0o644)
-    if key is not None:
-        _write_atomic(bundle / trust.SIGNATURE_FILE, key.sign(data), 0o644)
-    else:
+    signature = key.sign(data) if key is not None else None
+    try:  # what every verifier will do with the two files, done before either is written
+        Manifest.from_json(data)
+        if key is not None:
+            trust.check_signature(data, signature, [trust.TrustedKey(key.key_id, key.path, key.key.public_key())])
+    except (ManifestError, trust.TrustError) as e:
+        raise UserError("sign.not-verifiable", f"{bundle}: the signed manifest would not verify ({e}), so nothing "
+                        "was written", "the bundle is damaged or was not written by this edgesdk; rebuild it") from None
+    # both files written in full first, then renamed one right after the other
+    staged = [(_staged(bundle / "manifest.json", data, 0o644), bundle / "manifest.json")]
+    try:
+        if signature is not None:
+            staged.append((_staged(bundle / trust.SIGNATURE_FILE, signature, 0o644), bundle / trust.SIGNATURE_FILE))
+    except BaseException:
+        staged[0][0].unlink(missing_ok=True)
+        raise
+    if signature is None:
         (bundle / trust.SIGNATURE_FILE).unlink(missing_ok=True)
+    for tmp, dest in staged:
+        os.replace(tmp, dest)
     if tarball is not None:
         write_tarball(bundle, tarball)
     return manifest
@@ -165,10 +222,21 @@ def verify_file(path: Path, keys: list[trust.TrustedKey]) -> trust.TrustedKey:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """`path` replaced by a rename of a new, complete file beside it."""
+    os.replace(_staged(path, data, mode), path)
+
+
+def _staged(path: Path, data: bytes, mode: int) -> Path:
+    """A new temporary file beside `path` holding `data`, written and fsynced. mkstemp creates it under
+    a fresh name with O_EXCL, so a link planted where a temporary would go is never written through."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)

@@ -4,19 +4,25 @@ and verification refuses a bundle that holds any.
 
   python -B -m runtime selftest [--json]          the golden self-test of this bundle
   python -B -m runtime run IN.npz OUT.npz         run this bundle on IN's arrays
-  python -B -m runtime verify [BUNDLE] (--public-key PUB | --trust DIR | --root ROOT) [--allow-downgrade]
-                                                  signature, files and version of BUNDLE (default: this one)
-  python -B -m runtime install BUNDLE.tar.gz --root ROOT [--trust DIR] [--allow-downgrade]
-                                                  unpack, verify, self-test in the free slot, then switch
-  python -B -m runtime rollback --root ROOT       make the previous slot active again
-  python -B -m runtime status --root ROOT [--json]  which slot is active, with what
   python -B -m runtime bench [BUNDLE] [--runs N] [--callers 1,2,4] [--depth 1,3] [--json]
                                                   latency percentiles, concurrent callers, the stream, segments
 
-The key always comes from the device: --public-key, --trust, or ROOT/trust/ (docs/trust.md).
+A bundle never checks itself: verify and install check ANOTHER bundle, and are run by a runtime the
+device already trusts (the active slot's, or one its image installs), from outside the bundle checked:
+
+  cd / && PYTHONPATH=ROOT/slots/<active> python3 -B -m runtime verify BUNDLE --root ROOT [--allow-downgrade]
+                                                  signature, files and version of BUNDLE (or --public-key
+                                                  PUB | --trust DIR instead of ROOT's trust/)
+  cd / && PYTHONPATH=ROOT/slots/<active> python3 -B -m runtime install BUNDLE.tar.gz --root ROOT
+                                                  unpack, verify, self-test in the free slot, then switch
+  python -B -m runtime rollback --root ROOT       make the previous slot active again
+  python -B -m runtime status --root ROOT [--json]  which slot is active, with what
+
+The key always comes from the device: --public-key, --trust, or ROOT/trust/ (docs/trust.md, "Who verifies
+a bundle on a device").
 
 Exit codes: 0 ok, 1 a failed self-test, a damaged or untrusted bundle or an input the model refuses,
-2 a wrong invocation or an unusable key.
+2 a wrong invocation (a runtime asked to verify its own bundle too) or an unusable key.
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ HERE = Path(__file__).resolve().parents[1]  # the bundle this runtime ships in
 
 
 def _verify(args: argparse.Namespace) -> int:
+    bundle = Path(args.bundle)
+    if _same_directory(bundle, HERE):
+        # A tampered bundle's runtime would pass its own files: only code trusted beforehand may judge it.
+        print(f"error: {bundle} is the bundle this runtime was loaded from: a bundle cannot vouch for itself "
+              "(its own, unchecked code would check it)", file=sys.stderr)
+        print(f"hint: verify it with the runtime the device already trusts, from outside the bundle: cd / && "
+              f"PYTHONPATH=ROOT/slots/<active> python3 -B -m runtime verify {bundle.resolve()} --root ROOT "
+              "(or `edgesdk verify BUNDLE --public-key PUB` on a host)", file=sys.stderr)
+        return 2
     from .trust import load_trust, verify_bundle
 
-    bundle = Path(args.bundle) if args.bundle else HERE
     keys_from = args.public_key or args.trust or (Path(args.root) / "trust" if args.root else None)
     if keys_from is None:
         print("error: no key to verify with: give --public-key PUB, --trust DIR or --root ROOT (its trust/)",
@@ -50,6 +64,13 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"verified: {bundle}: signed by key {result.key.key_id} ({result.key.path.name}), {len(m.files)} files "
           f"match, bundle version {m.bundle_version}" + (f" (installed: {installed})" if installed is not None else ""))
     return 0
+
+
+def _same_directory(a: Path, b: Path) -> bool:
+    try:
+        return a.is_dir() and b.is_dir() and a.samefile(b)
+    except OSError:
+        return False
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -84,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run this bundle on IN.npz's arrays, writing OUT.npz")
     r.add_argument("inputs")
     r.add_argument("outputs")
-    v = sub.add_parser("verify", help="check a bundle's signature, files and version against the device's keys")
-    v.add_argument("bundle", nargs="?", help="a bundle directory (default: the one this runtime ships in)")
+    v = sub.add_parser("verify", help="check another bundle's signature, files and version against the device's keys")
+    v.add_argument("bundle", help="a bundle directory, never the one this runtime was loaded from: run the "
+                   "device's trusted runtime (the active slot's) from outside the bundle")
     keys = v.add_mutually_exclusive_group()
     keys.add_argument("--public-key", help="an ed25519 public key file (NAME.pub)")
     keys.add_argument("--trust", help="a directory of public keys (*.pub): any of them may sign")

@@ -257,6 +257,7 @@ def path_problem(bundle: Path, rel: str) -> str:
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_ITEMS = 100_000  # segments, files, tensors per list
 MAX_TEXT = 65_536
+MAX_BUNDLE_VERSION = 2**63 - 1  # a signed 64-bit integer: what every reader of a version can hold
 DTYPES = ("float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
           "uint64", "bool")
 BACKENDS = ("tvm", "tflite", "onnxruntime")
@@ -541,7 +542,7 @@ MANIFEST = _object(
      "pruning": _both(_object({}, extra=True), _PRUNING),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
                    key_spec=_path),
-     "bundle_version": _integer(0, 2**63 - 1),
+     "bundle_version": _integer(0, MAX_BUNDLE_VERSION),
      "signing": _object({}, {"algorithm": _literal("ed25519"),
                              "key_id": _pattern(re.compile(r"^[0-9a-f]{16}$"), "a key id (16 hex characters)")}),
      "provenance": _object({}, extra=True)},

@@ -27,12 +27,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .files import UnreadableFile, read_regular_file
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, path_problem
 
 SIGNATURE_FILE = "manifest.sig"
 SIGNATURE_BYTES = 64  # an ed25519 signature
 KEY_ID_CHARS = 16  # hex characters of sha256(raw public key) that name a key
-MAX_KEY_FILE_BYTES = 16 << 10
+MAX_KEY_FILE_BYTES = 16 << 10  # an ed25519 key file is under 1 KiB, encrypted or not
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -83,10 +84,9 @@ def load_public_key(path: Path) -> TrustedKey:
 
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_KEY_FILE_BYTES + 1)
-    except OSError as e:
-        raise KeyFileError(f"public key {path}: cannot be read ({e.strerror or e})") from None
+        data = read_regular_file(path, MAX_KEY_FILE_BYTES, "public key")
+    except UnreadableFile as e:
+        raise KeyFileError(str(e)) from None
     if b"PRIVATE KEY" in data:
         raise KeyFileError(f"public key {path}: this is a private key; a device holds only public keys (NAME.pub)")
     try:
@@ -100,10 +100,11 @@ def load_public_key(path: Path) -> TrustedKey:
 
 def load_trust(path: Path) -> list[TrustedKey]:
     """The keys a device trusts: one public key file, or every *.pub file in a directory (a trust
-    directory holds the old and the new key while a key is rotated)."""
+    directory holds the old and the new key while a key is rotated). Every *.pub is read as a key:
+    one that is not a regular file (a FIFO, a directory) is refused, never skipped or waited on."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".pub" and p.is_file())
+        files = sorted(p for p in path.iterdir() if p.suffix == ".pub")
         if not files:
             raise KeyFileError(f"trust directory {path}: holds no public key (*.pub)")
         return [load_public_key(p) for p in files]
@@ -128,6 +129,9 @@ def check_signature(manifest_bytes: bytes, signature: bytes | None, keys: list[T
             k.key.verify(signature, manifest_bytes)
         except InvalidSignature:
             continue
+        if claimed is None and (problem := _not_json(manifest_bytes)):
+            raise TrustError("manifest", f"manifest.json: signed by key {k.key_id}, but not a JSON document "
+                             f"({problem}): no runtime can read it")
         if claimed != k.key_id:
             raise TrustError("signature-bad", f"manifest.signing.key_id is {claimed!r} but the signature is by "
                              f"key {k.key_id}: the manifest was changed")
@@ -147,6 +151,17 @@ def _claimed_key(manifest_bytes: bytes) -> str | None:
     except (ValueError, AttributeError, RecursionError):
         return None
     return claimed if isinstance(claimed, str) and _KEY_ID.match(claimed) else None
+
+
+def _not_json(manifest_bytes: bytes) -> str | None:
+    """Why `manifest_bytes` is not one JSON document (trailing data after it, say); None when it is."""
+    try:
+        json.loads(manifest_bytes)
+    except RecursionError:
+        return "nested too deeply"
+    except ValueError as e:
+        return str(e)[:200]
+    return None
 
 
 def file_problems(bundle: Path, manifest: Manifest) -> list[str]:
