@@ -684,7 +684,7 @@ def verify(
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
     public_key: Optional[Path] = typer.Option(None, "--public-key", help="Check the signature with this ed25519 public key (NAME.pub); the key never comes from the bundle."),
     trust_dir: Optional[Path] = typer.Option(None, "--trust", help="Check the signature with any key in this directory (*.pub): the old and the new key while one is rotated."),
-    root: Optional[Path] = typer.Option(None, "--root", help="A device's install root (python -m runtime install): its trust/ keys, and its active bundle's version, below which a bundle is refused."),
+    root: Optional[Path] = typer.Option(None, "--root", help="A device's install root (python -m runtime install): its trust/ keys, and its floor, the newest version it ever installed, below which a bundle is refused."),
     installed_version: Optional[int] = typer.Option(None, "--installed-version", min=0, help="Refuse a bundle whose version is lower (rollback protection)."),
     allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="Accept a bundle older than the installed one (stated in the report)."),
     no_selftest: bool = typer.Option(False, "--no-selftest", help="Only check the signature, hashes and version."),
@@ -698,9 +698,12 @@ def verify(
     _check_timeout(selftest_timeout, "--selftest-timeout")
     keys = _trusted_keys(public_key, trust_dir, root)
     if root is not None and installed_version is None:
-        from .runtime.install import installed_version as active_version
+        from .runtime.install import InstallError, version_floor
 
-        installed_version = active_version(root)
+        try:
+            installed_version = version_floor(root)  # not the active one's: a rollback does not lower it
+        except InstallError as e:
+            raise UserError("install.bad-state", str(e), e.hint) from None
     report = run_verify(bundle, run_selftest=not no_selftest, keys=keys, installed_version=installed_version,
                         allow_downgrade=allow_downgrade, selftest_timeout=selftest_timeout)
     if as_json:

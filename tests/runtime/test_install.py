@@ -13,6 +13,9 @@ the same active slot with the same record, and that slot's bundle still verifies
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
 import fcntl
 import gzip
 import hashlib
@@ -21,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -34,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.bundling.archive import file_table, savez
 from edgesdk.bundling.signing import SigningKey, generate_keys, load_private_key, stamp
+from edgesdk.runtime import unpack as unpack_module
 from edgesdk.runtime.install import CRASH_ENV, STEPS, installed_version
 from edgesdk.runtime.trust import load_trust, verify_bundle
 from edgesdk.runtime.unpack import UnpackError, unpack
@@ -119,14 +124,15 @@ def _empty_root(release: Release, root: Path) -> Path:
     return root
 
 
-def runtime(release: Release, *args, env: dict[str, str] | None = None,
-            max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
+def runtime(release: Release, *args, env: dict[str, str] | None = None, max_file_bytes: int | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -B -m runtime ARGS` as on a device: the runtime the built bundle ships, nothing else.
-    `max_file_bytes`: no file may grow past it (RLIMIT_FSIZE: a write past it fails as on a full disk)."""
+    `max_file_bytes`: no file may grow past it (RLIMIT_FSIZE: a write past it fails as on a full disk);
+    `timeout`: where a hang is the failure looked for, it fails the test rather than stalling it."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CRASH_ENV)}
     return subprocess.run([sys.executable, "-B", "-m", "runtime", *map(str, args)], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": str(release.bundle), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
-                          cwd=release.work, timeout=300,
+                          cwd=release.work, timeout=timeout,
                           preexec_fn=(lambda: _limit_files(max_file_bytes)) if max_file_bytes else None)
 
 
@@ -142,6 +148,16 @@ def status(release: Release, root: Path) -> dict:
     proc = runtime(release, "status", "--root", root, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def host_verify(capsys, *args) -> subprocess.CompletedProcess:
+    """`edgesdk verify ARGS --no-selftest` on the build host, in this process."""
+    from edgesdk.cli import main
+
+    capsys.readouterr()
+    code = main(["verify", *map(str, args), "--no-selftest"])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["edgesdk", "verify"], code, out.out, out.err)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, code: int, needle: str) -> None:
@@ -428,6 +444,314 @@ def test_bad_invocations_exit_2(release, versions, tmp_path):
     root.mkdir()
     assert_refused(runtime(release, "install", versions[1], "--root", root), 2, f"--root {root}: no trust/ directory, so no key to check a bundle with")
     assert os.listdir(root) == []  # no key: refused before the lock, nothing written
+
+
+# --- archives and bundles padded with directories ----------------------------------------------------
+
+
+def _directories(*names: str) -> list[tuple[tarfile.TarInfo, None]]:
+    return [(_member(name, tarfile.DIRTYPE, mode=0o755), None) for name in names]
+
+
+def test_directories_the_manifest_does_not_need_are_refused_before_anything_is_written(release, versions, root,
+                                                                                        tmp_path):
+    """A genuine signed archive padded with empty directories: an empty `tflite_runtime/interpreter/`
+    would be importable from the slot. Refused by the installer and by the unpacking `edgesdk verify`
+    shares, before a byte is written."""
+    from edgesdk.errors import UserError
+    from edgesdk.verify import verify
+
+    pads = [f"bundle/pad/{i}" for i in range(4)]
+    archive = rewritten(versions[3], tmp_path / "a.tar.gz",
+                        extra=_directories("bundle/tflite_runtime", "bundle/tflite_runtime/interpreter", *pads))
+    before = status(release, root)
+    proc = runtime(release, "install", archive, "--root", root)
+    assert_refused(proc, 1, f"error: {archive}: member 'bundle/tflite_runtime/' is a directory the manifest lists "
+                   "no file in")
+    assert_still_active(release, root, before)
+    assert sorted(os.listdir(root)) == ROOT_ENTRIES and not list(root.rglob("tflite_runtime"))
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(UnpackError) as e:
+        unpack(archive, tmp_path / "dest", 1 << 30)
+    assert e.value.code == "bundle.unlisted-member" and not list((tmp_path / "dest").iterdir())
+    with pytest.raises(UserError, match="member 'bundle/tflite_runtime/' is a directory the manifest lists no file"):
+        verify(archive, run_selftest=False)
+    # the directories a bundle needs pass: the archive as edgesdk wrote it unpacks
+    assert verify_bundle(unpack(versions[3], tmp_path / "dest", 1 << 30), load_trust(release.trust))
+
+
+def test_an_archive_of_too_many_members_is_refused_before_anything_is_written(versions, tmp_path, monkeypatch):
+    with tarfile.open(versions[1]) as tar:
+        count = len(tar.getmembers())
+    monkeypatch.setattr(unpack_module, "MAX_MEMBERS", count)  # the real bound (10,000) costs 10,000 members
+    (tmp_path / "dest").mkdir()
+    assert unpack(versions[1], tmp_path / "dest", 1 << 30).is_dir()  # at the bound: unpacked
+    shutil.rmtree(tmp_path / "dest")
+    (tmp_path / "dest").mkdir()
+    archive = rewritten(versions[1], tmp_path / "a.tar.gz", extra=_directories("bundle/x"))
+    with pytest.raises(UnpackError, match=f"holds more than {count:,} members; a bundle holds its files") as e:
+        unpack(archive, tmp_path / "dest", 1 << 30)
+    assert e.value.code == "bundle.too-many-members" and not list((tmp_path / "dest").iterdir())
+
+
+def test_an_empty_directory_the_manifest_does_not_need_fails_a_bundle(release, root, tmp_path):
+    """In a bundle directory under verification, by the device's verifier and the host's."""
+    from edgesdk.errors import UserError
+    from edgesdk.verify import verify
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(root / "slots" / "b", bundle)
+    (bundle / "tflite_runtime" / "interpreter").mkdir(parents=True)
+    proc = runtime(release, "verify", bundle, "--root", root)
+    assert_refused(proc, 1, "error: not trusted: 1 file(s) do not match the manifest: tflite_runtime/interpreter: "
+                   "a directory the manifest lists no file in")
+    with pytest.raises(UserError, match="1 file"):
+        verify(bundle, run_selftest=False)
+    (bundle / "tflite_runtime" / "interpreter").rmdir()
+    (bundle / "tflite_runtime").rmdir()
+    assert runtime(release, "verify", bundle, "--root", root).returncode == 0
+
+
+# --- a root with links, a damaged root ---------------------------------------------------------------
+
+
+def _tree(path: Path) -> dict[str, object]:
+    """Everything under `path`: each regular file's bytes, each link's target, every entry's mode."""
+    seen: dict[str, object] = {}
+    for p in sorted(path.rglob("*")):
+        mode = p.lstat().st_mode
+        content = os.readlink(p) if p.is_symlink() else p.read_bytes() if stat.S_ISREG(mode) else None
+        seen[p.relative_to(path).as_posix()] = (mode, content)
+    return seen
+
+
+@pytest.mark.parametrize("entry", ["slots", "staging", "state.json"])
+def test_a_link_in_the_root_is_refused_and_nothing_outside_it_changes(release, versions, root, tmp_path, entry):
+    """A root whose `slots` (or `staging`, or `state.json`) is a link: install, rollback and status
+    refuse it before anything is moved, removed or written, and where it leads stays byte for byte."""
+    victim = tmp_path / "victim"
+    if entry == "slots":  # another bundle's slots: the link would have them removed and written over
+        shutil.copytree(root / "slots", victim)
+        shutil.rmtree(root / "slots")
+    elif entry == "staging":
+        victim.mkdir()
+        (victim / "keep.txt").write_text("someone else's\n")
+    else:
+        victim.mkdir()
+        (root / "state.json").rename(victim / "state.json")
+    target = victim / "state.json" if entry == "state.json" else victim
+    (root / entry).symlink_to(target)
+    seen, root_seen = _tree(victim), _tree(root)
+    for args in (["install", versions[3]], ["rollback"], ["status"]):
+        proc = runtime(release, *args, "--root", root)
+        assert_refused(proc, 1, f"error: {root / entry}: is a link (to {target}); every entry of an install root "
+                       "is inside it, and install, rollback and status follow no link there")
+        noun = {"slots": "directory", "staging": "leftover", "state.json": "state file"}[entry]
+        assert f"hint: put the {noun} itself at {root / entry}, or remove the link; nothing changed" in proc.stderr
+        assert _tree(victim) == seen and _tree(root) == root_seen
+
+
+def test_a_state_file_linked_to_dev_zero_is_refused(release, root, tmp_path):
+    (root / "state.json").unlink()
+    (root / "state.json").symlink_to("/dev/zero")
+    assert_refused(runtime(release, "status", "--root", root, timeout=60), 1,
+                   f"error: {root / 'state.json'}: is a link (to /dev/zero)")
+    proc = runtime(release, "verify", root / "slots" / "b", "--root", root, timeout=60)
+    assert_refused(proc, 1, f"error: {root / 'state.json'}: a link, not a regular file")
+    assert "hint: the install root is damaged: restore state.json from a backup" in proc.stderr
+
+
+_DAMAGED_STATES = {
+    "not-json": (b"{\"active\": ", "not valid JSON (Expecting value: line 1 column 12 (char 11))"),
+    "version-true": ({"bundle_version": True}, "slots.b.bundle_version is true, not an integer from 0 to 9223372036854775807"),
+    "version-negative": ({"bundle_version": -7}, "slots.b.bundle_version is -7, not an integer from 0 to"),
+    "version-past-int64": ({"bundle_version": 2**63}, "slots.b.bundle_version is 9223372036854775808, not an integer"),
+    "active-a-list": ({"active": ["b"]}, 'active is ["b"], not one of a, b or null'),
+    "slot-c": ({"slots": {"c": {"bundle_version": 1}}}, "slots holds 'c', not one of a, b"),
+    "floor-text": ({"floor": "high"}, 'floor is "high", not an integer from 0 to 9223372036854775807 or null'),
+    "model-number": ({"model": 7}, "slots.b.model is 7, not a string"),
+    "a-fifo": (None, "not a regular file (a FIFO)"),
+}
+
+
+@pytest.mark.parametrize("case", _DAMAGED_STATES)
+def test_a_damaged_state_file_is_said_by_every_command(release, versions, root, case, capsys):
+    """state.json with a wrong type, a value out of range, an unknown slot, or a FIFO in its place: the
+    device's verify, status, install and rollback, and the host's `edgesdk verify --root`, each refuse
+    it (exit 1) and change nothing."""
+    damage, needle = _DAMAGED_STATES[case]
+    path = root / "state.json"
+    state = json.loads(path.read_text())
+    if isinstance(damage, bytes):
+        path.write_bytes(damage)
+    elif damage is None:
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        if set(damage) <= {"bundle_version", "model"}:
+            state["slots"]["b"].update(damage)
+        elif "slots" in damage:
+            state["slots"].update(damage["slots"])
+        else:
+            state.update(damage)
+        path.write_text(json.dumps(state))
+    seen = _tree(root)
+    for args in (["verify", root / "slots" / "b"], ["status"], ["install", versions[3]], ["rollback"]):
+        proc = runtime(release, *args, "--root", root, timeout=60)
+        assert_refused(proc, 1, f"error: {path}: ")
+        assert needle in proc.stderr and "hint: the install root is damaged: restore state.json from a backup" \
+            in proc.stderr, proc.stderr
+    proc = host_verify(capsys, root / "slots" / "b", "--root", root)
+    assert_refused(proc, 1, f"error: {path}: ")
+    assert needle in proc.stderr and "hint: the install root is damaged" in proc.stderr
+    pid = "install.lock"  # the one write: the pid of the last command that held the lock
+    assert {k: v for k, v in _tree(root).items() if k != pid} == {k: v for k, v in seen.items() if k != pid}
+
+
+def test_a_state_file_of_an_older_installer_keeps_its_floor(release, versions, root):
+    """A state.json written before the floor was recorded: its floor is the newest version its slots hold."""
+    assert runtime(release, "rollback", "--root", root).returncode == 0  # slot a (version 1) active, b (2) previous
+    state = json.loads((root / "state.json").read_text())
+    state.pop("floor", None)
+    (root / "state.json").write_text(json.dumps(state))
+    before = status(release, root)
+    assert_refused(runtime(release, "install", versions[1], "--root", root), 1,
+                   "manifest.bundle_version is 1, lower than 2, the newest version this device has installed: an "
+                   "older bundle is refused (rollback protection); --allow-downgrade installs it on purpose")
+    assert_still_active(release, root, before)
+    assert status(release, root)["floor"] == 2
+
+
+def test_the_floor_stays_after_a_rollback(release, versions, tmp_path, capsys):
+    """Install 1, then 3, roll back (1 runs again), install 2: refused, as 3 was installed here once."""
+    root = _empty_root(release, tmp_path / "root")
+    for v in (1, 3):
+        assert runtime(release, "install", versions[v], "--root", root).returncode == 0
+    assert runtime(release, "rollback", "--root", root).returncode == 0
+    before = status(release, root)
+    needle = ("manifest.bundle_version is 2, lower than 3, the newest version this device has installed: an older "
+              "bundle is refused (rollback protection); --allow-downgrade installs it on purpose")
+    assert_refused(runtime(release, "install", versions[2], "--root", root), 1, needle)
+    assert_still_active(release, root, before)
+    assert (before["active"], before["slots"]["a"]["bundle_version"], before["floor"]) == ("a", 1, 3)
+    assert "floor: bundle version 3, the newest installed here" in runtime(release, "status", "--root", root).stdout
+    assert status(release, root)["previous"] == "b"  # refused on its signed manifest: rollback still possible
+    (tmp_path / "v2").mkdir()
+    bundle = unpack(versions[2], tmp_path / "v2", 1 << 30)
+    assert_refused(runtime(release, "verify", bundle, "--root", root), 1, needle)
+    assert_refused(host_verify(capsys, bundle, "--root", root), 1, "manifest.bundle_version is 2, lower than the "
+                   "installed bundle's 3: an older bundle is refused")
+    proc = runtime(release, "install", versions[2], "--root", root, "--allow-downgrade")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: downgrade allowed (--allow-downgrade): manifest.bundle_version is 2, lower than 3" in proc.stderr
+    assert status(release, root)["floor"] == 3  # an allowed downgrade does not lower it either
+    proc = runtime(release, "verify", bundle, "--root", root, "--allow-downgrade")
+    assert proc.returncode == 0 and "bundle version 2 (installed: 2; floor: 3)" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1", "86401"])
+def test_an_absurd_selftest_timeout_is_a_bad_invocation(release, versions, root, value):
+    seen = _tree(root)
+    proc = runtime(release, "install", versions[3], "--root", root, "--selftest-timeout", value)
+    assert_refused(proc, 2, f"argument --selftest-timeout: {value!r} is not a number of seconds above 0 and at "
+                   "most 86400")
+    assert _tree(root) == seen
+
+
+def _read_only(monkeypatch, root: Path) -> None:
+    """The kernel's answer for a root on a read-only file system: every open of a file in it to write
+    fails with EROFS (as root, a test cannot make a directory unwritable otherwise)."""
+    real = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and str(path).startswith(str(root)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_a_read_only_root_is_said_and_status_still_reads_it(release, versions, root, monkeypatch, capsys):
+    from edgesdk.runtime import install as installer
+
+    _read_only(monkeypatch, root)
+    seen = _tree(root)
+    common = {"root": str(root), "trust": None}
+    for command, handler, extra in (
+            ("install", installer._install_command, {"archive": str(versions[3]), "allow_downgrade": False,
+                                                     "max_bytes": None, "selftest_timeout": 900.0}),
+            ("rollback", installer._rollback_command, {})):
+        code = handler(argparse.Namespace(command=command, **common, **extra))
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.splitlines() == [
+            f"error: --root {root}: not writable (Read-only file system), and {command} writes there (install.lock, "
+            "state.json, slots/)", "hint: remount it read-write, or run as the user who owns it; nothing changed"]
+    assert installer._status_command(argparse.Namespace(command="status", root=str(root), json=False)) == 0
+    assert "active: slot b: model tiny, bundle version 2" in capsys.readouterr().out
+    assert _tree(root) == seen
+
+
+# --- manifests that are FIFOs, a self-test that hangs ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sig"])
+def test_a_fifo_in_place_of_a_bundles_manifest_is_refused(release, root, tmp_path, name):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(root / "slots" / "b", bundle)
+    (bundle / name).unlink()
+    os.mkfifo(bundle / name)
+    proc = runtime(release, "verify", bundle, "--root", root, timeout=60)
+    assert_refused(proc, 1, f"error: not trusted: {name}: not a regular file (a FIFO)")
+
+
+def test_rollback_to_a_slot_whose_manifest_is_a_fifo_is_refused_and_releases_the_lock(release, versions, root):
+    before = status(release, root)
+    (root / "slots" / "a" / "manifest.json").unlink()
+    os.mkfifo(root / "slots" / "a" / "manifest.json")
+    assert_refused(runtime(release, "rollback", "--root", root, timeout=60), 1,
+                   "error: not trusted: slot a: manifest.json: not a regular file (a FIFO)")
+    assert_still_active(release, root, before)
+    assert runtime(release, "install", versions[3], "--root", root, timeout=60).returncode == 0  # not locked
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_hanging_selftest_is_killed_with_every_process_it_started(release, root, tmp_path):
+    """A validly signed bundle whose self-test starts a child, then hangs: at --selftest-timeout the
+    installer kills the self-test's whole process group, and the previous slot stays active."""
+    pids = tmp_path / "pids"
+
+    def hanging_selftest(bundle: Path) -> None:
+        (bundle / "runtime" / "selftest.py").write_text(
+            "import os, subprocess, sys, time\n\n\n"
+            "def main(argv):\n"
+            "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"    with open({str(pids) + '.tmp'!r}, 'w') as f:\n"
+            "        f.write(f'{os.getpid()} {child.pid}')\n"
+            f"    os.rename({str(pids) + '.tmp'!r}, {str(pids)!r})\n"
+            "    time.sleep(600)\n")
+
+    archive = release.archive("hanging-selftest", 3, change=hanging_selftest)
+    before = status(release, root)
+    try:
+        proc = runtime(release, "install", archive, "--root", root, "--selftest-timeout", "5", timeout=120)
+        assert_refused(proc, 1, "error: slot a: the self-test failed: it did not finish in 5 s (--selftest-timeout)")
+        assert "hint: the bundle does not run correctly on this device; slot b (model tiny, bundle version 2) is " \
+               "still active" in proc.stderr
+        assert_still_active(release, root, before)
+        started = [int(p) for p in pids.read_text().split()]  # the self-test and its child
+        assert len(started) == 2 and not [p for p in started if _alive(p)]
+    finally:
+        for pid in map(int, pids.read_text().split() if pids.exists() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- unpack on its own -----------------------------------------------------------------------------

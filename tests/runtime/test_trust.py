@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -140,3 +141,49 @@ def test_a_signed_manifest_with_trailing_data_is_refused_as_not_json(tmp_path):
         assert e.value.code == "manifest"
         assert str(e.value).startswith(f"manifest.json: signed by key {key_id}, but not a JSON document (")
         assert reason in str(e.value)
+
+
+def test_a_directory_that_holds_no_listed_file_is_refused(signed, tmp_path):
+    """An empty unlisted directory (an empty package directory is importable) is said once, at its
+    deepest; a directory holding an unlisted file is said by the file."""
+    bundle, keys, _ = signed
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    (copy / "tflite_runtime" / "interpreter").mkdir(parents=True)
+    (copy / "runtime" / "__pycache__").mkdir()
+    (copy / "runtime" / "__pycache__" / "x.pyc").write_bytes(b"")
+    (copy / "segments" / "empty").mkdir()
+    with pytest.raises(trust.TrustError) as e:
+        trust.verify_bundle(copy, keys)
+    assert e.value.code == "files" and sorted(e.value.notes) == [
+        "runtime/__pycache__/x.pyc: not listed in the manifest (compiled Python: run the runtime with `python -B`)",
+        "segments/empty: a directory the manifest lists no file in",
+        "tflite_runtime/interpreter: a directory the manifest lists no file in"]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sig"])
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "directory", "oversized"])
+def test_a_manifest_or_signature_that_is_not_a_small_regular_file_is_refused(signed, tmp_path, name, kind):
+    """Read with O_NONBLOCK|O_NOFOLLOW and judged by fstat: a FIFO is never waited on, a link never
+    followed, a huge file never read whole."""
+    bundle, keys, _ = signed
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    path = copy / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        needle = "not a regular file (a FIFO)"
+    elif kind == "link-to-dev-zero":
+        path.symlink_to("/dev/zero")
+        needle = "a link, not a regular file"
+    elif kind == "directory":
+        path.mkdir()
+        needle = "not a regular file (a directory)"
+    else:
+        with open(path, "wb") as f:
+            f.truncate(32 << 20)  # sparse: nothing written
+        needle = "33,554,432 bytes, more than the "
+    with pytest.raises(trust.TrustError, match=re.escape(f"{name}: {needle}")) as e:
+        trust.read_signed(copy)
+    assert e.value.code == ("manifest" if name == "manifest.json" else "signature-bad")

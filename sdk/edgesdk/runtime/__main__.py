@@ -51,18 +51,28 @@ def _verify(args: argparse.Namespace) -> int:
         print("error: no key to verify with: give --public-key PUB, --trust DIR or --root ROOT (its trust/)",
               file=sys.stderr)
         return 2
-    installed = None
+    installed = floor = phrase = None
     if args.root:
-        from .install import installed_version
+        from .install import InstallError, floor_phrase, read_state
 
-        installed = installed_version(Path(args.root))
-    result = verify_bundle(bundle, load_trust(Path(keys_from)), installed_version=installed,
-                           allow_downgrade=args.allow_downgrade)
+        try:
+            state = read_state(Path(args.root))
+        except InstallError as e:
+            print(f"error: {e}", file=sys.stderr)
+            print(f"hint: {e.hint}", file=sys.stderr)
+            return e.exit_code
+        # the root's floor, the newest version it ever installed, not the active one: a rollback lowers
+        # what runs, never what a new bundle must reach
+        floor, phrase = state["floor"], floor_phrase(state)
+        installed = state["slots"][state["active"]]["bundle_version"] if state["active"] else None
+    result = verify_bundle(bundle, load_trust(Path(keys_from)), installed_version=floor,
+                           allow_downgrade=args.allow_downgrade, floor=phrase)
     m = result.manifest
     for note in result.notes:
         print(f"note: {note}")
+    shown = "" if installed is None else f" (installed: {installed}" + (f"; floor: {floor}" if phrase else "") + ")"
     print(f"verified: {bundle}: signed by key {result.key.key_id} ({result.key.path.name}), {len(m.files)} files "
-          f"match, bundle version {m.bundle_version}" + (f" (installed: {installed})" if installed is not None else ""))
+          f"match, bundle version {m.bundle_version}{shown}")
     return 0
 
 
@@ -111,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     keys = v.add_mutually_exclusive_group()
     keys.add_argument("--public-key", help="an ed25519 public key file (NAME.pub)")
     keys.add_argument("--trust", help="a directory of public keys (*.pub): any of them may sign")
-    v.add_argument("--root", help="an install root: its trust/ keys, and its active bundle's version as the floor")
+    v.add_argument("--root", help="an install root: its trust/ keys, and as the floor the newest version it ever "
+                   "installed")
     v.add_argument("--allow-downgrade", action="store_true", help="accept a bundle older than the installed one")
     v.set_defaults(handler=_verify)
     b = sub.add_parser("bench", help="latency percentiles, concurrent callers, the pipelined stream, each segment")

@@ -7,8 +7,9 @@ A bundle is trusted when
    the device, never from the bundle: the manifest only names which key it claims (`signing.key_id`),
    and a claim that does not match the key whose signature verifies is refused;
 2. every file matches the manifest's table (its sha256 and size), no file is missing, and there is no
-   file, link or directory entry the manifest does not list (`file_problems`). A rewritten hash in
-   the manifest changes the manifest's bytes, so step 1 already refused it;
+   file or link the manifest does not list, nor a directory that holds no file it lists, even an empty
+   one (an empty package directory is importable) (`file_problems`). A rewritten hash in the manifest
+   changes the manifest's bytes, so step 1 already refused it;
 3. its `bundle_version` is not lower than the installed one (rollback protection), unless the caller
    allows a downgrade, which the result then states.
 
@@ -27,11 +28,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import UnreadableFile, read_regular_file
+from .files import UnreadableFile, read_bundle_file, read_regular_file
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, path_problem
 
 SIGNATURE_FILE = "manifest.sig"
 SIGNATURE_BYTES = 64  # an ed25519 signature
+MAX_SIGNATURE_FILE_BYTES = 4096  # read whole up to this, so that a wrong size is told as such
 KEY_ID_CHARS = 16  # hex characters of sha256(raw public key) that name a key
 MAX_KEY_FILE_BYTES = 16 << 10  # an ed25519 key file is under 1 KiB, encrypted or not
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
@@ -166,8 +168,10 @@ def _not_json(manifest_bytes: bytes) -> str | None:
 
 def file_problems(bundle: Path, manifest: Manifest) -> list[str]:
     """What does not match the manifest: a listed file missing, changed, a link or outside the bundle;
-    any file, link or directory entry it does not list (compiled Python files included: a planted
-    `__pycache__/*.pyc` would run instead of the checked source)."""
+    any file or link it does not list (compiled Python files included: a planted `__pycache__/*.pyc`
+    would run instead of the checked source), and any directory that holds no file it lists (an empty
+    `tflite_runtime/interpreter/` would be importable), said once for the deepest such directory that
+    holds nothing else said."""
     bundle = Path(bundle)
     problems = []
     for rel, meta in sorted(manifest.files.items()):
@@ -181,15 +185,25 @@ def file_problems(bundle: Path, manifest: Manifest) -> list[str]:
             if rel not in manifest.files:
                 problems.append(f"{rel}: segment {seg.id} runs it, but the manifest does not list its hash")
     listed = set(manifest.files) | {"manifest.json", SIGNATURE_FILE}
+    parents = {"/".join(rel.split("/")[:k]) for rel in listed for k in range(1, rel.count("/") + 1)}
+    unlisted_dirs, said = [], []
     for top, dirs, files in os.walk(bundle):
         for name in sorted(dirs + files):
             p = Path(top) / name
             rel = p.relative_to(bundle).as_posix()
             if p.is_symlink():
                 problems.append(f"{rel}: a link (a bundle holds none)")
+                said.append(rel)
             elif name in files and rel not in listed:
                 problems.append(f"{rel}: not listed in the manifest"
                                 + (" (compiled Python: run the runtime with `python -B`)" if name.endswith(".pyc") else ""))
+                said.append(rel)
+            elif name in dirs and rel not in parents:
+                unlisted_dirs.append(rel)
+    for rel in sorted(unlisted_dirs, reverse=True):  # the deepest first: the directories above then hold it
+        if not any(s.startswith(rel + "/") for s in said):
+            problems.append(f"{rel}: a directory the manifest lists no file in")
+            said.append(rel)
     return problems
 
 
@@ -202,29 +216,32 @@ def file_sha256(path: Path) -> str:
 
 
 def read_signed(bundle: Path) -> tuple[bytes, bytes | None]:
-    """The manifest's bytes and the signature's (None: no manifest.sig)."""
+    """The manifest's bytes and the signature's (None: no manifest.sig), each read only from a regular
+    file of a bounded size: a FIFO, a device or a link there is refused, never waited on or followed."""
     bundle = Path(bundle)
     try:
-        with open(bundle / "manifest.json", "rb") as f:
-            text = f.read(MAX_MANIFEST_BYTES + 1)
+        text = read_bundle_file(bundle / "manifest.json", MAX_MANIFEST_BYTES)
+    except ValueError as e:
+        raise TrustError("manifest", f"manifest.json: {e}") from None
     except OSError as e:
         raise TrustError("manifest", f"manifest.json: cannot be read ({e.strerror or e})") from None
-    sig_path = bundle / SIGNATURE_FILE
-    if sig_path.is_symlink() or (sig_path.exists() and not sig_path.is_file()):
-        raise TrustError("signature-bad", f"{SIGNATURE_FILE}: not a regular file")
     try:
-        with open(sig_path, "rb") as f:
-            signature = f.read(SIGNATURE_BYTES + 1)
+        signature = read_bundle_file(bundle / SIGNATURE_FILE, MAX_SIGNATURE_FILE_BYTES)
     except FileNotFoundError:
         signature = None
+    except ValueError as e:
+        raise TrustError("signature-bad", f"{SIGNATURE_FILE}: {e}") from None
+    except OSError as e:
+        raise TrustError("signature-bad", f"{SIGNATURE_FILE}: cannot be read ({e.strerror or e})") from None
     return text, signature
 
 
 def verify_bundle(bundle: Path, keys: list[TrustedKey] | None, *, installed_version: int | None = None,
-                  allow_downgrade: bool = False) -> Verified:
+                  allow_downgrade: bool = False, floor: str | None = None) -> Verified:
     """The bundle's manifest once it is trusted: signed by one of `keys` (None: the signature is not
-    asked for), every file as listed, its version not below `installed_version`. Else `TrustError`,
-    naming the file or field at fault."""
+    asked for), every file as listed, its version not below `installed_version` (`floor`: what that
+    version is, for the message; see `check_version`). Else `TrustError`, naming the file or field at
+    fault."""
     text, signature = read_signed(bundle)
     key = check_signature(text, signature, keys) if keys is not None else None
     try:
@@ -234,16 +251,19 @@ def verify_bundle(bundle: Path, keys: list[TrustedKey] | None, *, installed_vers
     problems = file_problems(bundle, manifest)
     if problems:
         raise TrustError("files", f"{len(problems)} file(s) do not match the manifest: {problems[0]}", problems)
-    notes = check_version(manifest, installed_version, allow_downgrade)
+    notes = check_version(manifest, installed_version, allow_downgrade, floor)
     return Verified(manifest, key, notes)
 
 
-def check_version(manifest: Manifest, installed_version: int | None, allow_downgrade: bool) -> list[str]:
-    """Rollback protection: `TrustError` for a bundle older than the installed one, unless a downgrade
-    is allowed, which the returned note then states."""
+def check_version(manifest: Manifest, installed_version: int | None, allow_downgrade: bool,
+                  floor: str | None = None) -> list[str]:
+    """Rollback protection: `TrustError` for a bundle older than `installed_version`, unless a downgrade
+    is allowed, which the returned note then states. `floor` says what that version is, when it is not
+    the installed bundle's (an install root's floor: the newest version it ever installed)."""
     if installed_version is None or manifest.bundle_version >= installed_version:
         return []
-    what = f"manifest.bundle_version is {manifest.bundle_version}, lower than the installed bundle's {installed_version}"
+    what = (f"manifest.bundle_version is {manifest.bundle_version}, lower than "
+            + (floor or f"the installed bundle's {installed_version}"))
     if not allow_downgrade:
         raise TrustError("downgrade", f"{what}: an older bundle is refused (rollback protection); "
                          "--allow-downgrade installs it on purpose")

@@ -3,10 +3,11 @@
 
 An archive is unpacked only after every member passed: names UTF-8, relative with no `..`, no empty or
 `.` part, no links or special files, no member twice, no member both a file and a directory, names of
-sane length; manifest.json read from the archive and valid; every other member a file the manifest lists,
-with the size it lists (or manifest.sig, a signature that trust.py judges); the total within
-`max_bytes`. So a 1 GiB member the manifest does not list, or a member declaring 100 GiB, is refused
-before a byte is written. A listed member's contents are not checked here: `trust.verify_bundle` and
+sane length, at most MAX_MEMBERS of them; manifest.json read from the archive and valid; every other
+member a file the manifest lists, with the size it lists (or manifest.sig, a signature that trust.py
+judges), or a directory on the way to one (an empty directory, `tflite_runtime/interpreter/`, would be
+importable); the total within `max_bytes`. So a 1 GiB member the manifest does not list, a member
+declaring 100 GiB, or 100,000 empty directories, is refused before a byte is written. A listed member's contents are not checked here: `trust.verify_bundle` and
 the build side's `check_hashes` hash every file once it is unpacked.
 
 The members are written by this module, not by `TarFile.extractall`: the device's Python (Debian
@@ -30,13 +31,17 @@ DEFAULT_MAX_BYTES = 16 << 30
 MAX_NAME_CHARS = 1024
 MAX_PART_BYTES = 255  # a file name on ext4 and most file systems
 MAX_SIGNATURE_BYTES = 4096  # an ed25519 signature is 64 bytes; trust.py refuses any other size
+# A bundle holds tens of files (the runtime's modules, the segments, the goldens) and their directories:
+# the bound only stops an archive that pads itself with members, each costing a header read and a write
+MAX_MEMBERS = 10_000
 SIGNATURE_FILE = "manifest.sig"
 
 
 class UnpackError(ValueError):
     """An archive that is not unpacked. `code` says why: bundle.bad-archive, bundle.unsafe-member,
-    bundle.too-large, bundle.no-manifest, bundle.bad-manifest (the `ManifestError` is `__cause__`),
-    bundle.unlisted-member, bundle.tampered, or bundle.unpack-failed (the disk, not the archive)."""
+    bundle.too-large, bundle.too-many-members, bundle.no-manifest, bundle.bad-manifest (the
+    `ManifestError` is `__cause__`), bundle.unlisted-member, bundle.tampered, or bundle.unpack-failed
+    (the disk, not the archive)."""
 
     def __init__(self, code: str, problem: str):
         super().__init__(problem)
@@ -113,6 +118,9 @@ def _checked_members(tar: tarfile.TarFile, limit: int) -> dict[str, tarfile.TarI
     members: dict[str, tarfile.TarInfo] = {}
     total = 0
     for m in tar:
+        if len(members) == MAX_MEMBERS:
+            raise UnpackError("bundle.too-many-members", f"holds more than {MAX_MEMBERS:,} members; a bundle "
+                              "holds its files and the directories on their way, tens of them")
         name = _member_name(m.name)
         parts = name.split("/")
         if not _is_utf8(m.name):  # tarfile keeps the bytes of a non-UTF-8 name as lone surrogates
@@ -144,7 +152,8 @@ def _checked_members(tar: tarfile.TarFile, limit: int) -> dict[str, tarfile.TarI
 
 
 def _check_against_manifest(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], prefix: str) -> None:
-    """manifest.json valid, and every other file member listed in it with the size it lists."""
+    """manifest.json valid, every other file member listed in it with the size it lists, and every
+    directory member the bundle's root or a directory on the way to a listed file."""
     manifest = members.get(f"{prefix}manifest.json")
     if manifest is None or not manifest.isfile():
         raise UnpackError("bundle.no-manifest", "no manifest.json in the archive, so this is not an edgesdk bundle")
@@ -166,6 +175,13 @@ def _check_against_manifest(tar: tarfile.TarFile, members: dict[str, tarfile.Tar
         if m.size != listed[rel]["size"]:
             raise UnpackError("bundle.tampered", f"member '{name}' is {m.size:,} bytes; the manifest lists "
                               f"{listed[rel]['size']:,}")
+    # checked once every file passed, so a planted file is named as such rather than its directory
+    parents = {prefix.rstrip("/")} | {prefix + "/".join(rel.split("/")[:k])
+                                      for rel in listed for k in range(1, rel.count("/") + 1)}
+    for name, m in members.items():
+        if m.isdir() and name not in parents:
+            raise UnpackError("bundle.unlisted-member", f"member '{name}/' is a directory the manifest lists no "
+                              "file in")
 
 
 def _write(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], dest: Path) -> None:
