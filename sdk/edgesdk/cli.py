@@ -565,7 +565,7 @@ def run_bundle(
     ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
     inputs: List[str] = typer.Option(..., "--input", "-i", help="FILE.npy for a single-input model, or NAME=FILE.npy per input."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write outputs: .npy for one output, .npz otherwise."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs to this file, exactly: FILE.npz holds every output by name, FILE.npy the one output of a single-output model."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Run inputs that hold NaN or inf (refused by default)."),
 ) -> None:
     """Run a bundle on the given inputs (on this host), once every file matches the manifest."""
@@ -576,13 +576,21 @@ def run_bundle(
     from .errors import UserError
     from .runtime import BundleModel
     from .runtime import InputError, ManifestError
+    from .runtime.output_file import refusal, write_whole
     from .verify import check_bundle, opened_bundle
 
+    if output is not None and (why := refusal(output, (".npz", ".npy"))):
+        raise UsageError("run.bad-output", f"--output {output}: {why}", "give a file name ending in .npz (every "
+                         "output, by name) or .npy (the one output), in a directory that exists; a file there is "
+                         "replaced")
     root = ctx.with_resource(opened_bundle(bundle))  # an unpacked archive is removed when the command ends
     manifest = check_bundle(root, bundle)
     if manifest.arch != platform.machine():
         raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}",
                          "run it on the device (python -B -m runtime), or `edgesdk verify` to self-test it under emulation")
+    if output is not None and output.suffix.lower() == ".npy" and len(manifest.outputs) != 1:
+        raise UsageError("run.bad-output", f"--output {output}: a .npy file holds one array, and the model has "
+                         f"{len(manifest.outputs)} outputs", "give a .npz file name: it holds every output by name")
     feeds = {}
     names = [t.name for t in manifest.inputs]
     for spec in inputs:
@@ -618,10 +626,10 @@ def run_bundle(
         for name, value in outputs.items():
             print(f"{name}: shape {list(value.shape)} {value.dtype}")
             print(np.array2string(value.ravel()[:16], precision=5) + (" ..." if value.size > 16 else ""))
-    elif len(outputs) == 1 and output.suffix == ".npy":
-        np.save(output, next(iter(outputs.values())))
+    elif output.suffix.lower() == ".npy":
+        write_whole(output, lambda f: np.save(f, next(iter(outputs.values()))))
     else:
-        np.savez(output, **outputs)
+        write_whole(output, lambda f: np.savez(f, **outputs))
 
 
 @app.command()
