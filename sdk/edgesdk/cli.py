@@ -516,7 +516,7 @@ def calibrate(
     target: str = typer.Option(..., "--target", "-t", help="The target whose CPU figures to fit (its CPU must be this host's architecture)."),
     model: List[str] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable); PATH@NAME=1x3x48x192 fixes its input shapes."),
     holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
-    threads: int = typer.Option(2, "--threads", min=1, help="Intra-op threads, as the bundle will run."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Intra-op threads, as the bundle will run, at most this host's CPUs \\[default: 2, or the host's CPUs if fewer]."),
     runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept); inferences per timing of a backend's run."),
     cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
     cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
@@ -531,6 +531,17 @@ def calibrate(
     import yaml
 
     from .pipeline import calibrate as run_calibrate
+    from .runtime.output_file import refusal, write_whole
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is None:
+        threads = min(2, cpus)
+    elif threads > cpus:  # more threads than CPUs measure their contention, not the ops, and take without end
+        raise UsageError("cli.bad-threads", f"--threads {threads}: this host has {cpus} CPU(s)",
+                         f"calibrate with the threads the bundle will run with on this device, at most {cpus}")
+    if output is not None and (why := refusal(output)):
+        raise UsageError("calibrate.bad-output", f"--output {output}: {why}", "give the name of the target file "
+                         "(YAML) to write, in a directory that exists; a file there is replaced")
 
     def spec(text: str) -> tuple[Path, dict]:
         path, _, shapes = text.partition("@")
@@ -549,9 +560,8 @@ def calibrate(
                            backends=chosen, cuts=cuts, rounds=rounds, tuning_db=tuning_db,
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
     if output is not None:
-        tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text(yaml.safe_dump(result["fitted_target"], sort_keys=False))
-        tmp.replace(output)
+        text = yaml.safe_dump(result["fitted_target"], sort_keys=False)
+        write_whole(output, lambda f: f.write(text.encode()))
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
         return
