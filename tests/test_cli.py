@@ -279,3 +279,30 @@ def test_a_prune_plan_nested_without_end_is_an_invocation_error(tmp_path):
     assert_user_facing(proc, 2, f"error: {plan}:2: nested more than 32 levels deep", 'hint: a plan is {"format"')
     assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
 
+
+def test_tensorflow_load_noise_stays_off_the_terminal(tmp_path):
+    """A build that converts a segment to TFLite (here the Edge TPU's) imports TensorFlow, whose native
+    libraries print absl's notice and oneDNN's line while they load, whatever TF_CPP_MIN_LOG_LEVEL says.
+    Without --debug, neither reaches stderr; the build's own lines do."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "mm.onnx")
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", str(tmp_path / "mm.onnx"), "-t", "arm_2tpu",
+                           "-o", str(tmp_path / "o"), "--tuning-db", str(tmp_path / "db")], capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT / "sdk")}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    from edgesdk.runtime.manifest import Manifest
+
+    # the segment went through TensorFlow's converter, in the build's own process
+    assert [s.backend for s in Manifest.load(tmp_path / "o" / "bundle").segments] == ["tflite"]
+    for noise in ("absl::InitializeLog", "oneDNN custom operations are on", "port.cc:"):
+        assert noise not in proc.stderr, proc.stderr

@@ -48,6 +48,8 @@ def _err(line: str) -> None:
 def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
           version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     _state["debug"] = debug
+    if debug:  # TensorFlow's own log too, from its first line (it is imported only by commands that need it)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
     if version:
         from . import __version__
 
