@@ -533,7 +533,7 @@ def calibrate(
     import yaml
 
     from .pipeline import calibrate as run_calibrate
-    from .runtime.output_file import refusal, write_whole
+    from .runtime.output_file import refusal
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
@@ -563,7 +563,7 @@ def calibrate(
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
     if output is not None:
         text = yaml.safe_dump(result["fitted_target"], sort_keys=False)
-        write_whole(output, lambda f: f.write(text.encode()))
+        _write_output(output, lambda f: f.write(text.encode()))
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
         return
@@ -588,7 +588,7 @@ def run_bundle(
     from .errors import UserError
     from .runtime import BundleModel
     from .runtime import InputError, ManifestError
-    from .runtime.output_file import refusal, write_whole
+    from .runtime.output_file import refusal
     from .verify import check_bundle, opened_bundle
 
     if output is not None and (why := refusal(output, (".npz", ".npy"))):
@@ -639,9 +639,21 @@ def run_bundle(
             print(f"{name}: shape {list(value.shape)} {value.dtype}")
             print(np.array2string(value.ravel()[:16], precision=5) + (" ..." if value.size > 16 else ""))
     elif output.suffix.lower() == ".npy":
-        write_whole(output, lambda f: np.save(f, next(iter(outputs.values()))))
+        _write_output(output, lambda f: np.save(f, next(iter(outputs.values()))))
     else:
-        write_whole(output, lambda f: np.savez(f, **outputs))
+        _write_output(output, lambda f: np.savez(f, **outputs))
+
+
+def _write_output(path: Path, write) -> None:
+    """`-o PATH` written whole (runtime/output_file.py); a write the file system refuses (full, over a size
+    limit, read-only) is a user error, and leaves nothing."""
+    from .runtime.output_file import write_whole
+
+    try:
+        write_whole(path, write)
+    except OSError as e:
+        raise UserError("cli.output-unwritable", f"--output {path}: cannot be written ({e.strerror or e})",
+                        "free space where it goes, or write it elsewhere; nothing was written") from None
 
 
 @app.command()

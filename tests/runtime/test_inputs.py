@@ -180,6 +180,27 @@ def test_run_output_holds_what_its_suffix_says_and_nothing_else_is_written(embed
     np.testing.assert_array_equal(np.load(tmp_path / "y.NPY"), np.load(tmp_path / "y.npz")["y"])
 
 
+def test_a_run_output_the_file_system_refuses_leaves_nothing(embedding, tmp_path):
+    """A write that fails midway (here past RLIMIT_FSIZE, as a full disk would) is a user error, and neither
+    the output nor its temporary is left."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.model_zoo import ROOT
+
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    args = ["run", str(embedding[1]), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}",
+            "-o", str(tmp_path / "y.npz")]
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")}, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100)))
+    assert_user_facing(proc, 1, f"error: --output {tmp_path / 'y.npz'}: cannot be written (File too large)",
+                       "nothing was written")
+    assert set(_files(tmp_path)) == {"ids.npy", "x.npy"}
+
+
 def test_device_run_writes_exactly_the_output_named(embedding, tmp_path):
     """`python -B -m runtime run IN OUT` (numpy.savez appended .npz to OUT) writes OUT.npz or refuses."""
     import subprocess
