@@ -1718,6 +1718,11 @@ class Worker:
             self.converter_runs += 1
             return run_child(*args, **kwargs)
         conversion._run_child = counted
+        # onnxruntime's telemetry SDK writes its session file, TMPDIR/.ses, when onnxruntime is first imported
+        # in a process (whoever imports it): imported before any case, that file is no case's leftover
+        import onnxruntime  # noqa: F401
+
+        (tmp / ".ses").unlink(missing_ok=True)
         self.loaders = {"onnx": self.model, "tflite": self.model, "keras": self.model, "savedmodel": self.model,
                         "target": self.target, "manifest": self.manifest, "bundle": self.bundle, "npy": self.npy}
         self.seed_state = _state(seeds.root)

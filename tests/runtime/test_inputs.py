@@ -201,6 +201,24 @@ def test_a_run_output_the_file_system_refuses_leaves_nothing(embedding, tmp_path
     assert set(_files(tmp_path)) == {"ids.npy", "x.npy"}
 
 
+def test_a_segment_onnxruntime_cannot_load_is_a_manifest_error(embedding, tmp_path):
+    """A manifest naming onnxruntime for an artifact that is no ONNX model (a hand-edited manifest; the
+    fuzzer's) was onnxruntime's InvalidProtobuf, an internal error of `edgesdk run`."""
+    import shutil
+
+    from edgesdk.runtime.manifest import ManifestError
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(embedding[1], bundle)
+    (bundle / "segments" / "junk.onnx").write_bytes(b"not a model")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["segments"][0].update(backend="onnxruntime", artifact="segments/junk.onnx")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"segment s0: segments/junk.onnx is not a model onnxruntime loads "
+                                            r"\(\[ONNXRuntimeError\] : 7 : INVALID_PROTOBUF"):
+        BundleModel(bundle, log=lambda s: None)
+
+
 def test_device_run_writes_exactly_the_output_named(embedding, tmp_path):
     """`python -B -m runtime run IN OUT` (numpy.savez appended .npz to OUT) writes OUT.npz or refuses."""
     import subprocess
