@@ -180,6 +180,27 @@ def test_run_output_holds_what_its_suffix_says_and_nothing_else_is_written(embed
     np.testing.assert_array_equal(np.load(tmp_path / "y.NPY"), np.load(tmp_path / "y.npz")["y"])
 
 
+def test_run_output_npy_is_refused_for_a_model_of_several_outputs(embedding, tmp_path):
+    """A .npy file holds one array: for two outputs numpy.savez wrote `y.npy.npz`; now refused, before the
+    model runs. The second output is a copy's manifest edit (the refusal reads the manifest alone)."""
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(embedding[1], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for outputs in (manifest["outputs"], manifest["segments"][-1]["outputs"]):
+        outputs.append({**outputs[0], "name": "y2"})
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    before = _files(tmp_path)
+    proc = edgesdk("run", str(bundle), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}",
+                   "-o", str(tmp_path / "y.npy"))
+    assert_user_facing(proc, 2, f"error: --output {tmp_path / 'y.npy'}: a .npy file holds one array, and the model "
+                       "has 2 outputs", "hint: give a .npz file name: it holds every output by name")
+    assert _files(tmp_path) == before
+
+
 def test_a_run_output_the_file_system_refuses_leaves_nothing(embedding, tmp_path):
     """A write that fails midway (here past RLIMIT_FSIZE, as a full disk would) is a user error, and neither
     the output nor its temporary is left."""
