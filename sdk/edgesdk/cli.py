@@ -45,7 +45,7 @@ def _err(line: str) -> None:
 
 
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
+def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors, and TensorFlow's own log."),
           version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     _state["debug"] = debug
     if debug:  # TensorFlow's own log too, from its first line (it is imported only by commands that need it)
