@@ -1,8 +1,9 @@
-"""The fuzz suite's full run (issue 21, `make fuzz`): 13,000 generated hostile inputs split across every
+"""The fuzz suite's full run (issue 21, `make fuzz`): 14,000 generated hostile inputs split across every
 loader (ONNX, TFLite, Keras, SavedModel, target YAML, manifest JSON, bundle archives, the .npy inputs of
-`edgesdk run`), from a fixed seed, in under ten minutes on the 2-core build host.
+`edgesdk run`, --calib and --eval directories), from a fixed seed, in under ten minutes on the 2-core
+build host.
 
-    .venv/bin/python benchmarks/fuzz.py [--seed 21] [--count 13000] [--only LOADER] [--findings DIR]
+    .venv/bin/python benchmarks/fuzz.py [--seed 21] [--count 14000] [--only LOADER] [--findings DIR]
 
 How inputs are made and judged: tests/fuzz/harness.py (the short run of `make test` is
 tests/fuzz/test_fuzz.py). Per loader: the inputs accepted, refused with a typed error (by code; `exit N`
@@ -28,11 +29,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
 
 # inputs per loader in a full run; a converter run costs ~3 s, so the TensorFlow formats get fewer
 SHARES = {"onnx": 4000, "tflite": 300, "keras": 300, "savedmodel": 200, "target": 2000, "manifest": 2500,
-          "bundle": 2000, "npy": 1700}
+          "bundle": 2000, "npy": 1700, "calib": 1000}
 
 
 def counts_for(total: int, only: str | None) -> dict[str, int]:
-    """`total` inputs split over the loaders as SHARES splits its 13,000 (all of them to `only`)."""
+    """`total` inputs split over the loaders as SHARES splits its 14,000 (all of them to `only`)."""
     if only:
         return {only: total}
     scale = total / sum(SHARES.values())

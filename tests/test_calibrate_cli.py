@@ -69,3 +69,58 @@ def test_calibrate_refuses_an_unknown_backend():
 def test_calibrate_refuses_a_foreign_cpu(tmp_path):
     r = _cli("calibrate", "--target", "arm_2tpu", "-m", f"{PPOCR_CLS}@{PPOCR_CLS_SHAPE}")
     assert r.returncode == 2 and "aarch64" in r.stderr and "Traceback" not in r.stderr
+
+
+def _tiny_model(path, ops: int):
+    """A chain of `ops` nodes on a 1x8 input, of kinds no optimization merges (Sigmoid, Tanh, Neg in turn)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    names = ["x", *(f"r{k}" for k in range(ops - 1)), "y"]
+    kinds = ("Sigmoid", "Tanh", "Neg")
+    nodes = [helper.make_node(kinds[k % 3], [a], [b]) for k, (a, b) in enumerate(zip(names, names[1:]))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def _user_facing(r, code: int, error: str, hint: str) -> None:
+    assert r.returncode == code, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == [error], r.stderr
+    assert lines[-1].startswith("hint: ") and hint in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_calibrate_refuses_an_output_that_is_a_directory_or_in_a_missing_one_before_measuring(tmp_path):
+    """`-o DIR` was an internal error after the whole measurement, leaving `.DIR.tmp` beside it; `-o` into
+    a missing directory too. Both are refused first (exit 2), and nothing is written."""
+    model = _tiny_model(tmp_path / "chain.onnx", 4)
+    (tmp_path / "fitted").mkdir()
+    hint = "give the name of the target file (YAML) to write, in a directory that exists"
+    for given, why in (("fitted", "is a directory"),
+                       ("none/fitted.yaml", f"its directory {tmp_path}/none does not exist")):
+        r = _cli("calibrate", "--target", "x86", "-m", str(model), "--backends", "none", "-o", str(tmp_path / given))
+        _user_facing(r, 2, f"error: --output {tmp_path / given}: {why}", hint)
+        assert "calibrate: measuring" not in r.stderr  # refused before anything ran
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["chain.onnx", "fitted"]
+
+
+def test_calibrate_refuses_more_threads_than_the_host_has(tmp_path):
+    """--threads 100000 ran past any timeout: more threads than CPUs measure their contention."""
+    cpus = len(os.sched_getaffinity(0))
+    r = _cli("calibrate", "--target", "x86", "-m", str(_tiny_model(tmp_path / "chain.onnx", 4)), "--threads", "100000")
+    _user_facing(r, 2, f"error: --threads 100000: this host has {cpus} CPU(s)",
+                 f"calibrate with the threads the bundle will run with on this device, at most {cpus}")
+
+
+def test_calibrate_on_a_model_of_fewer_than_three_ops_is_a_user_error(tmp_path):
+    """Three figures need three timed ops: a two-op model was an internal error (ValueError, exit 3)."""
+    r = _cli("calibrate", "--target", "x86", "-m", str(_tiny_model(tmp_path / "two.onnx", 2)), "--backends", "none",
+             "--runs", "2", "-o", str(tmp_path / "fitted.yaml"))
+    _user_facing(r, 1, "error: the model(s) to fit give 2 timed op(s) (two.onnx: 2); fitting the CPU's figures "
+                 "(peak rate, bandwidth, overhead) needs at least 3", "fit on a model of the kind the device will run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.onnx"]

@@ -220,3 +220,89 @@ def test_a_target_sets_its_cpu_precision_and_the_flag_overrides_it(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
     proc = edgesdk("build", str(PPOCR_CLS), "-t", str(tmp_path / "bad.yaml"), "-o", str(tmp_path / "o"))
     assert proc.returncode == 2 and "precision" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _softplus_model(path: Path) -> Path:
+    """A convolution then Softplus, 1x3x8x8: the Edge TPU lacks Softplus, so legalize fits an approximation
+    on the calibration data (`check --target arm_2tpu` reads --calib)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 3, 3, 3)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]),
+                           helper.make_node("Softplus", ["h"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "bomb"])
+def test_a_calibration_file_that_is_a_fifo_or_a_decompression_bomb_is_a_user_error(tmp_path, kind):
+    """A FIFO named like an image hung the command (opened for reading, it waits for a writer); a PNG of
+    a few bytes declaring 20000x20000 pixels was an internal error. Both are refused unread, and the
+    command writes nothing."""
+    from tests.ir.test_calibration import _png_header
+
+    model = _softplus_model(tmp_path / "softplus.onnx")
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    if kind == "fifo":
+        os.mkfifo(calib / "a.png")
+    else:
+        (calib / "a.png").write_bytes(_png_header(20000, 20000))
+    before = _files(tmp_path)
+    proc = edgesdk("check", str(model), "--target", "arm_2tpu", "--calib", str(calib), cwd=tmp_path)
+    if kind == "fifo":
+        assert_user_facing(proc, 1, f"error: {calib / 'a.png'}: not a regular file (a FIFO)",
+                           "hint: give PNG, JPEG or BMP files")
+    else:
+        assert_user_facing(proc, 1, f"error: {calib / 'a.png'}: the image declares 20000x20000 pixels (400,000,000), "
+                           "more than the 89,478,485 a calibration image may have", "may be a decompression bomb")
+    assert _files(tmp_path) == before
+
+
+def test_a_prune_plan_nested_without_end_is_an_invocation_error(tmp_path):
+    """100,000 nested lists in a plan file: json's parser ran out of stack (RecursionError, exit 3)."""
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(b'{"layers": {},\n "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    out = tmp_path / "o"
+    proc = edgesdk("build", str(_softplus_model(tmp_path / "m.onnx")), "--target", "x86", "-o", str(out),
+                   "--prune-plan", str(plan), "--cpu-backends", "planned")
+    assert_user_facing(proc, 2, f"error: {plan}:2: nested more than 32 levels deep", 'hint: a plan is {"format"')
+    assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
+
+
+def test_tensorflow_load_noise_stays_off_the_terminal(tmp_path):
+    """A build that converts a segment to TFLite (here the Edge TPU's) imports TensorFlow, whose native
+    libraries print absl's notice and oneDNN's line while they load, whatever TF_CPP_MIN_LOG_LEVEL says.
+    Without --debug, neither reaches stderr; the build's own lines do."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "mm.onnx")
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", "build", str(tmp_path / "mm.onnx"), "-t", "arm_2tpu",
+                           "-o", str(tmp_path / "o"), "--tuning-db", str(tmp_path / "db")], capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT / "sdk")}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    from edgesdk.runtime.manifest import Manifest
+
+    # the segment went through TensorFlow's converter, in the build's own process
+    assert [s.backend for s in Manifest.load(tmp_path / "o" / "bundle").segments] == ["tflite"]
+    for noise in ("absl::InitializeLog", "oneDNN custom operations are on", "port.cc:"):
+        assert noise not in proc.stderr, proc.stderr

@@ -46,9 +46,11 @@ def _err(line: str) -> None:
 
 
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
+def _root(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors, and TensorFlow's own log."),
           version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     _state["debug"] = debug
+    if debug:  # TensorFlow's own log too, from its first line (it is imported only by commands that need it)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
     if version:
         from . import __version__
 
@@ -571,7 +573,7 @@ def calibrate(
     target: str = typer.Option(..., "--target", "-t", help="The target whose CPU figures to fit (its CPU must be this host's architecture)."),
     model: List[str] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable); PATH@NAME=1x3x48x192 fixes its input shapes."),
     holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
-    threads: int = typer.Option(2, "--threads", min=1, help="Intra-op threads, as the bundle will run."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Intra-op threads, as the bundle will run, at most this host's CPUs \\[default: 2, or the host's CPUs if fewer]."),
     runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept); inferences per timing of a backend's run."),
     cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
     cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
@@ -586,6 +588,17 @@ def calibrate(
     import yaml
 
     from .pipeline import calibrate as run_calibrate
+    from .runtime.output_file import refusal
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is None:
+        threads = min(2, cpus)
+    elif threads > cpus:  # more threads than CPUs measure their contention, not the ops, and take without end
+        raise UsageError("cli.bad-threads", f"--threads {threads}: this host has {cpus} CPU(s)",
+                         f"calibrate with the threads the bundle will run with on this device, at most {cpus}")
+    if output is not None and (why := refusal(output)):
+        raise UsageError("calibrate.bad-output", f"--output {output}: {why}", "give the name of the target file "
+                         "(YAML) to write, in a directory that exists; a file there is replaced")
 
     def spec(text: str) -> tuple[Path, dict]:
         path, _, shapes = text.partition("@")
@@ -604,9 +617,8 @@ def calibrate(
                            backends=chosen, cuts=cuts, rounds=rounds, tuning_db=tuning_db,
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))
     if output is not None:
-        tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text(yaml.safe_dump(result["fitted_target"], sort_keys=False))
-        tmp.replace(output)
+        text = yaml.safe_dump(result["fitted_target"], sort_keys=False)
+        _write_output(output, lambda f: f.write(text.encode()))
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "fitted_target"}, indent=2, default=float))
         return
@@ -620,7 +632,7 @@ def run_bundle(
     ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="A bundle directory or .tar.gz."),
     inputs: List[str] = typer.Option(..., "--input", "-i", help="FILE.npy for a single-input model, or NAME=FILE.npy per input."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write outputs: .npy for one output, .npz otherwise."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs to this file, exactly: FILE.npz holds every output by name, FILE.npy the one output of a single-output model."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Run inputs that hold NaN or inf (refused by default)."),
 ) -> None:
     """Run a bundle on the given inputs (on this host), once every file matches the manifest."""
@@ -631,13 +643,21 @@ def run_bundle(
     from .errors import UserError
     from .runtime import BundleModel
     from .runtime import InputError, ManifestError
+    from .runtime.output_file import refusal
     from .verify import check_bundle, opened_bundle
 
+    if output is not None and (why := refusal(output, (".npz", ".npy"))):
+        raise UsageError("run.bad-output", f"--output {output}: {why}", "give a file name ending in .npz (every "
+                         "output, by name) or .npy (the one output), in a directory that exists; a file there is "
+                         "replaced")
     root = ctx.with_resource(opened_bundle(bundle))  # an unpacked archive is removed when the command ends
     manifest = check_bundle(root, bundle)
     if manifest.arch != platform.machine():
         raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}",
                          "run it on the device (python -B -m runtime), or `edgesdk verify` to self-test it under emulation")
+    if output is not None and output.suffix.lower() == ".npy" and len(manifest.outputs) != 1:
+        raise UsageError("run.bad-output", f"--output {output}: a .npy file holds one array, and the model has "
+                         f"{len(manifest.outputs)} outputs", "give a .npz file name: it holds every output by name")
     feeds = {}
     names = [t.name for t in manifest.inputs]
     for spec in inputs:
@@ -673,10 +693,22 @@ def run_bundle(
         for name, value in outputs.items():
             print(f"{name}: shape {list(value.shape)} {value.dtype}")
             print(np.array2string(value.ravel()[:16], precision=5) + (" ..." if value.size > 16 else ""))
-    elif len(outputs) == 1 and output.suffix == ".npy":
-        np.save(output, next(iter(outputs.values())))
+    elif output.suffix.lower() == ".npy":
+        _write_output(output, lambda f: np.save(f, next(iter(outputs.values()))))
     else:
-        np.savez(output, **outputs)
+        _write_output(output, lambda f: np.savez(f, **outputs))
+
+
+def _write_output(path: Path, write) -> None:
+    """`-o PATH` written whole (runtime/output_file.py); a write the file system refuses (full, over a size
+    limit, read-only) is a user error, and leaves nothing."""
+    from .runtime.output_file import write_whole
+
+    try:
+        write_whole(path, write)
+    except OSError as e:
+        raise UserError("cli.output-unwritable", f"--output {path}: cannot be written ({e.strerror or e})",
+                        "free space where it goes, or write it elsewhere; nothing was written") from None
 
 
 @app.command()

@@ -567,6 +567,8 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
                 log(f"calibrate: measuring {len(model.graph.node)} ops of {Path(path).name} ({runs} runs, "
                     f"{threads} threads)")
                 samples[role] += cal.measure_ops(model, threads, runs, name=Path(path).name)
+                if role == "fit" and i == len(paths) - 1:  # before any backend is timed
+                    _enough_to_fit(samples["fit"], models)
                 if backends:
                     terms = cal.node_terms_of(model, Path(path).name)
                     # a fitted model is cut where its predicted time (the input target's figures) is about even
@@ -619,6 +621,18 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
             "held_out": cal.evaluate(fit, samples["holdout"]) if samples["holdout"] else None,
             "threads": threads, "backends": per_backend,
             "fitted_target": fitted.model_dump(mode="json")}
+
+
+def _enough_to_fit(samples: list, models: list[tuple[Path, dict]]) -> None:
+    """Refuse fit models too small to fit the CPU's figures: three unknowns need three timed ops."""
+    from .devices.calibrate import MIN_FIT_SAMPLES
+
+    if len(samples) < MIN_FIT_SAMPLES:
+        counts = ", ".join(f"{Path(p).name}: {sum(s.model == Path(p).name for s in samples)}" for p, _ in models)
+        raise UserError("calibrate.too-few-ops", f"the model(s) to fit give {len(samples)} timed op(s) ({counts}); "
+                        f"fitting the CPU's figures (peak rate, bandwidth, overhead) needs at least {MIN_FIT_SAMPLES}",
+                        "fit on a model of the kind the device will run (dozens of ops or more), with -m; a tiny model "
+                        "can be a --holdout")
 
 
 def _time_backends(model, name: str, runs_of_nodes: list, names: tuple[str, ...], target, tuning_db: Path | None,

@@ -149,6 +149,27 @@ def test_plan_files_round_trip_and_name_the_line_of_what_is_wrong(tmp_path):
     assert e.value.code == "prune.plan-unreadable"
 
 
+@pytest.mark.parametrize("data, message", [
+    (b'{"layers": {\n  "conv2": "2:4\xff"\n}}\n', "plan.json:2: not UTF-8 text (byte 0xff)"),
+    # 100,000 levels: the JSON parser would recurse past Python's stack (RecursionError)
+    (b'{"layers": {},\n "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "plan.json:2: nested more than 32 levels deep"),
+    (None, "plan.json: not a regular file (a FIFO)"),
+])
+def test_a_plan_file_that_is_not_utf8_nested_without_end_or_not_a_file_is_refused(tmp_path, data, message):
+    import os
+
+    path = tmp_path / "plan.json"
+    if data is None:
+        os.mkfifo(path)  # opened without waiting for a writer
+    else:
+        path.write_bytes(data)
+    with pytest.raises(UsageError) as e:
+        read_plan(path, prunable(conv_net()))
+    assert e.value.message == f"{tmp_path}/{message}" and e.value.hint
+    assert e.value.code == ("prune.plan-unreadable" if data is None else "prune.plan-invalid")
+
+
 def test_options_take_the_kernel_the_build_will_run():
     layers = {x.name: x for x in prunable(conv_net())}
     chosen = [layers["conv2"], layers["c3"], layers["fc"]]

@@ -1,6 +1,6 @@
 """Fuzzing every loader with generated hostile inputs (issue 21): ONNX, TFLite, Keras and SavedModel
-models (the import stage), target YAML, manifest JSON, bundle archives, and the `.npy` inputs of
-`edgesdk run`.
+models (the import stage), target YAML, manifest JSON, bundle archives, the `.npy` inputs of
+`edgesdk run`, and the `--calib` / `--eval` directories of samples and labels.
 
 The contract is the CLI's: a loader accepts its input, or refuses it with a typed error (`EdgeSDKError`;
 on the runtime side `ManifestError` and `UnpackError`), which `edgesdk` prints as `error:` and `hint:`
@@ -12,11 +12,12 @@ A run (`Session`):
    tests' tiny and If models, random nets of the passes' grammar, one of shape arithmetic and control
    flow), a Keras model as .keras, .h5, SavedModel and TFLite (TensorFlow, in a child), an x86 bundle
    of a two-input model (its directory, archive, signed archive and inputs; the x86 build, in a child),
-   the shipped targets.
+   the shipped targets, calibration samples (.npy, .npz, PNG) and labels.
 2. cases: case i of loader L comes from `random.Random(f"{seed}/{L}/{i}")` alone, so (seed, L, i) names
    one input for good: a seed damaged byte-wise (flips, truncations, insertions, splices with other
    seeds) or structurally (an ONNX model's protobuf fields, YAML and JSON values, tar members, npy
-   headers). The generators run in this process and write the input before the worker sees it, so an
+   headers, .npz members, image headers), or a file that is not a regular one (a FIFO, a link to a
+   device). The generators run in this process and write the input before the worker sees it, so an
    input that kills the worker is still on disk.
 3. a worker process runs each case (`python -m tests.fuzz.harness worker`) with its own TMPDIR,
    working directory and memory limit: a crash, a hang or a memory bomb costs one worker (started
@@ -26,7 +27,8 @@ What each loader runs (`Worker`): the model formats `edgesdk build MODEL --until
 `load_target`, its digest and devices, and for one case in four a build through `schedule` for it; a
 manifest `Manifest.from_json`, and where accepted `edgesdk inspect` and `edgesdk run` on a bundle that
 holds it; an archive the device's `signed_manifest` and `edgesdk verify --no-selftest`, with the device's
-key for half the cases; an .npy file `edgesdk run BUNDLE --input NAME=FILE`. The CLI runs in the worker's
+key for half the cases; an .npy file `edgesdk run BUNDLE --input NAME=FILE`; a calibration directory
+`load_calibration` (`--calib`), or for half the cases `load_labelled` (`--eval`, with labels.txt). The CLI runs in the worker's
 process, its output encoded as a terminal's would be; exit 3 is a finding, with the traceback of a run
 with --debug.
 
@@ -51,6 +53,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -58,13 +61,14 @@ import tarfile
 import tempfile
 import time
 import traceback
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
-LOADERS = ("onnx", "tflite", "keras", "savedmodel", "target", "manifest", "bundle", "npy")
+LOADERS = ("onnx", "tflite", "keras", "savedmodel", "target", "manifest", "bundle", "npy", "calib")
 TF_LOADERS = ("tflite", "keras", "savedmodel")
 DEEP_EVERY = 15  # one TensorFlow-format case in DEEP_EVERY is made to reach the converter child
 # Seconds a case may take before it counts as a hang: the converter's own limit is 900 s
@@ -146,6 +150,7 @@ class Seeds:
         self.archives = [self.root / "bundle.tar.gz", self.root / "signed.tar.gz"]
         self.public_key = self.root / "keys" / "fuzz.pub"
         self.npy = {name: self.root / "npy" / f"{name}.npy" for name in BUNDLE_INPUTS}
+        self.calib = {p.suffix: p for p in sorted((self.root / "calib").iterdir())}
 
     @functools.cached_property
     def splices(self) -> list[bytes]:
@@ -186,6 +191,7 @@ def make_seeds(root: Path, log: Path) -> Seeds:
             for t in sorted((ROOT / "targets").glob("*.yaml")):
                 shutil.copyfile(t, root / "targets" / t.name)
             _npy_seeds(root / "npy")
+            _calib_seeds(root / "calib")
         finally:
             codes = [c.wait() for c in children]
     if any(codes):
@@ -299,6 +305,18 @@ def _npy_seeds(out: Path) -> None:
     out.mkdir(parents=True)
     np.save(out / "x.npy", np.random.default_rng(0).uniform(-1, 1, BUNDLE_INPUTS["x"][0]).astype(np.float32))
     np.save(out / "ids.npy", np.array([[0, 3, 9]], np.int64))
+
+
+def _calib_seeds(out: Path) -> None:
+    """One calibration sample of CALIB_INPUT as .npy, .npz and PNG."""
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True)
+    x = np.random.default_rng(0).uniform(-1, 1, CALIB_INPUT["shape"]).astype(np.float32)
+    np.save(out / "s.npy", x)
+    np.savez(out / "s.npz", x=x)
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(out / "s.png")
 
 
 def _tensorflow_seeds(root: Path) -> None:
@@ -1688,9 +1706,148 @@ def gen_npy(rng, seeds, case, deep):
     return path, f"input {name}: {how}", {"inputs": specs, "archive": rng.random() < 0.1}
 
 
+# --- --calib and --eval directories ---------------------------------------------------------------------
+
+CALIB_INPUT = {"name": "x", "shape": [1, 3, 8, 8], "dtype": "float32"}
+PNG_SIZES = [(0, 0), (1, 1), (8, 8), (65535, 1), (20000, 20000), (10000, 10000), (2**31 - 1, 2**31 - 1), (2**32 - 1, 2)]
+LABELS = [b"0\n", b"1\n2\n", b"\xff\xfe1\n", b"1\x00\n", b"cat\n", b"99999999999999999999\n", b"-9223372036854775809\n",
+          b"9" * 5000 + b"\n", b"# only a comment\n", b"", b"1_000\n", "\u0663\n".encode(), b"1e3\n", b" -3 \n" * 1000]
+
+
+def _png(width: int, height: int, data: bytes = b"\0" * 64) -> bytes:
+    """A PNG declaring `width` x `height` RGB pixels, whatever its data holds."""
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(data)) + chunk(b"IEND", b""))
+
+
+def _npz_case(rng, seeds, path: Path) -> str:
+    """An .npz whose member for the input is damaged, mislabelled or declares more than it holds."""
+    what = rng.choice(["bytes", "header", "name", "method", "sizes", "compressed", "extra"])
+    shape, dtype = tuple(CALIB_INPUT["shape"]), CALIB_INPUT["dtype"]
+    if what == "bytes":
+        data, how = damage(rng, seeds.calib[".npz"].read_bytes(), seeds.splices)
+        path.write_bytes(data)
+        return f"npz: {how}"
+    if what == "sizes":  # the local header's or the central directory's sizes of the member changed
+        data = bytearray(seeds.calib[".npz"].read_bytes())
+        at = rng.choice([18, 22, data.rfind(b"PK\x01\x02") + 20, data.rfind(b"PK\x01\x02") + 24])
+        data[at:at + 4] = struct.pack("<I", rng.choice([0, 1, 2**31, 2**32 - 1]))
+        path.write_bytes(bytes(data))
+        return f"npz: a size field at {at} changed"
+    if what == "method":  # a compression method zipfile does not know, or the encrypted flag
+        data = bytearray(seeds.calib[".npz"].read_bytes())
+        at, value = rng.choice([(8, struct.pack("<H", 99)), (6, struct.pack("<H", 1))])
+        data[at:at + 2] = value
+        central = data.rfind(b"PK\x01\x02")
+        data[central + at + 2:central + at + 4] = value
+        path.write_bytes(bytes(data))
+        return f"npz: header field at {at} set to {value.hex()}"
+    member, body = "x.npy", None
+    if what == "header":
+        shape_text = rng.choice(["(2**40, 3, 8, 8)", "(1, 3, 8, 8)", "(-1, 3, 8, 8)", "(0, 3, 8, 8)", "(9223372036854775807,)"])
+        body = _npy_header(repr(dtype), "False", shape_text) + bytes(rng.choice([0, 16, 768]))
+    elif what == "name":
+        member = rng.choice(["x", "X.npy", "../x.npy", "/x.npy", "x.npy/", "x.npy\x00"])
+    body = body if body is not None else seeds.calib[".npy"].read_bytes()
+    method = zipfile.ZIP_DEFLATED if what == "compressed" else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", method) as z:
+        if what == "compressed":  # a member declaring much more than the file it comes in
+            with z.open("x.npy", "w", force_zip64=True) as m:
+                m.write(_npy_header(repr(dtype), "False", repr((rng.choice([64, 2**20]),) + shape[1:])))
+                for _ in range(rng.choice([1, 64])):
+                    m.write(bytes(1 << 20))
+            return "npz: a compressed member of zeros"
+        z.writestr(member, body)
+        if what == "extra":
+            with warnings.catch_warnings():  # a second member of the same name is the point
+                warnings.simplefilter("ignore")
+                z.writestr(rng.choice(["x.npy", "y.npy", "x"]), rng.randbytes(64))
+    return f"npz: member {member!r}, {what}"
+
+
+def _calib_file(rng, seeds, case: Path, family: str, k: int) -> str:
+    """One sample file of the directory `case`, of `family` ("numpy" or "image"); what it is."""
+    import numpy as np
+
+    kind = rng.choice(["seed", "bytes", "bytes", "structure", "structure", "special"])
+    suffix = rng.choice([".npy", ".npz", ".NPY"]) if family == "numpy" else rng.choice([".png", ".jpg", ".PNG"])
+    path = case / f"s{k}{suffix}"
+    if kind == "special":
+        what = rng.choice(["fifo", "zero", "directory", "dangling", "loop", "empty", "link"])
+        if what == "fifo":
+            os.mkfifo(path)
+        elif what == "zero":
+            path.symlink_to("/dev/zero")
+        elif what == "directory":
+            path.mkdir()
+        elif what == "dangling":
+            path.symlink_to(case / "nowhere")
+        elif what == "loop":
+            path.symlink_to(path)
+        elif what == "empty":
+            path.write_bytes(b"")
+        else:  # a link to a valid sample
+            path.symlink_to(seeds.calib[".png" if family == "image" else ".npy"])
+        return f"{path.name}: {what}"
+    if kind == "seed":
+        source = seeds.calib[".png"] if family == "image" else seeds.calib[path.suffix.lower()]
+        shutil.copyfile(source, path)
+        return f"{path.name}: the seed"
+    if kind == "bytes":
+        source = seeds.calib[".png"] if family == "image" else seeds.calib[".npz" if "z" in path.suffix.lower() else ".npy"]
+        data, how = damage(rng, source.read_bytes(), seeds.splices)
+        path.write_bytes(data)
+        return f"{path.name}: {how}"
+    if family == "image":
+        width, height = rng.choice(PNG_SIZES)
+        path.write_bytes(_png(width, height, rng.choice([b"\0" * 64, b"", rng.randbytes(256)])))
+        return f"{path.name}: a PNG declaring {width}x{height}"
+    if path.suffix.lower() == ".npz":
+        return f"{path.name}: {_npz_case(rng, seeds, path)}"
+    if rng.random() < 0.5:
+        shape = rng.choice([(1, 3, 8, 8), (4, 1, 3, 8, 8), (2, 3, 8, 8), (3, 8, 8), (), (0, 3, 8, 8), (1, 8, 8, 3)])
+        dtype = rng.choice(NPY_DTYPES)
+        try:
+            array = np.zeros(shape, np.dtype(dtype))
+        except (TypeError, ValueError):
+            array = np.zeros(shape)
+        np.save(path, array)
+        return f"{path.name}: {dtype} {shape}"
+    shape_text = rng.choice(["(2**40, 3, 8, 8)", "(1, 3, 8, 2**40)", "(-1, 3, 8, 8)", "(1, 3, 8, 8)", "(4, 1, 3, 8, 8)"])
+    descr = rng.choice(["'<f4'", "'|O'", "'<U5'", "'>f8'", "[('a', '<f4')]"])
+    data = bytes(rng.choice([0, 32, 768, 3072]))
+    path.write_bytes(_npy_header(descr, "False", shape_text, rng.choice([(1, 0), (2, 0), (3, 0)])) + data)
+    return f"{path.name}: header {descr} {shape_text}, {len(data)} bytes of data"
+
+
+def gen_calib(rng, seeds, case, deep):
+    """A `--calib` directory of one to three samples of one family (numpy files or images), each a seed,
+    damaged or not a regular file; for half the cases an `--eval` directory, with a labels.txt that may
+    be hostile too (or a FIFO)."""
+    family = rng.choice(["numpy", "numpy", "image"])
+    how = [_calib_file(rng, seeds, case, family, k) for k in range(rng.choice([1, 1, 2, 3]))]
+    # a preprocessing that does not fit is refused before any image is read: one case in ten
+    options = {"eval": rng.random() < 0.5,
+               "preprocess": rng.choice([None] * 6 + ["scale=1/255", "layout=NHWC", "mean=0.5:0.5", "color=GRAY"])}
+    if options["eval"]:
+        if rng.random() < 0.05:
+            os.mkfifo(case / "labels.txt")
+            how.append("labels.txt: fifo")
+        elif rng.random() < 0.9:
+            labels = rng.choice(LABELS)
+            (case / "labels.txt").write_bytes(labels)
+            how.append(f"labels.txt: {_short(labels)}")
+    return case, "; ".join(how), options
+
+
 GENERATORS: dict[str, Callable] = {
     "onnx": gen_onnx, "tflite": gen_tflite, "keras": gen_keras, "savedmodel": gen_savedmodel, "target": gen_target,
-    "manifest": gen_manifest, "bundle": gen_bundle, "npy": gen_npy,
+    "manifest": gen_manifest, "bundle": gen_bundle, "npy": gen_npy, "calib": gen_calib,
 }
 
 
@@ -1718,8 +1875,14 @@ class Worker:
             self.converter_runs += 1
             return run_child(*args, **kwargs)
         conversion._run_child = counted
+        # onnxruntime's telemetry SDK writes its session file, TMPDIR/.ses, when onnxruntime is first imported
+        # in a process (whoever imports it): imported before any case, that file is no case's leftover
+        import onnxruntime  # noqa: F401
+
+        (tmp / ".ses").unlink(missing_ok=True)
         self.loaders = {"onnx": self.model, "tflite": self.model, "keras": self.model, "savedmodel": self.model,
-                        "target": self.target, "manifest": self.manifest, "bundle": self.bundle, "npy": self.npy}
+                        "target": self.target, "manifest": self.manifest, "bundle": self.bundle, "npy": self.npy,
+                        "calib": self.calib}
         self.seed_state = _state(seeds.root)
 
     def case(self, request: dict) -> dict:
@@ -1847,6 +2010,24 @@ class Worker:
         bundle = self.seeds.archives[0] if options.get("archive") else self.seeds.bundle
         code = _cli(["run", str(bundle), *(a for spec in options["inputs"] for a in ("--input", spec))])
         return None if code == 0 else f"exit {code}"
+
+    def calib(self, path: Path, case: Path, options: dict) -> str | None:
+        """`--calib DIR` as legalize, compress and package read it (`load_calibration`), or for half the
+        cases `--eval DIR` (`load_labelled`: its samples, then labels.txt)."""
+        from types import SimpleNamespace
+
+        from edgesdk.errors import EdgeSDKError
+        from edgesdk.ir.calibration import load_calibration, load_labelled
+
+        try:
+            if options["eval"]:
+                load_labelled(path, [CALIB_INPUT], options["preprocess"])
+            else:
+                load_calibration(SimpleNamespace(calib=path, calib_samples=32, seed=0,
+                                                 calib_preprocess=options["preprocess"]), [CALIB_INPUT])
+        except EdgeSDKError as e:
+            return e.code
+        return None
 
     def _inputs(self) -> list[str]:
         return [a for name, p in self.seeds.npy.items() for a in ("--input", f"{name}={p}")]
@@ -2022,7 +2203,7 @@ class Session:
     def _save(self, finding: Finding, case: Path) -> Path:
         dest = self.findings / f"{finding.loader}-{finding.seed}-{finding.index}"
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(case, dest / "input", symlinks=True, ignore_dangling_symlinks=True)
+        shutil.copytree(case, dest / "input", symlinks=True, ignore_dangling_symlinks=True, ignore=_special_files)
         (dest / "finding.txt").write_text(
             f"loader: {finding.loader}\nseed: {finding.seed}\nindex: {finding.index}\nkind: {finding.kind}\n"
             f"input: {finding.mutation}\nsummary: {finding.summary}\n\n{finding.detail}\n")
@@ -2046,6 +2227,16 @@ class Session:
             time.sleep(2)
             left = sorted(set(left) & _ours(self.system_tmp))
         return [str(self.system_tmp / name) for name in left]
+
+
+def _special_files(folder: str, names: list[str]) -> list[str]:
+    """What copying a case leaves out: a FIFO, a socket or a device (a link is copied as a link)."""
+    special = []
+    for name in names:
+        mode = os.lstat(os.path.join(folder, name)).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            special.append(name)
+    return special
 
 
 def _ours(tmp: Path) -> set[str]:

@@ -19,7 +19,7 @@ from tests.fuzz.harness import LOADERS, TF_LOADERS, Session
 
 SEED = 21
 COUNTS = {"onnx": 500, "tflite": 6, "keras": 6, "savedmodel": 5, "target": 300, "manifest": 500, "bundle": 200,
-          "npy": 300}
+          "npy": 300, "calib": 200}
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ errors for the rest."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -133,3 +134,141 @@ def test_images_and_numpy_do_not_mix_and_bad_images_are_named(tmp_path):
     (tmp_path / "c.jpg").write_bytes(b"not a jpeg")
     with pytest.raises(UserError, match="c.jpg: not a readable image"):
         load_calibration(_opts(tmp_path), INPUTS)
+
+
+# --- hostile files ---------------------------------------------------------------------------------
+# Each refusal comes from the file's type, size or header, before a sample is decoded or allocated.
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG of a few bytes declaring `width` x `height` RGB pixels (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def _npy_header(shape, descr="<f4") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name, make, kind", [
+    ("a.png", lambda p: os.mkfifo(p), "a FIFO"),  # opening it for reading would wait for a writer
+    ("a.npy", lambda p: os.mkfifo(p), "a FIFO"),
+    ("a.npy", lambda p: os.symlink("/dev/zero", p), "a character device"),  # reads without end
+    ("a.npz", lambda p: p.mkdir(), "a directory"),
+])
+def test_a_sample_that_is_not_a_regular_file_is_refused_unread(tmp_path, name, make, kind):
+    make(tmp_path / name)
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.code == "compress.calib-unreadable"
+    assert e.value.message == f"{tmp_path / name}: not a regular file ({kind})" and e.value.hint
+
+
+def test_a_link_to_a_regular_sample_is_read_as_the_file(tmp_path):
+    """A directory of links into a dataset: each link counts as the file it leads to."""
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "s.npy", np.ones((1, 3, 4, 4)))
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    (calib / "s.npy").symlink_to(data / "s.npy")
+    feeds, _ = load_calibration(_opts(calib), INPUTS)
+    assert len(feeds) == 1 and float(feeds[0]["x"].sum()) == 48.0
+
+
+@pytest.mark.parametrize("width, height", [(20000, 20000), (10000, 10000)])  # past Pillow's error, its warning
+def test_an_image_declaring_too_many_pixels_is_refused_from_its_header(tmp_path, width, height):
+    (tmp_path / "bomb.png").write_bytes(_png_header(width, height))
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.code == "compress.calib-image-too-large"
+    assert e.value.message.startswith(f"{tmp_path / 'bomb.png'}: the image declares {width}x{height} pixels "
+                                      f"({width * height:,}), more than the 89,478,485")
+    assert "decompression bomb" in e.value.hint
+
+
+def test_an_array_declaring_more_than_its_file_holds_is_refused_before_allocating(tmp_path):
+    """2^40 x 48 float32 (211 TB) declared by a header of 128 bytes, in an .npy and as an .npz member."""
+    import zipfile
+
+    shape = (2**40, 3, 4, 4)
+    (tmp_path / "a.npy").write_bytes(_npy_header(shape) + bytes(192))
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.code == "compress.calib-truncated"
+    assert e.value.message == (f"{tmp_path / 'a.npy'}: the array for 'x' declares shape {shape} of float32 "
+                               f"(211,106,232,532,992 bytes), and the file holds 192 bytes of data")
+    (tmp_path / "a.npy").unlink()
+    with zipfile.ZipFile(tmp_path / "b.npz", "w") as z:
+        z.writestr("x.npy", _npy_header(shape) + bytes(192))
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.code == "compress.calib-truncated" and "and member 'x.npy' holds 192 bytes" in e.value.message
+
+
+def test_npz_members_past_the_bound_or_damaged_are_refused(tmp_path, monkeypatch):
+    from edgesdk.ir import calibration
+
+    # a compressed member declares its size unpacked: 40 zero samples, 7,808 bytes in a file of a few hundred
+    np.savez_compressed(tmp_path / "z.npz", x=np.zeros((40, 3, 4, 4), np.float32))
+    assert (tmp_path / "z.npz").stat().st_size < 2000
+    monkeypatch.setattr(calibration, "MAX_SAMPLE_BYTES", 2000)
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.code == "compress.calib-too-large"
+    assert e.value.message == (f"{tmp_path / 'z.npz'}: its arrays for the model's inputs declare 7,808 bytes, more "
+                               "than the 2,000 read from one sample file")
+    monkeypatch.undo()
+    (tmp_path / "z.npz").unlink()
+    np.savez(tmp_path / "s.npz", x=np.ones((4, 3, 4, 4), np.float32))
+    data = bytearray((tmp_path / "s.npz").read_bytes())
+    at = data.index(np.ones(1, np.float32).tobytes())
+    data[at + 3] ^= 0x01  # one value of x changed: the member's CRC no longer matches
+    (tmp_path / "s.npz").write_bytes(bytes(data))
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.message == f"{tmp_path / 's.npz'}: member 'x.npy' cannot be read (Bad CRC-32 for file 'x.npy')"
+
+
+def test_a_file_that_is_not_numpy_is_named_as_numpy_refuses_it(tmp_path):
+    (tmp_path / "x.npy").write_bytes(b"garbage")
+    with pytest.raises(UserError) as e:
+        load_calibration(_opts(tmp_path), INPUTS)
+    assert e.value.message == (f"{tmp_path / 'x.npy'}: not a numpy file (no numpy header: not a .npy or .npz file "
+                               "(and a pickle is never loaded))")
+
+
+def test_an_array_of_strings_is_a_user_error(tmp_path):
+    np.save(tmp_path / "s.npy", np.full((1, 3, 4, 4), "a"))
+    with pytest.raises(UserError, match="s.npy: array for 'x' is <U1, which does not convert to the input's float32"):
+        load_calibration(_opts(tmp_path), INPUTS)
+
+
+@pytest.mark.parametrize("labels, message", [
+    (b"1\n2\n\xff\n", "labels.txt:3: not UTF-8 text (byte 0xff)"),
+    (b"1\n99999999999999999999\n", "labels.txt:2: 99999999999999999999 is outside int64"),
+    (b"-9223372036854775809\n", "labels.txt:1: -9223372036854775809 is outside int64"),
+    (None, "labels.txt: not a regular file (a FIFO)"),
+])
+def test_labels_that_are_not_utf8_int64_or_a_file_name_their_line(tmp_path, labels, message):
+    from edgesdk.ir.calibration import load_labelled
+
+    np.save(tmp_path / "s.npy", np.zeros((1, 3, 4, 4)))
+    if labels is None:
+        os.mkfifo(tmp_path / "labels.txt")
+    else:
+        (tmp_path / "labels.txt").write_bytes(labels)
+    with pytest.raises(UserError) as e:
+        load_labelled(tmp_path, INPUTS, None)
+    assert e.value.code == "compress.eval-label"
+    assert e.value.message == f"{tmp_path}/{message}" and e.value.hint

@@ -10,6 +10,7 @@ checked on its own, on TensorSpecs, without a bundle.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,126 @@ def test_cli_allow_nonfinite(embedding, tmp_path):
     assert_user_facing(edgesdk(*args), 1, "input 'x' holds NaN or inf", "--allow-nonfinite")
     proc = edgesdk(*args, "--allow-nonfinite")
     assert proc.returncode == 0 and "y: shape [1, 4] float32" in proc.stdout, proc.stderr
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Every entry under `root` and what it is (a link: where it leads)."""
+    return {str(p.relative_to(root)): os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else "file"
+            for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("given, make, why", [
+    ("y.out", None, "does not end in .npz or .npy"),  # numpy.savez wrote y.out.npz
+    ("existing", lambda p: p.mkdir(), "is a directory"),  # numpy.savez wrote existing.npz beside it
+    ("null.npz", lambda p: p.symlink_to("/dev/null"), "is a character device, not a regular file"),
+    ("fifo.npz", lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),  # opening it to write waited for ever
+    ("missing/y.npz", None, "its directory {tmp}/missing does not exist"),  # an internal error (exit 3)
+], ids=["suffix", "directory", "device", "fifo", "missing-directory"])
+def test_run_output_is_written_exactly_where_asked_or_refused(embedding, tmp_path, given, make, why):
+    """`run -o` writes the path given or refuses it before the model runs (exit 2), writing nothing."""
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    if make:
+        make(tmp_path / given)
+    before = _files(tmp_path)
+    proc = edgesdk("run", str(embedding[1]), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}",
+                   "-o", str(tmp_path / given))
+    assert_user_facing(proc, 2, f"error: --output {tmp_path / given}: {why.format(tmp=tmp_path)}",
+                       "hint: give a file name ending in .npz (every output, by name) or .npy (the one output)")
+    assert _files(tmp_path) == before
+
+
+def test_run_output_holds_what_its_suffix_says_and_nothing_else_is_written(embedding, tmp_path):
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    args = ["run", str(embedding[1]), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}", "-o"]
+    assert edgesdk(*args, str(tmp_path / "y.npz")).returncode == 0
+    assert edgesdk(*args, str(tmp_path / "y.NPY")).returncode == 0
+    assert set(_files(tmp_path)) == {"ids.npy", "x.npy", "y.npz", "y.NPY"}  # no temporary left
+    with np.load(tmp_path / "y.npz") as z:
+        assert list(z) == ["y"] and z["y"].shape == (1, 4)
+    np.testing.assert_array_equal(np.load(tmp_path / "y.NPY"), np.load(tmp_path / "y.npz")["y"])
+
+
+def test_run_output_npy_is_refused_for_a_model_of_several_outputs(embedding, tmp_path):
+    """A .npy file holds one array: for two outputs numpy.savez wrote `y.npy.npz`; now refused, before the
+    model runs. The second output is a copy's manifest edit (the refusal reads the manifest alone)."""
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(embedding[1], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for outputs in (manifest["outputs"], manifest["segments"][-1]["outputs"]):
+        outputs.append({**outputs[0], "name": "y2"})
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    before = _files(tmp_path)
+    proc = edgesdk("run", str(bundle), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}",
+                   "-o", str(tmp_path / "y.npy"))
+    assert_user_facing(proc, 2, f"error: --output {tmp_path / 'y.npy'}: a .npy file holds one array, and the model "
+                       "has 2 outputs", "hint: give a .npz file name: it holds every output by name")
+    assert _files(tmp_path) == before
+
+
+def test_a_run_output_the_file_system_refuses_leaves_nothing(embedding, tmp_path):
+    """A write that fails midway (here past RLIMIT_FSIZE, as a full disk would) is a user error, and neither
+    the output nor its temporary is left."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.model_zoo import ROOT
+
+    np.save(tmp_path / "ids.npy", _ids())
+    np.save(tmp_path / "x.npy", X)
+    args = ["run", str(embedding[1]), "-i", f"ids={tmp_path / 'ids.npy'}", "-i", f"x={tmp_path / 'x.npy'}",
+            "-o", str(tmp_path / "y.npz")]
+    proc = subprocess.run([sys.executable, "-m", "edgesdk.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "sdk")}, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100)))
+    assert_user_facing(proc, 1, f"error: --output {tmp_path / 'y.npz'}: cannot be written (File too large)",
+                       "nothing was written")
+    assert set(_files(tmp_path)) == {"ids.npy", "x.npy"}
+
+
+def test_a_segment_onnxruntime_cannot_load_is_a_manifest_error(embedding, tmp_path):
+    """A manifest naming onnxruntime for an artifact that is no ONNX model (a hand-edited manifest; the
+    fuzzer's) was onnxruntime's InvalidProtobuf, an internal error of `edgesdk run`."""
+    import shutil
+
+    from edgesdk.runtime.manifest import ManifestError
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(embedding[1], bundle)
+    (bundle / "segments" / "junk.onnx").write_bytes(b"not a model")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["segments"][0].update(backend="onnxruntime", artifact="segments/junk.onnx")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"segment s0: segments/junk.onnx is not a model onnxruntime loads "
+                                            r"\(\[ONNXRuntimeError\] : 7 : INVALID_PROTOBUF"):
+        BundleModel(bundle, log=lambda s: None)
+
+
+def test_device_run_writes_exactly_the_output_named(embedding, tmp_path):
+    """`python -B -m runtime run IN OUT` (numpy.savez appended .npz to OUT) writes OUT.npz or refuses."""
+    import subprocess
+    import sys
+
+    np.savez(tmp_path / "in.npz", ids=_ids(), x=X)
+
+    def device_run(out: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-B", "-m", "runtime", "run", str(tmp_path / "in.npz"), out],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(embedding[1])})
+
+    for out, why in (("y.out", "does not end in .npz"), ("missing/y.npz", "its directory missing does not exist")):
+        proc = device_run(out)
+        assert proc.returncode == 2 and proc.stderr == f"error: {out}: {why}\n", proc.stderr
+        assert set(_files(tmp_path)) == {"in.npz"}
+    proc = device_run("y.npz")
+    assert proc.returncode == 0, proc.stderr
+    assert set(_files(tmp_path)) == {"in.npz", "y.npz"} and list(np.load(tmp_path / "y.npz")) == ["y"]
 
 
 # (input, value given, verdict): a refusal's words, or the note of the cast done

@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 
 from ..errors import UsageError, UserError
+from ..ir.calibration import open_regular_file
 from .fidelity import _joined, compare, run_samples
 from .prune import Layer, PruneMethod, parse_method, prune_model
 
@@ -44,6 +45,8 @@ DENSE = "dense"
 DEFAULT_CANDIDATES = "2:4,1:4"  # --prune-plan auto without --prune: the N:M levels
 SENSITIVITY_ROWS = 32  # the sensitivities are measured on calibration samples holding at most this many batch rows
 RESOLUTION = 2000  # the knapsack's steps over the time to save
+MAX_PLAN_BYTES = 16 << 20  # a plan file: a line per layer and the auto plan's table
+MAX_PLAN_DEPTH = 32  # a plan nests 4 levels (its table's options)
 
 
 def parse_candidates(text: str) -> list[PruneMethod]:
@@ -219,11 +222,19 @@ def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | No
     """A plan file: each named layer's method (None: dense). Refuses, naming the file and line, what is not
     such a file, a layer the model does not have among `layers` (its prunable ones), and a bad method."""
     where = str(path)
+    with open_regular_file(Path(path), MAX_PLAN_BYTES, "prune.plan-unreadable", "give a plan file written by an "
+                           "earlier build (OUT/.build/4-tune/prune_plan.json), or 'auto'", UsageError) as f:
+        raw = f.read()
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise UsageError("prune.plan-unreadable", f"--prune-plan {where}: {e.strerror or e}",
-                         hint="give a plan file written by an earlier build (OUT/.build/4-tune/prune_plan.json), or 'auto'") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UsageError("prune.plan-invalid", f"{where}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})",
+                         hint="save the plan as UTF-8 text (JSON)") from None
+    deep = _line_nested_past(text, MAX_PLAN_DEPTH)
+    if deep is not None:  # the JSON parser recurses once per level: refused before it runs out of stack
+        raise UsageError("prune.plan-invalid", f"{where}:{deep}: nested more than {MAX_PLAN_DEPTH} levels deep",
+                         hint=f'a plan is {{"format": "{FORMAT}", "layers": {{"<layer>": "2:4" | "dense", ...}}}}')
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -253,6 +264,27 @@ def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | No
         except UsageError as e:
             raise UsageError(e.code, f"{where}:{line}: layer '{name}': {e.message}", hint=e.hint) from None
     return plan
+
+
+def _line_nested_past(text: str, depth: int) -> int | None:
+    """The line where JSON `text` opens its (depth + 1)-th nested list or object, if it does (brackets
+    inside strings do not count)."""
+    level, line, in_string, escaped = 0, 1, False, False
+    for c in text:
+        if c == "\n":
+            line += 1
+        elif in_string:
+            in_string = escaped or c != '"'
+            escaped = not escaped and c == "\\"
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            level += 1
+            if level > depth:
+                return line
+        elif c in "]}":
+            level -= 1
+    return None
 
 
 def _line_of(text: str, key: str) -> int:

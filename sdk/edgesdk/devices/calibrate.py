@@ -75,6 +75,7 @@ WARMUP_RUNS = 2
 PROFILER_RESOLUTION_MS = 1e-3
 # ONNX Runtime turns Constant nodes into initializers when it loads a graph: they never run a kernel.
 FOLDED_AT_LOAD = frozenset({"Constant"})
+MIN_FIT_SAMPLES = 3  # `fit_cpu` fits three figures
 
 
 @dataclass(frozen=True)
@@ -312,8 +313,8 @@ def fit_cpu(samples: list[OpSample]) -> CpuFit:
     term predicts no sample is not determined by the data (only bounded): `notes` says so."""
     from scipy.optimize import least_squares
 
-    if len(samples) < 3:
-        raise ValueError(f"fitting three figures needs at least 3 samples, got {len(samples)}")
+    if len(samples) < MIN_FIT_SAMPLES:
+        raise ValueError(f"fitting three figures needs at least {MIN_FIT_SAMPLES} samples, got {len(samples)}")
     flops = np.array([s.flops for s in samples], dtype=float)
     nbytes = np.array([s.bytes for s in samples], dtype=float)
     meas = np.array([s.ms for s in samples], dtype=float)

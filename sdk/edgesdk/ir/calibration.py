@@ -6,20 +6,39 @@ KEY=VALUE: `color=RGB` (or BGR, GRAY), `scale=1/255`, `mean=M` and `std=S` (one 
 `layout=NCHW` (or NHWC; default: guessed from where the input's 1 or 3 channels are). An image is
 resized (bilinear) to the input's height and width, and each pixel becomes
 `(pixel * scale - mean) / std`, in the model's layout, batch 1.
+
+Every file is read as a regular file of a bounded size (`open_regular_file`): a FIFO, a device or a
+socket named like a sample is refused, never waited on or read without end. What a file declares is
+checked before anything is allocated for it: an image's width and height (a small PNG may declare
+20000 x 20000 pixels), an array's shape against the bytes the file holds.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import stat
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import EdgeSDKError, UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 PREPROCESS_KEYS = ("color", "scale", "mean", "std", "layout")
+# What one sample file may hold: its size on disk, and the arrays read from it for the model's inputs
+# (a stack of many samples is one file; an .npz member's declared size counts before it is read)
+MAX_SAMPLE_BYTES = 4 << 30
+# An image's declared width x height: Pillow's own bound for a decode without its warning (89.5 MP,
+# 8K video is 33 MP). A calibration image is resized to the model input's size anyway.
+MAX_IMAGE_PIXELS = 89_478_485
+MAX_LABELS_BYTES = 64 << 20  # labels.txt: one short line per sample
+SAMPLE_HINT = "write samples with numpy.save / numpy.savez"
 
 
 @dataclass(frozen=True)
@@ -80,25 +99,100 @@ def parse_preprocess(spec: str | None, input_shape: list[int] | tuple[int, ...])
     return Preprocess((int(hw[0]), int(hw[1])), color, scale, mean, std, layout)
 
 
+def open_regular_file(path: Path, limit: int, code: str, hint: str, error: type[EdgeSDKError] = UserError
+                      ) -> BinaryIO:
+    """`path` open for reading, if it is a regular file of at most `limit` bytes; else `error` naming it.
+
+    It is opened with O_NONBLOCK, so that opening a FIFO returns at once instead of waiting for a writer,
+    and judged by fstat of what was opened: a FIFO, a device (/dev/zero reads without end) or a socket is
+    refused. A symbolic link counts as the file it leads to: a directory of links into a dataset is a
+    common way to choose samples, reading through a link writes nothing, and what is read is checked
+    all the same."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        try:  # a socket cannot be opened at all (ENXIO): say what it is
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        what = f"not a regular file ({_kind(mode)})" if not stat.S_ISREG(mode) else f"cannot be read ({e.strerror})"
+        raise error(code, f"{path}: {what}", hint) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(code, f"{path}: not a regular file ({_kind(st.st_mode)})", hint)
+        if st.st_size > limit:
+            raise error(code, f"{path}: {st.st_size:,} bytes, more than the {limit:,} read from such a file", hint)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
 def load_image(path: Path, pre: Preprocess, dtype: str = "float32") -> np.ndarray:
-    """One image file as a batch-1 model input, preprocessed as `pre` states."""
+    """One image file as a batch-1 model input, preprocessed as `pre` states. An image declaring more
+    than MAX_IMAGE_PIXELS is refused from its header, before a pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with Image.open(path) as img:
-            img = img.convert("L" if pre.color == "GRAY" else "RGB")
-            if img.size != (pre.size[1], pre.size[0]):
-                img = img.resize((pre.size[1], pre.size[0]), Image.Resampling.BILINEAR)
-            pixels = np.asarray(img, np.float32)
-    except (UnidentifiedImageError, OSError) as e:
-        raise UserError("compress.calib-unreadable", f"{path}: not a readable image ({e})",
-                        "give PNG, JPEG or BMP files") from None
+    with open_regular_file(path, MAX_SAMPLE_BYTES, "compress.calib-unreadable", "give PNG, JPEG or BMP files") as f:
+        try:
+            # Pillow warns above its bound and refuses twice that, both before decoding
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(f) as img:
+                    if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:
+                        raise _too_large(path, img.size)
+                    img = img.convert("L" if pre.color == "GRAY" else "RGB")
+                    if img.size != (pre.size[1], pre.size[0]):
+                        img = img.resize((pre.size[1], pre.size[0]), Image.Resampling.BILINEAR)
+                    pixels = np.asarray(img, np.float32)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise _too_large(path, _declared_size(f), str(e)) from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as e:
+            why = "Pillow identifies no image format in it" if isinstance(e, UnidentifiedImageError) else e
+            raise UserError("compress.calib-unreadable", f"{path}: not a readable image ({why})",
+                            "give PNG, JPEG or BMP files") from None
     pixels = pixels[..., None] if pixels.ndim == 2 else pixels
     if pre.color == "BGR":
         pixels = pixels[..., ::-1]
     x = (pixels * pre.scale - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
     x = np.transpose(x, (2, 0, 1)) if pre.layout == "NCHW" else x
     return np.ascontiguousarray(x[None]).astype(dtype)
+
+
+def _too_large(path: Path, size: tuple[int, int] | None, said: str = "") -> UserError:
+    declared = f"{size[0]}x{size[1]} pixels ({size[0] * size[1]:,})" if size else f"too many pixels ({said})"
+    return UserError("compress.calib-image-too-large", f"{path}: the image declares {declared}, more than the "
+                     f"{MAX_IMAGE_PIXELS:,} a calibration image may have: refused before decoding it",
+                     "resize calibration images to about the model input's size; a small file declaring this many "
+                     "pixels may be a decompression bomb")
+
+
+def _declared_size(f: BinaryIO) -> tuple[int, int] | None:
+    """The width and height in an image's header (Pillow's refusal of a decompression bomb leaves them
+    out): its format's reader opens the header alone, decoding nothing."""
+    from PIL import Image
+
+    f.seek(0)
+    prefix = f.read(16)
+    for fmt in ("PNG", "JPEG", "BMP", *Image.OPEN):
+        factory, accept = Image.OPEN.get(fmt, (None, None))
+        try:
+            if factory is not None and (accept is None or accept(prefix) is True):
+                f.seek(0)
+                return factory(f).size
+        except Exception:  # noqa: BLE001 - not this format: the next one
+            continue
+    return None
 
 
 def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
@@ -131,15 +225,7 @@ def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
                        "formula": "(pixel * scale - mean) / std, resized (bilinear) to the input's size"}
     feeds: list[dict[str, np.ndarray]] = []
     for f in files:
-        try:
-            data = np.load(f)
-        except Exception as e:
-            raise UserError("compress.calib-unreadable", f"{f}: not a numpy file ({numpy_load_error(e)})",
-                            "write samples with numpy.save / numpy.savez") from None
-        arrays = {inputs[0]["name"]: data} if f.suffix == ".npy" else dict(data)
-        if f.suffix == ".npy" and len(inputs) > 1:
-            raise UserError("compress.calib-multi-input", f"{f}: a .npy file holds one array, the model has "
-                            f"{len(inputs)} inputs", "use .npz files with one array per input name")
+        arrays = read_samples(f, [i["name"] for i in inputs])
         stacks = {}
         for i in inputs:
             if i["name"] not in arrays:
@@ -155,11 +241,85 @@ def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
                 raise UserError("compress.calib-shape", f"{f}: array for '{i['name']}' has shape {a.shape}, "
                                 f"expected {shape} or a stack of N samples",
                                 "preprocess calibration samples exactly as the model's input")
-            stacks[i["name"]] = a.astype(i["dtype"])
+            try:
+                stacks[i["name"]] = a.astype(i["dtype"])
+            except (ValueError, TypeError):
+                raise UserError("compress.calib-dtype", f"{f}: array for '{i['name']}' is {a.dtype}, which does "
+                                f"not convert to the input's {i['dtype']}", "give numbers, as the model's input "
+                                "takes them") from None
         count = min(len(a) for a in stacks.values())
         feeds += [{k: v[j] for k, v in stacks.items()} for j in range(count)]
     feeds = feeds[:n]
     return feeds, {"synthetic": False, "samples": len(feeds), "source": str(root), "files": len(files)}
+
+
+def read_samples(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """One sample file's arrays for the inputs `names`: a .npy file's array (for the one input), or an
+    .npz file's members named like them. Each array's header is read first, and an array declaring more
+    bytes than the file (or its .npz member) holds is refused before anything is allocated for it."""
+    with open_regular_file(path, MAX_SAMPLE_BYTES, "compress.calib-unreadable", SAMPLE_HINT) as f:
+        size = os.fstat(f.fileno()).st_size
+        start = f.read(6)
+        f.seek(0)
+        try:
+            if start == b"\x93NUMPY":
+                if len(names) > 1:
+                    raise UserError("compress.calib-multi-input", f"{path}: a .npy file holds one array, the model "
+                                    f"has {len(names)} inputs", "use .npz files with one array per input name")
+                _check_declared(path, f, size, names[0], "the file")
+                f.seek(0)
+                return {names[0]: np.load(f)}
+            if zipfile.is_zipfile(f):
+                return _read_npz(path, f, names)
+            f.seek(0)
+            np.load(f)  # neither: numpy says why (it never loads a pickle)
+            raise ValueError("neither an .npy nor an .npz file")
+        except EdgeSDKError:
+            raise
+        except Exception as e:
+            raise UserError("compress.calib-unreadable", f"{path}: not a numpy file ({numpy_load_error(e)})",
+                            SAMPLE_HINT) from None
+
+
+def _read_npz(path: Path, f: BinaryIO, names: list[str]) -> dict[str, np.ndarray]:
+    """The members of an .npz archive named like the inputs, each checked as `read_samples` says; those of
+    other names are not read. A damaged member (its CRC, its compressed stream) is refused naming it."""
+    arrays = {}
+    with zipfile.ZipFile(f) as z:
+        members = {name: z.getinfo(f"{name}.npy") for name in names if f"{name}.npy" in z.namelist()}
+        total = sum(m.file_size for m in members.values())
+        if total > MAX_SAMPLE_BYTES:
+            raise UserError("compress.calib-too-large", f"{path}: its arrays for the model's inputs declare "
+                            f"{total:,} bytes, more than the {MAX_SAMPLE_BYTES:,} read from one sample file",
+                            "split the samples into several files")
+        for name, member in members.items():
+            try:
+                with z.open(member) as m:
+                    _check_declared(path, m, member.file_size, name, f"member '{member.filename}'")
+                with z.open(member) as m:
+                    arrays[name] = np.lib.format.read_array(m, allow_pickle=False)
+            except EdgeSDKError:
+                raise
+            except Exception as e:
+                raise UserError("compress.calib-unreadable", f"{path}: member '{member.filename}' cannot be read "
+                                f"({numpy_load_error(e)})", SAMPLE_HINT) from None
+    return arrays
+
+
+def _check_declared(path: Path, f: BinaryIO, size: int, name: str, where: str) -> None:
+    """Refuse an .npy header (read from `f`) declaring more data than the `size` bytes it comes in hold.
+    A version numpy does not write is left to numpy.load to refuse."""
+    fmt = np.lib.format
+    version = fmt.read_magic(f)
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        return
+    shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(f)
+    declared = math.prod(shape) * dtype.itemsize
+    held = size - f.tell()
+    if declared > held:
+        raise UserError("compress.calib-truncated", f"{path}: the array for '{name}' declares shape {shape} of "
+                        f"{dtype} ({declared:,} bytes), and {where} holds {max(held, 0):,} bytes of data",
+                        f"the file is truncated or damaged; {SAMPLE_HINT}")
 
 
 LABELS = "labels.txt"  # in an --eval directory: one integer class per output row, in sample order
@@ -173,20 +333,33 @@ def load_labelled(root: Path, inputs: list[dict], preprocess: str | None
     options = SimpleNamespace(calib=root, calib_samples=10 ** 9, calib_preprocess=preprocess, seed=0)
     samples, info = load_calibration(options, inputs, flag="--eval")
     path = Path(root) / LABELS
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError("compress.eval-labels-missing", f"--eval {root}: no {LABELS}",
                         f"write one integer class per line to {path}, one per sample (per batch row), in the order "
                         "of the sample files' names")
+    with open_regular_file(path, MAX_LABELS_BYTES, "compress.eval-label", "one integer class per line") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UserError("compress.eval-label", f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})",
+                        "save labels.txt as UTF-8 text: one integer class per line") from None
     labels = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
+    int64 = np.iinfo(np.int64)
+    for number, line in enumerate(text.splitlines(), 1):
+        value = line.split("#", 1)[0].strip()
+        if not value:
             continue
+        shown = value if len(value) <= 40 else value[:40] + "..."
         try:
-            labels.append(int(text))
+            labels.append(int(value))
         except ValueError:
-            raise UserError("compress.eval-label", f"{path}:{number}: '{text}' is not an integer class",
+            raise UserError("compress.eval-label", f"{path}:{number}: '{shown}' is not an integer class",
                             "one integer class per line") from None
+        if not int64.min <= labels[-1] <= int64.max:
+            raise UserError("compress.eval-label", f"{path}:{number}: {shown} is outside int64",
+                            "one integer class per line: the index of the model output's class")
     return samples, np.asarray(labels, dtype=np.int64), {**info, "labels": len(labels), "source": str(root)}
 
 

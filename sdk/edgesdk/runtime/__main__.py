@@ -3,7 +3,7 @@ the bundle on PYTHONPATH): compiled files written into a bundle are files its ma
 and verification refuses a bundle that holds any.
 
   python -B -m runtime selftest [--json]          the golden self-test of this bundle
-  python -B -m runtime run IN.npz OUT.npz         run this bundle on IN's arrays
+  python -B -m runtime run IN.npz OUT.npz         run this bundle on IN's arrays, writing OUT.npz (that name)
   python -B -m runtime bench [BUNDLE] [--runs N] [--callers 1,2,4] [--depth 1,3] [--json]
                                                   latency percentiles, concurrent callers, the stream, segments
 
@@ -157,6 +157,12 @@ def _main(argv: list[str]) -> int:
 
             return main(([args.bundle] if args.bundle else []) + (["--json"] if args.json else []))
         if args.command == "run":
+            from .output_file import refusal, write_whole
+
+            out = Path(args.outputs)
+            if why := refusal(out, (".npz",)):  # checked before the model runs
+                print(f"error: {out}: {why}", file=sys.stderr)
+                return 2
             import numpy as np
 
             from .executor import BundleModel
@@ -164,7 +170,7 @@ def _main(argv: list[str]) -> int:
             model = BundleModel(HERE)
             with np.load(args.inputs) as feeds:
                 outputs = model.run(dict(feeds))
-            np.savez(args.outputs, **outputs)
+            write_whole(out, lambda f: np.savez(f, **outputs))
             return 0
         return args.handler(args)
     except KeyFileError as e:

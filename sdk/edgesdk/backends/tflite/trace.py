@@ -7,7 +7,10 @@ outputs keep their `p`, reported in `TensorSpec.perm` (the runtime transposes on
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,39 @@ from ...ir.memory import tensorflow_env
 from ...runtime.manifest import TensorSpec
 from .layout import _Ctx, _identity, _input_perm, _inv, _Value
 from .lowering import Shapes, _fold, lowering_for
+
+# What TensorFlow's native libraries print while they load, whatever TF_CPP_MIN_LOG_LEVEL says: absl's
+# notice that it logs before it is set up, and INFO lines ("oneDNN custom operations are on"). Warnings
+# and errors are not matched.
+_LOAD_NOISE = re.compile(rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+                         rb"|I\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
+
+
+def _tensorflow():
+    """TensorFlow, imported with `TENSORFLOW_ENV` set and what matches `_LOAD_NOISE` in what its first
+    import writes to fd 2 kept off the user's terminal (the rest is written there after it). With
+    TF_CPP_MIN_LOG_LEVEL=0 (`edgesdk --debug` sets it) nothing is held back."""
+    tensorflow_env()
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0":
+        import tensorflow as tf
+
+        return tf
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            import tensorflow as tf
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = b"".join(line for line in held.read().splitlines(keepends=True) if not _LOAD_NOISE.match(line))
+            while rest:
+                rest = rest[os.write(2, rest):]
+    return tf
+
 
 def _signature_key(name: str, used: set[str]) -> str:
     key = re.sub(r"[^0-9A-Za-z_]", "_", name)
@@ -99,9 +135,7 @@ def _check_model(model: onnx.ModelProto, cpu: bool = False) -> tuple[dict[str, n
 def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
     """Trace the segment into a tf.function whose signature keys name its ONNX tensors: with the Edge
     TPU's lowerings, and with `cpu` (LiteRT on the CPU) the CPU's behind them."""
-    tensorflow_env()
-    import tensorflow as tf
-
+    tf = _tensorflow()
     consts, lowerings = _check_model(model, cpu)
     graph = model.graph
     opset = _opset(model)

@@ -24,7 +24,12 @@ class OrtRunner:
         # segment alone on the CPU keeps onnxruntime's default (spinning is faster between its kernels).
         if not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime's own exception types: the artifact is not a model it loads
+            said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ManifestError(f"segment {segment.id}: {segment.artifact} is not a model onnxruntime loads "
+                                f"({said})") from None
         self.outputs = [o.name for o in segment.outputs]
         takes = sorted(i.name for i in self.session.get_inputs())
         gives = {o.name for o in self.session.get_outputs()}
