@@ -7,13 +7,13 @@ import gzip
 import io
 import os
 import tarfile
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from ..ir.digest import file_sha256
+from ..runtime.files import write_whole
 
 
 def savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -40,20 +40,12 @@ def write_tarball(bundle: Path, dest: Path) -> None:
     """Same files, same bytes: sorted members, mtime SOURCE_DATE_EPOCH (or 0), root ownership. One gzip
     stream of several members (as `gzip` reads and writes them): weights files past STORED_FROM stored."""
     mtime = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
-    # a fresh name made with O_EXCL (mkstemp): a link planted where the temporary goes is never written through
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    tmp = Path(name)
-    os.fchmod(fd, 0o644)
-    try:
-        _write_members(bundle, os.fdopen(fd, "wb"), mtime)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(dest)
+    # through a temporary made with O_EXCL under a fresh name: a link planted there is never written through
+    write_whole(dest, lambda raw: _write_members(bundle, raw, mtime))
 
 
 def _write_members(bundle: Path, raw, mtime: int) -> None:
-    with raw, _Members(raw, mtime) as gz:
+    with _Members(raw, mtime) as gz:
         with tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
             for p in [bundle, *sorted(bundle.rglob("*"))]:
                 rel = "bundle" if p == bundle else f"bundle/{p.relative_to(bundle).as_posix()}"

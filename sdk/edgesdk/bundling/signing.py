@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError, UserError
 from ..runtime import trust
-from ..runtime.files import UnreadableFile, read_regular_file
+from ..runtime.files import UnreadableFile, read_regular_file, staged, write_whole
 from ..runtime.manifest import MAX_BUNDLE_VERSION, Manifest, ManifestError
 from .archive import write_tarball
 
@@ -76,7 +75,7 @@ def generate_keys(out_dir: Path, name: str = "edgesdk") -> tuple[Path, Path, str
             f.write(pem)
             f.flush()
             os.fsync(f.fileno())
-        _write_atomic(public, pub, 0o644)
+        write_whole(public, lambda f: f.write(pub))
     except BaseException:
         private.unlink(missing_ok=True)
         raise
@@ -177,16 +176,16 @@ def stamp(bundle: Path, *, version: int | None = None, key: SigningKey | None = 
         raise UserError("sign.not-verifiable", f"{bundle}: the signed manifest would not verify ({e}), so nothing "
                         "was written", "the bundle is damaged or was not written by this edgesdk; rebuild it") from None
     # both files written in full first, then renamed one right after the other
-    staged = [(_staged(bundle / "manifest.json", data, 0o644), bundle / "manifest.json")]
+    pending = [(staged(bundle / "manifest.json", lambda f: f.write(data)), bundle / "manifest.json")]
     try:
         if signature is not None:
-            staged.append((_staged(bundle / trust.SIGNATURE_FILE, signature, 0o644), bundle / trust.SIGNATURE_FILE))
+            pending.append((staged(bundle / trust.SIGNATURE_FILE, lambda f: f.write(signature)), bundle / trust.SIGNATURE_FILE))
     except BaseException:
-        staged[0][0].unlink(missing_ok=True)
+        pending[0][0].unlink(missing_ok=True)
         raise
     if signature is None:
         (bundle / trust.SIGNATURE_FILE).unlink(missing_ok=True)
-    for tmp, dest in staged:
+    for tmp, dest in pending:
         os.replace(tmp, dest)
     if tarball is not None:
         write_tarball(bundle, tarball)
@@ -197,7 +196,8 @@ def sign_file(path: Path, key: SigningKey) -> Path:
     """PATH.sig: the raw ed25519 signature of PATH's bytes (release files: SHA256SUMS)."""
     path = Path(path)
     sig = path.with_name(path.name + ".sig")
-    _write_atomic(sig, key.sign(path.read_bytes()), 0o644)
+    signature = key.sign(path.read_bytes())
+    write_whole(sig, lambda f: f.write(signature))
     return sig
 
 
@@ -219,24 +219,3 @@ def verify_file(path: Path, keys: list[trust.TrustedKey]) -> trust.TrustedKey:
             continue
     raise UserError("sign.bad", f"{sig}: does not verify {path.name} with key {', '.join(k.key_id for k in keys)}",
                     f"{path.name} or its signature was changed, or another key signed it")
-
-
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """`path` replaced by a rename of a new, complete file beside it."""
-    os.replace(_staged(path, data, mode), path)
-
-
-def _staged(path: Path, data: bytes, mode: int) -> Path:
-    """A new temporary file beside `path` holding `data`, written and fsynced. mkstemp creates it under
-    a fresh name with O_EXCL, so a link planted where a temporary would go is never written through."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)

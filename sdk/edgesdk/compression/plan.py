@@ -37,6 +37,7 @@ import onnx
 
 from ..errors import UsageError, UserError
 from ..ir.calibration import open_regular_file
+from ..runtime.files import write_whole
 from .fidelity import _joined, compare, run_samples
 from .prune import Layer, PruneMethod, parse_method, prune_model
 
@@ -298,6 +299,5 @@ def _line_of(text: str, key: str) -> int:
 def write_plan(path: Path, layers: Mapping[str, str], **record) -> None:
     """The plan as a file `read_plan` reads back (written whole or not at all), with `record` beside."""
     data = {"format": FORMAT, "layers": dict(layers), **record}
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    text = json.dumps(data, indent=2) + "\n"
+    write_whole(path, lambda f: f.write(text.encode()))

@@ -3,7 +3,8 @@
 A path given on a command line may name a FIFO (an open for reading blocks until a writer comes), a
 device (`/dev/zero` never ends) or a huge file. Both readers here open without blocking, ask the open
 file itself what it is (fstat: no race between a check and the open), and read at most the bound the
-caller states. Standard library only: it runs on the device.
+caller states. Files written for a user are written whole, through a temporary that nothing planted
+can redirect (`staged`, `write_whole`). Standard library only: it runs on the device.
 
 - `read_regular_file` follows links: a key provisioned as a link (as secret mounts do) is read through
   it, and what it reaches must be a regular file. Its message names the file's role and path.
@@ -16,7 +17,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -92,3 +96,34 @@ def read_bundle_file(path: Path | str, limit: int) -> bytes:
     if len(data) > limit:  # it grew while it was read
         raise ValueError(f"more than the {limit:,} bytes it may hold")
     return data
+
+
+def staged(path: Path | str, write: Callable[[BinaryIO], object], mode: int = 0o644) -> Path:
+    """A new temporary file beside `path`, filled by `write(f)`, fsynced, with `mode`; returned for the
+    caller to rename onto `path` (several files can so be staged first, then renamed one after another).
+    mkstemp creates it under a fresh name with O_EXCL (and never follows a link there), so neither a file
+    nor a link planted where a temporary would go is ever written through. A failure removes it."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_whole(path: Path | str, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
+    """`path` replaced by a rename of a new file beside it that `write(f)` filled: a reader finds the old
+    file or the whole new one, and a failure leaves neither a part nor the temporary (`staged`)."""
+    tmp = staged(path, write, mode)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

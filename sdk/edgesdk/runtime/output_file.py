@@ -12,11 +12,10 @@ that does not exist.
 from __future__ import annotations
 
 import os
-import secrets
 import stat
-from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+
+from .files import write_whole  # noqa: F401 -- the writer of what these names may take
 
 
 def refusal(path: Path, suffixes: tuple[str, ...] = ()) -> str | None:
@@ -46,28 +45,3 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a file"
-
-
-def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """`write(f)` into a new file beside `path`, then that file renamed to `path`: a reader finds the old
-    file or the whole new one, and a failure leaves neither a part nor the temporary. The temporary is
-    created with O_EXCL|O_NOFOLLOW under a random name, so it is never a file or link planted there."""
-    path = Path(path)
-    for _ in range(8):
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(f"{path.parent}: no free temporary name beside {path.name}")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

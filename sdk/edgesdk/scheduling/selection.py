@@ -59,6 +59,7 @@ from ..errors import UserError
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back, shown
+from ..runtime.files import write_whole
 from .plan import Plan, PlanSegment
 
 CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
@@ -174,9 +175,9 @@ class TimingCache:
     def put(self, key: str, entry: dict) -> None:
         self.entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
-        tmp.replace(self.path)
+        text = json.dumps(self.entries, indent=1, sort_keys=True) + "\n"
+        # through a fresh temporary: the database may be a shared directory where a link was planted
+        write_whole(self.path, lambda f: f.write(text.encode()))
 
 
 def _read_cache(path: Path) -> dict[str, dict]:

@@ -9,12 +9,12 @@ the fastest sound record per function), repaired after an interrupted write (`re
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
+from ...runtime.files import write_whole
 from .schedules import _runs_every_instance
 
 
@@ -112,9 +112,8 @@ def repair_database(path: Path) -> int:
         if bad or tail.strip():
             keep = complete[:-1] if bad else complete
             dropped += len(bad) + (1 if tail.strip() else 0)
-            tmp = file.with_suffix(".json.tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in keep))
-            os.replace(tmp, file)
+            data = b"".join(line + b"\n" for line in keep)
+            write_whole(file, lambda f: f.write(data))
     return dropped
 
 
@@ -164,6 +163,5 @@ def _merge(path: Path, name: str, values: dict, combine: Callable[[Any, Any], An
     merged = _read(path, name)
     for key, value in values.items():
         merged[key] = combine(merged[key], value) if key in merged else value
-    tmp = path / (name + ".tmp")
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path / name)
+    text = json.dumps(merged, indent=1, sort_keys=True) + "\n"
+    write_whole(path / name, lambda f: f.write(text.encode()))

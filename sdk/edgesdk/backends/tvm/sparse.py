@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ...runtime.files import write_whole
 
 MIN_SPARSITY = 0.5  # a constant convolution weight with at least this share of zeros gets the sparse kernel
 BLOCK = 16  # input channels per block: 16 channels x 3 kernel rows x a row of pixels stay in L1
@@ -460,9 +461,8 @@ class Measured:
             times = self.entries[key] = measure()
             if self.cache is not None and self.keep:
                 self.cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.cache.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
-                tmp.replace(self.cache)
+                text = json.dumps(self.entries, indent=1, sort_keys=True) + "\n"
+                write_whole(self.cache, lambda f: f.write(text.encode()))
         return times
 
 
