@@ -343,6 +343,32 @@ def test_a_timing_cache_that_is_a_fifo_or_too_large_is_refused_without_reading_i
     assert selection.TimingCache(tmp_path / "absent.json").entries == {}
 
 
+def test_the_caches_in_a_tuning_database_never_write_through_a_planted_link(tmp_path):
+    """The database may be a shared directory (~/.cache/edgesdk/tuning/): a link planted where a writer
+    once put its fixed temporary (`NAME.tmp`) must not redirect the write. Each cache the database holds
+    is written, and the link's target is unchanged."""
+    from edgesdk.backends.tvm import database
+    from edgesdk.compression.plan import write_plan
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    db = tmp_path / "db"
+    db.mkdir()
+    writers = {
+        "timing.json": lambda: selection.TimingCache(db / "timing.json").put("k", {"ms": 1.0}),
+        "layers.json": lambda: database._merge(db, "layers.json", {"a": 1}, max),
+        "plan.json": lambda: write_plan(db / "plan.json", {"conv": "2:4"}),
+    }
+    for name, write in writers.items():
+        for planted in (f"{name}.tmp", f".{name}.tmp", name.replace(".json", ".tmp")):
+            if not (db / planted).exists():
+                (db / planted).symlink_to(victim)
+        write()
+        assert json.loads((db / name).read_text()), name
+        assert victim.read_text() == "precious\n", name
+        assert (db / name).is_file() and not (db / name).is_symlink()
+
+
 # --- where this host cannot time the target's CPU (an aarch64 target here): chosen by policy ------
 
 FOREIGN = "the target's CPU is aarch64, this host x86_64"
