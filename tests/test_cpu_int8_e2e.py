@@ -165,6 +165,6 @@ def test_a_fifo_as_the_timing_cache_is_refused_at_once(tmp_path, capsys):
                          "--tuning-db", str(tmp_path / "db"), "-o", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1, err
-    assert f"error: the timing cache {tmp_path / 'db' / 'timing.json'}: is not a regular file" in err, err
+    assert f"error: the timing cache {tmp_path / 'db' / 'timing.json'}: not a regular file (a FIFO)" in err, err
     assert "hint: the timing cache only saves measuring again: remove the file" in err
     assert not (tmp_path / "out" / "bundle").exists()

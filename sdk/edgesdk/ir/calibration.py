@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import EdgeSDKError, UserError
+from ..runtime.files import NotRegularFile, open_regular
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 PREPROCESS_KEYS = ("color", "scale", "mean", "std", "layout")
@@ -101,41 +101,17 @@ def parse_preprocess(spec: str | None, input_shape: list[int] | tuple[int, ...])
 
 def open_regular_file(path: Path, limit: int, code: str, hint: str, error: type[EdgeSDKError] = UserError
                       ) -> BinaryIO:
-    """`path` open for reading, if it is a regular file of at most `limit` bytes; else `error` naming it.
-
-    It is opened with O_NONBLOCK, so that opening a FIFO returns at once instead of waiting for a writer,
-    and judged by fstat of what was opened: a FIFO, a device (/dev/zero reads without end) or a socket is
-    refused. A symbolic link counts as the file it leads to: a directory of links into a dataset is a
-    common way to choose samples, reading through a link writes nothing, and what is read is checked
-    all the same."""
+    """`path` open for reading, if it is a regular file of at most `limit` bytes; else `error` naming it
+    (runtime/files.open_regular: a FIFO, a device (/dev/zero reads without end) or a socket is refused
+    without blocking). A symbolic link counts as the file it leads to: a directory of links into a
+    dataset is a common way to choose samples, reading through a link writes nothing, and what is read
+    is checked all the same."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path, limit)
+    except NotRegularFile as e:
+        raise error(code, f"{path}: {e}", hint) from None
     except OSError as e:
-        try:  # a socket cannot be opened at all (ENXIO): say what it is
-            mode = os.stat(path).st_mode
-        except OSError:
-            mode = stat.S_IFREG
-        what = f"not a regular file ({_kind(mode)})" if not stat.S_ISREG(mode) else f"cannot be read ({e.strerror})"
-        raise error(code, f"{path}: {what}", hint) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(code, f"{path}: not a regular file ({_kind(st.st_mode)})", hint)
-        if st.st_size > limit:
-            raise error(code, f"{path}: {st.st_size:,} bytes, more than the {limit:,} read from such a file", hint)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a file"
+        raise error(code, f"{path}: cannot be read ({e.strerror or e})", hint) from None
 
 
 def load_image(path: Path, pre: Preprocess, dtype: str = "float32") -> np.ndarray:

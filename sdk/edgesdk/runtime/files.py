@@ -1,9 +1,9 @@
 """Small files a user or another machine hands the runtime (keys, manifests, state), read safely.
 
 A path given on a command line may name a FIFO (an open for reading blocks until a writer comes), a
-device (`/dev/zero` never ends) or a huge file. Both readers here open without blocking, ask the open
-file itself what it is (fstat: no race between a check and the open), and read at most the bound the
-caller states. Files written for a user are written whole, through a temporary that nothing planted
+device (`/dev/zero` never ends) or a huge file. `open_regular` opens without blocking, asks the open
+file itself what it is (fstat: no race between a check and the open), and `read_bounded` reads at most
+the bound the caller states; the build side opens its larger files (calibration samples) with them too. Files written for a user are written whole, through a temporary that nothing planted
 can redirect (`staged`, `write_whole`). Standard library only: it runs on the device.
 
 - `read_regular_file` follows links: a key provisioned as a link (as secret mounts do) is read through
@@ -26,76 +26,75 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+class NotRegularFile(ValueError):
+    """What was found where a regular file of a bounded size was expected; the message gives the reason
+    alone (`not a regular file (a FIFO)`, `a link, not a regular file`, `N bytes, more than the L such a
+    file may hold`): the caller names the file."""
+
+
 class UnreadableFile(ValueError):
     """A file that cannot be read as asked: missing, unreadable, not a regular file, or over its bound.
-    The message names what it is for and the path (`public key keys/x.pub: a FIFO, not a regular file`)."""
+    The message names what it is for and the path (`public key keys/x.pub: not a regular file (a FIFO)`)."""
 
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "a special file")
 
 
-def _read_bounded(fd: int, limit: int) -> bytes:
-    """At most `limit` + 1 bytes of `fd`, so that a file that grew past its bound while read is told."""
-    chunks, left = [], limit + 1
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+def open_regular(path: Path | str, limit: int, *, follow_links: bool = True) -> BinaryIO:
+    """`path` open for reading, if it is a regular file of at most `limit` bytes; `NotRegularFile` saying
+    why not, or OSError as open raises it (FileNotFoundError, PermissionError).
+
+    Opened with O_NONBLOCK, so that opening a FIFO returns at once instead of waiting for a writer, then
+    judged by fstat of what was opened, so nothing swapped in between is read. With `follow_links` False
+    (O_NOFOLLOW) a link is refused rather than followed. Read it with `read_bounded`: a file may grow."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_links:
+            raise NotRegularFile("a link, not a regular file") from None
+        if e.errno == errno.ENXIO:  # a socket is not opened at all
+            raise NotRegularFile("not a regular file (a socket)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise NotRegularFile(f"{st.st_size:,} bytes, more than the {limit:,} such a file may hold")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(f: BinaryIO, limit: int) -> bytes:
+    """All of `f`, refused (`NotRegularFile`) past `limit` bytes: a file that grew after it was judged."""
+    data = f.read(limit + 1)
+    if len(data) > limit:
+        raise NotRegularFile(f"more than the {limit:,} bytes such a file may hold")
+    return data
 
 
 def read_regular_file(path: Path | str, max_bytes: int, what: str) -> bytes:
     """The bytes of the regular file at `path` (links followed), at most `max_bytes` of them;
     `UnreadableFile` for anything else. `what` names the file's role in the message ("public key")."""
-    path = Path(path)
     try:
-        # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open_regular(path, max_bytes) as f:
+            return read_bounded(f, max_bytes)
+    except NotRegularFile as e:
+        raise UnreadableFile(f"{what} {path}: {e}") from None
     except OSError as e:
         raise UnreadableFile(f"{what} {path}: cannot be read ({e.strerror or e})") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnreadableFile(f"{what} {path}: {_kind(mode)}, not a regular file")
-        data = _read_bounded(fd, max_bytes)
-    except OSError as e:
-        raise UnreadableFile(f"{what} {path}: cannot be read ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise UnreadableFile(f"{what} {path}: larger than {max_bytes:,} bytes, more than such a file holds")
-    return data
 
 
 def read_bundle_file(path: Path | str, limit: int) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes, never read through a link.
-
-    Raises ValueError saying why (without the path: the caller names the file) for a link, a FIFO, a
-    device, a directory, a socket or a larger file, and OSError as open raises it otherwise
-    (FileNotFoundError for a missing file, PermissionError)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ValueError("a link, not a regular file") from None
-        if e.errno == errno.ENXIO:  # a socket is not opened at all
-            raise ValueError("not a regular file (a socket)") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"not a regular file ({_kind(st.st_mode)})")
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size:,} bytes, more than the {limit:,} it may hold")
-        data = _read_bounded(fd, limit)
-    finally:
-        os.close(fd)
-    if len(data) > limit:  # it grew while it was read
-        raise ValueError(f"more than the {limit:,} bytes it may hold")
-    return data
+    """The bytes of `path`, a regular file of at most `limit` bytes, never read through a link;
+    `NotRegularFile` (the reason alone: the caller names the file) or OSError as open raises it."""
+    with open_regular(path, limit, follow_links=False) as f:
+        return read_bounded(f, limit)
 
 
 def staged(path: Path | str, write: Callable[[BinaryIO], object], mode: int = 0o644) -> Path:

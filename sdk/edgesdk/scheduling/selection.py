@@ -40,7 +40,6 @@ import math
 import os
 import platform
 import shutil
-import stat
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ from ..errors import UserError
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back, shown
-from ..runtime.files import write_whole
+from ..runtime.files import NotRegularFile, open_regular, read_bounded, write_whole
 from .plan import Plan, PlanSegment
 
 CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
@@ -187,27 +186,16 @@ def _read_cache(path: Path) -> dict[str, dict]:
         return UserError("tune.timing-cache", f"the timing cache {path}: {why}", hint=CACHE_HINT)
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open_regular(path, CACHE_MAX_BYTES) as f:
+            raw = read_bounded(f, CACHE_MAX_BYTES)
     except FileNotFoundError:
         return {}
+    except NotRegularFile as e:
+        raise refused(str(e)) from None
     except OSError as e:
         raise refused(f"cannot be read ({e.strerror or e})") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise refused("is not a regular file (a FIFO, device or directory)")
-        if st.st_size > CACHE_MAX_BYTES:
-            raise refused(f"is {st.st_size:,} bytes, more than a timing cache's {CACHE_MAX_BYTES:,}")
-        chunks, size = [], 0
-        while size <= CACHE_MAX_BYTES and (chunk := os.read(fd, 1 << 20)):
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    if size > CACHE_MAX_BYTES:  # grew while it was read
-        raise refused(f"is more than a timing cache's {CACHE_MAX_BYTES:,} bytes")
-    try:
-        text = b"".join(chunks).decode("utf-8")
+        text = raw.decode("utf-8")
         data = json.loads(text)
     except UnicodeDecodeError as e:
         raise refused(f"is not UTF-8 text (byte {e.start})") from None
