@@ -259,6 +259,15 @@ def test_device_run_writes_exactly_the_output_named(embedding, tmp_path):
     proc = device_run("y.npz")
     assert proc.returncode == 0, proc.stderr
     assert set(_files(tmp_path)) == {"in.npz", "y.npz"} and list(np.load(tmp_path / "y.npz")) == ["y"]
+    # IN a FIFO (np.load waited for a writer for ever) or a damaged archive: refused, named, nothing written
+    os.mkfifo(tmp_path / "fifo.npz")
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04" + b"\0" * 40)
+    for name, why in (("fifo.npz", "not a regular file (a FIFO)"), ("bad.npz", "")):
+        proc = subprocess.run([sys.executable, "-B", "-m", "runtime", "run", str(tmp_path / name), "z.npz"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(embedding[1])})
+        assert proc.returncode == 1 and proc.stderr.startswith(f"error: {tmp_path / name}: {why}"), proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "z.npz").exists()
 
 
 # (input, value given, verdict): a refusal's words, or the note of the cast done

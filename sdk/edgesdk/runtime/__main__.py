@@ -32,6 +32,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # the bundle this runtime ships in
+MAX_INPUT_BYTES = 4 << 30  # `run IN`: a model's inputs, with room; past this it is not an input file
+
+
+def _why(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -157,6 +162,9 @@ def _main(argv: list[str]) -> int:
 
             return main(([args.bundle] if args.bundle else []) + (["--json"] if args.json else []))
         if args.command == "run":
+            import zipfile
+
+            from .files import open_regular
             from .output_file import refusal, write_whole
 
             out = Path(args.outputs)
@@ -168,8 +176,13 @@ def _main(argv: list[str]) -> int:
             from .executor import BundleModel
 
             model = BundleModel(HERE)
-            with np.load(args.inputs) as feeds:
-                outputs = model.run(dict(feeds))
+            try:  # IN may be a FIFO or a damaged archive: refused without waiting, named
+                with open_regular(args.inputs, MAX_INPUT_BYTES) as f, np.load(f) as feeds:
+                    feeds = dict(feeds)
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+                print(f"error: {args.inputs}: {_why(e)}", file=sys.stderr)
+                return 1
+            outputs = model.run(feeds)
             write_whole(out, lambda f: np.savez(f, **outputs))
             return 0
         return args.handler(args)
