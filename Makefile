@@ -8,8 +8,10 @@ MODELS := .cache/models
 ROOTFS := .cache/arm64-rootfs
 DEMO_MODEL := $(MODELS)/ch_PP-OCRv4_rec_infer.onnx
 DEMO_SHAPE := x=1x3x48x320
-# 2 cores on CI: keep pytest in one process, TVM/TF threads bounded
+# TVM/TF threads bounded; the suite runs in TEST_JOBS pytest processes (pytest-xdist), a test file's tests
+# in one process, so a module's fixtures are built once
 export TVM_NUM_THREADS ?= 2
+TEST_JOBS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: setup system venv models rootfs demo test fuzz release clean
@@ -53,7 +55,7 @@ demo: setup rootfs
 # pytest exits 5 when it collected nothing: that is not a failure of the code
 test: setup rootfs
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # the fuzz suite's full run (issue 21): over 10,000 hostile inputs, every loader; figures in benchmarks/fuzz.json
 fuzz: setup

@@ -8,7 +8,6 @@ About 15 s on the 2-core build machine (brute force over up to 9 units).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -181,7 +180,10 @@ def test_allotments_stay_bounded_for_many_cores():
         assert len(set(splits)) == len(splits)
 
 
-def test_nasnet_sized_graph_schedules_in_seconds():
+def test_nasnet_sized_graph_schedules_in_work_linear_in_its_size():
+    """A NASNet-sized run (1,200 nodes) is cut into blocks whose DP each costs at most its budget, so the
+    stages costed grow with the nodes, not with their combinations: about 215 per node here (258,310,
+    some 10 s of one core). Counted, not timed: a wall-clock bound fails on a loaded host."""
     rng = np.random.default_rng(0)
     n = 1200
     # cells: each node reads one or two of the last 12 nodes, like NASNet's two-input cells
@@ -189,9 +191,7 @@ def test_nasnet_sized_graph_schedules_in_seconds():
              if i else frozenset() for i in range(n)}
     run = Run(tuple(range(n)), preds)
     cost = random_cost(rng, n, 4)
-    t0 = time.perf_counter()
     plan = schedule(run, cost, 4, dispatch_ms=0.05)
-    elapsed = time.perf_counter() - t0
     check_valid(run, plan, 4)
     assert plan.ms < plan.sequential_ms
-    assert elapsed < 30, f"{elapsed:.1f} s"
+    assert plan.evaluations <= 300 * n, plan.evaluations
