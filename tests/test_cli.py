@@ -141,23 +141,28 @@ def test_custom_ops_are_listed_together(tmp_path):
     assert_user_facing(proc, 1, "node 'norm1'", "node 'norm2'", "com.acme::FancyNorm")
 
 
-def test_a_model_that_folds_to_constants_is_a_user_error(tmp_path):
-    """An output cut at a shape computation (here Shape -> Concat, as onnx.utils.extract_model leaves
-    when cut there) folds to a constant: nothing to compile. Was an internal error (exit 3) in the
-    schedule stage's simulator."""
+def constants_only(path: Path) -> Path:
+    """A model whose every output folds to a constant (Relu -> Shape -> Concat): nothing to compute."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
              helper.make_node("Concat", ["s", "tail"], ["y"], axis=0)]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+    g = helper.make_graph(nodes, "shape_only", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.INT64, [3])],
                           [numpy_helper.from_array(np.array([7], np.int64), "tail")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 10
-    path = tmp_path / "shape_only.onnx"
     onnx.save(m, path)
+    return path
+
+
+def test_a_model_that_folds_to_constants_is_a_user_error(tmp_path):
+    """An output cut at a shape computation (here Shape -> Concat, as onnx.utils.extract_model leaves
+    when cut there) folds to a constant: nothing to compile. Was an internal error (exit 3) in the
+    schedule stage's simulator."""
+    path = constants_only(tmp_path / "shape_only.onnx")
     proc = edgesdk("build", str(path), "--target", "x86", "-o", str(tmp_path / "o"))
     assert_user_facing(proc, 1, "no operator is left once constants are folded", "every output (y)",
                        "hint: an output cut at a shape computation")

@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.runtime import BundleModel
 from tests import model_zoo, yolo_head
-from tests.test_cli import edgesdk
+from tests.test_cli import constants_only, edgesdk
 
 
 def _parts(got: np.ndarray, want: np.ndarray) -> dict[str, dict[str, float]]:
@@ -67,25 +66,12 @@ def test_a_yolov8_head_builds_for_arm_2tpu_and_check_agrees(tmp_path):
         assert boxes["max"] <= 0.06 and boxes["mean"] <= 0.01, boxes
 
 
-def _constants_only(path: Path) -> Path:
-    """A model whose every output folds to a constant (Shape -> Concat): import refuses it (exit 1)."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
-             helper.make_node("Concat", ["s", "tail"], ["y"], axis=0)]
-    g = helper.make_graph(nodes, "shape_only", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.INT64, [3])],
-                          [numpy_helper.from_array(np.array([7], np.int64), "tail")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    onnx.save(m, path)
-    return path
-
-
 @pytest.mark.parametrize("command", ["build", "check"])
 @pytest.mark.parametrize("case, code, exit_code", [("bad-stage", "build.bad-stage", 2),
                                                     ("constant", "import.nothing-to-compute", 1)])
 def test_a_failure_with_json_prints_the_error_as_json(tmp_path, command, case, code, exit_code):
     """One JSON object on stdout, what the error: and hint: lines (still on stderr) say; the same exit code."""
-    model = _constants_only(tmp_path / "shape_only.onnx")
+    model = constants_only(tmp_path / "shape_only.onnx")
     args = [command, str(model), "--target", "arm_2tpu", "--json"]
     if command == "build":
         args += ["-o", str(tmp_path / "out")] + (["--until", "bogus"] if case == "bad-stage" else [])

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from edgesdk.runtime.manifest import ManifestError
 from edgesdk.bundling import write_tarball
 from edgesdk.verify import verify
 from tests.test_cli import assert_user_facing, edgesdk
+from tests.processes import ends
 
 
 @pytest.fixture()
@@ -123,19 +123,6 @@ def _hanging(bundle: Path, module: str, pid_file: Path) -> None:
     write_manifest(bundle, manifest_of(bundle))
 
 
-def _ends(pid: int) -> bool:
-    """Whether process `pid` ends (a SIGKILL sent to it takes effect when it is next scheduled)."""
-    for _ in range(200):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":  # a zombie has ended
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("command, module, flag, what", [("verify", "selftest", "--selftest-timeout", "self-test"),
                                                           ("bench", "bench", "--timeout", "bench")])
 def test_a_hanging_selftest_or_bench_is_stopped_with_its_children(bundle, tmp_path, command, module, flag, what):
@@ -145,7 +132,7 @@ def test_a_hanging_selftest_or_bench_is_stopped_with_its_children(bundle, tmp_pa
     assert_user_facing(proc, 1, f"error: {bundle}: the {what} (natively) did not finish in 3 s; it was stopped with "
                        "every process it started", f"give it longer with {flag} SECONDS")
     child = int(pid_file.read_text())
-    assert _ends(child)
+    assert ends(child)
 
 
 @pytest.mark.parametrize("value", ["0", "nan", "1e300"])

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 
 from ..errors import UsageError, UserError
-from ..ir.calibration import open_regular_file
+from ..ir.calibration import open_regular_file, utf8_text
 from ..runtime.files import write_whole
 from .fidelity import _joined, compare, run_samples
 from .prune import Layer, PruneMethod, parse_method, prune_model
@@ -225,13 +225,7 @@ def read_plan(path: Path, layers: Sequence[Layer]) -> dict[str, PruneMethod | No
     where = str(path)
     with open_regular_file(Path(path), MAX_PLAN_BYTES, "prune.plan-unreadable", "give a plan file written by an "
                            "earlier build (OUT/.build/4-tune/prune_plan.json), or 'auto'", UsageError) as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise UsageError("prune.plan-invalid", f"{where}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})",
-                         hint="save the plan as UTF-8 text (JSON)") from None
+        text = utf8_text(f.read(), where, "prune.plan-invalid", "save the plan as UTF-8 text (JSON)", UsageError)
     deep = _line_nested_past(text, MAX_PLAN_DEPTH)
     if deep is not None:  # the JSON parser recurses once per level: refused before it runs out of stack
         raise UsageError("prune.plan-invalid", f"{where}:{deep}: nested more than {MAX_PLAN_DEPTH} levels deep",

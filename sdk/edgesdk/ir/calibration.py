@@ -114,6 +114,15 @@ def open_regular_file(path: Path, limit: int, code: str, hint: str, error: type[
         raise error(code, f"{path}: cannot be read ({e.strerror or e})", hint) from None
 
 
+def utf8_text(data: bytes, path: Path, code: str, hint: str, error: type[EdgeSDKError] = UserError) -> str:
+    """`data` (the file `path`'s bytes) as text; `error` naming the line of the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise error(code, f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})", hint) from None
+
+
 def load_image(path: Path, pre: Preprocess, dtype: str = "float32") -> np.ndarray:
     """One image file as a batch-1 model input, preprocessed as `pre` states. An image declaring more
     than MAX_IMAGE_PIXELS is refused from its header, before a pixel is decoded."""
@@ -314,13 +323,7 @@ def load_labelled(root: Path, inputs: list[dict], preprocess: str | None
                         f"write one integer class per line to {path}, one per sample (per batch row), in the order "
                         "of the sample files' names")
     with open_regular_file(path, MAX_LABELS_BYTES, "compress.eval-label", "one integer class per line") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise UserError("compress.eval-label", f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})",
-                        "save labels.txt as UTF-8 text: one integer class per line") from None
+        text = utf8_text(f.read(), path, "compress.eval-label", "save labels.txt as UTF-8 text: one integer class per line")
     labels = []
     int64 = np.iinfo(np.int64)
     for number, line in enumerate(text.splitlines(), 1):
