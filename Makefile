@@ -68,7 +68,7 @@ test: setup rootfs
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
-# the fuzz suite's full run (issue 21): over 10,000 hostile inputs, every loader; figures in benchmarks/fuzz.json
+# the fuzz suite's full run: over 10,000 hostile inputs, every loader; figures in benchmarks/fuzz.json
 fuzz: setup
 	$(PY) benchmarks/fuzz.py
 
