@@ -23,7 +23,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 setup: system venv models
 
-# Debian packages: the aarch64 cross linker, qemu-user and debootstrap (DESIGN §7), and the font the
+# Debian packages: the aarch64 cross linker, qemu-user and debootstrap, and the font the
 # demo renders its text lines in (checked again whenever this file changes)
 system: .cache/.stamp-system
 .cache/.stamp-system: Makefile

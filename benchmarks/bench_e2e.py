@@ -7,7 +7,7 @@
    the build's --json summary), peak resident memory of the build process, bundle size.
 2. Latency of one inference on this host, median of N after warm-up, all with the same thread
    count, in one run: the x86 bundle as shipped (AVX2 `haswell`), the same bundle rebuilt for this
-   host's own CPU (DESIGN §3: onnxruntime picks the host's best instructions at run time), and
+   host's own CPU (onnxruntime picks the host's best instructions at run time), and
    onnxruntime (all graph optimizations) on the original ONNX file. Kernels are untuned
    (--trials 0): tuning is the tune issue's work.
 """

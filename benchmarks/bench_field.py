@@ -11,7 +11,7 @@ Models, each built for targets/arm_2tpu.yaml (builds cached under .cache/bench-f
   per calibration method (min-max, percentile 99.99); top-1 agreement with the fp32 model is measured
   on 48 held-out lines;
 - PP-OCRv4's text recognizer (pretrained; the demo model): Edge TPU and CPU segments interleaved;
-- DESIGN §8's DenseNet-LSTM captioner at CI sizes (2 frames of 32x32, LSTM(32), 4 steps, 100 words;
+- The DenseNet-LSTM video captioner the product was designed around, at CI sizes (2 frames of 32x32, LSTM(32), 4 steps, 100 words;
   tests/model_zoo.captioner), 32 synthetic samples.
 
 Host: this x86-64 machine runs the bundle's own plan, with the x86-64 twins of its aarch64 TVM segments

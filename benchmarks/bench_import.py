@@ -83,7 +83,7 @@ def int8_tflite(per_channel: bool) -> Path:
         if isinstance(layer, tf.keras.layers.BatchNormalization):
             layer.momentum = 0.0
     model(tf.random.stateless_uniform((8, 96, 96, 3), seed=(1, 2), minval=-1, maxval=1), training=True)
-    # a fixed batch of 1 (DESIGN §7); from_keras_model freezes the variables into constants
+    # a fixed batch of 1; from_keras_model freezes the variables into constants
     fixed = tf.keras.Model(inp := tf.keras.Input((96, 96, 3), batch_size=1), model(inp))
     conv = tf.lite.TFLiteConverter.from_keras_model(fixed)
     conv.optimizations = [tf.lite.Optimize.DEFAULT]

@@ -3,7 +3,7 @@ baselines under the same cost model, and the scheduler's own run time.
 
     .venv/bin/python benchmarks/bench_schedule.py [--out benchmarks/schedule.json] [--models A,B]
 
-Models: DESIGN §8's captioner (8 frames of 224x224x3 -> TimeDistributed DenseNet121 (no top, average
+Models: the DenseNet-LSTM video captioner the product was designed around (8 frames of 224x224x3 -> TimeDistributed DenseNet121 (no top, average
 pool: 1,024 features) -> LSTM(512) encoder -> LSTM(512) decoder over 16 steps -> Dense over 10,000
 words; built here in Keras with random weights, cached as .keras; its LSTMs are Loops after tf2onnx,
 unrolled by import), the Keras applications `benchmarks/bench_import.py` caches (weights=None), and
@@ -43,7 +43,7 @@ RESEARCH = {"captioner": {"dp_speedup": 39.0, "pipelined_speedup": 55.0, "pipeli
 
 
 def captioner() -> Path:
-    """DESIGN §8's captioner as a Keras model (random weights; 17.4 M parameters)."""
+    """the DenseNet-LSTM video captioner the product was designed around as a Keras model (random weights; 17.4 M parameters)."""
     path = ROOT / ".cache" / "bench-import" / "captioner.keras"
     if path.exists():
         return path
@@ -104,7 +104,7 @@ def _accelerator_share(plan: dict) -> float:
     return round(sum(seg["flops"] for seg in plan["segments"] if seg["device"] != "cpu") / total, 4) if total else 0.0
 
 
-# Coral's own pipelining tests (DESIGN §8): throughput of --num_segments N over N Edge TPUs against one TPU
+# Coral's own pipelining tests: throughput of --num_segments N over N Edge TPUs against one TPU
 CORAL_PIPELINING = {"InceptionV3": (2, 2.0), "ResNet50": (3, 6.0)}   # segments, expected speedup at least
 
 

@@ -56,7 +56,7 @@ def model_file(name: str) -> tuple[Path, list[str]]:
 
 
 def host_target() -> Path:
-    """targets/x86.yaml with `mcpu` set to this host's CPU (DESIGN §3)."""
+    """targets/x86.yaml with `mcpu` set to this host's CPU."""
     import yaml
     from tvm.target import codegen
 

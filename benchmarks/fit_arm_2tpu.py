@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fit_arm_2tpu.py [--out benchmarks/fit_arm_2tpu.json]
 
-DESIGN §8: fit parameters on the published figures only, compare the rest with the predictions
+Fit parameters on the published figures only, compare the rest with the predictions
 afterwards, never adjust a parameter toward a result. The model is `devices/cost.py` (node_ms); two
 parameters per device are fitted by `devices/fit.py`, exactly (no iteration); every other figure
 keeps its published value or its stated estimate.
@@ -53,7 +53,7 @@ from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-fit"
 SCRIPT = "benchmarks/fit_arm_2tpu.py"
-CORAL = "Coral's published benchmark (coral.ai/docs/edgetpu/benchmarks, DESIGN §8)"
+CORAL = "Coral's published benchmark (coral.ai/docs/edgetpu/benchmarks)"
 
 # name -> input size, Coral's row name
 MODELS = {
@@ -63,12 +63,12 @@ MODELS = {
     "ResNet50": (299, "ResNet-50 V1 299"),
     "UNetMv2": (128, "UNet Mv2 128"),
 }
-# Coral's table (DESIGN §8), ms per inference: (Embedded CPU, Dev Board with Edge TPU)
+# Coral's table, ms per inference: (Embedded CPU, Dev Board with Edge TPU)
 PUBLISHED = {"MobileNet": (164.0, 2.4), "MobileNetV2": (122.0, 2.6), "InceptionV1": (392.0, 4.1),
              "ResNet50": (1763.0, 56.0), "UNetMv2": (190.7, 5.7)}
 FIT_ON = ("MobileNet", "MobileNetV2", "InceptionV1")
 HELD_OUT = ("ResNet50", "UNetMv2")
-# Coral's reference single-TPU latency of MobileNet v2 224 int8 on the USB Accelerator (DESIGN §8)
+# Coral's reference single-TPU latency of MobileNet v2 224 int8 on the USB Accelerator
 REFERENCE = {"x86-64 host": 2.29, "aarch64 host": 2.56, "Raspberry Pi 4": 4.55}
 NOT_BUILT = {"MobileNet v2 SSD 224": (282.0, 14.0, "its Dev Board figure includes TFLite_Detection_PostProcess "
                                                    "(non-maximum suppression) on the CPU, an op the cost model has "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # arm64_rootfs.sh [DEST]: the emulated aarch64 system that runs bundles' self-tests under qemu-user.
 #
-# A minimal Debian bookworm arm64 root file system, built without chroot or binfmt (DESIGN §7):
+# A minimal Debian bookworm arm64 root file system, built without chroot or binfmt:
 #   1. debootstrap's first stage (--foreign) downloads and unpacks the minbase system plus Python 3.11;
 #      the second stage would need to execute arm64 code, so the packages it would configure are
 #      unpacked with dpkg-deb instead (nothing is configured: no maintainer script runs). The rootfs
@@ -147,7 +147,7 @@ say "installing them into /opt/edgesdk-site"
 pip_quiet install -q --no-index --find-links "$cache/wheels" "${wheel_tags[@]}" --no-compile \
     --target "$site" -r "$reqs" ||
   die "pip install of the aarch64 wheels failed" "a dependency is probably not pinned in $reqs"
-# The device runs TVM's runtime only (TVM_USE_RUNTIME_LIB=1, DESIGN §7); the 250 MB compiler library
+# The device runs TVM's runtime only (TVM_USE_RUNTIME_LIB=1); the 250 MB compiler library
 # would double the size of the root file system and is never loaded.
 rm -f "$site"/tvm/lib/libtvm_compiler.so
 rm -rf "$site/bin"

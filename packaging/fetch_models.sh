@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the real pretrained models the demo, tests and benchmarks use, from PyPI wheels that carry
-# them (`pip download --no-deps`; the packages are never installed: DESIGN §7). Offline afterwards.
+# them (`pip download --no-deps`; the packages are never installed). Offline afterwards.
 #   rapidocr-onnxruntime 1.4.4  PP-OCRv4 detector/recognizer, PP-OCR direction classifier (ONNX)
 #   silero-vad 6.2.3            voice activity detector (ONNX: If, LSTM)
 #   mediapipe 0.10.18           face detector and selfie segmenter (TFLite, float16 weights)

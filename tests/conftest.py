@@ -109,7 +109,7 @@ def gpu_ppocr(tmp_path_factory, tuning_db):
 
 @pytest.fixture(scope="session")
 def arm_captioner(tmp_path_factory, tuning_db):
-    """DESIGN §8's DenseNet-LSTM captioner at CI sizes (model_zoo.captioner) for arm_2tpu."""
+    """The DenseNet-LSTM video captioner edgesdk was designed around, at CI sizes, for arm_2tpu."""
     out = tmp_path_factory.mktemp("arm-captioner")
     return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db)
 

@@ -120,8 +120,8 @@ def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:
 
 
 def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100) -> Path:
-    """DESIGN §8's DenseNet-LSTM captioner at sizes a CI run can afford: `frames` frames of
-    size x size x 3 -> DenseNet121 per frame (no top, average pool: 1,024 features) -> LSTM(units)
+    """The DenseNet-LSTM video captioner edgesdk was designed around, at sizes a CI run can afford:
+    `frames` frames of size x size x 3 -> DenseNet121 per frame (no top, average pool: 1,024 features) -> LSTM(units)
     encoder -> LSTM(units) decoder over `steps` steps -> Dense over `words`. The architecture is
     the benchmark's (benchmarks/bench_schedule.py builds 8 x 224 x 224, LSTM(512), 16 steps, 10,000
     words); random weights, seed 0, BatchNorm statistics set as for MobileNetV2. A .keras file:
@@ -178,7 +178,7 @@ def keras_encoder(tokens: int = 16, width: int = 32, heads: int = 2) -> Path:
 
 def frame_cnn(frames: int = 4, size: int = 32) -> Path:
     """One small CNN applied to every frame of a clip, as tf2onnx exports a Keras TimeDistributed CNN (the
-    captioner's shape, DESIGN §8): per frame a Slice of the 5-D clip (rank 5 with 4 dimensions above 1:
+    captioner's shape): per frame a Slice of the 5-D clip (rank 5 with 4 dimensions above 1:
     the Edge TPU refuses it, so it stays on the CPU between the frames), a Squeeze, then the same two
     convolutions (one set of weights, He-initialized, seed 0) and a global average pool; the frames'
     features concatenated into a Gemm over 10 classes. Written as ONNX: the Keras export's topological

@@ -1,5 +1,5 @@
 """Tuning measured on remote boards over TVM RPC: a tracker on loopback, and an aarch64 board
-emulated by an RPC server in the arm64 root file system under qemu-user (DESIGN §7). The
+emulated by an RPC server in the arm64 root file system under qemu-user. The
 candidates are cross-built here and measured there; a board that drops out mid-run stops the
 search with a report, and the next run resumes it."""
 

@@ -110,7 +110,7 @@ def test_savedmodel_matches_its_serving_signature(conv_net_files, tmp_path):
 
 
 def test_batch_is_fixed_before_conversion(conv_net_files, tmp_path):
-    """--batch 3: a static input, no Shape arithmetic left behind (DESIGN §7), same numbers."""
+    """--batch 3: a static input, no Shape arithmetic left behind, same numbers."""
     import keras
 
     model, _ = frontends.load(conv_net_files["keras"], tmp_path, batch=3)

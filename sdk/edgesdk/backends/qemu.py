@@ -22,7 +22,7 @@ from ..runtime.process import run_bounded
 
 QEMU = "qemu-aarch64-static"
 SITE = "opt/edgesdk-site"  # where the script installs the aarch64 wheels, relative to the rootfs
-# qemu 7.2's default CPU model makes LiteRT crash or compute wrong int8 results (DESIGN §7);
+# qemu 7.2's default CPU model makes LiteRT crash or compute wrong int8 results;
 # a Cortex-A72 model (ARMv8.0-A + NEON, like the Cortex-A53 boards) computes them exactly.
 QEMU_CPU = "cortex-a72"
 # The only host variables the guest sees: the host's PYTHONPATH, PYTHONHOME, LD_LIBRARY_PATH or

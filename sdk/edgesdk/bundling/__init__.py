@@ -1,4 +1,4 @@
-"""Bundling: a plan and its compiled segments made into a bundle (DESIGN §5), below the package stage.
+"""Bundling: a plan and its compiled segments made into a bundle (docs/bundle.md), below the package stage.
 
     bundle.py   package: compile each segment by its backend, finish it by its device kind's compiler
                 (edgetpu_compiler), the manifest, runtime, requirements and plan as shipped

@@ -1,6 +1,6 @@
 """A plan made into a bundle: every segment compiled by its backend and finished by its device kind's
 own compiler where one is registered, the manifest, the runtime, the golden self-test and the
-tarball (DESIGN §5). It decides nothing new: what it changes of the plan is the corrected prediction
+tarball (docs/bundle.md). It decides nothing new: what it changes of the plan is the corrected prediction
 of a segment that its accelerator's compiler maps only in part."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Target files: a product's host CPU, its accelerators and their links, as validated data.
 
-Every cost parameter is a `Figure` that names its source (DESIGN §3, §8): a published
+Every cost parameter is a `Figure` that names its source : a published
 figure, a datasheet, or `edgesdk calibrate` on a named host. A target file with an
 unknown key, a wrong type or a missing field is refused with the file, the line and
 the field (exit 2).

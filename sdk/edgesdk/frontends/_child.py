@@ -296,7 +296,7 @@ def _fresh_protos(node_class) -> None:
 
 def _static(name: str, shape: tuple, request: dict) -> list[int | None]:
     """The shape to convert with: --input-shape where given, else the batch fixed to --batch before
-    conversion (DESIGN §7: a dynamic batch leaves Shape/Gather arithmetic in the graph)."""
+    conversion (a dynamic batch leaves Shape/Gather arithmetic in the graph)."""
     given = request["input_shapes"].get(name)
     if given is None:
         return [request["batch"] if d == 0 and s is None else s for d, s in enumerate(shape)]

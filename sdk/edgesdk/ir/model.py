@@ -14,7 +14,7 @@ from onnx import external_data_helper as ext_data, helper, numpy_helper
 
 from ..errors import UserError
 
-# onnxruntime 1.31 reads IR version <= 13 (DESIGN §7); we write 10, which every backend takes.
+# onnxruntime 1.31 reads IR version <= 13; we write 10, which every backend takes.
 IR_VERSION = 10
 DEVICE_KEY = "edgesdk.device"
 CAPABLE_KEY = "edgesdk.capable"

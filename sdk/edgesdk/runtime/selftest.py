@@ -1,6 +1,6 @@
 """The golden self-test: run the bundle on its stored input and compare with the stored output.
 
-Tolerances (DESIGN §5): an output produced by an int8 segment may differ by one quantization step
+Tolerances (docs/bundle.md): an output produced by an int8 segment may differ by one quantization step
 (1 LSB = its scale); a float output by 1e-4 relative to the largest magnitude of the expected
 output. The golden output was produced at build time by this same plan on the build host.
 

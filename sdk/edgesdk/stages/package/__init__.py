@@ -1,7 +1,7 @@
 """package: compile every segment with its backend and write the bundle.
 
 Needs: the plan with its CPU backends and the tuning database copy (tune), the int8 segments (compress).
-Guarantees: `bundle/` as DESIGN §5 lays it out — manifest.json with the sha256 and size of every
+Guarantees: `bundle/` as docs/bundle.md lays it out — manifest.json with the sha256 and size of every
 other file, plan.json, segments/, runtime/, golden/, requirements.txt — and a reproducible
 `bundle.tar.gz` (sorted members, fixed mtime/uid/gid). It decides nothing new.
 
