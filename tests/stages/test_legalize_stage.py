@@ -69,7 +69,7 @@ def _run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
 def test_rewrites_and_approximations_move_everything_onto_the_edge_tpu(tmp_path):
     src = _model(tmp_path / "m.onnx")
     record, stage = _build(src, tmp_path / "o")
-    assert record["rewrites"] == {"leaky-relu-to-max": {"count": 1, "exactness": "exact"}}
+    assert record["rewrites"] == {"leaky-relu-to-prelu": {"count": 1, "exactness": "exact"}}
     approx = {tuple(a["nodes"]): a for a in record["approximations"]}
     assert set(approx) == {("softplus",), ("gelu_erf",)}
     assert approx[("gelu_erf",)]["ops"] == ["Div", "Erf", "Add", "Mul", "Mul"]  # the whole GELU, once
@@ -152,7 +152,7 @@ def test_check_reports_without_rewriting(tmp_path):
     assert text.returncode == 0, text.stderr
     assert "Softplus" in text.stdout and "edgetpu.unsupported-op" in text.stdout
     assert "as imported: edgetpu" in text.stdout and "after legalize: edgetpu" in text.stdout
-    assert "rewrite leaky-relu-to-max x1 (exact)" in text.stdout and "approximate softplus" in text.stdout
+    assert "rewrite leaky-relu-to-prelu x1 (exact)" in text.stdout and "approximate softplus" in text.stdout
     js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=300)
     assert js.returncode == 0, js.stderr
     report = json.loads(js.stdout)
@@ -173,7 +173,7 @@ def test_build_prints_what_legalize_did(tmp_path):
                         str(tmp_path / "o"), "--until", "legalize"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "legalize: edgetpu runs 70.0% -> 100.0% of ops" in r.stderr, r.stderr
-    assert "rewrites: leaky-relu-to-max x1" in r.stderr
+    assert "rewrites: leaky-relu-to-prelu x1" in r.stderr
     assert "2 function(s) approximated by sums of ReLUs (bound 0.01)" in r.stderr
     assert "outputs move by at most" in r.stderr
 
