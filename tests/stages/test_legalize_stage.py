@@ -190,3 +190,87 @@ def test_a_recurrent_cell_stays_on_the_cpu_and_says_why():
     assert len(lstm) == 1 and lstm[0]["devices"] == ["cpu/onnxruntime"], lstm
     refusal = next(r for r in lstm[0]["refusals"] if r["device"] == "edgetpu")
     assert refusal["code"] == "edgetpu.recurrent" and "cannot quantize a recurrent cell" in refusal["reason"]
+
+
+# --- how far an approximation moves the outputs: silent, warned, refused ----------------------------
+
+
+def _sine_model(path: Path, *, deep: bool = True) -> Path:
+    """Conv -> Sin (no Edge TPU op: approximated by a ReLU sum on [-7.4, 8.9]) -> two Convs: the Edge TPU
+    on both sides of the sine makes its approximation worth placing there. Without the two Convs the
+    plan keeps the model as imported, the sine on the CPU."""
+    rng = np.random.default_rng(0)
+
+    def w(name, shape, scale):
+        return numpy_helper.from_array((rng.normal(size=shape) * scale).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c"], ["s" if deep else "y"], name="sine")]
+    inits = [w("w1", (32, 3, 3, 3), 0.5)]
+    if deep:
+        nodes += [helper.make_node("Conv", ["s", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+                  helper.make_node("Conv", ["c2", "w3"], ["y"], name="conv3", pads=[1, 1, 1, 1])]
+        inits += [w("w2", (32, 32, 3, 3), 0.1), w("w3", (8, 32, 3, 3), 0.1)]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8 if deep else 32, 32, 32])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def test_an_approximation_that_moves_an_output_less_than_1_percent_is_silent_and_more_warns(tmp_path):
+    """The sine within 0.01 moves y by 0.5 % of y's range on the calibration samples: nothing said. Within
+    0.05, by 3.1 %: a warning in the record that names the node, the output and the figure."""
+    src = _sine_model(tmp_path / "m.onnx")
+    close, _ = _build(src, tmp_path / "close", max_abs_error=0.01)
+    (a,) = close["approximations"]
+    assert a["verdict"] == "ok" and a["end_to_end"]["max_error_of_range"] < 0.01 and close["warnings"] == []
+    loose, stage = _build(src, tmp_path / "loose", max_abs_error=0.05)
+    (a,) = loose["approximations"]
+    share = a["end_to_end"]["max_error_of_range"]
+    assert a["verdict"] == "warning" and 0.01 < share < 0.1 and a["end_to_end"]["output"] == "y"
+    (warning,) = loose["warnings"]
+    assert warning.startswith(f"the approximation of sine (Sin) moves output 'y' by ") and f"{share:.1%} of its range" in warning
+    assert "--max-abs-error" in warning
+    report = json.loads((stage / "legalize.json").read_text())
+    assert report["output_shares"] == {"warning": 0.01, "refused": 0.10}
+    # edgesdk check says the same, and its summary gives the figure beside the approximation
+    from edgesdk.pipeline import BuildOptions, check
+    from edgesdk.report.text import check_summary
+
+    checked = check(BuildOptions(model=src, target="arm_2tpu", out=Path("."), max_abs_error=0.05))
+    assert checked["warnings"] == [warning]
+    assert f"moves output 'y' by {a['end_to_end']['max_abs_error']:.3g} ({share:.2%} of its range)" in check_summary(checked)
+
+
+def test_an_approximation_that_moves_an_output_more_than_10_percent_stops_the_build_where_the_plan_uses_it(tmp_path):
+    """Within 0.5 the sine moves y by 29 % of its range: the build stops at schedule, exit 1, naming the
+    node and the figure, with the ways out. --no-rewrites builds; so does a plan that keeps the sine exact
+    on the CPU (the model as imported predicts faster when nothing runs on the Edge TPU after the sine)."""
+    src = _sine_model(tmp_path / "m.onnx")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(src), "--target", "arm_2tpu", "--until", "schedule",
+           "--max-abs-error", "0.5"]
+    r = subprocess.run(cmd + ["-o", str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    error = next(line for line in lines if line.startswith("error: "))
+    assert error.startswith("error: the approximation of sine (Sin) moves output 'y' by ")
+    assert "of its range on 8 calibration sample(s), more than the 10% legalize allows" in error
+    assert lines[-1].startswith("hint: build with --no-rewrites") and "--max-error-lsb" in lines[-1]
+    assert any("warning: the approximation of sine (Sin)" in line for line in lines[:lines.index(error)])
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "o" / ".build" / "3-schedule").exists()
+
+    from edgesdk.pipeline import BuildOptions, build
+
+    exact = build(BuildOptions(model=src, target="arm_2tpu", out=tmp_path / "exact", until="schedule",
+                               max_abs_error=0.5, legalize_rewrites=False))
+    assert exact.stages[1].record["approximations"] == []
+    shallow = build(BuildOptions(model=_sine_model(tmp_path / "shallow.onnx", deep=False), target="arm_2tpu",
+                                 out=tmp_path / "shallow", until="schedule", max_abs_error=0.5))
+    (a,) = shallow.stages[1].record["approximations"]
+    assert a["verdict"] == "refuse"
+    plan = json.loads((tmp_path / "shallow" / ".build" / "3-schedule" / "plan.json").read_text())
+    assert "the model as imported" in plan["decisions"][0] and "places the model as imported" in plan["decisions"][0]
