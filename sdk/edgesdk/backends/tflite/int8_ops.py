@@ -5,7 +5,7 @@ Some int8 kernels compute without rescaling: their input and output share one sc
 differ in float, one of them is then represented on the other's grid: a MINIMUM(x, 0) gives x the
 range of its output, so x's positive half is clipped for every op that reads x (PReLU written as
 Relu(x) + Min(x, 0)*s lost every positive value that way). Both tables are measured, not taken
-from documentation: tests/backends/test_tflite_int8_ops.py converts one model holding one op of
+from documentation: tests/backends/test_tflite_shared_quantization.py converts one model holding one op of
 each kind with the output's calibrated range made different from its input's, and reads the
 scales the converter chose (TensorFlow 2.21).
 
