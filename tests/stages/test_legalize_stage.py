@@ -244,10 +244,37 @@ def test_an_approximation_that_moves_an_output_less_than_1_percent_is_silent_and
     assert f"moves output 'y' by {a['end_to_end']['max_abs_error']:.3g} ({share:.2%} of its range)" in check_summary(checked)
 
 
+def test_approximations_that_move_an_output_more_together_than_alone_warn_together(tmp_path):
+    """Two sines on two convolutions of x, summed: each approximation within 0.03 moves y by 0.75 % of its
+    range, silent; together by 1.5 %: one warning with the figure, and `check` flags its end-to-end line."""
+    from edgesdk.pipeline import BuildOptions, check
+    from edgesdk.report.text import check_summary
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c"], ["s"], name="sine"),
+             helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c2"], ["s2"], name="sine2"),
+             helper.make_node("Add", ["s", "s2"], ["y"], name="sum")]
+    inits = [numpy_helper.from_array((rng.normal(size=(8, 3, 3, 3)) * 0.5).astype(np.float32), n) for n in ("w1", "w2")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "m.onnx")
+    checked = check(BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=Path("."), max_abs_error=0.03))
+    alone = [a["end_to_end"]["max_error_of_range"] for a in checked["approximations"]]
+    together = checked["end_to_end"]["max_error_of_range"]
+    assert len(alone) == 2 and max(alone) < 0.01 < together
+    (warning,) = checked["warnings"]
+    assert warning.startswith("the 2 approximations together move output 'y' by ") and f"{together:.1%} of its range" in warning
+    assert f"({together:.2%} of their range, output 'y'; more than the 1% legalize warns above)" in check_summary(checked)
+
+
 def test_an_approximation_that_moves_an_output_more_than_10_percent_stops_the_build_where_the_plan_uses_it(tmp_path):
     """Within 0.5 the sine moves y by 29 % of its range: the build stops at schedule, exit 1, naming the
-    node and the figure, with the ways out. --no-rewrites builds; so does a plan that keeps the sine exact
-    on the CPU (the model as imported predicts faster when nothing runs on the Edge TPU after the sine)."""
+    node and the figure, with the ways out. A plan that keeps the sine exact on the CPU, or the model as
+    imported, is not refused."""
     src = _sine_model(tmp_path / "m.onnx")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "sdk")}
     cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(src), "--target", "arm_2tpu", "--until", "schedule",
@@ -263,14 +290,14 @@ def test_an_approximation_that_moves_an_output_more_than_10_percent_stops_the_bu
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "o" / ".build" / "3-schedule").exists()
 
-    from edgesdk.pipeline import BuildOptions, build
+    # what the schedule stage asks: the plan's model holds the refused approximation's nodes (its prefix)
+    from edgesdk.errors import UserError
+    from edgesdk.legalization.legalize import refuse_moved_outputs
 
-    exact = build(BuildOptions(model=src, target="arm_2tpu", out=tmp_path / "exact", until="schedule",
-                               max_abs_error=0.5, legalize_rewrites=False))
-    assert exact.stages[1].record["approximations"] == []
-    shallow = build(BuildOptions(model=_sine_model(tmp_path / "shallow.onnx", deep=False), target="arm_2tpu",
-                                 out=tmp_path / "shallow", until="schedule", max_abs_error=0.5))
-    (a,) = shallow.stages[1].record["approximations"]
+    (a,) = json.loads((tmp_path / "o" / ".build" / "2-legalize" / "legalize.json").read_text())["approximations"]
     assert a["verdict"] == "refuse"
-    plan = json.loads((tmp_path / "shallow" / ".build" / "3-schedule" / "plan.json").read_text())
-    assert "the model as imported" in plan["decisions"][0] and "places the model as imported" in plan["decisions"][0]
+    with pytest.raises(UserError) as e:
+        refuse_moved_outputs([a], onnx.load(str(tmp_path / "o" / ".build" / "2-legalize" / "model.onnx")))
+    assert e.value.code == "legalize.approximation-moves-output"
+    # a plan that left the sine exact, or placed the model as imported, uses nothing to refuse
+    refuse_moved_outputs([a], onnx.load(str(src)))

@@ -290,7 +290,7 @@ def check_summary(report: dict[str, Any], nodes: bool = False) -> str:
         if report.get("end_to_end"):
             e = report["end_to_end"]
             lines.append(f"  end to end, on {e['samples']} calibration sample(s): outputs move by at most "
-                         f"{e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their range)")
+                         f"{e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their range{_most(report, e)})")
     return "\n".join(lines)
 
 
@@ -300,6 +300,16 @@ def _moves(e: dict[str, Any]) -> str:
         return f"outputs move by {e['max_abs_error']:.2e}"
     moved = e["outputs"][e["output"]]
     return f"moves output '{e['output']}' by {moved['max_abs_error']:.3g} ({moved['share']:.2%} of its range)"
+
+
+def _most(report: dict[str, Any], e: dict[str, Any]) -> str:
+    """After the share of range the legalized model's outputs move by: the output that moves most, and the
+    share legalize warns above where this one passes it."""
+    if not e.get("output"):  # a report from before the per-output figures
+        return ""
+    warning = (report.get("output_shares") or {}).get("warning")
+    return f", output '{e['output']}'" + (f"; more than the {warning:.0%} legalize warns above"
+                                         if warning is not None and e["max_error_of_range"] > warning else "")
 
 
 def legalize_summary(record: dict[str, Any]) -> str | None:
@@ -329,7 +339,7 @@ def legalize_summary(record: dict[str, Any]) -> str | None:
     if record.get("end_to_end"):
         e = record["end_to_end"]
         lines.append(f"  outputs move by at most {e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their "
-                     f"range) on {e['samples']} calibration sample(s)")
+                     f"range{_most(record, e)}) on {e['samples']} calibration sample(s)")
     for f in record.get("fallbacks") or []:
         lines.append(f"  kept on the CPU: {', '.join(f['nodes'])} ({f['reason']})")
     return "\n".join(lines)
