@@ -399,7 +399,8 @@ def test_a_prelu_network_in_int8_follows_fp32_on_face_crops_it_was_not_calibrate
     # convolution within 5 % (a few of its values; the map as a whole has a cosine of at least 0.995)
     for name, share in (("p1", 0.02), ("y", 0.05)):
         g, w = np.stack([o[name] for o in got]).ravel(), np.stack([o[name] for o in want]).ravel()
-        error, cosine = float(np.abs(g - w).max()) / float(np.ptp(w)), float(g @ w / np.linalg.norm(g) / np.linalg.norm(w))
+        error = float(np.abs(g - w).max()) / float(np.ptp(w))
+        cosine = float(g @ w / np.linalg.norm(g) / np.linalg.norm(w))
         assert error <= share and cosine >= 0.995, (name, error, cosine)
     p1_int8, p1_fp32 = np.stack([o["p1"] for o in got]), np.stack([o["p1"] for o in want])
     assert p1_fp32.max() > 0.5 * np.ptp(p1_fp32)  # the positive half is most of the range: a test of it

@@ -231,7 +231,7 @@ def test_an_approximation_that_moves_an_output_less_than_1_percent_is_silent_and
     share = a["end_to_end"]["max_error_of_range"]
     assert a["verdict"] == "warning" and 0.01 < share < 0.1 and a["end_to_end"]["output"] == "y"
     (warning,) = loose["warnings"]
-    assert warning.startswith(f"the approximation of sine (Sin) moves output 'y' by ") and f"{share:.1%} of its range" in warning
+    assert warning.startswith("the approximation of sine (Sin) moves output 'y' by ") and f"{share:.1%} of its range" in warning
     assert "--max-abs-error" in warning
     report = json.loads((stage / "legalize.json").read_text())
     assert report["output_shares"] == {"warning": 0.01, "refused": 0.10}

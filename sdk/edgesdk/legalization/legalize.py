@@ -389,5 +389,6 @@ def _deviation_of(reference: list[dict], other: list[dict]) -> dict:
         span = float(np.ptp(va)) or float(np.max(np.abs(va))) or 1.0
         outputs[name] = {"max_abs_error": d, "range": span, "share": d / span}
     worst = max(outputs, key=lambda n: outputs[n]["share"], default=None)
-    return {"samples": len(reference), "max_abs_error": max((o["max_abs_error"] for o in outputs.values()), default=0.0),
+    largest = max((o["max_abs_error"] for o in outputs.values()), default=0.0)
+    return {"samples": len(reference), "max_abs_error": largest,
             "max_error_of_range": outputs[worst]["share"] if worst else 0.0, "output": worst, "outputs": outputs}

@@ -335,7 +335,8 @@ def legalize_summary(record: dict[str, Any]) -> str | None:
         moving = max((a for a in approx if (a.get("end_to_end") or {}).get("output")),
                      key=lambda a: a["end_to_end"]["max_error_of_range"], default=None)
         if moving is not None:
-            lines.append(f"  the one that moves an output most, {', '.join(moving['nodes'])}, {_moves(moving['end_to_end'])}")
+            lines.append(f"  the one that moves an output most, {', '.join(moving['nodes'])}, "
+                         f"{_moves(moving['end_to_end'])}")
     if record.get("end_to_end"):
         e = record["end_to_end"]
         lines.append(f"  outputs move by at most {e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their "
