@@ -127,8 +127,8 @@ def _rewrite(model: onnx.ModelProto, target: Target, options: Any, inputs: list[
             original, model, feeds, result["rewrites"], result["approximations"], options, inputs)
         together = result["end_to_end"]
         # each approximation alone was judged above; several can add up to more than any of them alone
-        alone = max((e["end_to_end"]["max_error_of_range"] for e in result["approximations"]), default=0.0)
-        if together and together["max_error_of_range"] > max(WARN_SHARE, alone):
+        alone = [e["end_to_end"]["max_error_of_range"] for e in result["approximations"]]
+        if together and len(alone) > 1 and together["max_error_of_range"] > max(WARN_SHARE, *alone):
             warn(f"the {len(result['approximations'])} approximations together move output '{together['output']}' by "
                  f"{together['outputs'][together['output']]['max_abs_error']:.3g}, "
                  f"{together['max_error_of_range']:.1%} of its range on {together['samples']} calibration sample(s) "
