@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from edgesdk.devices import edgetpu
 from edgesdk.legalization import exact
@@ -50,37 +50,32 @@ def test_unknown_rule_name_is_refused():
         exact.apply(model([node("Relu", ["x"], ["y"])], X4, ["y"]), only=["no-such-rule"])
 
 
-# --- leaky-relu-to-max --------------------------------------------------------------------------
+# --- leaky-relu-to-prelu ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("alpha", [0.1, 0.01, 1.0, -0.5])
-def test_leaky_relu_becomes_max(alpha):
-    # max(x, a*x) is LeakyRelu for every a <= 1, negative ones included.
+@pytest.mark.parametrize("alpha", [0.1, 0.01, 1.0, -0.5, 1.5])
+def test_leaky_relu_becomes_prelu(alpha):
+    # PRelu with the one slope a is LeakyRelu for every a, negative ones and those above 1 included.
     m = model([node("LeakyRelu", ["x"], ["y"], alpha=alpha)], X4, ["y"])
-    out = check_fires(m, "leaky-relu-to-max", gone=("LeakyRelu",), feeds=specials(m))
-    assert ops(out) == {"Max": 1, "Mul": 1}
+    out = check_fires(m, "leaky-relu-to-prelu", gone=("LeakyRelu",), feeds=specials(m))
+    assert ops(out) == {"PRelu": 1}
 
 
-def test_leaky_relu_default_alpha_becomes_max():
+def test_leaky_relu_default_alpha_becomes_prelu():
     m = model([node("LeakyRelu", ["x"], ["y"])], X4, ["y"])
-    check_fires(m, "leaky-relu-to-max", gone=("LeakyRelu",), feeds=specials(m))
+    out = check_fires(m, "leaky-relu-to-prelu", gone=("LeakyRelu",), feeds=specials(m))
+    assert [numpy_helper.to_array(i).reshape(-1).tolist() for i in out.graph.initializer] == [[float(np.float32(0.01))]]
 
 
 def test_leaky_relu_with_zero_alpha_becomes_relu():
-    # Max(x, 0*x) would be NaN at +inf (onnxruntime's Max propagates NaN); Relu differs from the
-    # spec's 0*x only at -inf, where 0*(-inf) is NaN and Relu gives 0.
+    # Relu differs from the spec's 0*x only at -inf, where 0*(-inf) is NaN and Relu gives 0.
     m = model([node("LeakyRelu", ["x"], ["y"], alpha=0.0)], X4, ["y"])
     feeds = specials(m)
     feeds["x"].reshape(-1)[3] = 1.0
-    out = check_fires(m, "leaky-relu-to-max", gone=("LeakyRelu",), feeds=feeds)
+    out = check_fires(m, "leaky-relu-to-prelu", gone=("LeakyRelu",), feeds=feeds)
     assert ops(out) == {"Relu": 1}
     at_minus_inf = {"x": np.full((1, 3, 4, 5), -np.inf, np.float32)}
     assert np.isnan(run(m, at_minus_inf)[0]).all() and (run(out, at_minus_inf)[0] == 0).all()
-
-
-def test_leaky_relu_with_alpha_above_one_stays():
-    # For a > 1 the larger of x and a*x is a*x at x > 0: LeakyRelu is the minimum there.
-    check_does_not_fire(model([node("LeakyRelu", ["x"], ["y"], alpha=1.5)], X4, ["y"]), "leaky-relu-to-max")
 
 
 # --- hardswish / hardsigmoid --------------------------------------------------------------------
@@ -141,27 +136,24 @@ def test_float16_hardsigmoid_gets_float16_constants():
     assert {i.data_type for i in out.graph.initializer} == {TensorProto.FLOAT16}
 
 
-# --- prelu-to-relu ------------------------------------------------------------------------------
+# --- PRelu ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("slope", [f32([[[0.25]], [[-0.5]], [[2.0]]]), f32([0.1]), f32(0.3),
-                                   np.linspace(-1, 1, 5, dtype=np.float32)])
-def test_prelu_becomes_relu_plus_scaled_min(slope):
-    # Per channel [C, 1, 1], one slope, a scalar, and one per column [W].
-    m = model([node("PRelu", ["x", "s"], ["y"])], X4, ["y"], {"s": slope})
-    out = check_fires(m, "prelu-to-relu", gone=("PRelu",), feeds=specials(m))
-    assert ops(out) == {"Add": 1, "Relu": 1, "Min": 1, "Mul": 1}
+def test_prelu_is_left_to_the_edge_tpus_prelu():
+    """No rule takes PRelu apart: the Edge TPU runs PRELU, and Relu(x) + Min(x, 0)*s, the rewrite this
+    replaced, clipped x in full int8 (MINIMUM gives its input its output's range)."""
+    m = model([node("PRelu", ["x", "s"], ["y"])], X4, ["y"], {"s": f32([[[0.25]], [[-0.5]], [[2.0]]])})
+    out, counts = legalized(m)
+    assert not any(counts.values()) and ops(out) == {"PRelu": 1}
 
 
-def test_prelu_with_a_slope_input_stays():
-    m = model([node("PRelu", ["x", "s"], ["y"])], {**X4, "s": [3, 1, 1]}, ["y"])
-    check_does_not_fire(m, "prelu-to-relu")
-
-
-def test_prelu_with_an_overridable_slope_stays():
-    # An initializer that is also a graph input is a default the caller may replace.
-    m = model([node("PRelu", ["x", "s"], ["y"])], {**X4, "s": [3, 1, 1]}, ["y"], {"s": np.ones((3, 1, 1), np.float32)})
-    check_does_not_fire(m, "prelu-to-relu")
+def test_fold_rank_takes_a_prelu_of_one_slope_and_leaves_a_per_channel_one():
+    one = model([node("PRelu", ["x", "s"], ["y"])], {"x": X5}, ["y"], {"s": f32([0.2])})
+    out = check_fires(one, "fold-rank-for-elementwise", feeds=specials(one))
+    assert ops(out) == {"PRelu": 1, "Reshape": 2}
+    per_channel = model([node("PRelu", ["x", "s"], ["y"])], {"x": X5}, ["y"],
+                        {"s": np.linspace(0.1, 0.4, X5[1], dtype=np.float32).reshape(-1, 1, 1, 1)})
+    check_does_not_fire(per_channel, "fold-rank-for-elementwise")
 
 
 # --- sub-constant-to-add, div-constant-to-mul --------------------------------------------------
@@ -451,7 +443,7 @@ def test_apply_reaches_a_fixed_point_without_the_replaced_ops():
     m = _chain()
     out, counts = legalized(m)
     assert {k: v for k, v in counts.items() if v} == {
-        "leaky-relu-to-max": 1, "hardswish-to-relu6": 1, "prelu-to-relu": 1, "sub-constant-to-add": 1,
+        "leaky-relu-to-prelu": 1, "hardswish-to-relu6": 1, "sub-constant-to-add": 1,
         "div-constant-to-mul": 1, "hardsigmoid-to-clip": 1, "reduce-mean-to-average-pool": 1,
         "matmul-to-fully-connected": 1}
     replaced = {op for r in exact.RULES for op in r.replaces} - {"Clip"}  # Clip(0, 1) is legal and stays
@@ -464,12 +456,12 @@ def test_apply_reaches_a_fixed_point_without_the_replaced_ops():
 
 
 def test_rules_run_in_rounds_so_later_rules_see_new_values():
-    # LeakyRelu's Max and Mul are rank 5: fold-rank takes them in the next round, with shapes
-    # inferred in between.
+    # LeakyRelu's PRelu is rank 5: fold-rank takes it in the next round, with shapes inferred in
+    # between.
     m = model([node("LeakyRelu", ["x"], ["y"], alpha=0.1)], {"x": X5}, ["y"])
-    out, counts = legalized(m, only=["leaky-relu-to-max", "fold-rank-for-elementwise"])
-    assert counts == {"leaky-relu-to-max": 1, "fold-rank-for-elementwise": 2}
-    assert ops(out) == {"Max": 1, "Mul": 1, "Reshape": 2}
+    out, counts = legalized(m, only=["leaky-relu-to-prelu", "fold-rank-for-elementwise"])
+    assert counts == {"leaky-relu-to-prelu": 1, "fold-rank-for-elementwise": 1}
+    assert ops(out) == {"PRelu": 1, "Reshape": 2}
     assert_same(m, out, **BITWISE, feeds=specials(m))
 
 
@@ -491,7 +483,7 @@ def test_tflite_lowering_of_the_results(tmp_path):
     assert "HARD_SWISH" not in lowered([node("HardSwish", ["x"], ["y"])])
     hard_swish_in_two = [node("HardSigmoid", ["x"], ["h"], alpha=SIXTH, beta=0.5), node("Mul", ["x", "h"], ["y"])]
     assert "HARD_SWISH" not in lowered(hard_swish_in_two)
-    assert lowered([node("LeakyRelu", ["x"], ["y"], alpha=0.1)]) == {"MAXIMUM": 1, "MUL": 1}
+    assert lowered([node("LeakyRelu", ["x"], ["y"], alpha=0.1)]) == {"PRELU": 1}
 
 
 def test_device_rank_triggers_name_the_rules_rank_pseudo_op():

@@ -69,7 +69,7 @@ def _run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
 def test_rewrites_and_approximations_move_everything_onto_the_edge_tpu(tmp_path):
     src = _model(tmp_path / "m.onnx")
     record, stage = _build(src, tmp_path / "o")
-    assert record["rewrites"] == {"leaky-relu-to-max": {"count": 1, "exactness": "exact"}}
+    assert record["rewrites"] == {"leaky-relu-to-prelu": {"count": 1, "exactness": "exact"}}
     approx = {tuple(a["nodes"]): a for a in record["approximations"]}
     assert set(approx) == {("softplus",), ("gelu_erf",)}
     assert approx[("gelu_erf",)]["ops"] == ["Div", "Erf", "Add", "Mul", "Mul"]  # the whole GELU, once
@@ -152,7 +152,7 @@ def test_check_reports_without_rewriting(tmp_path):
     assert text.returncode == 0, text.stderr
     assert "Softplus" in text.stdout and "edgetpu.unsupported-op" in text.stdout
     assert "as imported: edgetpu" in text.stdout and "after legalize: edgetpu" in text.stdout
-    assert "rewrite leaky-relu-to-max x1 (exact)" in text.stdout and "approximate softplus" in text.stdout
+    assert "rewrite leaky-relu-to-prelu x1 (exact)" in text.stdout and "approximate softplus" in text.stdout
     js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=300)
     assert js.returncode == 0, js.stderr
     report = json.loads(js.stdout)
@@ -173,7 +173,7 @@ def test_build_prints_what_legalize_did(tmp_path):
                         str(tmp_path / "o"), "--until", "legalize"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "legalize: edgetpu runs 70.0% -> 100.0% of ops" in r.stderr, r.stderr
-    assert "rewrites: leaky-relu-to-max x1" in r.stderr
+    assert "rewrites: leaky-relu-to-prelu x1" in r.stderr
     assert "2 function(s) approximated by sums of ReLUs (bound 0.01)" in r.stderr
     assert "outputs move by at most" in r.stderr
 
@@ -190,3 +190,116 @@ def test_a_recurrent_cell_stays_on_the_cpu_and_says_why():
     assert len(lstm) == 1 and lstm[0]["devices"] == ["cpu/onnxruntime"], lstm
     refusal = next(r for r in lstm[0]["refusals"] if r["device"] == "edgetpu")
     assert refusal["code"] == "edgetpu.recurrent" and "cannot quantize a recurrent cell" in refusal["reason"]
+
+
+# --- how far an approximation moves the outputs: silent, warned, refused ----------------------------
+
+
+def _sine_model(path: Path, *, deep: bool = True) -> Path:
+    """Conv -> Sin (no Edge TPU op: approximated by a ReLU sum on [-7.4, 8.9]) -> two Convs: the Edge TPU
+    on both sides of the sine makes its approximation worth placing there. Without the two Convs the
+    plan keeps the model as imported, the sine on the CPU."""
+    rng = np.random.default_rng(0)
+
+    def w(name, shape, scale):
+        return numpy_helper.from_array((rng.normal(size=shape) * scale).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c"], ["s" if deep else "y"], name="sine")]
+    inits = [w("w1", (32, 3, 3, 3), 0.5)]
+    if deep:
+        nodes += [helper.make_node("Conv", ["s", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+                  helper.make_node("Conv", ["c2", "w3"], ["y"], name="conv3", pads=[1, 1, 1, 1])]
+        inits += [w("w2", (32, 32, 3, 3), 0.1), w("w3", (8, 32, 3, 3), 0.1)]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8 if deep else 32, 32, 32])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def test_an_approximation_that_moves_an_output_less_than_1_percent_is_silent_and_more_warns(tmp_path):
+    """The sine within 0.01 moves y by 0.5 % of y's range on the calibration samples: nothing said. Within
+    0.05, by 3.1 %: a warning in the record that names the node, the output and the figure."""
+    src = _sine_model(tmp_path / "m.onnx")
+    close, _ = _build(src, tmp_path / "close", max_abs_error=0.01)
+    (a,) = close["approximations"]
+    assert a["verdict"] == "ok" and a["end_to_end"]["max_error_of_range"] < 0.01 and close["warnings"] == []
+    loose, stage = _build(src, tmp_path / "loose", max_abs_error=0.05)
+    (a,) = loose["approximations"]
+    share = a["end_to_end"]["max_error_of_range"]
+    assert a["verdict"] == "warning" and 0.01 < share < 0.1 and a["end_to_end"]["output"] == "y"
+    (warning,) = loose["warnings"]
+    assert warning.startswith("the approximation of sine (Sin) moves output 'y' by ") and f"{share:.1%} of its range" in warning
+    assert "--max-abs-error" in warning
+    report = json.loads((stage / "legalize.json").read_text())
+    assert report["output_shares"] == {"warning": 0.01, "refused": 0.10}
+    # edgesdk check says the same, and its summary gives the figure beside the approximation
+    from edgesdk.pipeline import BuildOptions, check
+    from edgesdk.report.text import check_summary
+
+    checked = check(BuildOptions(model=src, target="arm_2tpu", out=Path("."), max_abs_error=0.05))
+    assert checked["warnings"] == [warning]
+    assert f"moves output 'y' by {a['end_to_end']['max_abs_error']:.3g} ({share:.2%} of its range)" in check_summary(checked)
+
+
+def test_approximations_that_move_an_output_more_together_than_alone_warn_together(tmp_path):
+    """Two sines on two convolutions of x, summed: each approximation within 0.03 moves y by 0.75 % of its
+    range, silent; together by 1.5 %: one warning with the figure, and `check` flags its end-to-end line."""
+    from edgesdk.pipeline import BuildOptions, check
+    from edgesdk.report.text import check_summary
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c"], ["s"], name="sine"),
+             helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c2"], ["s2"], name="sine2"),
+             helper.make_node("Add", ["s", "s2"], ["y"], name="sum")]
+    inits = [numpy_helper.from_array((rng.normal(size=(8, 3, 3, 3)) * 0.5).astype(np.float32), n) for n in ("w1", "w2")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "m.onnx")
+    checked = check(BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=Path("."), max_abs_error=0.03))
+    alone = [a["end_to_end"]["max_error_of_range"] for a in checked["approximations"]]
+    together = checked["end_to_end"]["max_error_of_range"]
+    assert len(alone) == 2 and max(alone) < 0.01 < together
+    (warning,) = checked["warnings"]
+    assert warning.startswith("the 2 approximations together move output 'y' by ") and f"{together:.1%} of its range" in warning
+    assert f"({together:.2%} of their range, output 'y'; more than the 1% legalize warns above)" in check_summary(checked)
+
+
+def test_an_approximation_that_moves_an_output_more_than_10_percent_stops_the_build_where_the_plan_uses_it(tmp_path, capsys):
+    """Within 0.5 the sine moves y by 29 % of its range: the build stops at schedule, exit 1, naming the
+    node and the figure, with the ways out. A plan that keeps the sine exact on the CPU, or the model as
+    imported, is not refused."""
+    from edgesdk.cli import main
+
+    src = _sine_model(tmp_path / "m.onnx")
+    capsys.readouterr()
+    code = main(["build", str(src), "--target", "arm_2tpu", "--until", "schedule", "--max-abs-error", "0.5",
+                 "-o", str(tmp_path / "o")])
+    stderr = capsys.readouterr().err
+    assert code == 1, stderr
+    lines = stderr.strip().splitlines()
+    error = next(line for line in lines if line.startswith("error: "))
+    assert error.startswith("error: the approximation of sine (Sin) moves output 'y' by ")
+    assert "of its range on 8 calibration sample(s), more than the 10% legalize allows" in error
+    assert lines[-1].startswith("hint: build with --no-rewrites") and "--max-error-lsb" in lines[-1]
+    assert any("warning: the approximation of sine (Sin)" in line for line in lines[:lines.index(error)])
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "o" / ".build" / "3-schedule").exists()
+
+    # what the schedule stage asks: the plan's model holds the refused approximation's nodes (its prefix)
+    from edgesdk.errors import UserError
+    from edgesdk.legalization.legalize import refuse_moved_outputs
+
+    (a,) = json.loads((tmp_path / "o" / ".build" / "2-legalize" / "legalize.json").read_text())["approximations"]
+    assert a["verdict"] == "refuse"
+    with pytest.raises(UserError) as e:
+        refuse_moved_outputs([a], onnx.load(str(tmp_path / "o" / ".build" / "2-legalize" / "model.onnx")))
+    assert e.value.code == "legalize.approximation-moves-output"
+    # a plan that left the sine exact, or placed the model as imported, uses nothing to refuse
+    refuse_moved_outputs([a], onnx.load(str(src)))

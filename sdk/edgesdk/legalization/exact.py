@@ -7,11 +7,10 @@ Each rule carries its exactness:
 - "exact up to float rounding (...)": an identity of real arithmetic whose float results differ
   by the rounding the mark states.
 
-    leaky-relu-to-max          LeakyRelu(x, a), a <= 1      -> Max(x, x*a)   (a == 0: Relu(x))
+    leaky-relu-to-prelu        LeakyRelu(x, a)              -> PRelu(x, a)   (a == 0: Relu(x))
     hardswish-to-relu6         HardSwish(x)                 -> (x * 1/6) * Clip(x + 3, 0, 6)
     hardsigmoid-to-relu6       HardSigmoid(x, 1/6, 0.5)     -> Clip(x + 3, 0, 6) * 1/6
     hardsigmoid-to-clip        HardSigmoid(x, a, b)         -> Clip(x*a + b, 0, 1)
-    prelu-to-relu              PRelu(x, s), s constant      -> Relu(x) + Min(x, 0) * s
     sub-constant-to-add        x - c                        -> x + (-c)
     div-constant-to-mul        x / c                        -> x * (1/c)
     clip-to-relu               Clip(x, 0) / Clip(x, 0, inf) -> Relu(x)
@@ -31,7 +30,7 @@ checked by converting them (TF 2.21): Clip(0, 6) -> RELU6, Clip(-1, 1) -> RELU_N
 lowering writes maximum/minimum; the converter fuses them), Clip(0) and Clip(0, inf) -> RELU,
 Clip(0, 1) -> RELU + MINIMUM (no RELU_0_TO_1), other ranges -> MAXIMUM + MINIMUM. So Clip(0, 6)
 and Clip(-1, 1) stay Clip here, and clip-to-relu only names what the lowering already does.
-Max(x, x*a) stays MAXIMUM + MUL (it is not fused back into LEAKY_RELU). Slice and Squeeze become
+PRelu becomes PRELU, an Edge TPU op (LEAKY_RELU is not). Slice and Squeeze become
 STRIDED_SLICE and RESHAPE (the Edge TPU table has both; it has no GATHER). A Gemm with C becomes
 FULLY_CONNECTED with a constant bias only, so a computed C must leave it: FULLY_CONNECTED + ADD.
 
@@ -42,11 +41,11 @@ hardsigmoid-to-relu6 refuses a HardSigmoid whose output is multiplied by its own
 product is a hard swish); hardsigmoid-to-clip takes it instead (MUL, ADD+RELU, MINIMUM, MUL).
 
 Bounds (u = 2^-24, float32's unit roundoff; ulp as of the result):
-- LeakyRelu: x >= 0 gives x >= a*x (a <= 1), x < 0 gives a*x >= x, and a*x is the same float
-  product LeakyRelu computes: exact. a > 1 would need Min and is refused. a == 0 becomes Relu:
-  Max(x, 0*x) would be NaN at x = +inf (Max propagates NaN), and Relu differs from the spec's
-  0*x only at x = -inf (0 where 0*(-inf) is NaN).
-- PRelu: Relu(x) + Min(x, 0)*s is x + (+-0) for x > 0 and 0 + s*x for x <= 0: exact.
+- LeakyRelu: PRelu with slope a is the same function, x for x >= 0 and the same float product a*x
+  below: exact (at x = -0 the two may give zeros of different signs). Not Max(x, a*x): in full int8
+  MAXIMUM gives its inputs its output's range, [a*lo, hi], so the x that a*x is taken of is
+  clipped (docs/legalize.md, "int8: ops that share one quantization"). a == 0 becomes Relu, which
+  differs from the spec's 0*x only at x = -inf (0 where 0*(-inf) is NaN).
 - Clip(x, 0) -> Relu: the spec's absent maximum is FLT_MAX, so +inf comes out as FLT_MAX there and
   as inf from Relu; Clip(x, 0, inf) is Relu for every x.
 - Sub: x - c is defined as x + (-c) in IEEE arithmetic: exact.
@@ -160,7 +159,7 @@ def _not_float(x: ir.Value) -> str | None:
 # --- activations ------------------------------------------------------------------------------
 
 
-class LeakyReluToMax(pattern.RewriteRuleClassBase):
+class LeakyReluToPRelu(pattern.RewriteRuleClassBase):
     def pattern(self, op, x):
         return op.LeakyRelu(x, _outputs=["y"])
 
@@ -169,14 +168,12 @@ class LeakyReluToMax(pattern.RewriteRuleClassBase):
         if reason := _not_float(x):
             return result.fail(reason)
         self._alpha = y.producer().attributes.get_float("alpha", 0.01)
-        if self._alpha > 1:
-            return result.fail(f"alpha {self._alpha} > 1: max(x, alpha*x) is not LeakyRelu (min would be)")
         return result
 
     def rewrite(self, op, x, y):
         if self._alpha == 0:
             return op.Relu(x)
-        return op.Max(x, op.Mul(x, self._new.scalar(op, "leaky_alpha", self._alpha, x)))
+        return op.PRelu(x, self._new.scalar(op, "leaky_alpha", self._alpha, x))
 
 
 class HardSwishToRelu6(pattern.RewriteRuleClassBase):
@@ -238,29 +235,6 @@ class HardSigmoidToClip(pattern.RewriteRuleClassBase):
         affine = op.Add(op.Mul(x, c.scalar(op, "hardsigmoid_alpha", alpha, x)),
                         c.scalar(op, "hardsigmoid_beta", beta, x))
         return op.Clip(affine, c.scalar(op, "zero", 0.0, x), c.scalar(op, "one", 1.0, x))
-
-
-class PReluToRelu(pattern.RewriteRuleClassBase):
-    def pattern(self, op, x, slope):
-        return op.PRelu(x, slope)
-
-    def check(self, context, x, slope):
-        result = pattern.MatchResult()
-        if reason := _not_float(x):
-            return result.fail(reason)
-        array = constant(slope)
-        if array is None:
-            return result.fail(f"slope {slope.name} is not a constant")
-        shape = static_shape(x)
-        if shape is None:
-            return result.fail(f"the shape of {x.name} is not static")
-        if broadcast(shape, array.shape) != shape:
-            return result.fail(f"slope {array.shape} does not broadcast to {x.name} {shape}")
-        return result
-
-    def rewrite(self, op, x, slope):
-        # relu(x) + min(x, 0)*s, not relu(x) - s*relu(-x): Neg is no Edge TPU op.
-        return op.Add(op.Relu(x), op.Mul(op.Min(x, self._new.scalar(op, "zero", 0.0, x)), slope))
 
 
 class ClipToRelu(pattern.RewriteRuleClassBase):
@@ -564,7 +538,7 @@ class GemmRowsToConv(pattern.RewriteRuleClassBase):
 
 # Elementwise ops, and which inputs carry the tensor (the rest are Clip's scalar bounds).
 ELEMENTWISE_INPUTS = {
-    **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Max", "Min"), None),  # all
+    **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Max", "Min", "PRelu"), None),  # all
     **dict.fromkeys(("Relu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "LeakyRelu"), 1),
 }
 
@@ -741,8 +715,8 @@ def _rounding(bound: str) -> str:
 
 
 RULES: tuple[ExactRule, ...] = (
-    ExactRule("leaky-relu-to-max", from_patterns("leaky-relu-to-max", _rule(LeakyReluToMax)), EXACT,
-              ("LeakyRelu",), "LeakyRelu(x, a) with a <= 1 -> Max(x, x*a); a == 0 -> Relu(x)"),
+    ExactRule("leaky-relu-to-prelu", from_patterns("leaky-relu-to-prelu", _rule(LeakyReluToPRelu)), EXACT,
+              ("LeakyRelu",), "LeakyRelu(x, a) -> PRelu(x, a); a == 0 -> Relu(x)"),
     ExactRule("hardswish-to-relu6", from_patterns("hardswish-to-relu6", _rule(HardSwishToRelu6)),
               _rounding("3 * 2^-24 * |x| absolute; the reference cancels near x = -3"),
               ("HardSwish",), "HardSwish(x) -> (x * 1/6) * Clip(x + 3, 0, 6)"),
@@ -751,8 +725,6 @@ RULES: tuple[ExactRule, ...] = (
               ("HardSigmoid",), "HardSigmoid(x, 1/6, 0.5) -> Clip(x + 3, 0, 6) * 1/6, unless multiplied by x"),
     ExactRule("hardsigmoid-to-clip", from_patterns("hardsigmoid-to-clip", _rule(HardSigmoidToClip)), EXACT,
               ("HardSigmoid",), "HardSigmoid(x, a, b) -> Clip(x*a + b, 0, 1)"),
-    ExactRule("prelu-to-relu", from_patterns("prelu-to-relu", _rule(PReluToRelu)), EXACT,
-              ("PRelu",), "PRelu(x, s) with constant s -> Relu(x) + Min(x, 0) * s"),
     ExactRule("sub-constant-to-add", from_patterns("sub-constant-to-add", _rule(SubConstantToAdd)), EXACT,
               ("Sub",), "x - c with constant c -> x + (-c)"),
     ExactRule("div-constant-to-mul", from_patterns("div-constant-to-mul", _rule(DivConstantToMul)),

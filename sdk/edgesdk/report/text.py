@@ -288,14 +288,32 @@ def check_summary(report: dict[str, Any], nodes: bool = False) -> str:
             lines.append(f"  approximate {', '.join(a['nodes'])} ({' -> '.join(a['ops'])}) by {len(a['knots'])} ReLUs on "
                          f"[{a['range'][0]:.4g}, {a['range'][1]:.4g}]: max error {a['grid_error']:.2e}"
                          + (f", {a['int8_error']:.2e} after int8" if "int8_error" in a else "")
-                         + (f"; outputs move by {a['end_to_end']['max_abs_error']:.2e}" if a.get("end_to_end") else ""))
+                         + (f"; {_moves(a['end_to_end'])}" if a.get("end_to_end") else ""))
         for f in fallbacks:
             lines.append(f"  keep {', '.join(f['nodes'])} on the CPU: {f['reason']}")
         if report.get("end_to_end"):
             e = report["end_to_end"]
             lines.append(f"  end to end, on {e['samples']} calibration sample(s): outputs move by at most "
-                         f"{e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their range)")
+                         f"{e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their range{_most(report, e)})")
     return "\n".join(lines)
+
+
+def _moves(e: dict[str, Any]) -> str:
+    """How far an approximation moves the model's outputs (legalize's `end_to_end` of one entry)."""
+    if not e.get("output"):  # a report from before the per-output figures
+        return f"outputs move by {e['max_abs_error']:.2e}"
+    moved = e["outputs"][e["output"]]
+    return f"moves output '{e['output']}' by {moved['max_abs_error']:.3g} ({moved['share']:.2%} of its range)"
+
+
+def _most(report: dict[str, Any], e: dict[str, Any]) -> str:
+    """After the share of range the legalized model's outputs move by: the output that moves most, and the
+    share legalize warns above where this one passes it."""
+    if not e.get("output"):  # a report from before the per-output figures
+        return ""
+    warning = (report.get("output_shares") or {}).get("warning")
+    return f", output '{e['output']}'" + (f"; more than the {warning:.0%} legalize warns above"
+                                         if warning is not None and e["max_error_of_range"] > warning else "")
 
 
 def legalize_summary(record: dict[str, Any]) -> str | None:
@@ -318,10 +336,15 @@ def legalize_summary(record: dict[str, Any]) -> str | None:
         worst8 = max((a.get("int8_error", 0.0) for a in approx), default=0.0)
         lines.append(f"  {len(approx)} function(s) approximated by sums of ReLUs (bound {record['max_abs_error']:g}): "
                      f"worst error {worst:.2e}" + (f", {worst8:.2e} after int8" if worst8 else ""))
+        moving = max((a for a in approx if (a.get("end_to_end") or {}).get("output")),
+                     key=lambda a: a["end_to_end"]["max_error_of_range"], default=None)
+        if moving is not None:
+            lines.append(f"  the one that moves an output most, {', '.join(moving['nodes'])}, "
+                         f"{_moves(moving['end_to_end'])}")
     if record.get("end_to_end"):
         e = record["end_to_end"]
         lines.append(f"  outputs move by at most {e['max_abs_error']:.3g} ({e['max_error_of_range']:.2%} of their "
-                     f"range) on {e['samples']} calibration sample(s)")
+                     f"range{_most(record, e)}) on {e['samples']} calibration sample(s)")
     for f in record.get("fallbacks") or []:
         lines.append(f"  kept on the CPU: {', '.join(f['nodes'])} ({f['reason']})")
     return "\n".join(lines)

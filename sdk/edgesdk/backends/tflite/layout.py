@@ -48,6 +48,8 @@ class _Ctx:
         self.values: dict[str, _Value] = {}
         self.producer: dict[str, onnx.NodeProto] = {}  # ONNX tensor → the node that makes it
         self.uses: dict[str, int] = {}  # ONNX tensor → number of consumers (graph outputs count)
+        self.readers: dict[str, list[onnx.NodeProto]] = {}  # ONNX tensor → the nodes that read it
+        self.outputs: set[str] = set()  # the segment's outputs
 
     def const(self, name: str) -> np.ndarray | None:
         return self.consts.get(name) if name else None

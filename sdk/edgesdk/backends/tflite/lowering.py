@@ -6,10 +6,20 @@ trace (`_Ctx`, layout.py), `check` says in one lowercase sentence why a node can
 use it. Elementwise ops bring constants to the activation's layout (a constant is permuted at
 build time; an activation never is), and axis attributes (Concat, Pad, Softmax, reductions) are
 mapped through the activation's `p`.
+
+In full int8, MAXIMUM, MINIMUM, CONCATENATION and PADV2 give their inputs their output's
+quantization (int8_ops.py), and so do the ops joined to those inputs through other shared-quantization
+ops (a RESHAPE, a STRIDED_SLICE, a MAX_POOL_2D of them): whatever else reads such a tensor sees it on
+the output's grid, clipped or coarsened. So those ops are emitted only on inputs no other op reads
+(`_private`); elsewhere Max, Min and Clip take forms made of ADD, SUB and RELU, which rescale, and
+Concat and Pad read a copy of their own (`_own_copy`). PRelu is TFLite's PRELU, which has an input
+and an output quantization of its own. docs/legalize.md ("int8: ops that share one quantization")
+gives every lowering's ops and how each is kept from a shared range.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -166,6 +176,56 @@ def _check_4d(node: onnx.NodeProto, shapes: Shapes) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# int8: tensors that share one quantization
+
+# ONNX ops whose lowering emits only ops of int8_ops.SHARED_QUANTIZATION_OPS (or no op), and which of
+# their inputs carry the tensor (None: all): in int8 those inputs and the outputs get one quantization.
+_SAME_QUANTIZATION: dict[str, int | None] = {
+    **dict.fromkeys(("Identity", "Dropout", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Split",
+                     "MaxPool", "AveragePool", "GlobalMaxPool", "ReduceMax", "ReduceMin", "Resize", "Pad", "Clip"), 1),
+    **dict.fromkeys(("Concat", "Max", "Min"), None),
+}
+
+
+def _private(cx: _Ctx, node: onnx.NodeProto, name: str) -> bool:
+    """Whether activation `name`'s int8 quantization is `node`'s alone: no other node reads it, nor any
+    tensor joined to it through `_SAME_QUANTIZATION` ops (what `name` is a reshape, slice or max-pool of,
+    and those of it), and none of them is a segment output. Only then may `node` be an op that gives its
+    inputs its output's range (int8_ops.OUTPUT_RANGE_TO_INPUTS): the converter carries that range to the
+    whole group (measured through RESHAPE, STRIDED_SLICE and MAX_POOL_2D)."""
+    seen, todo = {name}, [name]
+    while todo:
+        t = todo.pop()
+        if t in cx.outputs:
+            return False
+        producer = cx.producer.get(t)
+        for other in [producer, *cx.readers.get(t, [])]:
+            if other is None or other is node:
+                continue
+            if other.op_type not in _SAME_QUANTIZATION:
+                if other is not producer:
+                    return False  # another op reads the group
+                continue
+            data = _SAME_QUANTIZATION[other.op_type]
+            for u in [*other.input[:data], *other.output]:
+                if u and u not in seen and u not in cx.consts:
+                    seen.add(u)
+                    todo.append(u)
+    return True
+
+
+def _own_copy(cx: _Ctx, t: Any) -> Any:
+    """The values of TF tensor `t` in a tensor of their own: a 1x1 depthwise convolution by ones (exact:
+    1.0 is 127 at the weight's per-channel scale 1/127), which the converter keeps where it folds x*1
+    and x+0. A range the consumer sets on the copy stays there."""
+    tf = cx.tf
+    shape = [int(d) for d in t.shape]
+    flat = t if len(shape) == 4 else tf.reshape(t, [1, 1, -1, shape[-1]])
+    y = tf.nn.depthwise_conv2d(flat, np.ones((1, 1, shape[-1], 1), np.float32), (1, 1, 1, 1), "VALID")
+    return y if len(shape) == 4 else tf.reshape(y, shape)
+
+
+# ---------------------------------------------------------------------------------------------
 # Lowerings: elementwise
 
 
@@ -189,8 +249,29 @@ def _binary(fn_name: str):
 _lowers("Add")(_binary("add"))
 _lowers("Sub")(_binary("subtract"))
 _lowers("Mul")(_binary("multiply"))
-_lowers("Max")(_binary("maximum"))
-_lowers("Min")(_binary("minimum"))
+
+
+def _extremum(maximum: bool):
+    def lower(cx: _Ctx, node: onnx.NodeProto) -> None:
+        tf = cx.tf
+        items = [cx.item(n) for n in node.input]
+        perm = _common_perm(cx, items)
+        tensors = [cx.aligned(i, perm) for i in items]
+        if all(_private(cx, node, n) for n in node.input if n in cx.values):
+            out = functools.reduce(tf.math.maximum if maximum else tf.math.minimum, tensors)
+        else:
+            # max(a, b) = a + relu(b - a), min(a, b) = a - relu(a - b): SUB+RELU and ADD/SUB rescale, so
+            # the output's range never reaches a or b (a MAXIMUM would clip them for their other readers)
+            out = tensors[0]
+            for t in tensors[1:]:
+                out = out + tf.nn.relu(t - out) if maximum else out - tf.nn.relu(out - t)
+        cx.set(node.output[0], _Value(out, perm))
+
+    return lower
+
+
+_lowers("Max")(_extremum(maximum=True))
+_lowers("Min")(_extremum(maximum=False))
 
 
 def _scaled_product(cx: _Ctx, node: onnx.NodeProto, reciprocal: bool = False) -> Any | None:
@@ -286,12 +367,22 @@ def _clip(cx: _Ctx, node: onnx.NodeProto) -> None:
         y = tf.nn.relu6(x.tf)
     elif lo == 0.0 and hi is None:
         y = tf.nn.relu(x.tf)
-    else:
+    elif (lo, hi) == (-1.0, 1.0) or _private(cx, node, node.input[0]):
+        # MAXIMUM and MINIMUM, where x is read by nothing else (the converter makes RELU_N1_TO_1 of [-1, 1])
         y = x.tf
         if lo is not None:
             y = tf.math.maximum(y, np.float32(lo))
         if hi is not None:
             y = tf.math.minimum(y, np.float32(hi))
+    elif lo is not None:
+        # relu(x - lo), at most hi - lo, plus lo: ADD+RELU, then a MINIMUM on that sum, which only it
+        # reads, then ADD; x keeps its own range for its other readers
+        y = tf.nn.relu(x.tf - np.float32(lo)) if lo else tf.nn.relu(x.tf)
+        if hi is not None:
+            y = tf.math.minimum(y, np.float32(hi - lo))
+        y = y + np.float32(lo) if lo else y
+    else:
+        y = x.tf - tf.nn.relu(x.tf - np.float32(hi))  # min(x, hi): SUB+RELU, SUB
     cx.set(node.output[0], _Value(y, x.perm, x.nonneg or (lo is not None and lo >= 0)))
 
 
@@ -301,12 +392,22 @@ def _check_prelu(node, shapes, constants):
 
 @_lowers("PRelu", check=_check_prelu)
 def _prelu(cx: _Ctx, node: onnx.NodeProto) -> None:
-    # relu(x) + slope * min(x, 0): RELU, MINIMUM, MUL, ADD, all Edge TPU ops (the
-    # relu(x) - slope * relu(-x) form leaves a float NEG in the int8 model).
+    # TFLite's PRELU (an Edge TPU op, with an int8 quantization of its own for input and output): the
+    # converter fuses relu(x) + (-slope) * relu(-x) into it where the slope has one axis fewer than x
+    # (it broadcasts over the batch) and x at most 4. Elsewhere relu(x) + slope * (x - relu(x)): RELU,
+    # SUB, MUL, ADD. Not relu(x) + slope * min(x, 0): MINIMUM gives x its output's range, clipping the
+    # positive half of x, and with it relu(x).
     tf = cx.tf
     x = cx.value(node.input[0])
-    slope = cx.aligned(cx.const(node.input[1]), x.perm)
-    cx.set(node.output[0], _Value(tf.nn.relu(x.tf) + slope * tf.math.minimum(x.tf, np.float32(0)), x.perm))
+    rank = len(x.perm)
+    slope = np.asarray(cx.aligned(cx.const(node.input[1]), x.perm), np.float32)
+    slope = slope.reshape((1,) * rank) if slope.ndim == 0 else slope
+    if 2 <= rank <= 4 and slope.shape[0] == 1:
+        y = tf.nn.relu(x.tf) + (-slope.reshape(slope.shape[1:])) * tf.nn.relu(-x.tf)
+    else:
+        r = tf.nn.relu(x.tf)
+        y = r + slope * (x.tf - r)
+    cx.set(node.output[0], _Value(y, x.perm, x.nonneg))
 
 
 def _check_bn(node, shapes, constants):
@@ -440,12 +541,27 @@ def _max_pool(cx: _Ctx, node: onnx.NodeProto) -> None:
     t = cx.layout(x, NHWC)
     padding = _tf_padding((h, wd), kernel, strides, dilations, pads)
     if padding is None:
-        # Pads must never win the max: zeros do that exactly after a ReLU; otherwise the
-        # lowest float (PADV2; int8 quantization clamps it to -128).
-        fill = 0.0 if x.nonneg else float(np.finfo(np.float32).min)
-        t = tf.pad(t, [[0, 0], list(pads[0]), list(pads[1]), [0, 0]], constant_values=fill)
+        # Pads must never win the max: zeros do that exactly after a ReLU; otherwise the edge values
+        # repeated (`_edge_padded`). A pad of the lowest float became the int8 range of the input
+        # (PADV2 gives its input its output's range): every value collapsed to one step.
+        if x.nonneg:
+            t = tf.pad(t, [[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
+        else:
+            t = _edge_padded(tf, t, pads)
         padding = "VALID"
     cx.set(node.output[0], _Value(tf.nn.max_pool2d(t, kernel, strides, padding), NHWC, x.nonneg))
+
+
+def _edge_padded(tf: Any, t: Any, pads: list[tuple[int, int]]) -> Any:
+    """NHWC `t` padded on H and W by repeating its first and last rows and columns (STRIDED_SLICE,
+    CONCATENATION). For a max-pool this is exact: a window holding a pad also holds the edge value
+    that pad repeats (windows are contiguous and each holds a value of `t`), and the values keep `t`'s
+    range, so the int8 quantization they share with `t` stays `t`'s."""
+    for axis, (b, e) in zip((1, 2), pads):
+        if b or e:
+            first, last = (t[:, :1], t[:, -1:]) if axis == 1 else (t[:, :, :1], t[:, :, -1:])
+            t = tf.concat([first] * b + [t] + [last] * e, axis=axis)
+    return t
 
 
 @_lowers("AveragePool", check=_check_pool)
@@ -748,7 +864,11 @@ def _concat(cx: _Ctx, node: onnx.NodeProto) -> None:
     perm = _common_perm(cx, items)
     axis = _attr(node, "axis") % len(perm)
     acts = [i for i in items if isinstance(i, _Value)]
-    y = cx.tf.concat([cx.aligned(i, perm) for i in items], axis=perm[axis])
+    # CONCATENATION gives its inputs its output's range (the union of theirs): an input another op
+    # also reads is concatenated as a copy of its own, so that op keeps the input's finer steps
+    tensors = [_own_copy(cx, cx.aligned(i, perm)) if isinstance(i, _Value) and not _private(cx, node, n)
+               else cx.aligned(i, perm) for n, i in zip([n for n in node.input if n], items)]
+    y = cx.tf.concat(tensors, axis=perm[axis])
     cx.set(node.output[0], _Value(y, perm, all(a.nonneg for a in acts)))
 
 
@@ -772,7 +892,10 @@ def _pad(cx: _Ctx, node: onnx.NodeProto) -> None:
     tf_pads = [[0, 0] for _ in range(rank)]
     for i, a in enumerate(axes):
         tf_pads[x.perm[a]] = [int(pads[i]), int(pads[i + len(axes)])]
-    y = cx.tf.pad(x.tf, tf_pads, constant_values=value)
+    t = x.tf
+    if value != 0.0 and not _private(cx, node, node.input[0]):
+        t = _own_copy(cx, t)  # PADV2 gives its input its output's range, which holds `value`
+    y = cx.tf.pad(t, tf_pads, constant_values=value)
     cx.set(node.output[0], _Value(y, x.perm, x.nonneg and value >= 0))
 
 

@@ -160,8 +160,10 @@ def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
             cx.producer.update((o, node) for o in node.output if o)
             for n in node.input:
                 cx.uses[n] = cx.uses.get(n, 0) + 1
+                cx.readers.setdefault(n, []).append(node)
         for vi in graph.output:
             cx.uses[vi.name] = cx.uses.get(vi.name, 0) + 1
+            cx.outputs.add(vi.name)
         for spec, arg in zip(inputs, args):
             cx.set(spec.name, _Value(arg, spec.perm or _identity(len(spec.shape))))
         for node, lowering in zip(graph.node, lowerings):

@@ -58,4 +58,4 @@ def run(artifact: Path, ctx) -> dict:
             "before": result["before"], "after": result["after"], "rewrites": result["rewrites"],
             "approximations": result["approximations"], "fallbacks": result["fallbacks"],
             "max_abs_error": result["max_abs_error"], "end_to_end": result["end_to_end"],
-            "optimized": result["optimized"]}
+            "optimized": result["optimized"], "output_shares": result.get("output_shares")}

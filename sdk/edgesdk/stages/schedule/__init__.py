@@ -34,7 +34,9 @@ better (latency, or frames/s in throughput mode), its placement is the plan, and
 `chosen` says which candidate won and by how much. Where legalize rewrote the model, the model as imported is placed too, and the plan is made
 of whichever predicts faster: legalize never makes a plan slower than `--no-rewrites`. Before that,
 per region: an approximation whose nodes the plan puts all on the CPU is tried left as exported
-(legalize's `exact.onnx` with the other approximations put back), and kept so where that is faster. A CPU segment is split by
+(legalize's `exact.onnx` with the other approximations put back), and kept so where that is faster. Where the plan
+still uses an approximation that moves a model output by more than `legalization.legalize.REFUSE_SHARE` of its range,
+the build stops (`legalize.approximation-moves-output`). A CPU segment is split by
 backend (TVM, or onnxruntime for the ops TVM lacks), and each segment is cut out of the graph as a
 standalone model (`scheduling.segments`).
 """
@@ -46,7 +48,7 @@ from pathlib import Path
 
 
 from ...ir import model as irm
-from ...legalization.legalize import annotated, with_approximations
+from ...legalization.legalize import annotated, refuse_moved_outputs, with_approximations
 from ...report.text import chosen_line
 from ...scheduling.explain import write_report
 from ...scheduling.planner import make_plan
@@ -67,6 +69,8 @@ def run(artifact: Path, ctx) -> dict:
                           approximations=legalized.get("approximations", []),
                           with_approximations=lambda keep: with_approximations(
                               irm.read(artifact / "exact.onnx"), legalized["approximations"], keep, ctx.target))
+    # an approximation that moves an output by more than legalize allows stops the build where the plan uses it
+    refuse_moved_outputs(legalized.get("approximations", []), scheduled.model)
     plan = scheduled.plan
     (ctx.out / "segments").mkdir()
     for s in plan.segments:
