@@ -149,15 +149,21 @@ def test_a_wrong_bundle_still_fails(arm_det, tmp_path, tamper):
     assert not all(s["passed"] for s in report["segments"]) or not all(o["passed"] for o in report["outputs"])
 
 
-def test_outputs_of_zeros_fail(arm_det, tmp_path, monkeypatch):
+@pytest.mark.parametrize("on_tpu", [False, True], ids=["cpu", "edge-tpu"])
+def test_outputs_of_zeros_fail(arm_det, tmp_path, monkeypatch, on_tpu):
+    """And where the segment ran on its Edge TPU, the report says that the TPU's rounding is not
+    characterized (its tolerance comes from CPU kernels); a CPU run says nothing of it."""
     from edgesdk.runtime.backends import tflite_runner
 
     bundle = _copy(arm_det.bundle, tmp_path)
     real = tflite_runner.TfliteRunner.run
     monkeypatch.setattr(tflite_runner.TfliteRunner, "run",
                         lambda self, feeds: {k: np.zeros_like(v) for k, v in real(self, feeds).items()})
+    monkeypatch.setattr(tflite_runner.TfliteRunner, "on_accelerator", property(lambda self: on_tpu))
     report = selftest(bundle)
     assert not report["passed"] and not report["segments"][0]["passed"]
+    said = [n for n in report["notes"] if "Edge TPU's own int8 rounding is not characterized" in n]
+    assert len(said) == on_tpu and (not on_tpu or said[0].startswith("segment s0 ran on edgetpu")), report["notes"]
 
 
 def test_a_swapped_segment_fails(arm_rec, tmp_path):
