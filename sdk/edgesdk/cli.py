@@ -738,8 +738,8 @@ def _run_emulated(root: Path, shown: Path, manifest, feeds: dict, allow_nonfinit
                                                     *(["--allow-nonfinite"] if allow_nonfinite else [])],
                                    timeout=RUN_EMULATED_TIMEOUT_S, capture_output=True, text=True, errors="replace")
         except subprocess.TimeoutExpired:
-            raise UserError("run.timeout", f"{shown}: the emulated run did not finish in {RUN_EMULATED_TIMEOUT_S:g} s; it "
-                            "was stopped with every process it started",
+            raise UserError("run.timeout", f"{shown}: the emulated run did not finish in {RUN_EMULATED_TIMEOUT_S:g} "
+                            "s; it was stopped with every process it started",
                             "run it on the device, or `edgesdk verify` the bundle: its self-test shows whether it "
                             "hangs") from None
         for line in proc.stderr.splitlines():  # the runtime's own notes (a TPU it runs without, casts)

@@ -138,7 +138,8 @@ _TOLERANCE = {"abs": 0.0156, "lsb": 4, "scale": 0.0039, "rule": "r", "reason": "
 
 
 @pytest.mark.parametrize("change, field", [
-    (lambda t: t.pop("lsb"), 'manifest.golden.tensors["y"].lsb: missing (the tolerance is carried through an activation)'),
+    (lambda t: t.pop("lsb"),
+     'manifest.golden.tensors["y"].lsb: missing (the tolerance is carried through an activation)'),
     (lambda t: t.pop("reason"), 'manifest.golden.tensors["y"].reason: missing'),
     (lambda t: t.update(abs=-1), 'manifest.golden.tensors["y"].abs: expected a number of at least 0, got -1'),
     (lambda t: t.update(abs=float("nan")), 'manifest.golden.tensors["y"].abs: expected a finite number'),
