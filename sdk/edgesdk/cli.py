@@ -641,11 +641,12 @@ def run_bundle(
 
     import numpy as np
 
+    from .backends import qemu
     from .errors import UserError
     from .runtime import BundleModel
     from .runtime import InputError, ManifestError
     from .runtime.output_file import refusal
-    from .verify import check_bundle, opened_bundle, where_it_runs
+    from .verify import check_bundle, opened_bundle
 
     if output is not None and (why := refusal(output, (".npz", ".npy"))):
         raise UsageError("run.bad-output", f"--output {output}: {why}", "give a file name ending in .npz (every "
@@ -654,7 +655,7 @@ def run_bundle(
     root = ctx.with_resource(opened_bundle(bundle))  # an unpacked archive is removed when the command ends
     manifest = check_bundle(root, bundle)
     emulated = manifest.arch != platform.machine()
-    if emulated and where_it_runs(manifest)[0] is None:
+    if emulated and (manifest.arch != "aarch64" or qemu.find_rootfs() is None):  # qemu-user emulates aarch64 only
         raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}"
                          + (", and no arm64 root file system was found to emulate it in" if manifest.arch == "aarch64"
                             else ""),
