@@ -270,6 +270,29 @@ def test_device_run_writes_exactly_the_output_named(embedding, tmp_path):
         assert "Traceback" not in proc.stderr and not (tmp_path / "z.npz").exists()
 
 
+
+def test_device_run_allow_nonfinite(embedding, tmp_path):
+    """The device's `run` refuses NaN as `BundleModel.run` does, and runs it with --allow-nonfinite (what
+    `edgesdk run --allow-nonfinite` passes on to an aarch64 bundle's runtime under qemu)."""
+    import subprocess
+    import sys
+
+    x = X.copy()
+    x[0, 5] = np.nan
+    np.savez(tmp_path / "in.npz", ids=_ids(), x=x)
+
+    def device_run(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-B", "-m", "runtime", "run", "in.npz", "y.npz", *flags],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(embedding[1])})
+
+    proc = device_run()
+    assert proc.returncode == 1 and "error: input 'x' holds NaN or inf" in proc.stderr, proc.stderr
+    assert not (tmp_path / "y.npz").exists()
+    proc = device_run("--allow-nonfinite")
+    assert proc.returncode == 0, proc.stderr
+    assert np.isnan(np.load(tmp_path / "y.npz")["y"]).any()
+
 # (input, value given, verdict): a refusal's words, or the note of the cast done
 BUNDLE_VERDICTS = [
     ("x", X.astype(np.float16), "note: cast to float32 (exact)"),

@@ -131,3 +131,28 @@ def test_every_manifest_the_schema_accepts_inspect_can_show():
                 inspect_bundle(manifest, Path("bundle")).encode()  # must not raise, and print as UTF-8
                 shown += 1
     assert shown > 50
+
+
+_TOLERANCE = {"abs": 0.0156, "lsb": 4, "scale": 0.0039, "rule": "r", "reason": "why",
+              "activation": {"op": "LOGISTIC", "input_scale": 0.88, "input": "logits"}}
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda t: t.pop("lsb"),
+     'manifest.golden.tensors["y"].lsb: missing (the tolerance is carried through an activation)'),
+    (lambda t: t.pop("reason"), 'manifest.golden.tensors["y"].reason: missing'),
+    (lambda t: t.update(abs=-1), 'manifest.golden.tensors["y"].abs: expected a number of at least 0, got -1'),
+    (lambda t: t.update(abs=float("nan")), 'manifest.golden.tensors["y"].abs: expected a finite number'),
+    (lambda t: t["activation"].update(op="RELU"), 'manifest.golden.tensors["y"].activation.op: "RELU" is not one of'),
+    (lambda t: t["activation"].update(input_scale=0), 'manifest.golden.tensors["y"].activation.input_scale: expected a '
+                                                      'positive number'),
+])
+def test_a_golden_tolerance_the_selftest_cannot_use_is_refused_naming_its_field(change, field):
+    """The self-test judges the bundle by these figures: each is typed, and one carried through an
+    activation says in which steps."""
+    tolerance = copy.deepcopy(_TOLERANCE)
+    _read(_at(_full(), ("golden",), {"tensors": {"y": tolerance}, "outputs": {"y": _TOLERANCE}}))  # as written
+    change(tolerance)
+    with pytest.raises(ManifestError) as e:
+        _read(_at(_full(), ("golden",), {"tensors": {"y": tolerance}}))
+    assert str(e.value).startswith(field), str(e.value)

@@ -84,7 +84,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     log("package: running the bundle's plan on the build host for the golden output")
     samples, calibration = load_calibration(options, imported["inputs"])
     host_model = BundleModel(bundle, artifacts=shipped.twins, log=log)
-    golden.write_golden(bundle, manifest, host_model, samples)
+    tolerances = golden.write_golden(bundle, manifest, host_model, samples)
     pruned = _pruned(src)
     reference, name = ((lambda: pruned[0], "the pruned fp32 model (--prune)") if pruned else
                        (lambda: irm.read(src.imported / "model.onnx"), "the imported fp32 model"))
@@ -94,7 +94,8 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
         accuracy = {**accuracy, "task": evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)}
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
-    manifest = dataclasses.replace(manifest, accuracy=accuracy, provenance=provenance(manifest, samples, calibration))
+    manifest = dataclasses.replace(manifest, accuracy=accuracy, golden=tolerances,
+                                   provenance=provenance(manifest, samples, calibration))
     write_sbom(bundle, manifest, pinned)
     manifest = dataclasses.replace(manifest, files=file_table(bundle))
     (bundle / "manifest.json").write_text(manifest.to_json())

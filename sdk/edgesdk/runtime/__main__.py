@@ -3,7 +3,8 @@ the bundle on PYTHONPATH): compiled files written into a bundle are files its ma
 and verification refuses a bundle that holds any.
 
   python -B -m runtime selftest [--json]          the golden self-test of this bundle
-  python -B -m runtime run IN.npz OUT.npz         run this bundle on IN's arrays, writing OUT.npz (that name)
+  python -B -m runtime run IN.npz OUT.npz [--allow-nonfinite]
+                                                  run this bundle on IN's arrays, writing OUT.npz (that name)
   python -B -m runtime bench [BUNDLE] [--runs N] [--callers 1,2,4] [--depth 1,3] [--json]
                                                   latency percentiles, concurrent callers, the stream, segments
 
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run this bundle on IN.npz's arrays, writing OUT.npz")
     r.add_argument("inputs")
     r.add_argument("outputs")
+    r.add_argument("--allow-nonfinite", action="store_true", help="run inputs that hold NaN or inf")
     v = sub.add_parser("verify", help="check another bundle's signature, files and version against the device's keys")
     v.add_argument("bundle", help="a bundle directory, never the one this runtime was loaded from: run the "
                    "device's trusted runtime (the active slot's) from outside the bundle")
@@ -182,7 +184,7 @@ def _main(argv: list[str]) -> int:
             except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
                 print(f"error: {args.inputs}: {_why(e)}", file=sys.stderr)
                 return 1
-            outputs = model.run(feeds)
+            outputs = model.run(feeds, allow_nonfinite=args.allow_nonfinite)
             write_whole(out, lambda f: np.savez(f, **outputs))
             return 0
         return args.handler(args)

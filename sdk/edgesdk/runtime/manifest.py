@@ -26,7 +26,8 @@ from typing import Any, Callable
 SCHEMA_VERSION = 1
 # 0.2.0: replicas (data parallelism in a stream) and segments sharing an artifact
 # 0.3.0: signatures (manifest.sig), bundle versions, provenance; install into A/B slots
-RUNTIME_VERSION = "0.3.0"
+# 0.4.0: the golden self-test's tolerance per tensor, derived at build time (`golden`)
+RUNTIME_VERSION = "0.4.0"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class Manifest:
     calibration: dict[str, Any] = field(default_factory=dict)
     edgetpu: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
+    # the self-test's tolerance per tensor, each with its reason (runtime/selftest.py): `tensors`, each
+    # segment output on its golden inputs; `outputs`, each model output end to end. {}: a bundle from
+    # before they were recorded, judged by 1 LSB (int8) and 1e-4 relative (float)
+    golden: dict[str, Any] = field(default_factory=dict)
     tuning: dict[str, Any] = field(default_factory=dict)
     # --prune: the method, the layers pruned and their sparsity, the correction, the pruned model's fidelity
     # to the dense one on the calibration data, and how many convolutions run sparse kernels; {}: not pruned
@@ -214,6 +219,7 @@ def manifest_from_dict(d: Any) -> Manifest:
         calibration=d.get("calibration", {}),
         edgetpu=d.get("edgetpu", {}),
         accuracy=d.get("accuracy", {}),
+        golden=d.get("golden", {}),
         tuning=d.get("tuning", {}),
         pruning=d.get("pruning", {}),
         warnings=tuple(d.get("warnings", ())),
@@ -507,6 +513,30 @@ _CPU_SELECTION = _both(_object({}, {
 _TUNING = _object({}, {"cpu_selection": _CPU_SELECTION}, extra=True)
 
 
+def _nonnegative(value: Any, where: str) -> None:
+    _number(value, where)
+    if value < 0:
+        _fail(where, f"expected a number of at least 0, got {_shown(value)}")
+
+
+# the self-test reads these to judge the bundle, so each is typed: a bound in the tensor's own unit, the
+# int8 steps it allows, an activation an int8 difference is carried through, a bound on the mean error
+def _carried_in_steps(value: Any, where: str) -> None:
+    """A difference carried through an activation is counted in int8 steps of a tensor of known step."""
+    if "activation" in value:
+        for key in ("lsb", "scale"):
+            if key not in value:
+                _fail(f"{where}.{key}", "missing (the tolerance is carried through an activation)")
+
+
+_TOLERANCE = _both(_object({"abs": _nonnegative, "reason": _text}, {
+    "rule": _text, "lsb": _integer(0, 1 << 20), "scale": _positive, "mean_abs": _nonnegative,
+    "activation": _object({"op": _literal("LOGISTIC", "TANH", "SOFTMAX"), "input_scale": _positive},
+                          {"input": _text})}),
+    _carried_in_steps)
+_GOLDEN = _object({}, {"tensors": _map(_TOLERANCE), "outputs": _map(_TOLERANCE), "method": _text})
+
+
 def _auto_plan_complete(value: Any, where: str) -> None:
     """A plan chosen under a latency budget states the budget, and its prediction beside the dense time."""
     if value.get("source") == "auto":
@@ -538,7 +568,7 @@ MANIFEST = _object(
      "pipeline_stages": _IDS},
     {"predicted": _map(_number), "parallel_steps": _IDS, "replicas": _IDS, "cpu_threads": _integer(0, 4096),
      "toolchain": _map(_text), "calibration": _object({}, extra=True), "edgetpu": _EDGETPU,
-     "accuracy": _ACCURACY, "tuning": _TUNING, "warnings": _list(_text),
+     "accuracy": _ACCURACY, "golden": _GOLDEN, "tuning": _TUNING, "warnings": _list(_text),
      "pruning": _both(_object({}, extra=True), _PRUNING),
      "files": _map(_object({"sha256": _pattern(_SHA256, "a sha256 in hex"), "size": _integer(0, 2**53)}),
                    key_spec=_path),

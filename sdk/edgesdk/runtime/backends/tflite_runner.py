@@ -31,6 +31,12 @@ import numpy as np
 from ..manifest import ManifestError, Segment, TensorSpec
 
 
+# ops that move int8 values without changing them
+_RESHAPING = ("RESHAPE", "SQUEEZE", "TRANSPOSE")
+# int8 activations whose output moves by many steps when their input moves by one (docs/bundle.md)
+_ACTIVATIONS = ("LOGISTIC", "TANH", "SOFTMAX")
+
+
 def _interpreter_module() -> Any:
     try:
         from ai_edge_litert import interpreter
@@ -102,6 +108,43 @@ class TfliteRunner:
                 self._to_cpu(e)  # and this call again, on the CPU: no frame is lost
                 raw = shared.runner(**self._args(feeds))
             return {spec.name: self._decode(spec, raw[spec.key]) for spec in self.segment.outputs}
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the segment runs on its accelerator (the Edge TPU's delegate), not on the CPU."""
+        return self._shared.fallback is not None
+
+    def output_arithmetic(self, spec: TensorSpec) -> dict | None:
+        """How this model computed output `spec`, for the self-test's tolerance: `scale`, the int8 step of
+        the tensor it was rounded to (its own, or the int8 tensor a DEQUANTIZE at the end reads), and where
+        an int8 LOGISTIC, TANH or SOFTMAX made that tensor (through reshapes), `activation` (the op),
+        `input_scale` (its input's step) and, where that input is an output of the segment too, `input`
+        (its name). None for a float result, or where LiteRT does not list its ops."""
+        interpreter = self._shared.interpreter
+        try:
+            ops = [op for op in interpreter._get_ops_details() if op["op_name"] != "DELEGATE"]
+            tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+        except (AttributeError, ValueError):
+            return None
+        producer = {t: op for op in ops for t in op["outputs"]}
+        index = self._shared.outputs[spec.key]["index"]
+        op = producer.get(index)
+        if op is not None and op["op_name"] == "DEQUANTIZE":
+            index = op["inputs"][0]
+            op = producer.get(index)
+        tensor = tensors[index]
+        if np.dtype(tensor["dtype"]).kind not in "iu" or not tensor["quantization"][0]:
+            return None
+        out = {"scale": float(tensor["quantization"][0])}
+        while op is not None and op["op_name"] in _RESHAPING:
+            op = producer.get(op["inputs"][0])
+        if op is not None and op["op_name"] in _ACTIVATIONS:
+            before = op["inputs"][0]
+            out.update(activation=op["op_name"], input_scale=float(tensors[before]["quantization"][0]))
+            given = [t.name for t in self.segment.outputs if self._shared.outputs[t.key]["index"] == before]
+            if given:  # the activation's input is an output too: the self-test holds its golden values
+                out["input"] = given[0]
+        return out
 
     def _args(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {spec.key: self._encode(spec, feeds[spec.name]) for spec in self.segment.inputs}
