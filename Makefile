@@ -18,14 +18,16 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 setup: system venv models
 
-# Debian packages: the aarch64 cross linker, qemu-user and debootstrap (DESIGN §7)
+# Debian packages: the aarch64 cross linker, qemu-user and debootstrap (DESIGN §7), and the DejaVu fonts
+# the tests and benchmarks render real text lines with
+FONT := /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 system: .cache/.stamp-system
 .cache/.stamp-system:
 	@mkdir -p .cache
-	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64-static >/dev/null || ! command -v debootstrap >/dev/null; then \
-	  echo "setup: installing gcc-aarch64-linux-gnu qemu-user-static debootstrap"; \
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64-static >/dev/null || ! command -v debootstrap >/dev/null || ! test -f $(FONT); then \
+	  echo "setup: installing gcc-aarch64-linux-gnu qemu-user-static debootstrap fonts-dejavu-core"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q gcc-aarch64-linux-gnu qemu-user-static debootstrap; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q gcc-aarch64-linux-gnu qemu-user-static debootstrap fonts-dejavu-core; \
 	fi
 	@touch $@
 
