@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,22 @@ import pytest
 from tests import model_zoo
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _private_temporary_directory() -> None:
+    """Each test process gets a temporary directory of its own, inherited by what it starts: tests that
+    check nothing is left behind in the temporary directory must not see another process's build that is
+    still running (the suite runs its files in two processes)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    own = tempfile.mkdtemp(prefix=f"pytest-edgesdk-{worker}-")
+    os.environ["TMPDIR"] = own
+    tempfile.tempdir = own  # gettempdir() may already have cached the system's
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+
+
+_private_temporary_directory()
 
 
 def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None,

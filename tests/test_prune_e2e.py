@@ -151,7 +151,7 @@ def test_a_build_without_prune_changes_no_weight(tmp_path, cnn):
 @pytest.mark.parametrize("args, code, needles", [
     (["--prune", "3:2"], 2, ["'3:2'", "2:4, 1:4"]),
     (["--prune", "magnitude:1.5"], 2, ["magnitude:1.5"]),
-    (["--prune-layers", "conv2"], 2, ["--prune-layers, --prune-correct, --sparse-kernels and --eval need --prune"]),
+    (["--prune-layers", "conv2"], 2, ["--prune-layers, --prune-correct and --sparse-kernels need --prune"]),
     (["--prune", "2:4", "--sparse-kernels", "fast"], 2, ["--sparse-kernels fast: expected measured, sparse or dense"]),
     (["--prune", "2:4", "--prune-layers", "conv9,conv2"], 2, ["no prunable layer matches 'conv9'", "conv1, conv2"]),
 ])

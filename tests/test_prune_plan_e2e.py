@@ -155,7 +155,6 @@ def test_auto_plans_need_a_host_that_runs_the_target(cnn, tmp_path):
     (["--prune", "2:4,1:4"], ["a list of methods needs --prune-plan auto"]),
     (["--prune-plan", "auto", "--latency-budget", "5", "--prune", "2:4,9:4"], ["'9:4'"]),
     (["--prune-plan", "missing.json"], ["--prune-plan missing.json: no such file"]),
-    (["--eval", "."], ["need --prune or --prune-plan"]),
     (["--prune", "2:4", "--eval", "no-such-dir"], ["--eval no-such-dir: not a directory"]),
 ])
 def test_plan_options_that_do_not_go_together_are_refused(cnn, tmp_path, args, needles):

@@ -169,7 +169,7 @@ def _error_json(e: Exception) -> dict:
             "exit_code": EXIT_INTERNAL}
 
 
-def _check_prune_options(prune: str | None, plan: str | None, budget: float | None, eval_data: Path | None,
+def _check_prune_options(prune: str | None, plan: str | None, budget: float | None,
                          layers: str | None, correct: bool, kernels: str) -> str | None:
     """The pruning options refused where they do not go together (exit 2, before anything runs); `--prune`
     in its canonical spelling (a list with `--prune-plan auto`)."""
@@ -198,14 +198,31 @@ def _check_prune_options(prune: str | None, plan: str | None, budget: float | No
             raise UsageError("cli.prune-options", f"--prune {prune}: a list of methods needs --prune-plan auto",
                              "one method prunes every chosen layer alike, e.g. --prune 2:4")
         prune = parse_method(prune).text
-    elif layers is not None or correct or kernels != "measured" or eval_data is not None:
+    elif layers is not None or correct or kernels != "measured":
         raise UsageError("cli.prune-options",
-                         "--prune-layers, --prune-correct, --sparse-kernels and --eval need --prune or --prune-plan",
+                         "--prune-layers, --prune-correct and --sparse-kernels need --prune or --prune-plan",
                          "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
-    if eval_data is not None and not Path(eval_data).is_dir():
-        raise UsageError("cli.eval-not-found", f"--eval {eval_data}: not a directory",
-                         "give a directory of labelled samples: .npy/.npz files or images, and labels.txt")
     return prune
+
+
+def _check_eval_options(eval_data: Path | None, task: str | None, decoder: str | None, options: str | None) -> None:
+    """`--eval` and the task it measures, refused where they do not go together (exit 2, before anything runs)."""
+    if eval_data is None:
+        if task is not None or decoder is not None or options is not None:
+            raise UsageError("cli.task-options", "--task, --decoder and --task-options need --eval DIR",
+                             "the task is measured on held-out samples, e.g. --eval heldout/ --task ocr")
+        return
+    if not Path(eval_data).is_dir():
+        raise UsageError("cli.eval-not-found", f"--eval {eval_data}: not a directory",
+                         "give a directory of held-out samples: .npy/.npz files or images, and labels.txt where "
+                         "you have labels")
+    from .compression.tasks import parse_options
+
+    if task is None and (decoder is not None or options is not None):
+        raise UsageError("cli.task-options", "--decoder and --task-options need --task",
+                         "e.g. --task detection --decoder yolov8 --task-options score=0.25")
+    if task is not None:
+        parse_options(task, decoder, options)
 
 
 def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
@@ -285,7 +302,10 @@ def build(
     sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
     prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's OUT/.build/4-tune/prune_plan.json) to prune exactly as it says."),
     latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, as the build runs it: nothing is pruned where the dense model meets it on a CPU backend the tune stage measures; else the plan must be predicted within it."),
-    eval_data: Optional[Path] = typer.Option(None, "--eval", help="With --prune or --prune-plan: a directory of labelled samples (as --calib reads them, and labels.txt: one integer class per line, per sample in file-name order): top-1 accuracy of the dense and the pruned model is reported beside fidelity."),
+    eval_data: Optional[Path] = typer.Option(None, "--eval", help="A directory of held-out samples (as --calib reads them, in file-name order), with labels.txt where you have labels: the finished bundle is measured against the fp32 model on --task's own measure (docs/evaluation.md); with --prune and labels.txt of integer classes, also top-1 accuracy of the dense and the pruned model."),
+    task: Optional[str] = typer.Option(None, "--task", help="With --eval: classification (top-1/top-5), detection (with --decoder: boxes kept, lost, false at IoU 0.5), ocr (CTC decoding: character accuracy), segmentation (mask IoU) or generic (per output cosine and error) \\[default: classification where DIR has labels.txt, else generic]."),
+    decoder: Optional[str] = typer.Option(None, "--decoder", help="With --task detection: yolov8 ([1, 4+C, N]), yolov5 ([1, N, 5+C]) or ssd (boxes and scores outputs, anchors given in --task-options)."),
+    task_options: Optional[str] = typer.Option(None, "--task-options", help="With --task: KEY=VALUE,... e.g. score=0.25,iou=0.5,match=0.5 (detection), output=NAME, dictionary=FILE (ocr), threshold=0.5 (segmentation), goal=0.98 (the share of fp32's result to keep)."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 2 and 4 times over; the bundle may run slower. The build estimates its peak memory after import and again after schedule, and stops if this machine lacks it."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
@@ -319,8 +339,8 @@ def build(
     if sparse_kernels not in ("measured", "sparse", "dense"):
         raise UsageError("cli.bad-sparse-kernels", f"--sparse-kernels {sparse_kernels}: expected measured, sparse or dense",
                          "measured chooses per layer by timing both kernels; sparse or dense forces one")
-    prune = _check_prune_options(prune, prune_plan, latency_budget, eval_data, prune_layers, prune_correct,
-                                 sparse_kernels)
+    prune = _check_prune_options(prune, prune_plan, latency_budget, prune_layers, prune_correct, sparse_kernels)
+    _check_eval_options(eval_data, task, decoder, task_options)
     from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
 
     options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
@@ -335,6 +355,7 @@ def build(
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
                            prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
                            prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
+                           task=task, decoder=decoder, task_options=task_options,
                            seed=seed, low_memory=low_memory, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))

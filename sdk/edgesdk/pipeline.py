@@ -127,7 +127,12 @@ class BuildOptions:
     sparse_kernels: str = "measured"  # --sparse-kernels: a pruned layer's kernel: measured, sparse or dense
     prune_plan: str | None = None  # --prune-plan: "auto" (with latency_budget) or a plan file (compression/plan.py)
     latency_budget: float | None = None  # --latency-budget MS: the auto plan's CPU time budget
-    eval_data: Path | None = None  # --eval DIR: labelled samples, the pruned model's accuracy beside the dense one's
+    # --eval DIR: held-out samples (labels optional): the bundle's task figures against the fp32 model
+    # (compression/tasks.py); with --prune and labels.txt, also the pruned model's top-1 beside the dense one's
+    eval_data: Path | None = None
+    task: str | None = None  # --task: classification, detection, ocr, segmentation or generic; None: from DIR
+    decoder: str | None = None  # --decoder with --task detection: yolov8, yolov5 or ssd
+    task_options: str | None = None  # --task-options KEY=VALUE,...: the decoder's thresholds, the output, the goal
     seed: int = 0
     low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None

@@ -2222,11 +2222,11 @@ class Session:
                 self._process.wait()
             self._process = None
         shutil.rmtree(self.dir, ignore_errors=True)
-        left = sorted(_ours(self.system_tmp) - self.tmp_before)
+        left = _ours(self.system_tmp) - self.tmp_before
         if left:  # another job's build may hold one for a moment: only what stays counts
             time.sleep(2)
-            left = sorted(set(left) & _ours(self.system_tmp))
-        return [str(self.system_tmp / name) for name in left]
+            left &= _ours(self.system_tmp)
+        return sorted(str(path) for path in left)
 
 
 def _special_files(folder: str, names: list[str]) -> list[str]:
@@ -2239,10 +2239,16 @@ def _special_files(folder: str, names: list[str]) -> list[str]:
     return special
 
 
-def _ours(tmp: Path) -> set[str]:
-    """Entries of the system's temporary directory that edgesdk's loaders or our inputs would make."""
-    return {p.name for p in tmp.iterdir()
+def _ours(tmp: Path) -> set[Path]:
+    """Entries of the temporary directory that edgesdk's loaders or our inputs would make, and an
+    escaped archive entry in the system's /tmp (where an absolute entry would land; the edgesdk-
+    folders there belong to whatever else runs on the host)."""
+    ours = {p for p in tmp.iterdir()
             if p.name.startswith(("edgesdk-", ESCAPE)) and not p.name.startswith("edgesdk-fuzz-")}
+    system = Path("/tmp")
+    if system.is_dir() and system.resolve() != tmp.resolve():
+        ours |= {p for p in system.iterdir() if p.name.startswith(ESCAPE)}
+    return ours
 
 
 def _children(pid: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""The fuzz suite's short run (issue 21): every loader on generated hostile inputs, a fixed seed, about
-a minute on a 2-core machine. Each input is accepted or refused with a typed error; no exception of
+"""The fuzz suite's short run: every loader on generated hostile inputs, a fixed seed, about
+two minutes on a 2-core machine. Each input is accepted or refused with a typed error; no exception of
 another kind, no crash or hang of the process, nothing left on disk (tests/fuzz/harness.py says how).
 The full run, ten thousand inputs, is `make fuzz` (benchmarks/fuzz.py). A finding on `harness.KNOWN`
 (a bug reported with the fix it needs, in code outside this suite's fixes) is shown as a warning here
@@ -18,8 +18,8 @@ import pytest
 from tests.fuzz.harness import LOADERS, TF_LOADERS, Session
 
 SEED = 21
-COUNTS = {"onnx": 500, "tflite": 6, "keras": 6, "savedmodel": 5, "target": 300, "manifest": 500, "bundle": 200,
-          "npy": 300, "calib": 200}
+COUNTS = {"onnx": 250, "tflite": 6, "keras": 6, "savedmodel": 5, "target": 150, "manifest": 250, "bundle": 100,
+          "npy": 150, "calib": 100}
 
 
 @pytest.fixture(scope="module")

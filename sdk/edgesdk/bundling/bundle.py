@@ -30,7 +30,7 @@ from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
 from ..scheduling.correction import cache_correction, corrected_prediction, edgetpu_correction
 from ..scheduling.plan import Plan, PlanSegment
-from . import golden
+from . import evaluation, golden
 from .archive import file_table, write_tarball
 from .sbom import SBOM_FILE, source_date_epoch, write_sbom
 
@@ -91,6 +91,8 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
     del host_model  # released by `accuracy`
     _judge(accuracy, shipped.plan, log)
+    if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
+        accuracy = {**accuracy, "task": evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)}
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     manifest = dataclasses.replace(manifest, accuracy=accuracy, provenance=provenance(manifest, samples, calibration))
     write_sbom(bundle, manifest, pinned)

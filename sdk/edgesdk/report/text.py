@@ -151,6 +151,10 @@ def inspect_bundle(manifest, bundle: Path) -> str:
         out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs {reference}")
     if "top1_agreement" in m.accuracy:
         out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy.get('samples', '?')} samples")
+    task = m.accuracy.get("task")
+    if isinstance(task, dict):  # --eval: the task's own measure against the fp32 model, and its verdict
+        out.append(f"task        {_text(task.get('task'))} on {task.get('samples', '?')} --eval sample(s): "
+                   f"{_text(task.get('summary'))}")
     size = sum(f["size"] for f in m.files.values())
     out.append(f"files       {len(m.files)} files, {size:,} bytes")
     for w in m.warnings:

@@ -25,7 +25,8 @@ dense: the Edge TPU computes every weight, zero or not. With `--prune-correct`, 
 by least squares on three quarters of the calibration samples. `compress.json`'s `pruning` records each
 layer and the pruned model's fidelity to the dense one (cosine, max error, top-1 agreement, per layer and
 end to end; on the held-out quarter when corrected): fidelity on the calibration data, not accuracy, and
-no retraining; with `--eval DIR`, top-1 accuracy on its labelled samples beside it. The Edge TPU segments
+no retraining; with `--eval DIR`, top-1 accuracy on its labelled samples beside it (where `--task` is
+classification or not given; the package stage measures every task on the finished bundle). The Edge TPU segments
 are then calibrated on the pruned model's activations.
 
 Shared segments (`PlanSegment.same_as`: a captioner's per-frame CNN) are quantized once, the first of
@@ -55,7 +56,7 @@ from ...scheduling.selection import held_out_split
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed",
-           "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data")
+           "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data", "task")
 PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 # and of the tune stage only its pruning plan: a new tuning database reruns tune, not the int8 conversion here
@@ -175,7 +176,7 @@ def _prune(dense: onnx.ModelProto, samples: list[dict], ctx, record: dict) -> on
     kept = sum(r["kept"] for r in layers)
     size = sum(r["size"] for r in layers)
     entry["sparsity"] = round(1 - kept / size, 4) if size else 0.0
-    if opts.eval_data:
+    if opts.eval_data and opts.task in (None, "classification"):  # another task is measured on the bundle alone
         entry["accuracy"] = _accuracy(dense, uncorrected, pruned if "correction" in entry else None, ctx)
     record["pruning"] = entry
     irm.save(pruned, ctx.out / PRUNED)

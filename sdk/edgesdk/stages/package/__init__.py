@@ -18,16 +18,25 @@ import json
 from pathlib import Path
 
 from ...bundling import Sources, package
-from ...ir.digest import tree_sha256
+from ...bundling.evaluation import task_of
+from ...compression.tasks import files, parse_options
+from ...ir.digest import file_sha256, tree_sha256
 
-# the golden inputs and the provenance's calibration digest come from the calibration samples
-OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed")
+# the golden inputs and the provenance's calibration digest come from the calibration samples; the task
+# figures (the manifest's accuracy.task) from the --eval samples
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed", "eval_data", "task", "decoder", "task_options")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
 def cache_inputs(options, target) -> dict:
-    """The calibration directory's content: the same path with other samples is another bundle."""
-    return {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None}
+    """The calibration directory's content: the same path with other samples is another bundle; so are
+    other --eval samples or labels, and another dictionary or anchors file named by --task-options."""
+    out = {"calib_sha256": tree_sha256(Path(options.calib)) if options.calib else None}
+    if options.eval_data:
+        named = files(parse_options(task_of(options), options.decoder, options.task_options))
+        out.update(eval_sha256=tree_sha256(Path(options.eval_data)) if Path(options.eval_data).is_dir() else None,
+                   task_files=[file_sha256(p) if p.is_file() else None for p in named])
+    return out
 
 
 def run(artifact: Path, ctx) -> dict:
