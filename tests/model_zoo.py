@@ -353,13 +353,15 @@ def faces() -> "list[np.ndarray]":
 
 
 def ppocr_dictionary() -> list[str]:
-    """PP-OCRv4's recognizer classes in the order of its output's last axis: the CTC blank (as ""), the
-    6,623 characters of its dictionary (the model file's `character` metadata), then the space."""
+    """PP-OCRv4's dictionary, the 6,623 characters its ONNX file's `character` metadata lists, as `--task ocr`
+    reads it (compression.tasks.dictionary): the recognizer's classes are the CTC blank, these, then the
+    space."""
     import onnx
 
+    from edgesdk.compression import tasks
+
     model = onnx.load(str(ppocr_rec()), load_external_data=False)
-    chars = next(p.value for p in model.metadata_props if p.key == "character").split("\n")
-    return ["", *chars, " "]
+    return tasks.dictionary(metadata={p.key: p.value for p in model.metadata_props})
 
 
 def rendered_text_lines(n: int, seed: int = 0, *, width: int = 320, height: int = 48) -> "tuple[np.ndarray, list[str]]":
