@@ -279,3 +279,152 @@ def text_line_pixels(n: int, seed: int = 0, *, flipped: bool = False) -> "np.nda
             img = img[::-1, ::-1]
         out[k] = np.round(np.clip(img, 0, 255))
     return out
+
+
+# Real inputs. scikit-image 0.25.2's sample data (`make models` fetches it from the wheel; the package is
+# never installed): photographs, two scanned text pages, and lfw_subset.npy, 25x25 grey crops of Labeled
+# Faces in the Wild (the first 100 faces, then 100 non-faces).
+PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "camera.png", "rocket.jpg", "motorcycle_left.png",
+          "coins.png", "moon.png", "hubble_deep_field.jpg", "ihc.png", "gravel.png", "brick.png", "grass.png")
+DOCUMENTS = ("page.png", "text.png")
+LFW_SUBSET = CACHE / "lfw_subset.npy"
+# the two photographs that show a face at a usable size, each with its face box (x0, y0, x1, y1) in pixels,
+# found by BlazeFace (fp32) on the whole picture: scikit-image's astronaut and matplotlib's Grace Hopper
+_FACE_BOXES = {"astronaut.png": (179, 82, 274, 177), "grace_hopper.jpg": (173, 146, 367, 340)}
+# DejaVu Sans, Debian's fonts-dejavu-core (`make system` installs it)
+FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+# MediaPipe 0.10.18's models (TFLite, float16 weights)
+BLAZEFACE = CACHE / "face_detection_short_range.tflite"
+FACE_LANDMARK = CACHE / "face_landmark.tflite"  # 192x192 RGB in [0, 1]; 468 landmarks and a face flag; PReLU
+IRIS_LANDMARK = CACHE / "iris_landmark.tflite"
+SELFIE_SEGMENTATION = CACHE / "selfie_segmentation.tflite"
+PPOCR_DET = CACHE / "ch_PP-OCRv4_det_infer.onnx"
+# English words and numbers as printed matter has them: the lines `rendered_text_lines` draws
+_WORDS = ("the of and to in is for on that with by from at this are be as or an it was not we can all your has "
+          "total price order invoice date number page item amount paid due account name address street city "
+          "phone email model serial version battery power input output voltage current speed weight height "
+          "width length open close start stop enter exit north south east west monday friday january july "
+          "receipt customer service station platform ticket gate seat flight train coffee water bread milk "
+          "Edge Board Coral Camera Sensor Device Report Table Figure Section Chapter Note Warning Error").split()
+
+
+def _cache_file(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `make models` first")
+    return path
+
+
+def _rgb(path: Path) -> "np.ndarray":
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(_cache_file(path)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def photos() -> "list[np.ndarray]":
+    """scikit-image's sample photographs (PHOTOS), RGB uint8 HxWx3 (the grey ones repeated on 3 channels)."""
+    return [_rgb(CACHE / name) for name in PHOTOS]
+
+
+def documents() -> "list[np.ndarray]":
+    """scikit-image's two scanned pages of printed text (page.png, text.png), RGB uint8 HxWx3."""
+    return [_rgb(CACHE / name) for name in DOCUMENTS]
+
+
+def faces() -> "list[np.ndarray]":
+    """Real face crops, RGB uint8 HxWx3, square: first the two photographs' faces (the face box enlarged
+    1.5 times about its centre, as MediaPipe crops a face for its landmark model; 143 and 291 pixels),
+    then lfw_subset's 100 faces (25x25, grey repeated on 3 channels)."""
+    import matplotlib
+    import numpy as np
+
+    out = []
+    for name, (x0, y0, x1, y1) in _FACE_BOXES.items():
+        path = Path(matplotlib.get_data_path()) / "sample_data" / name if name == "grace_hopper.jpg" else CACHE / name
+        image = _rgb(path)
+        cx, cy, half = (x0 + x1) / 2, (y0 + y1) / 2, 0.75 * max(x1 - x0, y1 - y0)
+        top, left = int(round(cy - half)), int(round(cx - half))
+        side = int(round(2 * half))
+        out.append(np.ascontiguousarray(image[top:top + side, left:left + side]))
+    lfw = np.load(_cache_file(LFW_SUBSET))[:100]
+    out += [np.repeat(np.round(f * 255).astype(np.uint8)[..., None], 3, axis=2) for f in lfw]
+    return out
+
+
+def ppocr_dictionary() -> list[str]:
+    """PP-OCRv4's dictionary, the 6,623 characters its ONNX file's `character` metadata lists, as `--task ocr`
+    reads it (compression.tasks.dictionary): the recognizer's classes are the CTC blank, these, then the
+    space."""
+    import onnx
+
+    from edgesdk.compression import tasks
+
+    model = onnx.load(str(ppocr_rec()), load_external_data=False)
+    return tasks.dictionary(metadata={p.key: p.value for p in model.metadata_props})
+
+
+def rendered_text_lines(n: int, seed: int = 0, *, width: int = 320, height: int = 48) -> "tuple[np.ndarray, list[str]]":
+    """n lines of real text (English words and numbers, every character in PP-OCR's dictionary) drawn in
+    DejaVu Sans, dark ink on a light background, as a text detector's crop gives them to PP-OCR's
+    recognizer: RGB uint8 images [n, height, width, 3] (the recognizer's input height is 48) and the
+    strings drawn, one per image, the text spanning the width. Words, ink, paper, margins and a little
+    noise vary with `seed`."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    images, strings = np.empty((n, height, width, 3), np.uint8), []
+    for k in range(n):
+        font = ImageFont.truetype(str(_cache_file(FONT)), int(rng.integers(int(height * 0.55), int(height * 0.7))))
+        x0 = int(rng.integers(2, 10))
+        words: list[str] = []
+        while True:
+            word = (str(int(rng.integers(0, 10 ** int(rng.integers(1, 5))))) if rng.random() < 0.25
+                    else _WORDS[int(rng.integers(len(_WORDS)))])
+            candidate = " ".join([*words, word])
+            if x0 + font.getlength(candidate) > width - 4:
+                break
+            words.append(word)
+        text = " ".join(words) or _WORDS[0]
+        # as a detector's crop gives a line: the text spans the image's width, up to 80 % of its height
+        while font.size < 0.8 * height and x0 + font.font_variant(size=font.size + 1).getlength(text) <= width - 4:
+            font = font.font_variant(size=font.size + 1)
+        paper, ink = rng.uniform(190, 250, 3), rng.uniform(0, 70, 3)
+        img = Image.new("RGB", (width, height), tuple(int(v) for v in paper))
+        top, bottom = font.getbbox(text)[1], font.getbbox(text)[3]
+        y = int(rng.integers(0, max(1, height - bottom + top))) - top
+        ImageDraw.Draw(img).text((x0, y), text, font=font, fill=tuple(int(v) for v in ink))
+        pixels = np.asarray(img, np.float32) + rng.normal(0, 4, (height, width, 3))
+        images[k] = np.round(np.clip(pixels, 0, 255))
+        strings.append(text)
+    return images, strings
+
+
+def rendered_text_pages(n: int, seed: int = 0, *, size: int = 640) -> "np.ndarray":
+    """n pages of real text for a text detector: RGB uint8 [n, size, size, 3], 6-14 lines of
+    `rendered_text_lines` (various sizes) laid out at random left margins down a light page."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, size, size, 3), np.uint8)
+    for k in range(n):
+        page = np.full((size, size, 3), rng.uniform(200, 250, 3), np.float32)
+        y = int(rng.integers(5, 40))
+        for line in range(int(rng.integers(6, 15))):
+            h = int(rng.integers(24, 56))
+            w = int(rng.integers(size // 3, size - 20))
+            if y + h > size:
+                break
+            (img,), _ = rendered_text_lines(1, seed=seed * 1000 + k * 20 + line, width=w * 48 // h, height=48)
+            grey = np.asarray(Image.fromarray(img).resize((w, h), Image.Resampling.BILINEAR), np.float32).mean(-1)
+            x = int(rng.integers(0, size - w + 1))
+            # only the line's ink is drawn, each pixel as much as it is darker than the line's own paper
+            paper = np.median(grey)
+            alpha = np.clip((paper - grey) / max(paper - grey.min(), 1.0), 0, 1)[..., None]
+            region = page[y:y + h, x:x + w]
+            page[y:y + h, x:x + w] = region * (1 - alpha) + rng.uniform(0, 70, 3) * alpha
+            y += h + int(rng.integers(4, 30))
+        out[k] = np.round(np.clip(page, 0, 255))
+    return out
