@@ -11,7 +11,7 @@ activations calibrated on the given feeds, int8 inputs and outputs).
     trace.py       a segment traced into a tf.function (`_lower`), feeds brought to its layout
     convert.py     TFLiteConverter: full int8 or mixed (`convert_int8`) or fp32 (`convert_float`)
     mixed.py       mixed precision for LiteRT on the CPU: the ops int8 hurts most kept float
-    narrowing.py   percentile calibration: activation ranges narrowed from histograms
+    narrowing.py   activation ranges by a calibration method (percentile, mse, entropy, auto per tensor)
     flatbuffer.py  a .tflite's operators and op counts
     limits.py      what a conversion needs: the converter's memory, the FlatBuffer's 2 GiB
 

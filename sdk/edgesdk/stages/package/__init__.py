@@ -21,7 +21,7 @@ from ...bundling import Sources, package
 from ...ir.digest import tree_sha256
 
 # the golden inputs and the provenance's calibration digest come from the calibration samples
-OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed")
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "input_ranges", "seed")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
