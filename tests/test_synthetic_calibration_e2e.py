@@ -105,3 +105,50 @@ def test_input_range_shapes_the_synthetic_samples_and_int8_is_better_on_photogra
     # the photographs at most half the [-1, 1] build's, and its rms error a fifth
     (worst, rms), (worst_default, rms_default) = errors["input-range"], errors["default"]
     assert worst < 0.5 * worst_default and rms < 0.2 * rms_default, errors
+
+
+def test_with_real_data_auto_is_the_default_and_every_choice_is_recorded(tmp_path):
+    """Built for the Edge TPU with 16 real photograph crops as --calib data and no --calib-method: the
+    method is `auto`. compress.json records, per calibrated tensor, its method, range and error by every
+    method; per segment and for the whole model, each candidate's output error and the candidate kept
+    (the one of least error); the manifest the method, the counts per method (adding up to the tensors
+    calibrated) and the whole-model choice; `inspect` prints them. Only the kept models are left in
+    segments/ (the candidates weighed are removed), and the bundle is near fp32 on 24 held-out crops."""
+    from edgesdk.backends.tflite.convert import PER_TENSOR
+    from edgesdk.ir.calibrators import METHODS
+    from edgesdk.report.text import calibration_summary
+    from edgesdk.stages.compress.auto import PER_SEGMENT
+
+    model = image_model(tmp_path / "image_net.onnx")
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for k, crop in enumerate(photo_crops(16, seed=2)):
+        np.save(calib / f"crop{k:02d}.npy", crop)
+    result = build(BuildOptions(model=model, target="arm_2tpu", out=tmp_path / "out", calib=calib, calib_samples=16))
+    stage = result.out / ".build/5-compress"
+    compress = json.loads((stage / "compress.json").read_text())
+    calibration = compress["calibration"]
+    assert calibration["method"] == "auto" and not calibration["synthetic"]
+    whole = calibration["auto"]
+    assert set(whole["output_error"]) == {PER_SEGMENT, PER_TENSOR, *METHODS}, whole
+    assert whole["output_error"][whole["chosen"]] == min(whole["output_error"].values()) and whole["samples"] == 16
+    tensors = 0
+    for seg_id, entry in compress["segments"].items():
+        r = entry["ranges"]
+        assert "alternatives" not in entry and r["auto"]["whole_model"] == whole["chosen"], (seg_id, r["auto"])
+        assert r["auto"]["output_error"][r["auto"]["chosen"]] == min(r["auto"]["output_error"].values())
+        kept = r["auto"]["chosen"] if whole["chosen"] == PER_SEGMENT else whole["chosen"]
+        for t in r["per_tensor"]:
+            assert set(t["error"]) == set(METHODS) and t["range"] == t["ranges"][t["method"]], t
+            assert t["method"] == (t["least"] if kept == PER_TENSOR else kept), (kept, t)
+        assert sum(r["methods"].values()) == r["tensors"] == len(r["per_tensor"]) > 0
+        tensors += r["tensors"]
+    assert sorted(p.name for p in (stage / "segments").iterdir()) == sorted(
+        Path(e["artifact"]).name for e in compress["segments"].values())
+    m = Manifest.load(result.bundle)
+    assert m.calibration["method"] == "auto" and m.calibration["auto"]["chosen"] == whole["chosen"]
+    assert sum(m.calibration["methods"].values()) == tensors, m.calibration
+    shown = "\n".join(calibration_summary(m.calibration))
+    assert f"calibration from {calib}, 16 samples" in shown and "method auto: tensors by method" in shown, shown
+    worst, rms = _error_on_photos(result.bundle, model, photo_crops(24, seed=1))
+    assert worst < 0.2 and rms < 0.02, (worst, rms)
