@@ -51,9 +51,9 @@ def choose(plan, scheduled: Path, out: Path, entries: dict[str, dict], samples: 
 
 def _candidate(entry: dict, label: str, entries: dict[str, dict]) -> dict:
     """A segment's artifact and tensor specs under candidate `label` (a shared segment: its source's, with
-    its own tensor names)."""
+    its own tensor names; a segment whose backend weighed no candidates: its own model)."""
     source = entries[entry["same_as"]] if entry.get("same_as") else entry
-    chosen = source if label == PER_SEGMENT else source["alternatives"][label]
+    chosen = source.get("alternatives", {}).get(label, source)
     if not entry.get("same_as"):
         return chosen
     rename = {t["name"]: u["name"] for k in ("inputs", "outputs") for t, u in zip(source[k], entry[k])}
