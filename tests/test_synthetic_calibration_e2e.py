@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.ir.calibration import load_calibration
 from edgesdk.pipeline import BuildOptions, build
+from edgesdk.report.text import calibration_summary
 from edgesdk.runtime import BundleModel, Manifest
 
 SIZE = 32
@@ -98,6 +99,9 @@ def test_input_range_shapes_the_synthetic_samples_and_int8_is_better_on_photogra
     assert calibration["distribution"] == "x: uniform(0, 1) in blocks from the whole image to one pixel" and m.calibration["accuracy_on_real_data"] == "unknown"
     assert any("int8 accuracy on real inputs is unknown" in w and "--calib DIR" in w for w in m.warnings), m.warnings
     assert not any("nothing states its range" in w for w in m.warnings), m.warnings
+    shown = calibration_summary(m.calibration)  # what `edgesdk inspect` prints
+    assert shown[0] == "calibration SYNTHETIC, 16 samples (x: [0, 1] from --input-range)", shown
+    assert shown[1].strip().startswith("int8 accuracy on real inputs is UNKNOWN: ") and "--calib DIR" in shown[1], shown
     m, calibration = manifests["default"]
     assert calibration["distribution"] == "uniform(-1, 1)" and calibration["method"] == "minmax"
     assert any("input 'x': nothing states its range" in w and "--input-range x=LOW,HIGH" in w for w in m.warnings)
@@ -116,7 +120,6 @@ def test_with_real_data_auto_is_the_default_and_every_choice_is_recorded(tmp_pat
     segments/ (the candidates weighed are removed), and the bundle is near fp32 on 24 held-out crops."""
     from edgesdk.backends.tflite.convert import PER_TENSOR
     from edgesdk.ir.calibrators import METHODS
-    from edgesdk.report.text import calibration_summary
     from edgesdk.stages.compress.auto import PER_SEGMENT
 
     model = image_model(tmp_path / "image_net.onnx")
