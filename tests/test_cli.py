@@ -105,9 +105,42 @@ def test_bad_invocations_exit_2(tmp_path):
     proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--input-shape", "x=1x3xbig")
     assert_user_facing(proc, 2, "--input-shape x=1x3xbig")
     proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--calib-method", "kl")
-    assert_user_facing(proc, 2, "--calib-method kl: expected minmax or percentile")
+    assert_user_facing(proc, 2, "--calib-method kl: expected one of minmax, percentile, mse, entropy, auto")
     proc = edgesdk("build", str(PPOCR_CLS), "--target", "x86", "-o", str(tmp_path / "o"), "--calib-percentile", "20")
     assert_user_facing(proc, 2, "--calib-percentile 20.0: outside (50, 100]")
+
+
+@pytest.mark.parametrize("given, message", [
+    ("x=0", "--input-range x=0: expected NAME=LOW,HIGH like x=0,1"),
+    ("x", "--input-range x: expected NAME=LOW,HIGH like x=0,1"),
+    ("x=0,1,2", "--input-range x=0,1,2: expected NAME=LOW,HIGH like x=0,1"),
+    ("x=0,nan", "--input-range x=0,nan: expected NAME=LOW,HIGH like x=0,1"),
+    ("x=-inf,1", "--input-range x=-inf,1: expected NAME=LOW,HIGH like x=0,1"),
+    ("=0,1", "--input-range =0,1: expected NAME=LOW,HIGH like x=0,1"),
+    ("x=1,0", "--input-range x=1,0: LOW must be less than HIGH"),
+    ("x=1,1", "--input-range x=1,1: LOW must be less than HIGH"),
+])
+def test_a_bad_input_range_is_refused_before_anything_runs(given, message, tmp_path):
+    out = tmp_path / "o"
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "arm_2tpu", "-o", str(out), "--input-shape", "x=1x3x48x192",
+                   "--input-range", given)
+    assert_user_facing(proc, 2, message)
+    assert not out.exists()
+
+
+def test_an_input_range_naming_no_input_or_twice_is_refused(tmp_path):
+    """A name the model has no input of is said after import, before any later stage runs; the same
+    input twice before anything runs."""
+    out = tmp_path / "o"
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "arm_2tpu", "-o", str(out), "--input-shape", "x=1x3x48x192",
+                   "--input-range", "x=0,1", "--input-range", "x=0,2")
+    assert_user_facing(proc, 2, "--input-range names 'x' twice")
+    assert not out.exists()
+    proc = edgesdk("build", str(PPOCR_CLS), "--target", "arm_2tpu", "-o", str(out), "--input-shape", "x=1x3x48x192",
+                   "--input-range", "image=0,1")
+    assert_user_facing(proc, 2, "--input-range names 'image', which is not an input of the model",
+                       "hint: the model's inputs: x")
+    assert [p.name for p in (out / ".build").iterdir()] == ["1-import"] and not (out / "bundle").exists()
 
 
 def test_bad_calibration_images_are_a_user_error(tmp_path):

@@ -36,7 +36,7 @@ def int8_build(tmp_path_factory, text_calib):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(selection, "measure_alone", fake_laps)
         options = BuildOptions(model=model_zoo.ppocr_cls(), target="x86", out=tmp / "a",
-                               input_shapes=SHAPE, tuning_db=tmp / "db", calib=text_calib,
+                               input_shapes=SHAPE, tuning_db=tmp / "db", calib=text_calib, calib_method="minmax",
                                calib_preprocess=model_zoo.PPOCR_CLS_PREPROCESS, cpu_backends=("onnxruntime", "litert"),
                                cpu_precision="int8")
         return options, build(options)

@@ -126,7 +126,7 @@ def test_a_real_yolov8n_builds_for_arm_2tpu_and_finds_what_onnxruntime_finds(tmp
     source = model_zoo.yolov8n()
     calib = _crops(tmp_path / "calib", 16, 320)
     result = build(BuildOptions(model=source, target="arm_2tpu", out=tmp_path / "out",
-                                input_shapes={"images": (1, 3, 320, 320)}, calib=calib, calib_samples=16,
+                                input_shapes={"images": (1, 3, 320, 320)}, calib=calib, calib_samples=16, calib_method="minmax",
                                 calib_preprocess="color=RGB,scale=0.00392157,layout=NCHW",
                                 tuning_db=tmp_path / "tuning"))
     plan = json.loads((result.bundle / "plan.json").read_text())

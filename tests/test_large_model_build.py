@@ -150,7 +150,8 @@ def test_an_arm_2tpu_build_past_64_mib_rewrites_its_matmuls_for_the_edge_tpu(tmp
     for k, feed in enumerate(_sentences(8, seed=1)):
         np.savez(calib / f"s{k}.npz", **feed)
     out = tmp_path / "out"
-    options = BuildOptions(model=path, target="arm_2tpu", out=out, calib=calib, tuning_db=tmp_path / "db")
+    options = BuildOptions(model=path, target="arm_2tpu", out=out, calib=calib, calib_method="minmax",
+                           tuning_db=tmp_path / "db")
     # `edgesdk check` asks legalize what it would do on the same imported model
     assert pipeline.check(options)["rewrites"]["matmul-rows-to-conv"]["count"] == 4
     result = build(options, log=lambda s: None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -269,6 +270,30 @@ def _parse_values(values: list[str]) -> dict[str, tuple[float, ...]]:
     return frozen
 
 
+CALIB_METHODS = ("minmax", "percentile", "mse", "entropy", "auto")  # ir/calibrators.py METHODS, and auto
+
+
+def _parse_ranges(values: list[str]) -> dict[str, tuple[float, float]]:
+    """--input-range NAME=LOW,HIGH (repeatable): finite numbers, LOW < HIGH, each input once."""
+    ranges: dict[str, tuple[float, float]] = {}
+    for v in values:
+        name, sep, numbers = v.partition("=")
+        try:
+            low, high = (float(x) for x in numbers.split(","))
+            if not sep or not name or not (math.isfinite(low) and math.isfinite(high)):
+                raise ValueError
+        except ValueError:
+            raise UsageError("cli.bad-input-range", f"--input-range {v}: expected NAME=LOW,HIGH like x=0,1",
+                             "LOW and HIGH are finite numbers; give the option once per input") from None
+        if not low < high:
+            raise UsageError("cli.bad-input-range", f"--input-range {v}: LOW must be less than HIGH",
+                             f"e.g. --input-range {name}=0,1 for images in [0, 1], {name}=0,255 for 8-bit pixels")
+        if name in ranges:
+            raise UsageError("cli.bad-input-range", f"--input-range names '{name}' twice", "give each input one range")
+        ranges[name] = (low, high)
+    return ranges
+
+
 @app.command()
 @_failure_as_json
 def build(
@@ -285,9 +310,10 @@ def build(
     rpc_key: Optional[str] = typer.Option(None, "--rpc-key", help="With --rpc-tracker: the key the boards registered with."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of calibration samples for int8: .npy / .npz files, or images (PNG, JPEG, BMP)."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
-    calib_method: str = typer.Option("minmax", "--calib-method", help="How int8 activation ranges are chosen: minmax or percentile."),
-    calib_percentile: float = typer.Option(99.99, "--calib-percentile", help="With --calib-method percentile: the percentile kept in each tail, in (50, 100]."),
-    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs: KEY=VALUE,... of color (RGB, BGR, GRAY), scale (1/255), mean, std (per channel joined by ':'), layout (NCHW, NHWC); input = (pixel * scale - mean) / std."),
+    calib_method: Optional[str] = typer.Option(None, "--calib-method", help="How int8 activation ranges are chosen: minmax (the values' min and max), percentile (--calib-percentile), mse (least squared error through int8), entropy (TensorRT's KL), or auto (per tensor the method of least measured error) \\[default: auto with --calib, minmax on synthetic samples]."),
+    calib_percentile: float = typer.Option(99.99, "--calib-percentile", help="With --calib-method percentile (and auto): the percentile kept in each tail, in (50, 100]."),
+    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs: KEY=VALUE,... of color (RGB, BGR, GRAY), scale (1/255), mean, std (per channel joined by ':'), layout (NCHW, NHWC); input = (pixel * scale - mean) / std. Without --calib, the range it gives 8-bit pixels is the image input's range for synthetic samples."),
+    input_range: List[str] = typer.Option([], "--input-range", help="Without --calib: the range an input's synthetic calibration samples are drawn from, NAME=LOW,HIGH (repeatable), e.g. x=0,1 for images in [0, 1] \\[default: the range --calib-preprocess or the model's metadata states, else -1,1 with a warning]."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each ReLU-sum approximation's error \\[default: the target's legalize.max_abs_error]."),
     max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (the output's calibrated range / 255), e.g. 0.5; with --max-abs-error too, the tighter of the two."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
@@ -326,9 +352,10 @@ def build(
                          "int8 measures int8 CPU candidates behind an accuracy gate; fp32 keeps the CPU float")
     if mode not in ("latency", "throughput"):
         raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
-    if calib_method not in ("minmax", "percentile"):
-        raise UsageError("cli.bad-calib-method", f"--calib-method {calib_method}: expected minmax or percentile",
-                         "minmax: the range of the values seen; percentile: clip rare outliers")
+    if calib_method is not None and calib_method not in CALIB_METHODS:
+        raise UsageError("cli.bad-calib-method", f"--calib-method {calib_method}: expected one of "
+                         f"{', '.join(CALIB_METHODS)}", "auto chooses per tensor among minmax, percentile, mse and "
+                         "entropy by measured error; see docs/calibration.md")
     if not 50.0 < calib_percentile <= 100.0:
         raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {calib_percentile}: outside (50, 100]",
                          "99.99 keeps all but one value in 10,000 per tail")
@@ -349,7 +376,8 @@ def build(
                            tuning_db=tuning_db, rpc_tracker=rpc_tracker, rpc_key=rpc_key,
                            calib=calib, calib_samples=calib_samples,
                            calib_method=calib_method, calib_percentile=calib_percentile,
-                           calib_preprocess=calib_preprocess, max_abs_error=max_abs_error or None,
+                           calib_preprocess=calib_preprocess, input_ranges=_parse_ranges(input_range),
+                           max_abs_error=max_abs_error or None,
                            max_error_lsb=max_error_lsb or None, allow_cpu_fallback=allow_cpu_fallback,
                            legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
                            cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
@@ -564,6 +592,7 @@ def check(
     calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy / .npz samples or images: the ranges approximations are fitted on."),
     calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
     calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs (see edgesdk build --help)."),
+    input_range: List[str] = typer.Option([], "--input-range", help="Without --calib: the range an input's synthetic samples are drawn from, NAME=LOW,HIGH (repeatable; see edgesdk build --help)."),
     max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each approximation's error \\[default: the target's]."),
     max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (see edgesdk build --help)."),
     allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
@@ -578,6 +607,7 @@ def check(
     options = BuildOptions(model=model, target=target, out=Path("."), input_shapes=_parse_shapes(input_shape),
                            input_values=_parse_values(input_value), batch=batch, calib=calib,
                            calib_samples=calib_samples, calib_preprocess=calib_preprocess,
+                           input_ranges=_parse_ranges(input_range),
                            max_abs_error=max_abs_error or None, max_error_lsb=max_error_lsb or None,
                            allow_cpu_fallback=allow_cpu_fallback, seed=seed)
     report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))

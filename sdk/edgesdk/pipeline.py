@@ -40,6 +40,7 @@ from . import __version__
 from .config import HOST, Target, load_target
 from .errors import UsageError, UserError
 from .ir import model as irm
+from .ir.calibration import check_input_ranges
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 from .ir.memory import give_back, resident_bytes, shown
 from .scheduling.plan import Plan
@@ -107,9 +108,13 @@ class BuildOptions:
     rpc_key: str | None = None
     calib: Path | None = None
     calib_samples: int = 32
-    calib_method: str = "minmax"  # or "percentile": how int8 activation ranges are chosen
+    # how int8 activation ranges are chosen: minmax, percentile, mse, entropy or auto (ir/calibrators.py);
+    # None: auto with --calib data, minmax on synthetic samples (`calibration_method`)
+    calib_method: str | None = None
     calib_percentile: float = 99.99
     calib_preprocess: str | None = None  # how --calib images become inputs (ir/calibration.py)
+    # --input-range: per input, the [low, high] its synthetic calibration samples are drawn from
+    input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
     max_abs_error: float | None = None  # legalize's approximation bound; None: the target's
     # legalize's approximation bound in int8 steps of each approximated output (its range on the calibration
     # data / 255); None: max_abs_error. Given both, each approximation keeps the tighter
@@ -137,6 +142,11 @@ class BuildOptions:
     low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None
     start: str | None = None  # --from
+
+    def calibration_method(self) -> str:
+        """--calib-method, else auto where real calibration data is given and minmax on synthetic samples
+        (whose ranges say little of real inputs, so measuring which method fits them best says little too)."""
+        return self.calib_method or ("auto" if self.calib is not None else "minmax")
 
     def value(self, name: str) -> Any:
         v = getattr(self, name)
@@ -276,6 +286,9 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
                 on_stage(phase.name, "done", secs)
             # the keys of the stages that read this one cover its output, whatever produced it
             digests[phase.name] = (dest / "digest").read_text()
+            if phase.name == "import" and i < stop and options.input_ranges:
+                # --input-range names the model's inputs: said now, not after the stages before compress
+                check_input_ranges(options, json.loads((dest / "import.json").read_text())["inputs"])
             if phase.name == "import" and i < stop and record.get("weight_bytes") is not None:
                 # before the stages that hold the weights several times over: stop now if they cannot fit
                 weight_bytes = record["weight_bytes"]

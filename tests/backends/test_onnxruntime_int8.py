@@ -11,7 +11,7 @@ from edgesdk.scheduling.plan import PlanSegment
 from tests.backends.test_tflite_mixed import cancelling_model
 
 
-@pytest.mark.parametrize("method", ["minmax", "percentile"])
+@pytest.mark.parametrize("method", ["minmax", "percentile", "mse", "entropy", "auto"])
 def test_quantizing_writes_nothing_on_stdout(method, tmp_path, capfd):
     """`edgesdk build --json` writes its data on stdout: onnxruntime's percentile calibration printed
     its progress there ("Collecting tensor data and making histogram ..."), which broke the JSON."""

@@ -272,3 +272,67 @@ def test_labels_that_are_not_utf8_int64_or_a_file_name_their_line(tmp_path, labe
         load_labelled(tmp_path, INPUTS, None)
     assert e.value.code == "compress.eval-label"
     assert e.value.message == f"{tmp_path}/{message}" and e.value.hint
+
+
+# --- synthetic samples: each input's range, and where it comes from -------------------------------------
+
+def _ranged(ranges=None, preprocess=None, n=8):
+    return SimpleNamespace(calib=None, calib_samples=n, seed=0, calib_preprocess=preprocess, input_ranges=ranges or {})
+
+
+def test_synthetic_samples_without_a_known_range_are_what_they_were():
+    """Nothing states the range: uniform in [-1, 1], the very samples builds drew before (same seed, same
+    order), and the record says so and that accuracy on real inputs is unknown."""
+    samples, info = load_calibration(_ranged(), INPUTS)
+    rng = np.random.default_rng(0)
+    assert all(np.array_equal(s["x"], rng.uniform(-1, 1, (1, 3, 4, 4)).astype(np.float32)) for s in samples)
+    assert info["distribution"] == "uniform(-1, 1)" and info["inputs"]["x"]["source"].startswith("none known")
+    assert info["accuracy_on_real_data"] == "unknown" and "--calib DIR" in info["hint"]
+
+
+def test_input_range_then_preprocess_then_the_models_own_then_the_type():
+    """--input-range wins; else the range --calib-preprocess gives 8-bit pixels (per channel); else the
+    range import.json carries (the model's metadata, an index input's table); else an 8-bit type's."""
+    image = {"name": "x", "shape": [1, 3, 16, 16], "dtype": "float32",
+             "range": {"low": [-1.0], "high": [1.0], "axis": None, "source": "the model's metadata (...)"}}
+    ids = {"name": "ids", "shape": [1, 12], "dtype": "int64",
+           "range": {"low": [0], "high": [99], "axis": None, "source": "the table it indexes (Gather 'emb' ...)"}}
+    pixels = {"name": "p", "shape": [1, 8], "dtype": "uint8"}
+    inputs = [image, ids, pixels]
+    samples, info = load_calibration(_ranged({"x": (0.0, 1.0)}), inputs)
+    xs, idss, ps = (np.stack([s[k] for s in samples]) for k in ("x", "ids", "p"))
+    assert 0 <= xs.min() < 0.05 and 0.95 < xs.max() <= 1 and info["inputs"]["x"]["source"] == "--input-range"
+    assert idss.dtype == np.int64 and idss.min() >= 0 and idss.max() <= 99 and len(np.unique(idss)) > 50
+    assert ps.dtype == np.uint8 and ps.max() > 200 and info["inputs"]["p"]["source"] == "its type (uint8)"
+    samples, info = load_calibration(_ranged(preprocess="scale=1/255,mean=0.485:0.456:0.406,std=0.229:0.224:0.225"),
+                                     inputs)
+    xs = np.stack([s["x"] for s in samples])
+    low = (0 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    high = (1 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    assert np.allclose(xs.min(axis=(0, 1, 3, 4)), low, atol=0.05) and np.allclose(xs.max(axis=(0, 1, 3, 4)), high, atol=0.05)
+    assert info["inputs"]["x"]["axis"] == 1 and info["inputs"]["x"]["source"].startswith("--calib-preprocess")
+    samples, info = load_calibration(_ranged(), inputs)
+    assert info["inputs"]["x"]["source"] == "the model's metadata (...)"
+    assert -1 <= min(s["x"].min() for s in samples) and max(s["x"].max() for s in samples) <= 1
+
+
+def test_image_samples_span_scales_from_one_colour_to_single_pixels():
+    """An image input's samples are drawn in blocks, sample k's side the image's / 2^k (cycling): a
+    filter that averages neighbours sees the whole range (a flat colour), and one that differences
+    them sees pixel noise."""
+    samples, _ = load_calibration(_ranged({"x": (0.0, 1.0)}, n=6), [{"name": "x", "shape": [1, 3, 16, 16],
+                                                                     "dtype": "float32"}])
+    distinct = [len(np.unique(s["x"][0, 0])) for s in samples]
+    assert distinct == [1, 4, 16, 64, 256, 1], distinct
+
+
+@pytest.mark.parametrize("ranges, code, words", [
+    ({"image": (0.0, 1.0)}, "compress.input-range-unknown", "--input-range names 'image', which is not an input"),
+    ({"ids": (0.2, 0.8)}, "compress.input-range-empty", "input 'ids' is int64, and no integer lies in [0.2, 0.8]"),
+])
+def test_an_input_range_for_no_input_or_with_no_integer_is_refused(ranges, code, words):
+    from edgesdk.errors import UsageError
+
+    with pytest.raises(UsageError) as e:
+        load_calibration(_ranged(ranges), INPUTS + [{"name": "ids", "shape": [1, 4], "dtype": "int64"}])
+    assert e.value.code == code and words in e.value.message and e.value.hint

@@ -135,7 +135,7 @@ class QuantizeJob:
     model: Any  # its float ONNX graph
     samples: list  # per calibration sample, the segment's inputs and the float model's values of its outputs
     out_dir: Path  # the compress stage's segments/ directory: the artifact goes here
-    method: str  # "minmax" or "percentile" (--calib-method)
+    method: str  # minmax, percentile, mse, entropy or auto (--calib-method; ir/calibrators.py)
     percentile: float
     log: Callable[[str], None]
     # mixed precision, for a backend that can keep ops float (LiteRT int8 on the CPU; never the Edge
@@ -143,6 +143,10 @@ class QuantizeJob:
     # `keep_float` names them instead (an earlier search's answer, replayed). Neither: full int8.
     target: AccuracyTarget | None = None
     keep_float: tuple[str, ...] | None = None
+    # with method auto, a backend that can: each candidate it weighed written too, in the record's
+    # `alternatives` (label -> artifact, tensor specs, accuracy), for the compress stage to weigh by the
+    # whole model's outputs
+    alternatives: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import onnx
 
+from ..ir import index_ranges
 from ..ir import model as irm
 from ..ir.digest import file_sha256, tree_sha256
 from ..ir.model import IR_VERSION
-from . import canonical, conversion, formats, onnx_file
+from . import canonical, conversion, formats, metadata, onnx_file
 from .canonical import CANONICAL_OPSET
 from .formats import FORMATS, detect
 
@@ -102,16 +103,33 @@ def finish_import(model: onnx.ModelProto, imported: Imported, path: Path, *,
 
 
 def describe(model: onnx.ModelProto, path: Path, source: dict) -> dict:
-    """`import.json`: the inputs (initializers excepted) and outputs, shape and dtype each; the source file."""
+    """`import.json`: the inputs (initializers excepted) and outputs, shape and dtype each, and where it
+    is known the range an input takes (`input_ranges`); the source file."""
     shapes = irm.static_shapes(model)
     types = irm.elem_types(model)
     consts = irm.constant_names(model)
     digest = tree_sha256(path) if Path(path).is_dir() else file_sha256(path)
+    inputs = [{"name": i.name, "shape": list(shapes[i.name]), "dtype": irm.dtype_name(types[i.name])}
+              for i in model.graph.input if i.name not in consts]
+    known = input_ranges(model, path, source["format"], inputs)
     return {
-        "inputs": [{"name": i.name, "shape": list(shapes[i.name]), "dtype": irm.dtype_name(types[i.name])}
-                   for i in model.graph.input if i.name not in consts],
+        "inputs": [{**i, "range": known[i["name"]]} if i["name"] in known else i for i in inputs],
         "outputs": [{"name": o.name, "shape": list(shapes[o.name]), "dtype": irm.dtype_name(types[o.name])}
                     for o in model.graph.output],
         "source": {"path": str(path), "name": Path(path).stem, "sha256": digest,
                    "format": source["format"], "converter": source.get("converter"), "opset": source["opset"]},
     }
+
+
+def input_ranges(model: onnx.ModelProto, path: Path, fmt: str, inputs: list[dict]) -> dict[str, dict]:
+    """The range each input takes where the model says it (synthetic calibration samples follow it):
+    what its metadata states (`metadata.input_ranges`), and for an integer input that indexes a table
+    (token ids), the indices the table has (`ir.index_ranges`; non-negative ones: ids from the end
+    are valid but not what real inputs hold)."""
+    known = metadata.input_ranges(model, path, fmt, inputs)
+    if any(not i["dtype"].startswith(("float", "bool")) for i in inputs):
+        for name, r in index_ranges.infer(model).items():
+            if r.valid_range is not None and name not in known:
+                known[name] = {"low": [0], "high": [r.valid_range[1]], "axis": None,
+                               "source": f"the table it indexes ({', '.join(r.bounded_by)})"}
+    return known

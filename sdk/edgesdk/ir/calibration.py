@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import EdgeSDKError, UserError
+from ..errors import EdgeSDKError, UsageError, UserError
 from ..runtime.files import NotRegularFile, open_regular
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
@@ -180,15 +180,164 @@ def _declared_size(f: BinaryIO) -> tuple[int, int] | None:
     return None
 
 
+DEFAULT_RANGE = (-1.0, 1.0)  # what a float input whose range nothing states is drawn from
+REAL_DATA_HINT = ("give real inputs with --calib DIR: images (with --calib-preprocess saying how pixels become "
+                  "inputs) or .npy/.npz samples shaped like the model's inputs")
+
+
+@dataclass(frozen=True)
+class InputRange:
+    """The values synthetic samples of one input are drawn from, uniformly: [low, high], one pair for the
+    whole input or one per channel along `axis`, and where that range comes from."""
+
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    axis: int | None
+    source: str
+
+    def describe(self) -> str:
+        nums = lambda v: ":".join(f"{x:.4g}" for x in v)  # noqa: E731
+        return f"uniform({nums(self.low)}, {nums(self.high)})" + (" per channel" if self.axis is not None else "")
+
+    def record(self) -> dict:
+        return {"low": list(self.low), "high": list(self.high), **({"axis": self.axis} if self.axis is not None else {}),
+                "source": self.source}
+
+
+def check_input_ranges(options, inputs: list[dict]) -> None:
+    """Refuse an `--input-range` naming no input of the model, or giving an integer input no integer."""
+    names = [i["name"] for i in inputs]
+    for name, (lo, hi) in (getattr(options, "input_ranges", None) or {}).items():
+        if name not in names:
+            raise UsageError("compress.input-range-unknown", f"--input-range names '{name}', which is not an input "
+                             "of the model", f"the model's inputs: {', '.join(names)}")
+        dtype = np.dtype(next(i["dtype"] for i in inputs if i["name"] == name))
+        if (np.issubdtype(dtype, np.integer) or dtype == np.bool_) and np.ceil(lo) > np.floor(hi):
+            raise UsageError("compress.input-range-empty", f"--input-range {name}={lo:g},{hi:g}: input '{name}' is "
+                             f"{dtype}, and no integer lies in [{lo:g}, {hi:g}]",
+                             f"give an integer input a range holding integers, e.g. --input-range {name}=0,100")
+
+
+def input_ranges(options, inputs: list[dict]) -> dict[str, InputRange | None]:
+    """Each input's range for synthetic samples, from the first that states one: `--input-range`, the range
+    `--calib-preprocess` gives 8-bit pixels (an image input: 4-d float, 1 or 3 channels), the model's own
+    (import.json's `range`: its metadata, or the table an index input indexes), an 8-bit integer type's
+    range; None where none does (a float input is then drawn from DEFAULT_RANGE, an integer one as before:
+    that range cast to its type)."""
+    given = dict(getattr(options, "input_ranges", None) or {})
+    spec = getattr(options, "calib_preprocess", None)
+    out: dict[str, InputRange | None] = {}
+    for i in inputs:
+        name, dtype, shape = i["name"], np.dtype(i["dtype"]), list(i["shape"])
+        stated = i.get("range")
+        if name in given:
+            lo, hi = given[name]
+            out[name] = InputRange((float(lo),), (float(hi),), None, "--input-range")
+        elif spec and _is_image(i):
+            pre = parse_preprocess(spec, shape)
+            ends = [((0.0 * pre.scale - m) / s, (255.0 * pre.scale - m) / s)
+                    for m, s in zip(_per_channel(pre.mean, shape, pre), _per_channel(pre.std, shape, pre))]
+            lo, hi = tuple(min(e) for e in ends), tuple(max(e) for e in ends)
+            same = len(set(lo)) == 1 and len(set(hi)) == 1
+            out[name] = InputRange(lo[:1] if same else lo, hi[:1] if same else hi,
+                                   None if same else (1 if pre.layout == "NCHW" else 3),
+                                   f"--calib-preprocess {pre.describe()} on 8-bit pixels (0..255)")
+        elif stated:
+            out[name] = InputRange(tuple(map(float, stated["low"])), tuple(map(float, stated["high"])),
+                                   stated.get("axis"), stated["source"])
+        elif dtype in (np.uint8, np.int8):
+            info = np.iinfo(dtype)
+            out[name] = InputRange((float(info.min),), (float(info.max),), None, f"its type ({dtype})")
+        else:
+            out[name] = None
+    return out
+
+
+def _is_image(i: dict) -> bool:
+    shape = i["shape"]
+    return np.dtype(i["dtype"]).kind == "f" and len(shape) == 4 and (shape[1] in (1, 3) or shape[3] in (1, 3))
+
+
+def _per_channel(values: tuple[float, ...], shape: list[int], pre: Preprocess) -> tuple[float, ...]:
+    channels = shape[1] if pre.layout == "NCHW" else shape[3]
+    return values * channels if len(values) == 1 else values
+
+
+def synthetic(options, inputs: list[dict]) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """`options.calib_samples` seeded samples, each input uniform over its range (`input_ranges`), and the
+    record of it: each input's range and source, and that accuracy on real inputs is unknown."""
+    rng = np.random.default_rng(options.seed)
+    ranges = input_ranges(options, inputs)
+    feeds = [{i["name"]: _draw(rng, i, ranges[i["name"]], k) for i in inputs} for k in range(options.calib_samples)]
+    unknown = [name for name, r in ranges.items() if r is None]
+    distribution = ("uniform(-1, 1)" if len(unknown) == len(ranges) else
+                    "; ".join(f"{i['name']}: " + (r.describe() + (" in blocks from the whole image to one pixel"
+                                                                   if _is_image(i) else "") if r else "uniform(-1, 1)")
+                              for i, r in zip(inputs, ranges.values())))
+    return feeds, {"synthetic": True, "samples": len(feeds), "distribution": distribution, "seed": options.seed,
+                   "inputs": {name: r.record() if r else {"low": [DEFAULT_RANGE[0]], "high": [DEFAULT_RANGE[1]],
+                                                           "source": "none known: the default"}
+                              for name, r in ranges.items()},
+                   "accuracy_on_real_data": "unknown", "hint": REAL_DATA_HINT}
+
+
+def _draw(rng: np.random.Generator, i: dict, r: InputRange | None, k: int) -> np.ndarray:
+    """Sample `k` of input `i`: uniform over its range `r`. An image input (4-d float, 1 or 3 channels)
+    is drawn at one of several spatial scales, by sample (`_image_scale`): a photograph's neighbouring
+    pixels are alike, so a filter that averages them (a first layer's colour filters) spans the whole
+    range on it, where on pixels drawn apart it stays near the middle (the mean of n uniforms)."""
+    dtype, shape = np.dtype(i["dtype"]), tuple(i["shape"])
+    if r is None:  # as every build drew before ranges were known: the same samples, bit for bit
+        return rng.uniform(*DEFAULT_RANGE, shape).astype(dtype)
+    lo, hi = np.asarray(r.low, np.float64), np.asarray(r.high, np.float64)
+    if r.axis is not None:
+        where = [1] * len(shape)
+        where[r.axis] = -1
+        lo, hi = lo.reshape(where), hi.reshape(where)
+    u = _image_uniform(rng, shape, k) if _is_image(i) else rng.uniform(0.0, 1.0, shape)
+    if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+        lo, hi = np.ceil(lo), np.floor(hi)
+        return np.minimum(lo + np.floor(u * (hi - lo + 1)), hi).astype(dtype)
+    return (lo + (hi - lo) * u).astype(dtype)
+
+
+def _image_uniform(rng: np.random.Generator, shape: tuple[int, ...], k: int) -> np.ndarray:
+    """Uniform [0, 1) values of an image input's shape in square blocks of one value per channel: sample k's
+    block side is the image's longer side / 2^(k mod levels), from one flat colour (k = 0) down to single
+    pixels. Layout as `parse_preprocess` guesses it (channels first where they are 1 or 3 there)."""
+    nchw = shape[1] in (1, 3) and shape[3] not in (1, 3)
+    n, c, h, w = (shape[0], shape[1], shape[2], shape[3]) if nchw else (shape[0], shape[3], shape[1], shape[2])
+    levels = int(np.ceil(np.log2(max(h, w)))) + 1
+    side = max(1, max(h, w) >> (k % levels))
+    grid = rng.uniform(0.0, 1.0, (n, c, -(-h // side), -(-w // side)))
+    u = np.repeat(np.repeat(grid, side, axis=2), side, axis=3)[:, :, :h, :w]
+    return u if nchw else np.transpose(u, (0, 2, 3, 1))
+
+
+def synthetic_warnings(info: dict, samples: int, used_for: str) -> list[str]:
+    """What a build calibrated on synthetic samples says (`info`: `synthetic`'s record): int8 accuracy on
+    real inputs is unknown, and each input whose range nothing stated."""
+    inputs = info.get("inputs", {})
+    drawn = ", ".join(f"{name}: {InputRange(tuple(r['low']), tuple(r['high']), r.get('axis'), r['source']).describe()}"
+                      f" from {r['source']}" for name, r in inputs.items())
+    lines = [f"no --calib data: {used_for} on {samples} synthetic samples ({drawn}): int8 accuracy on real inputs "
+             f"is unknown; {REAL_DATA_HINT}"]
+    for name, r in inputs.items():
+        if r["source"].startswith("none known"):
+            lines.append(f"input '{name}': nothing states its range (--input-range, --calib-preprocess, the model's "
+                         "metadata), so its synthetic samples are uniform in [-1, 1], which may be far from what it "
+                         f"really takes (images are often in [0, 1] or 0..255): give --input-range {name}=LOW,HIGH")
+    return lines
+
+
 def load_calibration(options, inputs: list[dict], *, flag: str = "--calib"
                      ) -> tuple[list[dict[str, np.ndarray]], dict]:
     """Calibration feeds keyed by input name, each shaped exactly like the model's input. `flag`: the option
     that named the directory, as the errors say it."""
     n = options.calib_samples
+    check_input_ranges(options, inputs)
     if options.calib is None:
-        rng = np.random.default_rng(options.seed)
-        feeds = [{i["name"]: rng.uniform(-1, 1, i["shape"]).astype(i["dtype"]) for i in inputs} for _ in range(n)]
-        return feeds, {"synthetic": True, "samples": n, "distribution": "uniform(-1, 1)", "seed": options.seed}
+        return synthetic(options, inputs)
     root = Path(options.calib)
     if not root.is_dir():
         raise UserError("compress.calib-not-found", f"{flag} {root}: not a directory",

@@ -141,9 +141,7 @@ def inspect_bundle(manifest, bundle: Path) -> str:
                        f"predicted {c['predicted_ms_before']:.3f} -> {c['predicted_ms_after']:.3f} ms")
         out += [f"            {line}" for line in edgetpu_mapping(m.edgetpu)]
     out += cpu_selection_summary(m.tuning.get("cpu_selection") or {})
-    if m.calibration:
-        out.append(f"calibration {'SYNTHETIC' if m.calibration.get('synthetic') else 'from ' + str(m.calibration.get('source'))}"
-                   f", {m.calibration.get('samples')} samples")
+    out += calibration_summary(m.calibration)
     out += pruning_summary(m.pruning)
     out += provenance_summary(m.provenance, m.bundle_version, m.signing)
     reference = "the pruned fp32 model" if m.pruning else "fp32"
@@ -160,6 +158,38 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     for w in m.warnings:
         out.append(f"warning     {w}")
     return "\n".join(out)
+
+
+def calibration_summary(c: dict[str, Any]) -> list[str]:
+    """Where the int8 ranges came from: real samples, or synthetic ones (each input's range and its source),
+    then said loudly that accuracy on real inputs is unknown; the method, and how many tensors each method
+    calibrated. The manifest's schema leaves `calibration` open: each value is shown only as what it is."""
+    if not c:
+        return []
+    inputs = c.get("inputs") if isinstance(c.get("inputs"), dict) else {}
+    if c.get("synthetic"):
+        drawn = "; ".join(f"{_text(k)}: [{_nums(r.get('low'))}, {_nums(r.get('high'))}] from {_text(r.get('source'))}"
+                          for k, r in inputs.items() if isinstance(r, dict))
+        out = [f"calibration SYNTHETIC, {_value(c.get('samples'))} samples" + (f" ({drawn})" if drawn else ""),
+               "            int8 accuracy on real inputs is UNKNOWN: " + _text(c.get("hint") or "give real inputs with --calib DIR")]
+    else:
+        out = [f"calibration from {_text(c.get('source'))}, {_value(c.get('samples'))} samples"]
+    methods = c.get("methods") if isinstance(c.get("methods"), dict) else {}
+    if c.get("method"):
+        counts = ", ".join(f"{_text(k)} {_value(v)}" for k, v in methods.items())
+        out.append(f"            method {_text(c.get('method'))}" + (f": tensors by method {counts}" if counts else ""))
+    return out
+
+
+def _value(v: Any) -> str:
+    """A number or text from an open part of the manifest as it is; anything else as '?'."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.4g}"
+    return _text(v)
+
+
+def _nums(v: Any) -> str:
+    return ":".join(_value(x) for x in v) if isinstance(v, list) else _value(v)
 
 
 def provenance_summary(p: dict[str, Any], bundle_version: int = 0, signing: dict[str, Any] | None = None) -> list[str]:

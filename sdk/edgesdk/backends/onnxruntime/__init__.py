@@ -46,6 +46,65 @@ def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
     return [dict(zip(names, sess.run(names, f))) for f in feeds]
 
 
+def _with_ranges(quantized: onnx.ModelProto, model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], method: str,
+                 percentile: float) -> tuple[onnx.ModelProto, dict]:
+    """`quantized` (QDQ) with each activation's QuantizeLinear scale and zero point set from the range
+    `method` gives its float values in `model` on `feeds` (auto: per tensor the method of least error on
+    them, `ir.calibrators.Errors`); and the record of the ranges. int8 over [a, b] (0 in it): scale
+    (b - a) / 255, zero point round(-128 - a / scale)."""
+    from onnx import numpy_helper
+
+    from ...ir import calibrators
+
+    inits = {i.name: i for i in quantized.graph.initializer}
+    uses: dict[str, int] = {}
+    for node in quantized.graph.node:
+        if node.op_type == "QuantizeLinear":
+            for name in node.input[1:3]:
+                uses[name] = uses.get(name, 0) + 1
+    # an activation's own scale and zero point (never one another tensor's QuantizeLinear shares)
+    q = {n.input[0]: n for n in quantized.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits
+         and len(n.input) == 3 and uses[n.input[1]] == 1 and uses[n.input[2]] == 1}
+    g = model.graph
+    # the float tensors they quantize (a graph output's QuantizeLinear reads a renamed copy of it)
+    in_float = {n for node in g.node for n in node.output} | {i.name for i in g.input}
+    names = sorted(n for n in q if n in in_float)
+    known = {vi.name: vi for vi in (*g.value_info, *g.input, *g.output)}
+    sess = session(model, outputs=[known.get(n) or onnx.helper.make_empty_tensor_value_info(n) for n in names])
+    seen: dict[str, tuple[float, float]] = {}
+    for f in feeds:
+        for name, x in zip(names, sess.run(names, f)):
+            lo, hi = seen.get(name, (np.inf, -np.inf))
+            seen[name] = (min(lo, float(np.min(x))), max(hi, float(np.max(x))))
+    hist = {n: calibrators.Histogram(*seen[n]) for n in names}
+    for f in feeds:
+        for name, x in zip(names, sess.run(names, f)):
+            hist[name].add(x)
+    found = {n: calibrators.ranges(h, percentile) for n, h in hist.items()}
+    if method == "auto":
+        errors = {n: calibrators.Errors(r) for n, r in found.items()}
+        for f in feeds:
+            for name, x in zip(names, sess.run(names, f)):
+                errors[name].add(x)
+        chosen = {n: e.least() for n, e in errors.items()}
+    else:
+        chosen = {n: method for n in names}
+    for name in names:
+        lo, hi = found[name][chosen[name]]
+        if hi <= lo:
+            continue
+        scale_init, zero_init = inits[q[name].input[1]], inits[q[name].input[2]]
+        zero_type = numpy_helper.to_array(zero_init).dtype
+        low = np.iinfo(zero_type).min
+        scale = np.float32((hi - lo) / 255.0)
+        zero = np.clip(np.round(low - lo / float(scale)), low, low + 255).astype(zero_type)
+        scale_init.CopyFrom(numpy_helper.from_array(np.asarray(scale, np.float32).reshape(
+            numpy_helper.to_array(scale_init).shape), scale_init.name))
+        zero_init.CopyFrom(numpy_helper.from_array(zero.reshape(numpy_helper.to_array(zero_init).shape), zero_init.name))
+    counts = {m: sum(1 for c in chosen.values() if c == m) for m in calibrators.METHODS}
+    return quantized, {"method": method, "tensors": len(names), "methods": {m: n for m, n in counts.items() if n}}
+
+
 def lowering_reason(node, shapes, consts) -> str | None:
     """onnxruntime runs every standard op; another domain's it does not know."""
     return None if not node.domain or node.domain == "ai.onnx" else f"onnxruntime has no kernel for domain {node.domain}"
@@ -87,7 +146,9 @@ ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the 
 def quantize_segment(job) -> dict:
     """The `onnxruntime-int8` backend's quantizer (`registry.QuantizeJob`): the segment as onnxruntime's
     own static int8 (QDQ, per-channel int8 weights, int8 activations: `quantize_static`) calibrated on
-    the job's samples by min-max or percentile ranges; and its accuracy against the float segment."""
+    the job's samples by min-max or percentile ranges (onnxruntime's calibrators), or by mse, entropy or
+    auto (`ir.calibrators`: each quantized activation's scale and zero point set from its range,
+    `_with_ranges`); and its accuracy against the float segment."""
     import tempfile
     from pathlib import Path
 
@@ -127,6 +188,10 @@ def quantize_segment(job) -> dict:
         finally:
             logging.disable(logging.NOTSET)
     quantized = onnx.load(str(out))
+    ranges: dict = {"method": job.method}
+    if job.method not in ("minmax", "percentile"):
+        quantized, ranges = _with_ranges(quantized, job.model, feeds, job.method, job.percentile)
+        onnx.save(quantized, str(out))
     got = run_many(quantized, feeds[:ACCURACY_SAMPLES], list(seg.outputs))
     want = job.samples[:ACCURACY_SAMPLES]
     shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
@@ -135,7 +200,7 @@ def quantize_segment(job) -> dict:
         return {"name": name, "shape": list(shapes[name]), "dtype": irm.dtype_name(types[name])}
 
     return {"artifact": artifact, "inputs": [spec(n) for n in seg.inputs], "outputs": [spec(n) for n in seg.outputs],
-            "format": "QDQ, per-channel int8 weights, int8 activations",
+            "format": "QDQ, per-channel int8 weights, int8 activations", "ranges": ranges,
             "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
                                   for o in seg.outputs}}
 

@@ -12,7 +12,7 @@ activations calibrated on the given feeds, int8 inputs and outputs).
     convert.py     TFLiteConverter: full int8 or mixed (`convert_int8`) or fp32 (`convert_float`)
     mixed.py       mixed precision for LiteRT on the CPU: the ops int8 hurts most kept float
     int8_ops.py    the builtin ops whose int8 input and output share one quantization (measured)
-    narrowing.py   percentile calibration: activation ranges narrowed from histograms
+    narrowing.py   activation ranges by a calibration method (percentile, mse, entropy, auto per tensor)
     flatbuffer.py  a .tflite's operators and op counts
     limits.py      what a conversion needs: the converter's memory, the FlatBuffer's 2 GiB
 

@@ -1,8 +1,8 @@
 """Conversion of a traced segment by `tf.lite.TFLiteConverter`: full int8, mixed precision, or fp32.
 
 int8 runs in the converter's own two steps (calibrate, then quantize from the calibrated ranges);
-between them the percentile method narrows each range (narrowing.py), and the second step may keep
-some ops float (mixed.py: for LiteRT on the CPU, never for the Edge TPU).
+between them a calibration method other than min-max chooses each range (narrowing.py), and the
+second step may keep some ops float (mixed.py: for LiteRT on the CPU, never for the Edge TPU).
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ import numpy as np
 import onnx
 
 from ...errors import UserError
+from ...ir import calibrators
+from ...ir.calibrators import METHODS
 from ...ir.memory import available_bytes, shown
 from ...runtime.manifest import QuantParams, TensorSpec
 from .limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
                      FLATBUFFER_LIMIT)
 from . import mixed as mixed_precision
 from .flatbuffer import op_counts
-from .narrowing import _narrow_to_percentile
+from . import narrowing
 from .trace import _Lowered, _lower, _to_tf_layout
 
 
@@ -41,16 +43,17 @@ class TfliteResult:
     op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
     ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
     mixed: mixed_precision.Mixed | None = None  # the ops kept float, where a target or a list was given
+    # with method auto and an `alternatives_dir`: each candidate of `_auto` written whole, by label
+    alternatives: dict[str, tuple[Path, "TfliteResult"]] = field(default_factory=dict)
 
 
-CALIBRATION_METHODS = ("minmax", "percentile")
-
+CALIBRATION_METHODS = (*METHODS, "auto")
 
 
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
                  method: str = "minmax", percentile: float = 99.99, target: Any = None,
                  keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
-                 log: Any = None, cpu: bool = False) -> TfliteResult:
+                 log: Any = None, cpu: bool = False, alternatives_dir: Path | None = None) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
@@ -61,11 +64,15 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     the target on the calibration feeds (mixed.search; `log` hears its progress).
     `cpu`: for LiteRT on the CPU, which also takes the ops the Edge TPU lacks (`CPU_LOWERINGS`).
 
-    `method` chooses each activation's range: "minmax", the smallest and largest value seen (the
-    converter's own calibration); "percentile", the `percentile`-th and (100 - `percentile`)-th
-    percentiles of the values seen (from a 2,048-bin histogram over the min-max range, rounded
-    outwards to a bin edge), so that rare outliers do not widen the quantization step of
-    everything else. Weights are per-channel in both.
+    `method` chooses each activation's range (`ir.calibrators`): "minmax", the smallest and largest
+    value seen (the converter's own calibration); "percentile", the `percentile`-th and
+    (100 - `percentile`)-th percentiles of the values seen; "mse", the range of least squared error of
+    the values through int8; "entropy", TensorRT's KL calibration; "auto", per tensor the method of
+    least measured error, kept where the segment's outputs are nearer float than with any one method
+    for every tensor (`_auto`; `log` hears its choice). Weights are per-channel in all. With "auto" and
+    `alternatives_dir` (full int8 only), every candidate `_auto` weighed is written there too
+    (`<out_path's stem>.<label>.tflite`), so that a caller may weigh them by more than this segment's
+    outputs (the compress stage: the whole model's).
     Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
     if method not in CALIBRATION_METHODS:
         raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
@@ -79,7 +86,11 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     if not samples:
         raise UserError("compress.no-calibration", "int8 conversion needs at least one calibration sample",
                         "give calibration inputs (--calibration DIR) or let the build use random ones")
-    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile)
+    weighed: dict[str, bytes] | None = {} if alternatives_dir is not None and keep_float is None and target is None \
+        else None
+    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed)
+    if log is not None and "auto" in ranges:
+        log(describe_auto(ranges))
     found = None
     if keep_float is not None:
         model_bytes = quantize(tuple(keep_float))
@@ -93,7 +104,14 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     else:
         model_bytes = quantize(())
     result = _finish(lowered, model_bytes, Path(out_path))
-    return dataclasses.replace(result, ranges=ranges, mixed=found)
+    written: dict[int, tuple[Path, TfliteResult]] = {}
+    alternatives = {}
+    for label, candidate in (weighed or {}).items():
+        if id(candidate) not in written:  # candidates of the same ranges are one model, written once
+            path = Path(alternatives_dir) / f"{Path(out_path).stem}.{label.replace(' ', '-')}.tflite"
+            written[id(candidate)] = (path, _finish(lowered, candidate, path))
+        alternatives[label] = written[id(candidate)]
+    return dataclasses.replace(result, ranges=ranges, mixed=found, alternatives=alternatives)
 
 
 def convert_float(model: onnx.ModelProto, out_path: Path, *, cpu: bool = False) -> TfliteResult:
@@ -259,25 +277,52 @@ def _quiet(call: Any, *args: Any) -> Any:
             raise
 
 
-def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float
-               ) -> tuple[bytes, dict[str, Any], Any]:
-    """The converter's first int8 step: a float model whose activation tensors carry the min and max
-    seen (the percentile method narrows each range), how the ranges were chosen, and the second step
-    as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax" the
-    converter's own one-step conversion (tested)."""
-    import tensorflow as tf
-    from tensorflow.lite.python import convert
-    from tensorflow.lite.tools import flatbuffer_utils
-
+def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float,
+               alternatives: dict[str, bytes] | None = None) -> tuple[bytes, dict[str, Any], Any]:
+    """The converter's first int8 step: a float model whose activation tensors carry the range each
+    is quantized over (min-max, or the method's: narrowing.py), how the ranges were chosen, and the
+    second step as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax"
+    the converter's own one-step conversion (tested). A tensor whose range is one value on every sample
+    is widened first (narrowing.widen_degenerate). With "auto", `alternatives` (where given) receives
+    every candidate's full-int8 model, by label."""
     with _converter(lowered, samples) as converter:
         converter._experimental_calibrate_only = True  # pylint: disable=protected-access
         calibrated = converter.convert()
-    ranges: dict[str, Any] = {"method": method}
-    if method == "percentile":
-        graph = flatbuffer_utils.convert_bytearray_to_object(calibrated)
-        ranges.update(_narrow_to_percentile(graph, calibrated, lowered, samples, percentile))
-        calibrated = bytes(flatbuffer_utils.convert_object_to_bytearray(graph))
     per_channel_off = converter._experimental_disable_per_channel  # pylint: disable=protected-access
+    calibrated, widened = narrowing.widen_degenerate(calibrated)
+    ranges: dict[str, Any] = {"method": method}
+    if method == "minmax":
+        count = _calibrated_tensors(calibrated)
+        ranges.update(tensors=count, methods={"minmax": count})
+    else:
+        found = narrowing.measure(calibrated, lowered, samples, percentile, errors=method == "auto")
+        if method == "auto":
+            assigned, ranges["auto"] = _auto(found, calibrated, lowered, samples, per_channel_off, alternatives)
+        else:
+            assigned = narrowing.assign(found, method)
+        calibrated = narrowing.with_ranges(calibrated, assigned)
+        ranges.update(narrowing.summary(found, assigned, percentile))
+    if widened:
+        ranges["widened"] = widened
+    return calibrated, ranges, _quantizer(calibrated, per_channel_off)
+
+
+def _calibrated_tensors(model: bytes) -> int:
+    """How many tensors of `model` carry a calibrated range (one min and max)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    graph = schema.Model.GetRootAsModel(model, 0).Subgraphs(0)
+    count = 0
+    for i in range(graph.TensorsLength()):
+        q = graph.Tensors(i).Quantization()
+        count += q is not None and q.MinLength() == 1
+    return count
+
+
+def _quantizer(calibrated: bytes, per_channel_off: bool) -> Callable[[tuple[str, ...]], bytes]:
+    """The converter's second int8 step on `calibrated`, as a function of the ops to keep float."""
+    import tensorflow as tf
+    from tensorflow.lite.python import convert
 
     def quantize(keep_float: tuple[str, ...]) -> bytes:
         # the converter's own second step, with the arguments its one-step path passes. A mixed model
@@ -288,7 +333,53 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
                                    output_data_type=io, denylisted_nodes=list(keep_float) or None))
         return _only_if(_has_equal_buffers, convert.deduplicate_readonly_buffers)(quantized)
 
-    return calibrated, ranges, quantize
+    return quantize
+
+
+AUTO_SAMPLES = 16  # calibration samples on which `auto` compares the whole segment's outputs
+PER_TENSOR = "per tensor"  # auto's own assignment, among its candidates
+
+
+def _auto(found: narrowing.Measured, calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]],
+          per_channel_off: bool, alternatives: dict[str, bytes] | None = None) -> tuple[dict, dict[str, Any]]:
+    """`auto`: each tensor the method of least error on its own values (narrowing.assign); then that
+    assignment and each method alone are quantized whole, and the one whose outputs are nearest the
+    float segment's on the calibration samples is kept (a tensor's own error does not see how it
+    propagates: a range good for a tensor may still cost an output more than another method's). The
+    outputs' error: per output, the squared error over the squared deviation of the float values from
+    their mean, averaged over the outputs; ties go to the earlier candidate, the per-tensor one first.
+    `alternatives` (where given) receives each candidate's model (one object for candidates alike)."""
+    shown = samples[:AUTO_SAMPLES]
+    reference = _outputs(lowered, calibrated, shown)
+    candidates = {PER_TENSOR: narrowing.assign(found, "auto"), **{m: narrowing.assign(found, m) for m in METHODS}}
+    writer = narrowing.Ranges(calibrated)
+    figures: dict[str, float] = {}
+    done: dict[tuple, str] = {}
+    for label, assigned in candidates.items():
+        key = tuple(sorted((i, r) for i, (_, r) in assigned.items()))
+        if key in done:  # the same ranges: the same model
+            figures[label] = figures[done[key]]
+            if alternatives is not None:
+                alternatives[label] = alternatives[done[key]]
+            continue
+        done[key] = label
+        model = _quantizer(writer.model(assigned), per_channel_off)(())
+        figures[label] = calibrators.output_error(_outputs(lowered, model, shown), reference)
+        if alternatives is not None:
+            alternatives[label] = model
+    order = list(candidates)
+    chosen = min(order, key=lambda k: (figures[k], order.index(k)))
+    return candidates[chosen], {"chosen": chosen, "output_error": {k: float(f"{v:.6g}") for k, v in figures.items()},
+                                "samples": len(shown), "measure": calibrators.OUTPUT_ERROR}
+
+
+def describe_auto(ranges: dict[str, Any]) -> str:
+    """One line of what `auto` chose: the methods per tensor, and the outputs' error of each candidate."""
+    auto = ranges["auto"]
+    methods = ", ".join(f"{m} {n}" for m, n in ranges.get("methods", {}).items())
+    chosen = f"per tensor ({methods})" if auto["chosen"] == PER_TENSOR else f"{auto['chosen']} for every tensor"
+    return (f"calibration auto: {chosen}; output error " + ", ".join(f"{k} {v:.3g}" for k, v in auto["output_error"].items())
+            + f" on {auto['samples']} calibration samples")
 
 
 def _outputs(lowered: _Lowered, model: bytes, samples: list[list[np.ndarray]]) -> list[dict[str, np.ndarray]]:

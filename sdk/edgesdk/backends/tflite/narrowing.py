@@ -1,58 +1,192 @@
-"""Percentile calibration: activation ranges narrowed to percentiles of the values seen.
+"""Activation ranges chosen by a calibration method between the converter's two int8 steps.
 
-The converter's calibration keeps each activation's min and max; a rare outlier then widens the
-int8 step of every other value. Here each range becomes the `percentile`-th and
-(100 - `percentile`)-th percentiles of a 2,048-bin histogram over the min-max range.
+The converter's calibration keeps each activation's min and max; a rare outlier then widens the int8
+step of every other value. Here the float model runs on the calibration samples again (LiteRT, every
+tensor kept), each calibrated activation's values are binned over its min-max range, and its range
+becomes the one `ir.calibrators` gives for the method (percentile, mse, entropy). With "auto", a second
+run measures the error of each tensor's values read back through int8 over each method's range, and
+each tensor takes the method of least error (`assign`).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 
+from ...ir import calibrators
+from ...ir.calibrators import METHODS, Errors, Histogram, Range
 from .trace import _Lowered
 
-_HISTOGRAM_BINS = 2048
+
+@dataclass
+class Measured:
+    """What the calibration samples showed of each calibrated activation (by tensor index): its name,
+    the min-max range the converter saw, each method's range, and with `errors` (for "auto") each
+    method's error on the values."""
+
+    names: dict[int, str]
+    seen: dict[int, Range]
+    ranges: dict[int, dict[str, Range]]
+    errors: dict[int, Errors] | None = None
 
 
-def _narrow_to_percentile(model: Any, calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]],
-                          percentile: float) -> dict[str, Any]:
-    """Replace the min/max of every calibrated activation in `model` (the flatbuffer's object form)
-    by percentiles of the values the float model computes on `samples`."""
+def measure(calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]], percentile: float,
+            errors: bool = False) -> Measured:
+    """Each calibrated activation's range by every method, from the float model (`calibrated`, the
+    converter's first step) run on `samples`; with `errors`, each method's error measured by a second run."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    graph = flatbuffer_utils.convert_bytearray_to_object(calibrated).subgraphs[0]
+    seen = {i: (float(t.quantization.min[0]), float(t.quantization.max[0])) for i, t in enumerate(graph.tensors)
+            if t.quantization is not None and t.quantization.min is not None and len(t.quantization.min) == 1}
+    names = {i: _name(graph.tensors[i].name) for i in seen}
+    hist = {i: Histogram(lo, hi) for i, (lo, hi) in seen.items()}
+    for values in _activations(calibrated, lowered, samples, list(seen)):
+        for i, x in values.items():
+            hist[i].add(x)
+    found = Measured(names, seen, {i: calibrators.ranges(h, percentile) for i, h in hist.items()})
+    if errors:
+        found.errors = {i: Errors(r) for i, r in found.ranges.items()}
+        for values in _activations(calibrated, lowered, samples, list(seen)):
+            for i, x in values.items():
+                found.errors[i].add(x)
+    return found
+
+
+def _name(name: Any) -> str:
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+def _activations(calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]], tensors: list[int]
+                 ) -> Iterator[dict[int, np.ndarray]]:
+    """Per sample, the float values of `tensors` (LiteRT, every tensor kept)."""
     from ai_edge_litert.interpreter import Interpreter
 
-    graph = model.subgraphs[0]
-    stats = {i: (float(t.quantization.min[0]), float(t.quantization.max[0])) for i, t in enumerate(graph.tensors)
-             if t.quantization is not None and t.quantization.min is not None and len(t.quantization.min) == 1}
     with warnings.catch_warnings():  # "for debugging only": reading every activation is the point here
         warnings.simplefilter("ignore")
         interpreter = Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
     runner = interpreter.get_signature_runner()
     keys = [spec.key for spec in lowered.inputs]
-    hist = {i: np.zeros(_HISTOGRAM_BINS, np.int64) for i in stats}
     for sample in samples:
         runner(**dict(zip(keys, sample)))
-        for i, (lo, hi) in stats.items():
-            if hi > lo:
-                hist[i] += np.histogram(interpreter.get_tensor(i), _HISTOGRAM_BINS, (lo, hi))[0]
-    tail = (100.0 - percentile) / 100.0
-    kept = []
-    for i, (lo, hi) in stats.items():
-        counts = hist[i]
-        if hi <= lo or not counts.sum():
-            continue
-        cdf = np.cumsum(counts) / counts.sum()
-        edges = np.linspace(lo, hi, _HISTOGRAM_BINS + 1)
-        # outwards to bin edges: the first bin whose cumulative share passes the lower tail, the
-        # last bin still holding values inside the upper one
-        new_lo = float(edges[int(np.searchsorted(cdf, tail, side="right"))])
-        new_hi = float(edges[int(np.searchsorted(cdf, 1.0 - tail, side="left")) + 1])
-        new_lo, new_hi = max(new_lo, lo), min(new_hi, hi)
-        if new_hi > new_lo:
-            graph.tensors[i].quantization.min = [new_lo]
-            graph.tensors[i].quantization.max = [new_hi]
-            kept.append((new_hi - new_lo) / (hi - lo))
-    return {"percentile": percentile, "tensors": len(stats), "narrowed": int(sum(k < 1.0 for k in kept)),
-            "median_range_kept": round(float(np.median(kept)), 4) if kept else 1.0}
+        yield {i: interpreter.get_tensor(i) for i in tensors}
+
+
+def assign(found: Measured, method: str) -> dict[int, tuple[str, Range]]:
+    """Each activation's method and range: `method`'s, or with "auto" the method of least measured error."""
+    if method == "auto":
+        if found.errors is None:
+            raise ValueError("auto needs the errors measured (measure(..., errors=True))")
+        return {i: (e.least(), found.ranges[i][e.least()]) for i, e in found.errors.items()}
+    return {i: (method, r[method]) for i, r in found.ranges.items()}
+
+
+def with_ranges(calibrated: bytes, assigned: dict[int, tuple[str, Range]]) -> bytes:
+    """The calibrated model with each activation's min and max replaced by its assigned range."""
+    return Ranges(calibrated).model(assigned)
+
+
+class Ranges:
+    """The calibrated model in object form (made once: it is most of the cost), written out with one
+    assignment of ranges after another."""
+
+    def __init__(self, calibrated: bytes):
+        from tensorflow.lite.tools import flatbuffer_utils
+
+        self._model = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+
+    def model(self, assigned: dict[int, tuple[str, Range]]) -> bytes:
+        from tensorflow.lite.tools import flatbuffer_utils
+
+        tensors = self._model.subgraphs[0].tensors
+        for i, (_, (lo, hi)) in assigned.items():
+            tensors[i].quantization.min = [lo]
+            tensors[i].quantization.max = [hi]
+        return bytes(flatbuffer_utils.convert_object_to_bytearray(self._model))
+
+
+DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor constant on every sample) is widened
+
+
+def widen_degenerate(calibrated: bytes) -> tuple[bytes, list[str]]:
+    """The calibrated model with every activation whose range is (about) one value on the calibration samples
+    (a ReLU no sample lights up) given a range as wide as its producing op's first calibrated input, about
+    its value and holding 0 (the int8 step it had, about 1e-8, made the kernels refuse the model: XNNPACK
+    takes no output step that much finer than its input's); and the tensors widened, by name."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    graph = schema.Model.GetRootAsModel(calibrated, 0).Subgraphs(0)
+
+    def span(i: int) -> float | None:
+        q = graph.Tensors(i).Quantization()
+        return None if q is None or q.MinLength() != 1 else float(q.Max(0) - q.Min(0))
+
+    narrow = [i for i in range(graph.TensorsLength()) if (span(i) is not None and span(i) < DEGENERATE_SPAN)]
+    if not narrow:
+        return calibrated, []
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+    g = model.subgraphs[0]
+    producer = {int(o): op for op in g.operators for o in (op.outputs if op.outputs is not None else [])}
+    widened = []
+    for i in narrow:
+        inputs = [int(t) for t in (producer[i].inputs if i in producer and producer[i].inputs is not None else [])
+                  if t >= 0 and span(int(t)) is not None and span(int(t)) >= DEGENERATE_SPAN]
+        width = span(inputs[0]) if inputs else 1.0
+        q = g.tensors[i].quantization
+        value = float(q.min[0])
+        lo, hi = calibrators.with_zero(value - width / 2, value + width / 2)
+        q.min, q.max = [lo], [hi]
+        widened.append(_name(g.tensors[i].name))
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), widened
+
+
+def summary(found: Measured, assigned: dict[int, tuple[str, Range]], percentile: float) -> dict[str, Any]:
+    """The record of the ranges chosen: how many tensors, how many narrowed, the median share of its
+    min-max range a tensor keeps, the count per method; with errors measured, `per_tensor`: each tensor's
+    method and range, the min-max range seen, every method's range, the method of least error on its
+    values (`least`, what auto's per-tensor candidate takes) and the error (the root mean square of its
+    values' error through int8, as a share of its min-max range) by every method."""
+    out: dict[str, Any] = {"tensors": len(assigned), **kept({i: r for i, (_, r) in assigned.items()}, found.seen),
+                           "methods": counts(m for m, _ in assigned.values())}
+    if "percentile" in out["methods"]:
+        out["percentile"] = percentile
+    if found.errors is not None:
+        out["per_tensor"] = [_tensor_record(found, i, method, r) for i, (method, r) in sorted(assigned.items())]
+    return out
+
+
+def kept(ranges: dict, seen: dict) -> dict[str, Any]:
+    """How many of `ranges` are narrower than the min-max range `seen` (both by tensor), and the median
+    share of it they keep."""
+    shares = []
+    for i, (lo, hi) in ranges.items():
+        full = calibrators.with_zero(*seen[i])
+        if full[1] > full[0]:
+            shares.append((hi - lo) / (full[1] - full[0]))
+    return {"narrowed": int(sum(k < 1.0 for k in shares)),
+            "median_range_kept": round(float(np.median(shares)), 4) if shares else 1.0}
+
+
+def counts(methods) -> dict[str, int]:
+    """How many tensors each method calibrated, in METHODS order, those of none left out."""
+    methods = list(methods)
+    return {m: n for m in METHODS if (n := methods.count(m))}
+
+
+def _tensor_record(found: Measured, i: int, method: str, r: Range) -> dict[str, Any]:
+    lo, hi = calibrators.with_zero(*found.seen[i])
+    span = (hi - lo) or 1.0
+    errors = found.errors[i]
+    return {"tensor": found.names[i], "method": method, "range": [_round(r[0]), _round(r[1])],
+            "least": errors.least(), "error": {m: _round(errors.rms(m) / span) for m in METHODS},
+            "seen": [_round(found.seen[i][0]), _round(found.seen[i][1])],
+            "ranges": {m: [_round(a), _round(b)] for m, (a, b) in found.ranges[i].items()}}
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")

@@ -36,18 +36,32 @@ def quantize_segment(job: QuantizeJob, *, cpu: bool = False) -> dict:
     reference = [{k: s[k] for k in seg.outputs} for s in job.samples]
     result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile,
                           target=job.target, keep_float=job.keep_float, reference=reference,
-                          log=lambda line: job.log(f"{stage}: {seg.id}: {line}"), cpu=cpu)
-    runner = tflite_runner.open_runner(job.out_dir.parent, Segment(
-        id=seg.id, device="cpu", backend="tflite", artifact=artifact, fallback_artifact=artifact,
-        inputs=result.inputs, outputs=result.outputs), None)
-    got = [runner.run(f) for f in feeds[:ACCURACY_SAMPLES]]
+                          log=lambda line: job.log(f"{stage}: {seg.id}: {line}"), cpu=cpu,
+                          alternatives_dir=job.out_dir if job.alternatives else None)
     want = job.samples[:ACCURACY_SAMPLES]
+
+    measured: dict[str, dict] = {}
+
+    def accuracy(artifact: str, result) -> dict:
+        if artifact in measured:  # candidates of the same ranges share one file
+            return measured[artifact]
+        runner = tflite_runner.open_runner(job.out_dir.parent, Segment(
+            id=seg.id, device="cpu", backend="tflite", artifact=artifact, fallback_artifact=artifact,
+            inputs=result.inputs, outputs=result.outputs), None)
+        got = [runner.run(f) for f in feeds[:ACCURACY_SAMPLES]]
+        measured[artifact] = {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
+                              for o in seg.outputs}
+        return measured[artifact]
+
+    alternatives = {label: {"artifact": f"segments/{path.name}", "inputs": [_spec(t) for t in r.inputs],
+                            "outputs": [_spec(t) for t in r.outputs], "accuracy_vs_float": accuracy(f"segments/{path.name}", r)}
+                    for label, (path, r) in result.alternatives.items()}
     return {"artifact": artifact,
             "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
             "tflite_ops": result.op_counts, "ranges": result.ranges,
             **({"mixed": result.mixed.record()} if result.mixed is not None else {}),
-            "accuracy_vs_float": {o: compare(np.stack([g[o] for g in got]), np.stack([w[o] for w in want]))
-                                  for o in seg.outputs}}
+            **({"alternatives": alternatives} if alternatives else {}),
+            "accuracy_vs_float": accuracy(artifact, result)}
 
 
 def quantize_cpu_segment(job: QuantizeJob) -> dict:

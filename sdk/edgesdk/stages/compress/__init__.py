@@ -9,12 +9,17 @@ Calibration: `--calib DIR` holds `.npy` files (one sample shaped like the model'
 of samples along a new first axis) for a single-input model, or `.npz` files with one array per
 input name, or images for a model with one image input (`--calib-preprocess` states how pixels
 become inputs: ir/calibration.py). The float model runs on them with onnxruntime to get each
-segment's own inputs. With no `--calib`, synthetic samples (uniform in [-1, 1], seeded) are used,
-and the build says so in its output and in the manifest: int8 ranges then do not reflect real data.
+segment's own inputs. With no `--calib`, synthetic samples (seeded) are used, each input uniform over
+its range: `--input-range`, else the range `--calib-preprocess` gives 8-bit pixels, else the one the
+model states (metadata, an index input's table), else [-1, 1] (ir/calibration.py `input_ranges`); the
+build warns that int8 accuracy on real inputs is unknown, and the manifest's `calibration` says so.
 
-`--calib-method minmax` (the default) takes each activation's range from the smallest and largest
-value seen; `percentile` from the `--calib-percentile` (99.99) percentiles, clipping rare outliers
-(backends/tflite/narrowing.py). The method goes into `compress.json` and the manifest's `calibration`.
+`--calib-method` chooses each activation's range (ir/calibrators.py, backends/tflite/narrowing.py):
+`minmax` (the smallest and largest value seen), `percentile` (the `--calib-percentile` percentiles),
+`mse` (least squared error through int8), `entropy` (TensorRT's KL), or `auto` (the default with
+`--calib` data; minmax without), per tensor the method of least measured error. `compress.json` records
+each segment's ranges (with auto, each tensor's method and error by every method) and the manifest's
+`calibration` the method and how many tensors each method calibrated (`methods`).
 
 Pruning (`--prune METHOD`, `--prune-layers`, `--prune-plan`, `--prune-correct`, `--eval`; compression/): the
 layers the tune stage's plan names (`prune_plan.json`, the one file of that stage this one reads: by default
@@ -48,14 +53,15 @@ from ...compression import correct_weights, fidelity
 from ...compression.fidelity import accuracy
 from ...errors import UserError
 from ...ir import model as irm
-from ...ir.calibration import LABELS, load_calibration, load_labelled
+from ...ir.calibration import LABELS, load_calibration, load_labelled, synthetic_warnings
 from ...ir.digest import tree_sha256
 from ...ir.memory import give_back
 from ...scheduling.plan import Plan
 from ...scheduling.selection import held_out_split
+from . import auto
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
-OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "seed",
+OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "input_ranges", "seed",
            "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data", "task")
 PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -83,15 +89,18 @@ def run(artifact: Path, ctx) -> dict:
         return {"int8_segments": 0}
 
     samples, calib_info = load_calibration(ctx.options, io["inputs"])
-    calib_info = {**calib_info, "method": ctx.options.calib_method}
-    if ctx.options.calib_method == "percentile":
+    method = ctx.options.calibration_method()
+    calib_info = {**calib_info, "method": method}
+    if method in ("percentile", "auto"):
         calib_info["percentile"] = ctx.options.calib_percentile
     record["calibration"] = calib_info
     if calib_info["synthetic"]:
-        ctx.warn(f"no --calib data: int8 ranges come from {len(samples)} synthetic samples (uniform in [-1, 1]); "
-                 "accuracy on real inputs may be worse" if quantized else
-                 f"no --calib data: the pruned model's fidelity is measured on {len(samples)} synthetic samples "
-                 "(uniform in [-1, 1]); give real inputs with --calib")
+        for line in synthetic_warnings(calib_info, len(samples), "int8 ranges are calibrated" if quantized else
+                                       "the pruned model's fidelity is measured"):
+            ctx.warn(line)
+    elif ctx.options.input_ranges:
+        ctx.warn("--input-range shapes synthetic calibration samples only: with --calib the samples are real, and "
+                 f"the ranges given ({', '.join(sorted(ctx.options.input_ranges))}) are not used")
 
     full = irm.read(sched / "model.onnx")
     if prunes:
@@ -99,11 +108,13 @@ def run(artifact: Path, ctx) -> dict:
     if not quantized:
         (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
         return {"int8_segments": 0, "pruning": _summary(record["pruning"])}
-    wanted = sorted({t for s in quantized for t in s.inputs + s.outputs})
+    # and the model's outputs, which auto's candidates are weighed by (auto.py)
+    wanted = sorted({t for s in quantized for t in s.inputs + s.outputs} | set(plan.outputs))
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = ort_backend.run_many(full, samples, wanted)  # one session: each holds the weights once more
     del full  # each segment is read from its own file: the whole model is not held while TensorFlow converts
     give_back()  # and what the session freed goes back before the converter runs
+    inputs = samples  # the model's: `samples` is each segment's own below
     for seg in quantized:
         if seg.same_as:
             continue
@@ -117,7 +128,7 @@ def run(artifact: Path, ctx) -> dict:
                     f"weights): calibrated on {len(samples)} samples of their inputs")
         entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
             segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
-            method=ctx.options.calib_method, percentile=ctx.options.calib_percentile, log=ctx.log))
+            method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto"))
         record["segments"][seg.id] = entry
         for u in uses[1:]:
             rename = dict(zip(names, u.inputs + u.outputs))
@@ -127,6 +138,12 @@ def run(artifact: Path, ctx) -> dict:
                                         "accuracy_vs_float": {rename[o]: a for o, a in entry["accuracy_vs_float"].items()}}
         worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
+    if method == "auto":
+        chosen = auto.choose(plan, sched, ctx.out, record["segments"], inputs,
+                             [{o: a[o] for o in plan.outputs} for a in acts], ctx.log)
+        if chosen is not None:
+            calib_info["auto"] = chosen
+    calib_info["methods"] = method_counts(record["segments"])
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
     out = {"int8_segments": len(quantized), "calibration": calib_info,
            "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
@@ -207,6 +224,20 @@ def _accuracy(dense: onnx.ModelProto, pruned: onnx.ModelProto, corrected: onnx.M
             + (f", corrected {top1['corrected']:.2%}" if corrected is not None else "")
             + f" ({(top1[final] - top1['dense']) * 100:+.2f} points)")
     return {**got, "samples": info["samples"], "source": info["source"]}
+
+
+def method_counts(segments: dict) -> dict[str, int]:
+    """How many activations each calibration method chose, over the segments quantized (a segment that
+    stands for others counted once): the manifest's calibration summary."""
+    counts: dict[str, int] = {}
+    for entry in segments.values():
+        if entry.get("same_as"):
+            continue
+        ranges = entry.get("ranges") or {}
+        for m, n in (ranges.get("methods") or {ranges.get("method", "minmax"): ranges.get("tensors")}).items():
+            if n:
+                counts[m] = counts.get(m, 0) + n
+    return counts
 
 
 def _summary(entry: dict) -> dict:

@@ -31,7 +31,8 @@ from ...ir import model as irm
 from ...ir.digest import tree_sha256
 from ...legalization.legalize import legalize
 
-OPTIONS = ("max_abs_error", "max_error_lsb", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess", "seed")
+OPTIONS = ("max_abs_error", "max_error_lsb", "allow_cpu_fallback", "legalize_rewrites", "calib", "calib_samples", "calib_preprocess",
+           "input_ranges", "seed")
 READS = ("import",)  # the earlier stages whose outputs it reads (its cache key covers them)
 
 

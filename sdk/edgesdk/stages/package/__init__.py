@@ -24,7 +24,8 @@ from ...ir.digest import file_sha256, tree_sha256
 
 # the golden inputs and the provenance's calibration digest come from the calibration samples; the task
 # figures (the manifest's accuracy.task) from the --eval samples
-OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed", "eval_data", "task", "decoder", "task_options")
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "input_ranges", "seed", "eval_data", "task", "decoder",
+           "task_options")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 

@@ -47,14 +47,15 @@ from ...config import HOST
 from ...errors import UsageError, UserError
 from ...ir import model as irm
 from .. import memory as build_memory
-from ...ir.calibration import load_calibration
+from ...ir.calibration import load_calibration, synthetic_warnings
 from ...ir.digest import file_sha256, tree_sha256
 from ...scheduling import boards as on_boards
 from ...scheduling import selection
 from ...scheduling.plan import Plan
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
-           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "prune", "prune_layers",
+           "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "input_ranges", "prune",
+           "prune_layers",
            "sparse_kernels", "prune_plan", "latency_budget", "low_memory")
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 TIMING_CACHE = "timing.json"  # in the database: the CPU candidates' measured times
@@ -338,8 +339,9 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
     if precision == "int8" and reads and calib_info.get("synthetic"):
-        ctx.warn(f"--cpu-precision int8 with no --calib data: int8 candidates are calibrated and gated on "
-                 f"{len(samples)} synthetic samples (uniform in [-1, 1]); give real inputs with --calib")
+        for line in synthetic_warnings(calib_info, len(samples), "--cpu-precision int8 candidates are calibrated "
+                                       "and gated"):
+            ctx.warn(line)
     board = None
     if boards is not None and why is not None and reads:  # timed on a board where it runs edgesdk's server
         try:
@@ -352,14 +354,15 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         plan, model, _loader(artifact, pruned), ctx.target, samples, allowed=allowed,
         tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
-        calib_method=ctx.options.calib_method, calib_percentile=ctx.options.calib_percentile, int8_dir=ctx.out / "int8",
+        calib_method=ctx.options.calibration_method(), calib_percentile=ctx.options.calib_percentile,
+        int8_dir=ctx.out / "int8",
         boards=boards if board is not None else None, board=board, only=only)
     if layers:  # the segments re-cut from the pruned model get their dense weights back
         selected = dataclasses.replace(selected, models={k: pruning.apply(m, dense, layers)
                                                          for k, m in selected.models.items()})
     if selected.quantized:
-        calib_info = {**calib_info, "method": ctx.options.calib_method}
-        if ctx.options.calib_method == "percentile":
+        calib_info = {**calib_info, "method": ctx.options.calibration_method()}
+        if calib_info["method"] in ("percentile", "auto"):
             calib_info["percentile"] = ctx.options.calib_percentile
         selected = dataclasses.replace(selected, calibration=calib_info)
     return selected

@@ -1,0 +1,125 @@
+"""`--calib-method auto` weighed by the whole model: which calibration candidate every int8 segment takes.
+
+Each segment's quantizer weighs its candidates (each tensor its method of least error, or one method for
+every tensor) by that segment's own outputs against the float segment's, on the float segment's inputs
+(backends/tflite/convert.py `_auto`). A model cut into several int8 segments, with float ones between,
+adds their errors up, and a choice that is best for each segment alone need not be best for the outputs:
+so each candidate is also run for every segment at once, the segments chained as the plan runs them (the
+int8 ones by LiteRT, the others float by onnxruntime), on the calibration samples, and the one whose model
+outputs are nearest the float model's (`ir.calibrators.output_error`) is kept; `per segment` (each
+segment its own choice) is one of them, and wins ties.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ...backends import onnxruntime as ort_backend
+from ...ir import calibrators
+from ...ir import model as irm
+from ...runtime.manifest import Segment, tensor_from_dict
+
+PER_SEGMENT = "per segment"
+SAMPLES = 16  # calibration samples the candidates are run end to end on
+
+
+def choose(plan, scheduled: Path, out: Path, entries: dict[str, dict], samples: list[dict], reference: list[dict],
+           log) -> dict | None:
+    """The candidate kept for every int8 segment (the record of the choice), with `entries` (the compress
+    stage's records, by segment id) and their artifacts under `out` rewritten to it and the other
+    candidates' files removed; None where no segment weighed candidates. `samples`: the model's inputs,
+    `reference`: its float outputs on them."""
+    weighed = [e for e in entries.values() if "alternatives" in e and not e.get("same_as")]
+    if not weighed:
+        return None
+    labels = [PER_SEGMENT, *weighed[0]["alternatives"]]
+    shown = samples[:SAMPLES]
+    figures = {}
+    for label in labels:
+        got = run(plan, scheduled, out, {k: _candidate(e, label, entries) for k, e in entries.items()}, shown)
+        figures[label] = calibrators.output_error(got, reference[:len(shown)])
+    chosen = min(labels, key=lambda k: (figures[k], labels.index(k)))
+    _apply(entries, chosen, out)
+    shown_figures = {k: float(f"{v:.6g}") for k, v in figures.items()}
+    log(f"compress: calibration auto, the whole model: {chosen} (output error "
+        + ", ".join(f"{k} {v:.3g}" for k, v in shown_figures.items()) + f" on {len(shown)} calibration samples)")
+    return {"chosen": chosen, "output_error": shown_figures, "samples": len(shown), "measure": calibrators.OUTPUT_ERROR}
+
+
+def _candidate(entry: dict, label: str, entries: dict[str, dict]) -> dict:
+    """A segment's artifact and tensor specs under candidate `label` (a shared segment: its source's, with
+    its own tensor names; a segment whose backend weighed no candidates: its own model)."""
+    source = entries[entry["same_as"]] if entry.get("same_as") else entry
+    chosen = source.get("alternatives", {}).get(label, source)
+    if not entry.get("same_as"):
+        return chosen
+    rename = {t["name"]: u["name"] for k in ("inputs", "outputs") for t, u in zip(source[k], entry[k])}
+    return {**chosen, **{k: [{**t, "name": rename[t["name"]]} for t in chosen[k]] for k in ("inputs", "outputs")}}
+
+
+def run(plan, scheduled: Path, out: Path, int8: dict[str, dict], samples: list[dict]) -> list[dict]:
+    """The model's outputs on `samples`, its segments run in plan order: those in `int8` (segment id ->
+    artifact under `out` and tensor specs) by LiteRT, the others float by onnxruntime."""
+    from ...runtime.backends import tflite_runner
+
+    runners = {}
+    for s in plan.segments:
+        if s.id in int8:
+            c = int8[s.id]
+            runners[s.id] = tflite_runner.open_runner(out, Segment(
+                id=s.id, device="cpu", backend="tflite", artifact=c["artifact"], fallback_artifact=c["artifact"],
+                inputs=tuple(tensor_from_dict(t) for t in c["inputs"]),
+                outputs=tuple(tensor_from_dict(t) for t in c["outputs"])), None).run
+        else:
+            session = ort_backend.session(irm.read(scheduled / s.artifact))
+            names = [o.name for o in session.get_outputs()]
+            runners[s.id] = lambda feeds, session=session, names=names: dict(zip(names, session.run(names, feeds)))
+    got = []
+    for sample in samples:
+        values = dict(sample)
+        for s in plan.segments:
+            values.update(runners[s.id]({k: values[k] for k in s.inputs}))
+        got.append({k: np.asarray(values[k]) for k in plan.outputs})
+    return got
+
+
+def _apply(entries: dict[str, dict], chosen: str, out: Path) -> None:
+    """Every weighed segment's artifact, specs, accuracy and ranges record made `chosen`'s; the other
+    candidates' files removed and `alternatives` dropped from the records."""
+    for entry in entries.values():
+        if "alternatives" not in entry or entry.get("same_as"):
+            continue
+        alternatives = entry.pop("alternatives")
+        entry["ranges"].setdefault("auto", {})["whole_model"] = chosen
+        if chosen != PER_SEGMENT:
+            pick = alternatives[chosen]
+            os.replace(out / pick["artifact"], out / entry["artifact"])
+            entry.update(inputs=pick["inputs"], outputs=pick["outputs"], accuracy_vs_float=pick["accuracy_vs_float"])
+            _relabel(entry["ranges"], chosen)
+        for alt in alternatives.values():
+            (out / alt["artifact"]).unlink(missing_ok=True)
+    for entry in entries.values():  # a shared segment carries its source's model, under its own names
+        if entry.get("same_as"):
+            source = entries[entry["same_as"]]
+            entry.pop("alternatives", None)
+            rename = {t["name"]: u["name"] for k in ("inputs", "outputs") for t, u in zip(source[k], entry[k])}
+            entry.update({k: [{**t, "name": rename.get(t["name"], t["name"])} for t in source[k]]
+                          for k in ("inputs", "outputs")}, ranges=source["ranges"],
+                         accuracy_vs_float={rename[o]: a for o, a in source["accuracy_vs_float"].items()})
+
+
+def _relabel(ranges: dict, chosen: str) -> None:
+    """A segment's ranges record as candidate `chosen` made it: each tensor's method and range, the
+    counts, and how many ranges are narrower than min-max."""
+    from ...backends.tflite import narrowing
+
+    per_tensor = ranges.get("per_tensor", [])
+    for t in per_tensor:
+        t["method"] = t["least"] if chosen == "per tensor" else chosen
+        t["range"] = t["ranges"][t["method"]]
+    ranges.update(narrowing.kept({k: tuple(t["range"]) for k, t in enumerate(per_tensor)},
+                                 {k: tuple(t["seen"]) for k, t in enumerate(per_tensor)}),
+                  methods=narrowing.counts(t["method"] for t in per_tensor))
