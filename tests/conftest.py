@@ -27,6 +27,12 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
     return build(options)
 
 
+# The shared int8 builds calibrated on synthetic samples (no --calib) are about placement, packaging and the
+# runtime, not accuracy: they publish below the accuracy gate, as a user may with --accept-accuracy-loss
+# (their manifests say so). `arm_ppocr` calibrates on rendered text lines and passes the gate as it is.
+SYNTHETIC_INT8 = {"accept_accuracy_loss": True}
+
+
 @pytest.fixture(scope="session")
 def tuning_db(tmp_path_factory) -> Path:
     """An empty tuning database for the session (never the user's own)."""
@@ -50,7 +56,7 @@ def arm_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
     """MobileNetV2 for a stream on arm_2tpu: it fits one Edge TPU's cache, so the plan replicates it on
     both TPUs, frames dealt in turn (data parallelism)."""
     out = tmp_path_factory.mktemp("arm-mnv2")
-    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput")
+    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput", **SYNTHETIC_INT8)
 
 
 @pytest.fixture(scope="session")
@@ -92,14 +98,15 @@ def gpu_ppocr(tmp_path_factory, tuning_db):
 def arm_captioner(tmp_path_factory, tuning_db):
     """DESIGN §8's DenseNet-LSTM captioner at CI sizes (model_zoo.captioner) for arm_2tpu."""
     out = tmp_path_factory.mktemp("arm-captioner")
-    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db)
+    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8)
 
 
 @pytest.fixture(scope="session")
 def arm_rec(tmp_path_factory, tuning_db):
     """PP-OCRv4's recognizer for arm_2tpu: Edge TPU and aarch64 CPU segments interleaved."""
     out = tmp_path_factory.mktemp("arm-rec")
-    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db)
+    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db,
+                  **SYNTHETIC_INT8)
 
 
 @pytest.fixture

@@ -129,6 +129,8 @@ class BuildOptions:
     latency_budget: float | None = None  # --latency-budget MS: the auto plan's CPU time budget
     eval_data: Path | None = None  # --eval DIR: labelled samples, the pruned model's accuracy beside the dense one's
     seed: int = 0
+    # --accept-accuracy-loss: publish a bundle below the target's accuracy gate (the manifest says so)
+    accept_accuracy_loss: bool = False
     low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None
     start: str | None = None  # --from

@@ -41,6 +41,9 @@ class TfliteResult:
     op_counts: dict[str, int]  # TFLite builtin op histogram of the converted model
     ranges: dict[str, Any] = field(default_factory=dict)  # how activation ranges were chosen (int8 only)
     mixed: mixed_precision.Mixed | None = None  # the ops kept float, where a target or a list was given
+    # each ONNX activation the trace made: the `p` of its TFLite tensor (onnx == transpose(tflite, p)),
+    # what the culprit search reads the int8 tensors with (layers.py)
+    layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 CALIBRATION_METHODS = ("minmax", "percentile")
@@ -352,4 +355,5 @@ def _finish(lowered: _Lowered, model: bytes, out_path: Path) -> TfliteResult:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model))
+    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model),
+                        layouts=dict(lowered.layouts))

@@ -9,6 +9,10 @@ The golden output is produced by running the bundle's own plan on the build host
 TFLite files, and for CPU/GPU segments built for another machine (aarch64, CUDA) an x86-64 twin
 compiled from the same segment and tuning records. The twin never ships.
 
+A bundle with int8 anywhere is held to the target's accuracy gate against the fp32 model on the
+held-out calibration samples (bundling/gate.py, docs/accuracy.md): below it nothing is published,
+unless `--accept-accuracy-loss`, which the manifest then records. `accuracy.html` reports it.
+
 The stage reads the earlier stages' directories and their warnings; `packaging.package` does the rest.
 """
 
@@ -20,8 +24,9 @@ from pathlib import Path
 from ...bundling import Sources, package
 from ...ir.digest import tree_sha256
 
-# the golden inputs and the provenance's calibration digest come from the calibration samples
-OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed")
+# the golden inputs, the held-out samples of the accuracy gate and the provenance's calibration digest come
+# from the calibration samples; below the gate, --accept-accuracy-loss decides whether a bundle is published
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "seed", "accept_accuracy_loss")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
@@ -35,6 +40,7 @@ def run(artifact: Path, ctx) -> dict:
                for w in json.loads(rec.read_text()).get("warnings", [])]
     # the plan as the tune stage left it: every CPU span on the backend measured fastest
     sources = Sources(imported=ctx.artifact("import"), scheduled=ctx.artifact("tune"),
-                      tuned=ctx.artifact("tune"), compressed=ctx.artifact("compress"))
+                      tuned=ctx.artifact("tune"), compressed=ctx.artifact("compress"),
+                      legalized=ctx.artifact("legalize"))
     return package(sources, ctx.target, ctx.options, ctx.out, log=ctx.log, warn=ctx.warn,
                    warnings=lambda: earlier + ctx.warnings)
