@@ -48,7 +48,7 @@ $(ROOTFS)/.complete: packaging/arm64_rootfs.sh packaging/requirements-aarch64.tx
 	bash packaging/arm64_rootfs.sh $(ROOTFS)
 
 demo: setup rootfs
-	$(EDGESDK) build $(DEMO_MODEL) --input-shape $(DEMO_SHAPE) --target targets/arm_2tpu.yaml -o out/demo --accept-accuracy-loss
+	$(EDGESDK) build $(DEMO_MODEL) --input-shape $(DEMO_SHAPE) --target targets/arm_2tpu.yaml -o out/demo
 	$(EDGESDK) inspect out/demo/bundle
 	$(EDGESDK) verify out/demo/bundle
 

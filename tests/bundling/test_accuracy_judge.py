@@ -6,6 +6,7 @@ tolerance is refused. The accuracy records are made here, as `golden.accuracy` w
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -56,7 +57,8 @@ def _judged(accuracy: dict, plan, *, accept: bool = False, calibration: dict = R
         return list(found)
 
     out = _judge(accuracy, plan, lines.append, target=TARGET, calibration=calibration, warn=warnings.append,
-                 options=SimpleNamespace(accept_accuracy_loss=accept, calib_method=method), search=search)
+                 options=SimpleNamespace(accept_accuracy_loss=accept, calib_method=method, calib_percentile=99.99),
+                 search=search)
     return out, lines, warnings, searched
 
 
@@ -105,6 +107,18 @@ def test_a_bundle_within_the_gate_passes_and_synthetic_calibration_is_said_to_be
         _judged(_detector(0.5), _plan(("edgetpu:0", "tflite")), calibration=SYNTHETIC, method="percentile")
     assert err.value.notes[-1].startswith("calibration: its int8 ranges come from synthetic samples (no --calib)")
     assert "--calib DIR" in err.value.hint and "--calib-method minmax" in err.value.hint
+
+
+def test_percentile_calibration_that_clips_the_culprits_is_told_to_keep_more_of_each_tail():
+    """The demo's recognizer at --calib-percentile 99.99: the culprits are clipped by their calibrated
+    ranges, and the hint names the percentile that keeps ten times less of each tail out."""
+    with pytest.raises(UserError) as err:
+        _judged(_detector(0.87), _plan(("edgetpu:0", "tflite")), method="percentile")
+    assert "keep more of each tail: --calib-percentile 99.999, or --calib-method minmax" in err.value.hint
+    other = dataclasses.replace(CULPRIT, cause="shared-quantization")
+    with pytest.raises(UserError) as err:
+        _judged(_detector(0.87), _plan(("edgetpu:0", "tflite")), method="percentile", found=(other,))
+    assert "--calib-percentile" not in err.value.hint and "try --calib-method minmax" in err.value.hint
 
 
 def test_int8_cpu_segments_under_the_gate_are_refused_too():
