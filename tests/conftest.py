@@ -28,8 +28,10 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
 
 
 # The shared int8 builds calibrated on synthetic samples (no --calib) are about placement, packaging and the
-# runtime, not accuracy: they publish below the accuracy gate, as a user may with --accept-accuracy-loss
-# (their manifests say so). `arm_ppocr` calibrates on rendered text lines and passes the gate as it is.
+# runtime, not accuracy. Those whose int8 misses the accuracy gate on their synthetic held-out samples
+# (arm_mobilenet: its logits, cosine 0.977 < 0.98; arm_captioner: its dense_2, cosine 0.900 < 0.98) publish
+# below it, as a user may with --accept-accuracy-loss (their manifests say so). `arm_rec` passes the gate
+# as it is (cosine 0.973 on synthetic samples), `arm_ppocr` too, calibrated on rendered text lines.
 SYNTHETIC_INT8 = {"accept_accuracy_loss": True}
 
 
@@ -105,8 +107,7 @@ def arm_captioner(tmp_path_factory, tuning_db):
 def arm_rec(tmp_path_factory, tuning_db):
     """PP-OCRv4's recognizer for arm_2tpu: Edge TPU and aarch64 CPU segments interleaved."""
     out = tmp_path_factory.mktemp("arm-rec")
-    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db,
-                  **SYNTHETIC_INT8)
+    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db)
 
 
 @pytest.fixture
