@@ -58,7 +58,7 @@ $(ROOTFS)/.complete: packaging/arm64_rootfs.sh packaging/requirements-aarch64.tx
 demo: setup rootfs
 	$(PY) packaging/render_text_lines.py --model $(DEMO_MODEL) --font $(DEMO_FONT) --out $(DEMO_LINES) --calib 32 --eval 24
 	$(EDGESDK) build $(DEMO_MODEL) --input-shape $(DEMO_SHAPE) --target targets/arm_2tpu.yaml -o out/demo \
-	  --calib $(DEMO_LINES)/calib --calib-preprocess $(DEMO_PREPROCESS) --calib-method percentile \
+	  --calib $(DEMO_LINES)/calib --calib-preprocess $(DEMO_PREPROCESS) --calib-method percentile --calib-percentile 99.999 \
 	  --eval $(DEMO_LINES)/eval --task ocr
 	$(EDGESDK) inspect out/demo/bundle
 	$(EDGESDK) verify out/demo/bundle

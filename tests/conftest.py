@@ -46,6 +46,14 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
     return build(options)
 
 
+# The shared int8 builds calibrated on synthetic samples (no --calib) are about placement, packaging and the
+# runtime, not accuracy. Those whose int8 misses the accuracy gate on their synthetic held-out samples
+# (arm_mobilenet: its logits, cosine 0.977 < 0.98; arm_captioner: its dense_2, cosine 0.900 < 0.98) publish
+# below it, as a user may with --accept-accuracy-loss (their manifests say so). `arm_rec` passes the gate
+# as it is (cosine 0.973 on synthetic samples), `arm_ppocr` too, calibrated on rendered text lines.
+SYNTHETIC_INT8 = {"accept_accuracy_loss": True}
+
+
 @pytest.fixture(scope="session")
 def tuning_db(tmp_path_factory) -> Path:
     """An empty tuning database for the session (never the user's own)."""
@@ -69,7 +77,7 @@ def arm_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
     """MobileNetV2 for a stream on arm_2tpu: it fits one Edge TPU's cache, so the plan replicates it on
     both TPUs, frames dealt in turn (data parallelism)."""
     out = tmp_path_factory.mktemp("arm-mnv2")
-    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput")
+    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput", **SYNTHETIC_INT8)
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +119,7 @@ def gpu_ppocr(tmp_path_factory, tuning_db):
 def arm_captioner(tmp_path_factory, tuning_db):
     """The DenseNet-LSTM video captioner edgesdk was designed around, at CI sizes, for arm_2tpu."""
     out = tmp_path_factory.mktemp("arm-captioner")
-    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db)
+    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8)
 
 
 @pytest.fixture(scope="session")

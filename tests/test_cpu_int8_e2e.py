@@ -136,16 +136,16 @@ def test_a_planted_timing_cache_never_ships_a_bundle_of_zeros(planted, tmp_path,
 
 
 def test_a_bundle_under_the_gate_is_never_published(planted, tmp_path, capsys, monkeypatch):
-    """Were the selection fooled (its gate made to pass here), the package stage's end-to-end check refuses
-    the bundle of zeros: exit 1 naming the output and its figure, and no bundle/ or bundle.tar.gz."""
+    """Were the selection fooled (its gate made to pass here), the package stage's accuracy gate refuses
+    the bundle of zeros: exit 1 naming the output and its figures, and no bundle/ or bundle.tar.gz."""
     monkeypatch.setattr(selection, "gate", lambda *a, **k: {"cosine": 0.9999, "top1": 1.0, "samples": 2})
     capsys.readouterr()
     out = tmp_path / "out"
     assert cli_main([*planted, "-o", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "error: the bundle's y has a cosine similarity of 0.00000 to the fp32 model on 8 samples, under the " \
-           "accuracy gate (0.99) its int8 CPU segments (s0) were chosen behind" in err, err
-    assert "hint: the int8 CPU segments lose more than the gate allows" in err and "Traceback" not in err
+    assert "error: the bundle misses the target's accuracy gate against fp32 on 8 held-out sample(s): y (values): " \
+           "cosine 0.0000 < 0.98" in err, err
+    assert "hint: calibrate on real inputs" in err and "--cpu-precision fp32" in err and "Traceback" not in err
     assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
 
 

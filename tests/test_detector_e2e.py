@@ -16,7 +16,7 @@ import pytest
 
 from edgesdk.runtime import BundleModel
 from tests import model_zoo, yolo_head
-from tests.test_cli import constants_only, edgesdk
+from tests.test_cli import assert_user_facing, constants_only, edgesdk
 
 
 def _parts(got: np.ndarray, want: np.ndarray) -> dict[str, dict[str, float]]:
@@ -33,10 +33,15 @@ def _parts(got: np.ndarray, want: np.ndarray) -> dict[str, dict[str, float]]:
     return out
 
 
-def test_a_yolov8_head_builds_for_arm_2tpu_and_check_agrees(tmp_path):
+def test_a_yolov8_head_builds_for_arm_2tpu_check_agrees_and_the_gate_sees_its_scores(tmp_path):
     """The head at 80x80 (its first scale's stride tensor a ConstantOfShape of 1,600 elements, 2,100
     anchors, as YOLOv8n's at 320x320): check finds nothing that keeps a node off the Edge TPU, and the
-    build puts the whole detector there, grid folded, and exits 0."""
+    build puts the whole detector there, grid folded. Its last Concat is int8 on the Edge TPU, where the
+    class scores ([0, 1]) take the boxes' step (pixels): the whole output's cosine stays 0.9999 while the
+    scores collapse. The accuracy gate judges the scores as scores: the build fails (exit 1, no bundle)
+    naming that part, not the boxes, and the culprit (the sigmoid's values requantized for the Concat,
+    which shares one quantization between its inputs and its output). `--accept-accuracy-loss` publishes
+    it, and the manifest, inspect and the build summary say so."""
     path = tmp_path / "yolov8_head.onnx"
     onnx.save(yolo_head.model(), path)
     check = edgesdk("check", str(path), "--target", "arm_2tpu", "--json")
@@ -47,13 +52,33 @@ def test_a_yolov8_head_builds_for_arm_2tpu_and_check_agrees(tmp_path):
     assert not {"ConstantOfShape", "Range", "Expand"} & {n["op"] for n in report["nodes"]}
 
     out = tmp_path / "out"
-    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out), "--json")
+    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out))
+    assert_user_facing(proc, 1, "error: the bundle misses the target's accuracy gate")
+    error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert "output0[:, 4:6] (scores)" in error and "output0[:, 0:4]" not in error, error
+    culprits = [line.strip() for line in proc.stderr.splitlines() if line.strip().startswith("culprit: ")]
+    assert culprits and culprits[0].startswith("culprit: /scores in s0 (Sigmoid -> "), culprits
+    assert "shared-quantization: CONCATENATION keeps one quantization for its input and output" in culprits[0]
+    assert "its accuracy on real data is unknown" in proc.stderr
+    assert not (out / "bundle").exists() and not (out / "bundle.tar.gz").exists()
+    assert not (out / ".build" / "6-package").exists()
+
+    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out), "--accept-accuracy-loss", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["bundle"] == str(out / "bundle")
+    assert "--accept-accuracy-loss: the bundle is published BELOW its accuracy gate" in proc.stderr
     plan = json.loads((out / "bundle" / "plan.json").read_text())
     assert [s["device"] for s in plan["segments"]] == ["edgetpu:0"], plan["segments"]
+    accuracy = json.loads((out / "bundle" / "manifest.json").read_text())["accuracy"]
+    assert accuracy["accepted_loss"] is True and [f["part"] for f in accuracy["failures"]] == ["output0[:, 4:6]"]
+    assert accuracy["culprits"][0]["node"] == "/scores" and accuracy["culprits"][0]["cause"] == "shared-quantization"
+    shown = edgesdk("inspect", str(out / "bundle"))
+    assert shown.returncode == 0, shown.stderr
+    assert ("accuracy    each output against fp32 on 8 held-out samples: BELOW THE ACCURACY GATE: published only "
+            "because of --accept-accuracy-loss") in shown.stdout
+    assert "culprit /scores in s0" in shown.stdout and "calibration SYNTHETIC" in shown.stdout
+    assert (out / ".build" / "6-package" / "accuracy.html").is_file()
     # the boxes as onnxruntime computes them on the exported model, on inputs like the synthetic calibration's
-    # (the class scores share the boxes' int8 step in this head's last Concat: not compared here)
     model = BundleModel(out / "bundle", log=lambda s: None)
     reference = onnx.load(str(path))
     import onnxruntime as ort
@@ -131,6 +156,10 @@ def test_a_real_yolov8n_builds_for_arm_2tpu_and_finds_what_onnxruntime_finds(tmp
                                 tuning_db=tmp_path / "tuning"))
     plan = json.loads((result.bundle / "plan.json").read_text())
     assert any(s["device"].startswith("edgetpu") for s in plan["segments"])
+    # real calibration: within the accuracy gate on its held-out crops, honestly (nothing accepted)
+    accuracy = json.loads((result.bundle / "manifest.json").read_text())["accuracy"]
+    assert accuracy["gate"]["passed"] is True and "accepted_loss" not in accuracy, accuracy
+    assert accuracy["parts"]["output0[:, 4:22]"]["cosine"] >= 0.95, accuracy["parts"]
     imported = onnx.load(str(tmp_path / "out" / ".build" / "1-import" / "model.onnx"))
     assert not {"ConstantOfShape", "Range", "Expand"} & {n.op_type for n in imported.graph.node}
 

@@ -182,8 +182,10 @@ def test_an_arm_2tpu_build_past_64_mib_rewrites_its_matmuls_for_the_edge_tpu(tmp
     # the Edge TPU's segment computes in int8 (a step is 1/255 of a tensor's calibrated range) through two
     # residual blocks: measured 1.7% of the output's scale, cosine 0.9993; bound 5%, and cosine 0.998
     assert np.max(np.abs(got - expected)) <= 0.05 * np.max(np.abs(expected))
-    (accuracy,) = manifest.accuracy["tensors"].values()  # the bundle's plan on the 8 sentences, against onnxruntime
-    assert manifest.accuracy["samples"] == 8 and accuracy["cosine"] >= 0.998, manifest.accuracy
+    # the bundle's plan against onnxruntime on the 2 sentences held out of calibration's 8, within the gate
+    (accuracy,) = manifest.accuracy["tensors"].values()
+    assert manifest.accuracy["samples"] == 2 and manifest.accuracy["held_out"] is True, manifest.accuracy
+    assert manifest.accuracy["gate"]["passed"] is True and accuracy["cosine"] >= 0.998, manifest.accuracy
 
 
 def test_changed_external_weights_are_a_new_model(mlp, tmp_path):

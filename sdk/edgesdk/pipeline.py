@@ -139,6 +139,8 @@ class BuildOptions:
     decoder: str | None = None  # --decoder with --task detection: yolov8, yolov5 or ssd
     task_options: str | None = None  # --task-options KEY=VALUE,...: the decoder's thresholds, the output, the goal
     seed: int = 0
+    # --accept-accuracy-loss: publish a bundle below the target's accuracy gate (the manifest says so)
+    accept_accuracy_loss: bool = False
     low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None
     start: str | None = None  # --from

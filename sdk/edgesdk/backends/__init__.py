@@ -5,7 +5,7 @@ finisher (`registry.py`).
 """
 
 from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
-                       Finisher, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
+                       Finisher, LayersJob, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
                        register_finisher, registered, unregister, unregister_finisher)
 from .tflite.limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
                             FLATBUFFER_LIMIT)
@@ -38,6 +38,7 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
 register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",
+                 layers="edgesdk.backends.tflite.layers:int8_layers",
                  lowering="edgesdk.backends.tflite.lowering:lowering_reason", **TFLITE_INT8_MEMORY))
 register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
@@ -52,6 +53,7 @@ register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-lite
 register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
+                 layers="edgesdk.backends.tflite.layers:int8_cpu_layers",
                  lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_INT8_MEMORY))
 register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
@@ -60,5 +62,5 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",
-           "Finisher", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register",
+           "Finisher", "LayersJob", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register",
            "register_finisher", "registered", "unregister", "unregister_finisher"]

@@ -150,6 +150,17 @@ class QuantizeJob:
 
 
 @dataclass(frozen=True)
+class LayersJob:
+    """A quantized segment to run on `feeds` with every intermediate tensor kept: the int8 side of the
+    culprit search (compression/culprits.py)."""
+
+    model: Any  # the float segment (onnx.ModelProto) the quantizer converted
+    artifact: Path  # the quantized artifact
+    record: dict  # the quantizer's record of it (its tensor specs: "inputs", "outputs")
+    feeds: list  # per sample, the segment's inputs by ONNX name
+
+
+@dataclass(frozen=True)
 class FinishJob:
     """A compiled segment for its device kind's own compiler to finish, inside the bundle."""
 
@@ -221,6 +232,10 @@ class Backend:
     compiler: str = ""  # "module:function" taking a CompileJob, returning a Compiled
     tuner: str = ""  # "module:function" taking a TuneJob, returning its summary; "" where it does not tune
     quantizer: str = ""  # "module:function" taking a QuantizeJob, returning its record; "" where it does not
+    # for a backend that quantizes: "module:function" taking a LayersJob, returning per ONNX tensor the
+    # quantized model's values and its int8 range there (backends/tflite/layers.py says what); "" where
+    # its artifacts cannot be inspected layer by layer (the culprit search then skips its segments)
+    layers: str = ""
     # "module:function" (node, shapes, consts) -> why it cannot lower the node, or None: what legalize asks
     # of a device's backends, and which backends the tune stage may measure for a CPU span
     lowering: str = ""
@@ -261,6 +276,9 @@ class Backend:
 
     def quantize(self, job: QuantizeJob) -> dict:
         return _function(self.quantizer, f"backend {self.name!r} names no quantizer")(job)
+
+    def int8_layers(self, job: LayersJob) -> dict:
+        return _function(self.layers, f"backend {self.name!r} names no layer inspection")(job)
 
     def time_layers(self, job: LayerTimesJob) -> dict:
         return _function(self.layer_timer, f"backend {self.name!r} names no layer timer")(job)

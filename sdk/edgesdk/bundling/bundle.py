@@ -26,11 +26,13 @@ from ..ir import index_ranges
 from ..ir import model as irm
 from ..ir.calibration import load_calibration
 from ..ir.digest import tree_sha256
+from ..report.html import accuracy_page
 from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
 from ..scheduling.correction import cache_correction, corrected_prediction, edgetpu_correction
 from ..scheduling.plan import Plan, PlanSegment
-from . import evaluation, golden
+from ..scheduling.selection import held_out_split
+from . import evaluation, gate, golden
 from .archive import file_table, write_tarball
 from .sbom import SBOM_FILE, source_date_epoch, write_sbom
 
@@ -49,6 +51,7 @@ class Sources:
     scheduled: Path  # plan.json, segments/*.onnx, model.onnx (the tune stage's: the plan with its CPU backends)
     tuned: Path  # tuning_db/ (one database per device kind), tune.json
     compressed: Path  # compress.json and its segments/
+    legalized: Path | None = None  # legalize.json: its approximations, which the culprit search names
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,19 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     pruned = _pruned(src)
     reference, name = ((lambda: pruned[0], "the pruned fp32 model (--prune)") if pruned else
                        (lambda: irm.read(src.imported / "model.onnx"), "the imported fp32 model"))
-    accuracy = golden.accuracy(host_model, reference, shipped.plan, samples[:golden.ACCURACY_SAMPLES], name)
+    # never the samples the int8 ranges were calibrated on (compress and tune calibrate on the rest)
+    calibrated, held = held_out_split(samples)
+    held_out = held is not calibrated  # a single sample is both
+    held = held[:golden.ACCURACY_SAMPLES]
+    accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out)
     del host_model  # released by `accuracy`
-    _judge(accuracy, shipped.plan, log)
+    accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
+                      warn=warn, search=lambda failures: _culprits(src, reference, held, log))
     if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
         accuracy = {**accuracy, "task": evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)}
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
-    manifest = dataclasses.replace(manifest, accuracy=accuracy, golden=tolerances,
+    (out / "accuracy.html").write_text(accuracy_page(accuracy))
+    manifest = dataclasses.replace(manifest, accuracy=accuracy, golden=tolerances, warnings=tuple(warnings()),
                                    provenance=provenance(manifest, samples, calibration))
     write_sbom(bundle, manifest, pinned)
     manifest = dataclasses.replace(manifest, files=file_table(bundle))
@@ -374,57 +383,46 @@ def _cpu_int8(src: Sources) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"segments": {}, "calibration": {}}
 
 
-def _judge(accuracy: dict, plan: Plan, log) -> None:
+def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibration: dict | None = None,
+           warn=None, search=None) -> dict:
     """Log the bundle's accuracy against the fp32 model, and refuse a bundle that is off it where nothing
-    excuses it (no bundle is published then):
+    excuses it (no bundle is published then); returns the accuracy record with the verdict:
 
-    - with int8 CPU segments and no other reduced precision, every tensor compared (the outputs, a
-      softmax's logits) must reach the accuracy gate the tune stage chose them behind (the plan's
-      `cpu_selection.gate`: cosine similarity, and the top-1 agreement where one is taken);
-    - with no reduced precision anywhere, every tensor must agree within the tolerance the tune stage's
-      check of float candidates allows (`selection.TOLERANCE` of its largest magnitude): a float plan
-      that does not has a wrong kernel or a wrong tuning record.
-
-    An accelerator's int8 segments (the Edge TPU's) are reported, not judged here."""
+    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU), every output part must
+      reach the target's accuracy gate (bundling/gate.py), or the user accepts the loss;
+    - with none, every output must agree within the tolerance the tune stage's check of float candidates
+      allows (`selection.TOLERANCE` of its largest magnitude): a float plan that does not has a wrong
+      kernel or a wrong tuning record."""
     from ..scheduling import selection
 
+    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
+    n = accuracy["samples"]
+    if quantized:  # judged by part: one cosine over a whole output hides its scores behind its boxes
+        return gate.judge(accuracy, plan, target, options, calibration or {}, search=search or (lambda f: []),
+                          log=log, warn=warn or log)
     for name, a in accuracy["tensors"].items():
         log(f"package: accuracy of {name} vs the fp32 model: cosine {a['cosine']:.5f}, "
             f"max abs error {a['max_abs_error']:.4g}")
-    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
-    n = accuracy["samples"]
-    if not quantized:
-        for name, a in accuracy["tensors"].items():
-            err, rel = a["max_abs_error"], a["max_rel_error"]
-            scale = err / rel if rel else 0.0
-            if not err <= selection.TOLERANCE * max(scale, 1e-6):  # NaN fails too
-                raise UserError(
-                    "package.float-mismatch",
-                    f"the bundle's {name} differs from the fp32 model by {err:.4g} ({rel:.3g} of its largest "
-                    f"magnitude, more than the float tolerance {selection.TOLERANCE:g}) on {n} samples, although "
-                    f"nothing is quantized: a compiled kernel or a tuning record computes wrong results",
-                    hint="rebuild with --tuning-db pointing at an empty directory to rule out a tuning record; "
-                         "if it persists, report it with the model")
-        return
-    if any(s.device != HOST for s in quantized):
-        return
-    gate = {"cosine": selection.GATE_COSINE, "top1": selection.GATE_TOP1, **(plan.cpu_selection or {}).get("gate", {})}
-    ids = ", ".join(s.id for s in quantized)
-    hint = ("the int8 CPU segments lose more than the gate allows on these inputs: build with --cpu-precision fp32, "
-            "or give --calib samples like the real inputs; a tuning database from elsewhere can be ruled out with "
-            "--tuning-db pointing at an empty directory")
     for name, a in accuracy["tensors"].items():
-        if not a["cosine"] >= gate["cosine"]:
-            raise UserError("package.accuracy-gate",
-                            f"the bundle's {name} has a cosine similarity of {a['cosine']:.5f} to the fp32 model on "
-                            f"{n} samples, under the accuracy gate ({gate['cosine']}) its int8 CPU segments "
-                            f"({ids}) were chosen behind", hint=hint)
-    top1 = accuracy.get("top1_agreement")
-    if top1 is not None and not top1 >= gate["top1"]:
-        raise UserError("package.accuracy-gate",
-                        f"the bundle's top-1 agrees with the fp32 model's on {top1:.0%} of {n} samples, under the "
-                        f"accuracy gate ({gate['top1']:.0%}) its int8 CPU segments ({ids}) were chosen behind",
-                        hint=hint)
+        err, rel = a["max_abs_error"], a["max_rel_error"]
+        scale = err / rel if rel else 0.0
+        if not err <= selection.TOLERANCE * max(scale, 1e-6):  # NaN fails too
+            raise UserError(
+                "package.float-mismatch",
+                f"the bundle's {name} differs from the fp32 model by {err:.4g} ({rel:.3g} of its largest "
+                f"magnitude, more than the float tolerance {selection.TOLERANCE:g}) on {n} samples, although "
+                f"nothing is quantized: a compiled kernel or a tuning record computes wrong results",
+                hint="rebuild with --tuning-db pointing at an empty directory to rule out a tuning record; "
+                     "if it persists, report it with the model")
+    return accuracy
+
+
+def _culprits(src: Sources, reference, samples: list[dict], log) -> list:
+    """The layers that lose the most in the plan's int8 segments (bundling/gate.py)."""
+    plan = Plan.load(src.scheduled)  # the segments' own graphs, before packaging named their artifacts
+    segments = gate.searchable(plan, src.compressed, json.loads((src.compressed / "compress.json").read_text()),
+                               src.tuned / "int8", _cpu_int8(src))
+    return gate.search(segments, src.scheduled, reference(), samples, gate.legalize_approximations(src.legalized), log)
 
 
 def toolchain() -> dict[str, str]:

@@ -22,10 +22,9 @@ from ..ir.numeric import compare
 from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
 from ..runtime.inputs import InputError, check_feeds
-from ..scheduling.plan import Plan
 from .archive import savez
 
-ACCURACY_SAMPLES = 8  # calibration samples the bundle is compared with the fp32 model on
+ACCURACY_SAMPLES = 16  # held-out samples the bundle is compared with the fp32 model on, at most
 
 # An int8 tensor on another CPU: LiteRT's kernels on aarch64 and x86-64 round some requantizations the
 # other way (ties of an int8 multiply, one step on ~1 % of its tensor), which later layers carry to at
@@ -104,26 +103,25 @@ def tolerances(host_model: BundleModel, manifest: mf.Manifest, golden: dict[str,
                       f"moved within their own checks (docs/bundle.md)"}
 
 
-def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], plan: Plan, samples: list[dict],
-             reference_name: str = "the imported fp32 model") -> dict:
-    """The bundle against the fp32 model (a pruned build's: the pruned one), on logits where a trailing
-    softmax would hide errors. `host_model` is released once it has run the samples, before `reference()`
-    reads the float model: the two are never held at once."""
-    probes = {o: p for o, p in plan.probes.items()
-              if any(p == t.name for s in host_model.manifest.segments for t in s.outputs)}
-    names = [o.name for o in host_model.manifest.outputs if o.name not in probes] + list(probes.values())
-    got = [host_model.run(f, extra_outputs=probes.values()) for f in samples]
+def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], samples: list[dict],
+             reference_name: str = "the imported fp32 model", *, held_out: bool = True) -> dict:
+    """The bundle against the fp32 model (a pruned build's: the pruned one) on `samples` (the held-out
+    ones, `held_out`): per output (`tensors`: cosine, max abs error, as before) and per part of an output
+    as its meaning cuts it (`parts`: compression/accuracy.py, after the output's own sigmoid or softmax).
+    `host_model` is released once it has run the samples, before `reference()` reads the float model:
+    the two are never held at once."""
+    from ..compression import accuracy as measures
+
+    names = [o.name for o in host_model.manifest.outputs]
+    got = [host_model.run(f) for f in samples]
     host_model.release()
     give_back()
-    ref = ort_backend.run_many(reference(), samples, names)  # one session: each holds the weights again
+    model = reference()
+    ref = ort_backend.run_many(model, samples, names)  # one session: each holds the weights again
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
-    out = {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "tensors": tensors}
-    if probes:
-        p = next(iter(probes.values()))
-        # per position along the last (class) axis: a sequence model has one decision per step
-        agree = [np.mean(np.argmax(g[p], -1) == np.argmax(r[p], -1)) for g, r in zip(got, ref)]
-        out["top1_agreement"] = round(float(np.mean(agree)), 4)
-    return out
+    parts = measures.views(model)
+    return {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "held_out": held_out,
+            "tensors": tensors, "parts": measures.measure(ref, got, {n: parts[n] for n in names if n in parts})}
 
 
 def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:

@@ -285,11 +285,42 @@ class LegalizePolicy(_Strict):
     max_abs_error: float = Field(default=0.01, gt=0)
 
 
+_Cosine = Annotated[float, Field(ge=-1, le=1)]
+_Share = Annotated[float, Field(ge=0, le=1e6)]  # an error as a share of the fp32 part's range
+
+
+class ScoresGate(_Strict):
+    """What a part after a sigmoid or softmax keeps of fp32 (compression/accuracy.py); null: not judged.
+    The defaults and the measurements they come from: docs/accuracy.md."""
+
+    cosine: _Cosine | None = 0.9
+    mean_error: _Share | None = 0.1
+    top1: Annotated[float, Field(ge=0, le=1)] | None = 0.9
+    max_error: _Share | None = None
+
+
+class ValuesGate(_Strict):
+    """What any other part (boxes, landmarks, logits, embeddings) keeps of fp32; null: not judged."""
+
+    cosine: _Cosine | None = 0.98
+    mean_error: _Share | None = 0.02
+    max_error: _Share | None = None
+
+
+class AccuracyPolicy(_Strict):
+    """The accuracy gate of a build with reduced precision (int8 on the Edge TPU or the CPU): each model
+    output, in the parts it is judged by, against fp32 on held-out samples."""
+
+    scores: ScoresGate = ScoresGate()
+    values: ValuesGate = ValuesGate()
+
+
 class Target(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: _Text
     devices: list[Device] = Field(min_length=1, max_length=16)
     legalize: LegalizePolicy = LegalizePolicy()
+    accuracy: AccuracyPolicy = AccuracyPolicy()
 
     @model_validator(mode="after")
     def _exactly_one_host(self) -> "Target":

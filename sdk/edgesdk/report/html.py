@@ -6,7 +6,7 @@ import base64
 import html
 from typing import Any
 
-from .text import chosen_line
+from .text import accuracy_lines, chosen_line
 
 
 def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list[tuple[str, bytes]]) -> str:
@@ -85,3 +85,37 @@ def _inter_op(plan: dict[str, Any]) -> str:
             "<table><tr><th>cpu nodes</th><th>stages</th><th>concurrent stages</th><th>one at a time ms</th>"
             f"<th>with concurrent groups ms</th><th>decision</th></tr>{rows}</table>"
             + (f"<p>Steps run at once:</p><ul>{steps}</ul>" if steps else ""))
+
+
+_BELOW = ' style="background:#fdd"'
+
+
+def accuracy_page(accuracy: dict[str, Any]) -> str:
+    """The package stage's `accuracy.html`: the accuracy gate's verdict on the bundle, each output part's
+    figures against fp32 and the culprit layers with their causes (the manifest's `accuracy`)."""
+    lines = accuracy_lines(accuracy)
+    failed = {f["part"] for f in accuracy.get("failures") or ()}
+    parts = "".join(
+        f"<tr{_BELOW if part in failed else ''}><td>{html.escape(part)}</td>"
+        f"<td>{html.escape(m.get('kind', ''))}{' (' + html.escape(m['activation']) + ')' if m.get('activation') else ''}</td>"
+        f"<td>{m['cosine']:.4f}</td><td>{m['mean_error']:.2%}</td><td>{m['max_error']:.1%}</td>"
+        f"<td>{'' if m.get('top1') is None else format(m['top1'], '.1%')}</td>"
+        f"<td>{'BELOW THE GATE' if part in failed else 'passes'}</td></tr>"
+        for part, m in (accuracy.get("parts") or {}).items())
+    culprits = "".join(
+        f"<tr><td>{html.escape(c['node'])}</td><td>{html.escape(c['segment'])}</td><td>{html.escape(c['op'])} -&gt; "
+        f"{html.escape(c.get('int8_op') or '')}</td><td>{c['added_error']:.1%}</td><td>{c['added_snr_db']:.1f}</td>"
+        f"<td>{c['error']:.1%}</td><td>{html.escape(c['cause'])}</td><td>{html.escape(c['why'])}</td></tr>"
+        for c in accuracy.get("culprits") or ())
+    gate = accuracy.get("gate") or {}
+    thresholds = "; ".join(f"{kind}: " + ", ".join(f"{k} {v:g}" for k, v in t.items())
+                           for kind, t in (gate.get("thresholds") or {}).items())
+    return f"""<!doctype html><meta charset="utf-8"><title>edgesdk accuracy</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}</style>
+<h1>Accuracy against fp32</h1><p>{html.escape(lines[0] if lines else 'no output judged')}</p>
+<p>Thresholds: {html.escape(thresholds or 'none (nothing quantized)')}. Reference: {html.escape(str(accuracy.get('reference', '')))}.</p>
+{''.join(f'<p><b>{html.escape(line)}</b></p>' for line in lines if line.startswith('calibration'))}
+<h2>Output parts</h2><table><tr><th>part</th><th>kind</th><th>cosine</th><th>mean error (of its range)</th>
+<th>max error</th><th>top-1</th><th>verdict</th></tr>{parts}</table>
+{f'<h2>Culprit layers</h2><table><tr><th>node</th><th>segment</th><th>op</th><th>lost there (of its range)</th><th>SNR there dB</th><th>lost up to there</th><th>cause</th><th>why</th></tr>{culprits}</table>' if culprits else ''}
+"""

@@ -145,10 +145,14 @@ def inspect_bundle(manifest, bundle: Path) -> str:
     out += pruning_summary(m.pruning)
     out += provenance_summary(m.provenance, m.bundle_version, m.signing)
     reference = "the pruned fp32 model" if m.pruning else "fp32"
-    for name, a in (m.accuracy.get("tensors") or {}).items():
-        out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs {reference}")
-    if "top1_agreement" in m.accuracy:
-        out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy.get('samples', '?')} samples")
+    lines = accuracy_lines(m.accuracy, reference)
+    if lines:
+        out += [f"{'accuracy' if k == 0 else '':<12}{line}" for k, line in enumerate(lines)]
+    else:  # a bundle from before the gate judged parts
+        for name, a in (m.accuracy.get("tensors") or {}).items():
+            out.append(f"accuracy    {name}: cosine {a['cosine']:.5f}, max abs error {a['max_abs_error']:.4g} vs {reference}")
+        if "top1_agreement" in m.accuracy:
+            out.append(f"            top-1 agreement {m.accuracy['top1_agreement']:.0%} on {m.accuracy.get('samples', '?')} samples")
     task = m.accuracy.get("task")
     if isinstance(task, dict):  # --eval: the task's own measure against the fp32 model, and its verdict
         out.append(f"task        {_text(task.get('task'))} on {task.get('samples', '?')} --eval sample(s): "
@@ -190,6 +194,54 @@ def _value(v: Any) -> str:
 
 def _nums(v: Any) -> str:
     return ":".join(_value(x) for x in v) if isinstance(v, list) else _value(v)
+
+
+def accuracy_summary(accuracy: dict[str, Any]) -> str:
+    """The build summary's accuracy: the gate's verdict, each output part's figures, the culprits."""
+    lines = accuracy_lines(accuracy)
+    return "\n".join(["accuracy: " + lines[0], *(f"  {line}" for line in lines[1:])]) if lines else ""
+
+
+def accuracy_lines(accuracy: dict[str, Any], reference: str = "fp32") -> list[str]:
+    """The package stage's accuracy record (the manifest's `accuracy`) as lines: the verdict first, loud
+    where the bundle is below its gate or its calibration was synthetic; [] for a record without parts."""
+    parts = accuracy.get("parts") or {}
+    if not parts:
+        return []
+    gate = accuracy.get("gate") or {}
+    n = accuracy.get("samples", "?")
+    on = f"{n} held-out samples" if accuracy.get("held_out", True) else "the calibration sample (none held out)"
+    failed = {f["part"]: f for f in accuracy.get("failures") or ()}
+    if not gate:
+        verdict = "float throughout: judged within the float tolerance"
+    elif accuracy.get("accepted_loss"):
+        verdict = ("BELOW THE ACCURACY GATE: published only because of --accept-accuracy-loss "
+                   f"({len(failed)} part(s) under the target's thresholds)")
+    elif failed:
+        verdict = f"BELOW THE ACCURACY GATE ({len(failed)} part(s))"
+    else:
+        verdict = "within the target's accuracy gate"
+    lines = [f"each output against {reference} on {on}: {verdict}"]
+    for part, m in parts.items():
+        kind = f"scores, after its {m.get('activation')}" if m.get("kind") == "scores" else "values"
+        top1 = f", top-1 {m['top1']:.1%}" if m.get("top1") is not None else ""
+        mark = f": BELOW ({', '.join(_missed(failed[part]))})" if part in failed else ""
+        lines.append(f"{part} ({kind}): cosine {m['cosine']:.4f}, mean error {m['mean_error']:.2%} and max error "
+                     f"{m['max_error']:.1%} of its range{top1}{mark}")
+    for c in accuracy.get("culprits") or ():
+        lines.append(f"culprit {c['node']} in {c['segment']} ({c['op']} -> {c.get('int8_op') or '?'}): "
+                     f"{c['added_error']:.1%} of its range lost there, SNR {c['added_snr_db']:.1f} dB; {c['cause']}")
+    if gate.get("calibration") == "synthetic":
+        lines.append("calibration SYNTHETIC (no --calib): the accuracy on real data is UNKNOWN")
+    return lines
+
+
+def _missed(failure: dict[str, Any]) -> list[str]:
+    out = []
+    for m, f in failure.get("missed", {}).items():
+        side = ">=" if m in ("cosine", "top1") else "<="
+        out.append(f"{m.replace('_', ' ')} {f['value']:.4g}, the gate wants {side} {f['threshold']:g}")
+    return out
 
 
 def provenance_summary(p: dict[str, Any], bundle_version: int = 0, signing: dict[str, Any] | None = None) -> list[str]:

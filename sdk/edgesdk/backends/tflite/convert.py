@@ -45,6 +45,9 @@ class TfliteResult:
     mixed: mixed_precision.Mixed | None = None  # the ops kept float, where a target or a list was given
     # with method auto and an `alternatives_dir`: each candidate of `_auto` written whole, by label
     alternatives: dict[str, tuple[Path, "TfliteResult"]] = field(default_factory=dict)
+    # each ONNX activation the trace made: the `p` of its TFLite tensor (onnx == transpose(tflite, p)),
+    # what the culprit search reads the int8 tensors with (layers.py)
+    layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 CALIBRATION_METHODS = (*METHODS, "auto")
@@ -443,4 +446,5 @@ def _finish(lowered: _Lowered, model: bytes, out_path: Path) -> TfliteResult:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model))
+    return TfliteResult(with_quant(lowered.inputs, "in"), with_quant(lowered.outputs, "out"), op_counts(model),
+                        layouts=dict(lowered.layouts))

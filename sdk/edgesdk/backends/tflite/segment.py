@@ -59,6 +59,7 @@ def quantize_segment(job: QuantizeJob, *, cpu: bool = False) -> dict:
     return {"artifact": artifact,
             "inputs": [_spec(t) for t in result.inputs], "outputs": [_spec(t) for t in result.outputs],
             "tflite_ops": result.op_counts, "ranges": result.ranges,
+            "layouts": {name: list(p) for name, p in result.layouts.items()},
             **({"mixed": result.mixed.record()} if result.mixed is not None else {}),
             **({"alternatives": alternatives} if alternatives else {}),
             "accuracy_vs_float": accuracy(artifact, result)}

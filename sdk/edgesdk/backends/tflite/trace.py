@@ -57,6 +57,16 @@ def _tensorflow():
     return tf
 
 
+NODE_SCOPE = re.compile(r"(?:^|[;/])n(\d+)\.[^/;]*/")  # a node's scope in a TFLite tensor's name: its index
+
+
+def node_scope(index: int, node: onnx.NodeProto) -> str:
+    """The TF name scope the ops of the segment's `index`-th node are made in: `n<index>.<its name>`.
+    The converter names each TFLite tensor after the TF ops it fused into it (joined by ';'), so a
+    tensor names the ONNX nodes it computes, exactly by index (`NODE_SCOPE`), and readably."""
+    return f"n{index}." + re.sub(r"[^A-Za-z0-9_.-]", "_", node.name or node.output[0])[:64]
+
+
 def _signature_key(name: str, used: set[str]) -> str:
     key = re.sub(r"[^0-9A-Za-z_]", "_", name)
     if not key or not key[0].isalpha():
@@ -74,6 +84,8 @@ class _Lowered:
     module: Any  # tf.Module holding it (the converter takes signatures from it)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec] = field(default_factory=list)
+    # each ONNX activation the trace made: the `p` of its TF tensor (onnx == transpose(tf, p))
+    layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def release(self) -> None:
         """Let the traced function and its weights go (once saved for the converter): the specs stay."""
@@ -166,13 +178,15 @@ def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
             cx.outputs.add(vi.name)
         for spec, arg in zip(inputs, args):
             cx.set(spec.name, _Value(arg, spec.perm or _identity(len(spec.shape))))
-        for node, lowering in zip(graph.node, lowerings):
+        for k, (node, lowering) in enumerate(zip(graph.node, lowerings)):
             names = [n for n in node.input if n]
             if node.op_type != "Constant" and names and all(n in cx.consts for n in names):
                 for name, v in zip(node.output, _fold(node, {n: cx.consts[n] for n in names}, opset)):
                     cx.set(name, v)
             else:
-                lowering.lower(cx, node)
+                with tf.name_scope(node_scope(k, node)):  # the TFLite tensors it makes are named after it
+                    lowering.lower(cx, node)
+                lowered.layouts.update((o, cx.values[o].perm) for o in node.output if o in cx.values)
         result, specs = {}, []
         for vi in graph.output:
             if vi.name not in cx.values:

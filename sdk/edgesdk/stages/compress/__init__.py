@@ -5,6 +5,12 @@ Guarantees: `segments/<id>.tflite` for each Edge TPU segment, converted by Tenso
 from our own NHWC lowering with per-channel int8 weights, and `compress.json` with each segment's
 tensor specs (layout permutation, quantization) and its accuracy against the float segment.
 
+Accuracy: the segments are calibrated on three quarters of the samples; on the quarter held out
+(`held_out_split`, the package stage's split of the same samples) each segment's int8 model is run
+against the float segment on its own inputs, its outputs judged by the target's accuracy gate as the
+model's are (compression/accuracy.py): `compress.json`'s `segments.<id>.gate`, what the package
+stage's culprit search starts from (docs/accuracy.md). Recorded and logged, never refused here.
+
 Calibration: `--calib DIR` holds `.npy` files (one sample shaped like the model's input, or a stack
 of samples along a new first axis) for a single-input model, or `.npz` files with one array per
 input name, or images for a model with one image input (`--calib-preprocess` states how pixels
@@ -49,6 +55,7 @@ import onnx
 from ... import backends
 from ...backends import onnxruntime as ort_backend
 from ...compression import build as pruning
+from ...compression import accuracy as measures
 from ...compression import correct_weights, fidelity
 from ...compression.fidelity import accuracy
 from ...errors import UserError
@@ -56,6 +63,8 @@ from ...ir import model as irm
 from ...ir.calibration import LABELS, load_calibration, load_labelled, synthetic_warnings
 from ...ir.digest import tree_sha256
 from ...ir.memory import give_back
+from ...runtime.backends import open_runner
+from ...runtime.manifest import Segment, tensor_from_dict
 from ...scheduling.plan import Plan
 from ...scheduling.selection import held_out_split
 from . import auto
@@ -115,6 +124,11 @@ def run(artifact: Path, ctx) -> dict:
     del full  # each segment is read from its own file: the whole model is not held while TensorFlow converts
     give_back()  # and what the session freed goes back before the converter runs
     inputs = samples  # the model's: `samples` is each segment's own below
+    # calibrated on three quarters, gated on the quarter held out: the package stage's split of the same samples
+    acts, held = held_out_split(acts)
+    gate = measures.Gate.of(ctx.target.accuracy)
+    parts = measures.views(irm.read(ctx.artifact("import") / "model.onnx"))
+    record["accuracy_gate"] = gate.to_json()
     for seg in quantized:
         if seg.same_as:
             continue
@@ -143,11 +157,41 @@ def run(artifact: Path, ctx) -> dict:
                              [{o: a[o] for o in plan.outputs} for a in acts], ctx.log)
         if chosen is not None:
             calib_info["auto"] = chosen
+    # each segment as it ships (after auto's whole-model choice), against its float segment on held-out samples
+    for seg in (s for s in quantized if not s.same_as):
+        entry = record["segments"][seg.id]
+        entry["gate"] = _segment_gate(seg, entry, [{k: a[k] for k in seg.inputs + seg.outputs} for a in held],
+                                      held is not acts, parts, gate, ctx)
+    for seg in (s for s in quantized if s.same_as):
+        record["segments"][seg.id]["gate"] = {**record["segments"][seg.same_as]["gate"], "of": seg.same_as}
     calib_info["methods"] = method_counts(record["segments"])
     (ctx.out / "compress.json").write_text(json.dumps(record, indent=2) + "\n")
     out = {"int8_segments": len(quantized), "calibration": calib_info,
            "accuracy_vs_float": {k: v["accuracy_vs_float"] for k, v in record["segments"].items()}}
     return {**out, "pruning": _summary(record["pruning"])} if "pruning" in record else out
+
+
+def _segment_gate(seg, entry: dict, held: list[dict], held_out: bool, parts: dict, gate, ctx) -> dict:
+    """The segment's int8 model against the float segment on its own held-out inputs (as the fp32 model
+    computes them), each output judged as the model's own outputs are (`parts`; a tensor between segments
+    by the segment's own graph): the figures the culprit search starts from. Recorded and said, never refused here: the
+    package stage judges the bundle end to end."""
+    runner = open_runner(ctx.out, Segment(id=seg.id, device="cpu", backend=backends.backend(seg.backend).runner,
+                                          artifact=entry["artifact"], fallback_artifact=entry["artifact"],
+                                          inputs=tuple(tensor_from_dict(t) for t in entry["inputs"]),
+                                          outputs=tuple(tensor_from_dict(t) for t in entry["outputs"])), None)
+    got = [runner.run({k: s[k] for k in seg.inputs}) for s in held]
+    own = measures.views(irm.read(ctx.artifact("schedule") / seg.artifact))  # a tensor between segments: by its own graph
+    judged = {o: parts.get(o) or own.get(o) or [measures.View(o, measures.VALUES)] for o in seg.outputs}
+    figures = measures.measure([{o: s[o] for o in seg.outputs} for s in held], got, judged)
+    failures = measures.judge(figures, gate)
+    on = f"{len(held)} held-out sample(s)" if held_out else "its calibration sample (none held out)"
+    if failures:
+        ctx.log(f"compress: {seg.id}: int8 against its float segment on {on}: under the accuracy gate: "
+                + "; ".join(f.describe() for f in failures))
+    else:
+        ctx.log(f"compress: {seg.id}: int8 against its float segment on {on}: within the accuracy gate")
+    return {"samples": len(held), "held_out": held_out, "parts": figures, "failures": [f.to_json() for f in failures]}
 
 
 def _prune(dense: onnx.ModelProto, samples: list[dict], ctx, record: dict) -> onnx.ModelProto:

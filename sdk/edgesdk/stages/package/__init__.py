@@ -9,6 +9,10 @@ The golden output is produced by running the bundle's own plan on the build host
 TFLite files, and for CPU/GPU segments built for another machine (aarch64, CUDA) an x86-64 twin
 compiled from the same segment and tuning records. The twin never ships.
 
+A bundle with int8 anywhere is held to the target's accuracy gate against the fp32 model on the
+held-out calibration samples (bundling/gate.py, docs/accuracy.md): below it nothing is published,
+unless `--accept-accuracy-loss`, which the manifest then records. `accuracy.html` reports it.
+
 The stage reads the earlier stages' directories and their warnings; `packaging.package` does the rest.
 """
 
@@ -22,10 +26,11 @@ from ...bundling.evaluation import task_of
 from ...compression.tasks import files, parse_options
 from ...ir.digest import file_sha256, tree_sha256
 
-# the golden inputs and the provenance's calibration digest come from the calibration samples; the task
-# figures (the manifest's accuracy.task) from the --eval samples
-OPTIONS = ("calib", "calib_samples", "calib_preprocess", "input_ranges", "seed", "eval_data", "task", "decoder",
-           "task_options")
+# the golden inputs, the held-out samples of the accuracy gate and the provenance's calibration digest come
+# from the calibration samples; below the gate, --accept-accuracy-loss decides whether a bundle is published;
+# the task figures (the manifest's accuracy.task) come from the --eval samples
+OPTIONS = ("calib", "calib_samples", "calib_preprocess", "input_ranges", "seed", "accept_accuracy_loss", "eval_data",
+           "task", "decoder", "task_options")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
@@ -45,6 +50,7 @@ def run(artifact: Path, ctx) -> dict:
                for w in json.loads(rec.read_text()).get("warnings", [])]
     # the plan as the tune stage left it: every CPU span on the backend measured fastest
     sources = Sources(imported=ctx.artifact("import"), scheduled=ctx.artifact("tune"),
-                      tuned=ctx.artifact("tune"), compressed=ctx.artifact("compress"))
+                      tuned=ctx.artifact("tune"), compressed=ctx.artifact("compress"),
+                      legalized=ctx.artifact("legalize"))
     return package(sources, ctx.target, ctx.options, ctx.out, log=ctx.log, warn=ctx.warn,
                    warnings=lambda: earlier + ctx.warnings)

@@ -1,0 +1,170 @@
+"""The package stage's accuracy gate: a bundle with any reduced precision (int8 on the Edge TPU or on the
+CPU) against the fp32 model on held-out samples, each output in the parts its meaning cuts it into
+(compression/accuracy.py), held to the target's `accuracy:` thresholds. Below them the bundle is not
+published: the build fails (`accuracy.gate`, exit 1) naming each failing part, its figures and the layers
+that lose the most (compression/culprits.py), unless `--accept-accuracy-loss` publishes it anyway, with
+the loss in the manifest's `accuracy`. docs/accuracy.md is the user's page of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from .. import backends
+from ..backends import onnxruntime as ort_backend
+from ..compression import accuracy as measures
+from ..compression import culprits as layers
+from ..errors import UserError
+from ..ir import model as irm
+from ..scheduling.plan import Plan
+
+CULPRIT_SAMPLES = 2  # held-out samples the culprit search compares layers on (each layer's figures are over all of their values)
+CULPRIT_SEGMENTS = 8  # int8 segments searched at most, those under their own gate in compress first
+
+
+def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, search: Callable[[list], list],
+          log: Callable[[str], None], warn: Callable[[str], None]) -> dict:
+    """`accuracy` (`golden.accuracy`'s record) judged by the target's gate, for a plan with reduced
+    precision; returns it with the verdict (`gate`), and where it failed, the failing parts and the
+    culprits (`search(failures)`, compression/culprits.Culprit). Raises `accuracy.gate` where it failed
+    and the user did not accept the loss."""
+    gate = measures.Gate.of(target.accuracy)
+    failures = measures.judge(accuracy["parts"], gate)
+    n = accuracy["samples"]
+    on = f"{n} held-out sample(s)" if accuracy.get("held_out", True) else "the calibration sample (none held out)"
+    synthetic = bool(calibration.get("synthetic"))
+    accuracy = {**accuracy, "gate": {"thresholds": gate.to_json(), "passed": not failures,
+                                     "calibration": "synthetic" if synthetic else "real"}}
+    failed = {f.part: f for f in failures}
+    for part, m in accuracy["parts"].items():
+        verdict = f"BELOW THE GATE ({failed[part].describe().split(': ', 1)[1]})" if part in failed else "passes"
+        log(f"package: accuracy of {part} ({_kind(m)}) vs fp32 on {on}: {figures(m)}: {verdict}")
+    unknown = ("its int8 ranges come from synthetic samples (no --calib), and so do the held-out samples the "
+               "gate measured on: its accuracy on real data is unknown" if synthetic else "")
+    if not failures:
+        if synthetic:
+            warn(f"the bundle passes the accuracy gate on {on}, but {unknown}; give --calib with real inputs")
+        return accuracy
+    found = search(failures)
+    accuracy["failures"] = [f.to_json() for f in failures]
+    accuracy["culprits"] = [c.to_json() for c in found]
+    notes = [f"{f.describe()}; {figures(accuracy['parts'][f.part])}" for f in failures]
+    notes += [f"culprit: {c.describe()}" for c in found] or ["culprits: none found (no int8 segment could be "
+                                                             "compared layer by layer)"]
+    if synthetic:
+        notes.append(f"calibration: {unknown}")
+    if not getattr(options, "accept_accuracy_loss", False):
+        raise UserError("accuracy.gate",
+                        f"the bundle misses the target's accuracy gate against fp32 on {on}: "
+                        + "; ".join(f.describe() for f in failures),
+                        hint=_remedies(plan, options, calibration, found), notes=notes)
+    accuracy["accepted_loss"] = True
+    warn("--accept-accuracy-loss: the bundle is published BELOW its accuracy gate: "
+         + "; ".join(f.describe() for f in failures)
+         + (f"; culprit: {found[0].node} ({found[0].cause})" if found else ""))
+    return accuracy
+
+
+def _kind(m: dict) -> str:
+    return f"scores, after its {m['activation']}" if m["kind"] == measures.SCORES else "values"
+
+
+def figures(m: dict) -> str:
+    """A part's measures in one phrase: `cosine 0.9057, mean error 0.03% and max error 76.9% of its range,
+    top-1 100%`."""
+    top1 = f", top-1 {m['top1']:.1%}" if m.get("top1") is not None else ""
+    return (f"cosine {m['cosine']:.4f}, mean error {m['mean_error']:.2%} and max error {m['max_error']:.1%} of its "
+            f"range{top1}")
+
+
+def _remedies(plan: Plan, options, calibration: dict, found: list) -> str:
+    """The hint: what moves these figures, for what this build has."""
+    said = []
+    if calibration.get("synthetic"):
+        said.append("calibrate on real inputs: --calib DIR (images with --calib-preprocess)")
+    else:
+        said.append("calibrate on more inputs like the deployed ones (--calib, --calib-samples)")
+    method = getattr(options, "calib_method", "minmax")
+    causes = {c.cause for c in found}
+    if method == "percentile" and "calibration-clipping" in causes:
+        # the tails the percentile cut are what the culprits lose: keep ten times less of them out (the
+        # demo's recognizer reads 93% of the characters at 99.99, as fp32 does at 99.999)
+        kept = 100 - (100 - getattr(options, "calib_percentile", 99.99)) / 10
+        said.append(f"keep more of each tail: --calib-percentile {kept:.10g}, or --calib-method minmax")
+    else:
+        said.append(f"try --calib-method {'percentile' if method == 'minmax' else 'minmax'}")
+    if "approximation" in causes:
+        said.append("tighten the approximations (--max-error-lsb 0.5) or keep them on the CPU (--no-rewrites)")
+    if any(s.device.split(":")[0] == "cpu" and backends.backend(s.backend).quantizes for s in plan.segments):
+        said.append("keep the CPU float (--cpu-precision fp32)")
+    said.append("keep the culprit layers on the CPU (a target without the accelerator keeps every layer in float)")
+    return "; ".join(said) + ("; or publish it anyway with --accept-accuracy-loss, which the manifest and "
+                              "`edgesdk inspect` then state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """One int8 segment the culprit search can compare layer by layer."""
+
+    segment: object  # the plan's segment (its ONNX graph under `scheduled`)
+    record: dict  # its quantizer's record
+    artifact: Path
+
+
+def searchable(plan: Plan, compressed: Path, compress: dict, tuned_int8: Path, int8: dict) -> list[Searched]:
+    """The plan's int8 segments whose backend inspects its artifacts layer by layer, those under their own
+    gate in compress first, then the worst by cosine, at most CULPRIT_SEGMENTS; a shared segment once."""
+    found = []
+    for s in plan.segments:
+        b = backends.backend(s.backend)
+        if not b.quantizes or not b.layers or s.same_as:
+            continue
+        if s.id in compress.get("segments", {}):
+            found.append(Searched(s, compress["segments"][s.id], compressed / compress["segments"][s.id]["artifact"]))
+        elif s.id in int8.get("segments", {}):
+            found.append(Searched(s, int8["segments"][s.id], tuned_int8 / int8["segments"][s.id]["artifact"]))
+
+    def worst(x: Searched) -> tuple:
+        g = x.record.get("gate") or {}
+        cosines = [p["cosine"] for p in (g.get("parts") or {}).values()]
+        return (not g.get("failures"), min(cosines, default=1.0))
+
+    return sorted(found, key=worst)[:CULPRIT_SEGMENTS]
+
+
+def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto, samples: list[dict],
+           approximations: list[dict], log: Callable[[str], None]) -> list:
+    """The layers that lose the most, over `segments`, each compared on its own inputs as `reference` (the
+    fp32 model) computes them on `samples`; ranked (compression/culprits.py), at most culprits.TOP."""
+    if not segments:
+        return []
+    samples = samples[:CULPRIT_SAMPLES]
+    wanted = sorted({t for x in segments for t in x.segment.inputs})
+    acts = ort_backend.run_many(reference, samples, wanted)
+    parts = measures.views(reference)
+    found = []
+    for x in segments:
+        seg = x.segment
+        log(f"package: culprit search: {seg.id}'s {len(seg.nodes)} nodes, int8 against float, layer by layer on "
+            f"{len(samples)} held-out sample(s)")
+        feeds = [{k: a[k] for k in seg.inputs} for a in acts]
+        model = irm.read(scheduled / seg.artifact)
+        try:
+            values = backends.backend(seg.backend).int8_layers(backends.LayersJob(model, x.artifact, x.record, feeds))
+            found += layers.rank(model, values, feeds, segment=seg.id, parts=parts, approximations=approximations)
+        except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not hide the gate's verdict
+            log(f"package: culprit search: {seg.id} could not be compared layer by layer ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+    return sorted(found, key=lambda c: (-c.added_error, c.added_snr_db, c.node))[:layers.TOP]
+
+
+def legalize_approximations(legalized: Path | None) -> list[dict]:
+    """Legalize's record of its ReLU-sum approximations (their node prefixes), where it made any."""
+    path = legalized / "legalize.json" if legalized else None
+    if path is None or not path.is_file():
+        return []
+    return json.loads(path.read_text()).get("approximations") or []

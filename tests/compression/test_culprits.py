@@ -1,0 +1,163 @@
+"""The culprit search (compression/culprits.py, backends/tflite/layers.py): a planted culprit is named by
+its ONNX node name with its cause, and the layers after it, which only inherit its error, are not.
+Inputs are crops of a photograph (matplotlib's sample of Grace Hopper's portrait)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgesdk.compression import culprits
+from edgesdk.compression.accuracy import View
+
+SIZE = 16
+
+
+def photo_crops(count: int, *, seed: int, gain: float = 1.0) -> list[dict[str, np.ndarray]]:
+    """`count` crops of the photograph, SIZE x SIZE, NCHW in [0, gain] (a gain under 1: darker)."""
+    import matplotlib
+    from PIL import Image
+
+    image = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").convert("RGB")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        s = rng.uniform(0.3, 0.9)
+        w, h = int(image.width * s), int(image.height * s)
+        x0, y0 = rng.integers(0, image.width - w + 1), rng.integers(0, image.height - h + 1)
+        crop = np.asarray(image.crop((x0, y0, x0 + w, y0 + h)).resize((SIZE, SIZE)), np.float32) / 255.0
+        out.append({"x": (gain * crop).transpose(2, 0, 1)[None].copy()})
+    return out
+
+
+def _model(nodes: list, output: str, channels: int, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.4).astype(np.float32), "w1"),
+             numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((channels, 8, 3, 3)) * 0.2).astype(np.float32), "w2"),
+             numpy_helper.from_array(np.zeros(1, np.float32), "zero"),
+             numpy_helper.from_array(np.full((1, 8, 1, 1), 0.25, np.float32), "slope")]
+    used = {i for n in nodes for i in n.input}
+    inits = [i for i in inits if i.name in used]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIZE, SIZE])],
+                              [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, channels, SIZE, SIZE])],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+CONV_RELU_CONV = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="stem/conv", pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", ["a"], ["r"], name="stem/relu"),
+                  helper.make_node("Conv", ["r", "w2"], ["y"], name="head/conv", pads=[1, 1, 1, 1])]
+
+
+def _int8(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """`values` as an int8 tensor of range [lo, hi] holds them."""
+    scale = (hi - lo) / 255
+    zero = round(-128 - lo / scale)
+    return ((np.clip(np.round(values / scale) + zero, -128, 127) - zero) * scale).astype(np.float32)
+
+
+def _simulated(model: onnx.ModelProto, feeds: list[dict], clip_to: float | None, shared: tuple[str, ...] = ()) -> dict:
+    """The int8 side of `model` as a converter would make it: every tensor int8 over the range fp32 takes
+    on `feeds`, but `a` (the stem's output) over [-clip_to, clip_to] where given, each computed from the
+    one before."""
+    from edgesdk.compression.fidelity import run_samples
+
+    fp32 = run_samples(model, feeds, ["a", "r"])
+    span = {t: (min(float(s[t].min()) for s in fp32), max(float(s[t].max()) for s in fp32)) for t in ("a", "r", "y")}
+    w2 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w2"))
+    head = helper.make_model(helper.make_graph(
+        [CONV_RELU_CONV[2]], "head", [helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 8, SIZE, SIZE])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w2, "w2")]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out = {t: {"node": k, "op": op, "values": [], "at_limits": [], "step": None, "representable": None, "shared": []}
+           for k, (t, op) in enumerate((("a", "CONV_2D"), ("r", "RELU"), ("y", "CONV_2D")))}
+    out["a"]["shared"] = list(shared)
+    ranges = {"a": (-clip_to, clip_to) if clip_to else span["a"], "r": (0.0, span["r"][1]), "y": span["y"]}
+    for t, (lo, hi) in ranges.items():
+        out[t]["representable"], out[t]["step"] = [lo, hi], (hi - lo) / 255
+    for s in fp32:
+        a = _int8(s["a"], *ranges["a"])
+        r = _int8(np.maximum(a, 0), *ranges["r"])
+        y = _int8(run_samples(head, [{"r": r}])[0]["y"], *ranges["y"])
+        for t, v in (("a", a), ("r", r), ("y", y)):
+            out[t]["values"].append(v)
+    return out
+
+
+def test_a_layer_clipped_by_its_range_is_named_and_what_follows_is_not():
+    model = _model(CONV_RELU_CONV, "y", 4)
+    feeds = photo_crops(3, seed=5)
+    found = culprits.rank(model, _simulated(model, feeds, clip_to=0.3), feeds, segment="s0")
+    assert found and found[0].node == "stem/conv" and found[0].cause == "calibration-clipping", found
+    first = found[0]
+    assert first.segment == "s0" and first.op == "Conv" and first.int8_op == "CONV_2D" and first.tensor == "a"
+    assert first.added_error > 0.3 and first.added_snr_db < 15, first
+    assert "the range int8 represents there" in first.why and "[-0.3, 0.3]" in first.why
+    # the head reads the clipped values as they are: it adds little of its own (its error is the stem's)
+    head = next((c for c in culprits.compare(model, _simulated(model, feeds, clip_to=0.3), feeds, segment="s0",
+                                             parts={}) if c.node == "head/conv"))
+    assert head.added_error < 0.02 < head.error, head
+    # the same range kept by an op that shares it between its input and output (MINIMUM)
+    shared = culprits.rank(model, _simulated(model, feeds, clip_to=0.3, shared=("MINIMUM",)), feeds, segment="s0")
+    assert shared[0].node == "stem/conv" and shared[0].cause == "shared-quantization"
+    assert shared[0].why.startswith("MINIMUM keeps one quantization for its input and output")
+    # the ranges the photograph's crops take: no culprit at all
+    assert culprits.rank(model, _simulated(model, feeds, clip_to=None), feeds, segment="s0") == []
+
+
+def test_an_approximations_nodes_are_named_by_the_node_it_replaced():
+    model = _model([helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="approx0/shift", pads=[1, 1, 1, 1]),
+                    helper.make_node("Relu", ["a"], ["r"], name="stem/relu"),
+                    helper.make_node("Conv", ["r", "w2"], ["y"], name="head/conv", pads=[1, 1, 1, 1])], "y", 4)
+    feeds = photo_crops(2, seed=6)
+    found = culprits.rank(model, _simulated(model, feeds, clip_to=0.3), feeds, segment="s1",
+                          approximations=[{"prefix": "approx0/", "nodes": ["/act/Mish"], "output": "r"}])
+    assert found[0].node == "/act/Mish" and found[0].cause == "approximation", found
+
+
+@pytest.fixture(scope="module")
+def prelu_int8(tmp_path_factory):
+    """A PReLU lowered as Relu(x) + Min(x, 0) * slope, converted to full int8 on crops of the photograph:
+    TFLite's MINIMUM keeps one quantization for its input and output, so the convolution before it gets
+    the range [min, 0]."""
+    from edgesdk.backends.tflite import convert_int8
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="/stem/conv/Conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["pos"], name="/stem/act/Relu"),
+             helper.make_node("Min", ["c", "zero"], ["neg"], name="/stem/act/Min"),
+             helper.make_node("Mul", ["neg", "slope"], ["scaled"], name="/stem/act/Mul"),
+             helper.make_node("Add", ["pos", "scaled"], ["p"], name="/stem/act/Add"),
+             helper.make_node("Conv", ["p", "w2"], ["y"], name="/head/conv/Conv", pads=[1, 1, 1, 1])]
+    model = _model(nodes, "y", 4)
+    path = tmp_path_factory.mktemp("prelu") / "s0.tflite"
+    result = convert_int8(model, photo_crops(12, seed=1), path)
+    record = {"artifact": "s0.tflite", "layouts": {k: list(v) for k, v in result.layouts.items()},
+              **{side: [json.loads(json.dumps(dataclasses.asdict(t))) for t in getattr(result, side)]
+                 for side in ("inputs", "outputs")}}
+    return model, path, record
+
+
+def test_the_convolution_a_minimum_clips_is_named_with_its_onnx_name(prelu_int8):
+    from edgesdk.backends import LayersJob, backend
+
+    model, path, record = prelu_int8
+    feeds = photo_crops(2, seed=2)
+    layers = backend("tflite").int8_layers(LayersJob(model, path, record, feeds))
+    # every ONNX tensor with an int8 tensor of its own, in ONNX layout, read from the converter's names
+    assert {"c", "pos", "neg", "scaled", "p", "y", "x"} <= set(layers), sorted(layers)
+    assert layers["c"]["op"] == "CONV_2D" and layers["c"]["values"][0].shape == (1, 8, SIZE, SIZE)
+    assert "MINIMUM" in layers["c"]["shared"] and layers["c"]["representable"][1] == pytest.approx(0.0, abs=1e-6)
+    found = culprits.rank(model, layers, feeds, segment="s0", parts={"y": [View("y", "values")]})
+    assert found[0].node == "/stem/conv/Conv" and found[0].cause == "shared-quantization", found
+    assert found[0].int8_op == "CONV_2D" and "MINIMUM" in found[0].why
+    assert found[0].added_error > 0.2
+    assert all(c.node != "/head/conv/Conv" for c in found[:1])
