@@ -18,7 +18,7 @@ back to the nearest tensors that have int8 values, run anew: `_local`):
     approximation         legalize put a sum of ReLUs in place of its node (its name starts with the
                           prefix of the approximation's nodes)
     shared-quantization   an int8 op next to it keeps one scale for its input and output (MINIMUM,
-                          MAXIMUM, CONCATENATION, PAD, RESHAPE, ...: SHARED_QUANTIZATION_OPS), and that
+                          MAXIMUM, CONCATENATION, PAD, RESHAPE, ...: the backend names them), and that
                           range clips its values or is too coarse for them (fewer than COARSE steps over
                           its fp32 range): a PReLU lowered as Min(x, 0) gives x the range [min, 0];
                           scores concatenated with pixel boxes get the boxes' step
@@ -52,11 +52,6 @@ from .fidelity import run_samples
 # specification: "input and outputs must all have same scale/zero_point"). The lowering part's audit of
 # the lowerings is meant to expose this table in backends/tflite; compression may not import backends, so
 # the table the culprit search names causes by lives here.
-SHARED_QUANTIZATION_OPS = frozenset({
-    "MINIMUM", "MAXIMUM", "CONCATENATION", "PAD", "PADV2", "MIRROR_PAD", "RESHAPE", "SQUEEZE", "EXPAND_DIMS",
-    "TRANSPOSE", "SLICE", "STRIDED_SLICE", "SPLIT", "SPLIT_V", "GATHER", "GATHER_ND", "SPACE_TO_DEPTH",
-    "DEPTH_TO_SPACE", "SPACE_TO_BATCH_ND", "BATCH_TO_SPACE_ND", "MAX_POOL_2D", "AVERAGE_POOL_2D",
-    "RESIZE_BILINEAR", "RESIZE_NEAREST_NEIGHBOR", "TILE", "BROADCAST_TO", "PACK", "UNPACK", "SELECT", "SELECT_V2"})
 CAUSES = ("calibration-clipping", "shared-quantization", "saturation", "approximation", "lowering", "unknown")
 SNR_CAP = 99.0  # dB: an exact tensor, or one with no signal
 CLIPPED = 0.01  # the share of fp32 values outside the int8 range that counts as clipping
@@ -233,7 +228,7 @@ def _cause(entry: dict, f: np.ndarray, q: np.ndarray, here: np.ndarray, scale: f
             return "lowering", f"a float tensor of the int8 model, {added_snr:.1f} dB off the float op"
         return "unknown", "a float tensor of the int8 model"
     lo, hi = lo_hi
-    shared = sorted(set(entry.get("shared", ())) & SHARED_QUANTIZATION_OPS)
+    shared = sorted(entry.get("shared", ()))
     ops = " and ".join(shared)
 
     added = float(np.abs(q - here).max(initial=0.0))

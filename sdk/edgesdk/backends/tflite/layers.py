@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .int8_ops import SHARED_QUANTIZATION_OPS
 from .trace import NODE_SCOPE, _lower, _static_shapes
 
 
@@ -129,15 +130,16 @@ def _quantization(detail: dict) -> dict[str, Any]:
 
 def _shared(ops: list[dict], details: dict[int, dict], index: int) -> list[str]:
     """The ops that take or give tensor `index` and whose activations (the tensors an op or the caller
-    writes; weights and constants aside) all have its scale and zero point: int8 kernels that move
-    values without requantizing them."""
+    writes; weights and constants aside) all have its scale and zero point because the converter makes
+    them share one (SHARED_QUANTIZATION_OPS, measured): int8 kernels that move values without
+    requantizing them."""
     mine = details[index]["quantization"]
     if not mine[0]:
         return []
     written = {int(i) for op in ops for i in op["outputs"]}
     out = []
     for op in ops:
-        if op["op_name"] == "DELEGATE":
+        if op["op_name"] not in SHARED_QUANTIZATION_OPS:
             continue
         outputs = [int(i) for i in op["outputs"]]
         activations = [int(i) for i in op["inputs"] if int(i) >= 0 and (int(i) in written or _is_input(details[int(i)]))] + outputs
