@@ -111,7 +111,7 @@ def test_the_manifest_reports_fidelity_and_the_sparse_kernels(x86_pruned):
 
     text = inspect_bundle(m, result.bundle)
     assert "pruning     2:4: 3 layer(s), 50.0% of their weights zero, no retraining; 3 convolution(s) on sparse" in text
-    assert "fidelity of logits to the dense model: cosine" in text and "vs the pruned fp32 model" in text
+    assert "fidelity of logits to the dense model: cosine" in text and "against the pruned fp32 model" in text
 
 
 def test_the_bundle_computes_the_pruned_model_and_passes_its_self_test(x86_pruned):

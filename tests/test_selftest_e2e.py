@@ -65,12 +65,15 @@ def arm_det(tmp_path_factory, tuning_db):
     """PP-OCRv4's text detector for arm_2tpu at 160x160, calibrated on 16 rendered text pages (~30 s to
     build): one int8 segment whose logits LiteRT on aarch64 and on x86-64 round up to 2 steps apart, and
     whose int8 logistic carries that to 0.145 of the text map (docs/bundle.md). The only model measured
-    whose two CPUs disagree, so it is built here, for these tests alone."""
+    whose two CPUs disagree, so it is built here, for these tests alone. Min-max calibration, under which
+    they were measured to disagree (`auto` picks ranges under which they happen to agree); it misses the
+    accuracy gate, accepted here: the self-test's tolerance is what these tests are about."""
     if not PPOCR_DET.exists():
         raise FileNotFoundError(f"{PPOCR_DET} is missing: run `make models` first")
     calib = text_pages(tmp_path_factory.mktemp("calib-pages"), 16, 160)
     return _build(tmp_path_factory.mktemp("arm-det"), PPOCR_DET, "arm_2tpu", "x=1x3x160x160", tuning_db=tuning_db,
-                  calib=calib, calib_preprocess=PPOCR_DET_PREPROCESS)
+                  calib=calib, calib_preprocess=PPOCR_DET_PREPROCESS, calib_method="minmax",
+                  accept_accuracy_loss=True)
 
 
 def _copy(bundle: Path, tmp_path: Path) -> Path:
@@ -107,7 +110,7 @@ def test_the_detector_passes_its_selftest_under_qemu(arm_det):
     assert report.detail.startswith("under qemu-user") and "aarch64" in report.detail
     assert report.selftest == "passed", (report.notes, report.segments, report.outputs)
     checks = {c["output"]: c for c in report.segments[0]["outputs"]}
-    # the logits do differ on aarch64, within their 4 steps; the map by more than 1 LSB, within its bound
+    # the logits do differ on aarch64, within their steps; the map by more than 1 LSB, within its bound
     assert 0 < checks["p2o.Add.281"]["max_abs_error"] <= checks["p2o.Add.281"]["tolerance"]
     assert checks["sigmoid_0.tmp_0"]["max_abs_error"] > Manifest.load(arm_det.bundle).outputs[0].quant.scale
 
@@ -118,7 +121,7 @@ def _weights_negated(bundle: Path) -> None:
 
     path = bundle / "segments" / "s0.tflite"
     model = flatbuffer_utils.read_model(str(path))
-    convs = [t for t in model.subgraphs[0].tensors if t.name.startswith(b"Conv2D")
+    convs = [t for t in model.subgraphs[0].tensors if b"Conv2D" in t.name
              and model.buffers[t.buffer].data is not None]
     weights = model.buffers[max(convs, key=lambda t: model.buffers[t.buffer].data.size).buffer]
     weights.data = (-weights.data.view(np.int8).astype(np.int16)).clip(-127, 127).astype(np.int8).view(np.uint8)

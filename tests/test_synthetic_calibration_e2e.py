@@ -134,7 +134,8 @@ def test_with_real_data_auto_is_the_default_and_every_choice_is_recorded(tmp_pat
     assert calibration["method"] == "auto" and not calibration["synthetic"]
     whole = calibration["auto"]
     assert set(whole["output_error"]) == {PER_SEGMENT, PER_TENSOR, *METHODS}, whole
-    assert whole["output_error"][whole["chosen"]] == min(whole["output_error"].values()) and whole["samples"] == 16
+    # weighed on the 12 samples calibrated on, never the 4 held out for the accuracy gate
+    assert whole["output_error"][whole["chosen"]] == min(whole["output_error"].values()) and whole["samples"] == 12
     tensors = 0
     for seg_id, entry in compress["segments"].items():
         r = entry["ranges"]

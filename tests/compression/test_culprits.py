@@ -125,20 +125,21 @@ def test_an_approximations_nodes_are_named_by_the_node_it_replaced():
 
 
 @pytest.fixture(scope="module")
-def prelu_int8(tmp_path_factory):
-    """A PReLU lowered as Relu(x) + Min(x, 0) * slope, converted to full int8 on crops of the photograph:
-    TFLite's MINIMUM keeps one quantization for its input and output, so the convolution before it gets
-    the range [min, 0]."""
+def concat_int8(tmp_path_factory):
+    """A convolution's small activations concatenated with a wide tensor, converted to full int8 on crops
+    of the photograph: TFLite's CONCATENATION gives its inputs its output's quantization, so the
+    convolution's output, read by nothing else, gets the wide tensor's step (a YOLO head's scores
+    concatenated with its boxes in pixels)."""
     from edgesdk.backends.tflite import convert_int8
 
+    # weights 500 times the stem's: activations in the hundreds, as a box's pixels beside a score
+    w3 = numpy_helper.from_array((np.random.default_rng(3).standard_normal((8, 3, 3, 3)) * 200).astype(np.float32))
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="/stem/conv/Conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["pos"], name="/stem/act/Relu"),
-             helper.make_node("Min", ["c", "zero"], ["neg"], name="/stem/act/Min"),
-             helper.make_node("Mul", ["neg", "slope"], ["scaled"], name="/stem/act/Mul"),
-             helper.make_node("Add", ["pos", "scaled"], ["p"], name="/stem/act/Add"),
-             helper.make_node("Conv", ["p", "w2"], ["y"], name="/head/conv/Conv", pads=[1, 1, 1, 1])]
-    model = _model(nodes, "y", 4)
-    path = tmp_path_factory.mktemp("prelu") / "s0.tflite"
+             helper.make_node("Constant", [], ["w3"], name="/wide/w", value=w3),
+             helper.make_node("Conv", ["x", "w3"], ["big"], name="/wide/conv/Conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["c", "big"], ["y"], name="/cat/Concat", axis=1)]
+    model = _model(nodes, "y", 16)
+    path = tmp_path_factory.mktemp("concat") / "s0.tflite"
     result = convert_int8(model, photo_crops(12, seed=1), path)
     record = {"artifact": "s0.tflite", "layouts": {k: list(v) for k, v in result.layouts.items()},
               **{side: [json.loads(json.dumps(dataclasses.asdict(t))) for t in getattr(result, side)]
@@ -146,18 +147,17 @@ def prelu_int8(tmp_path_factory):
     return model, path, record
 
 
-def test_the_convolution_a_minimum_clips_is_named_with_its_onnx_name(prelu_int8):
+def test_the_convolution_a_concatenation_coarsens_is_named_with_its_onnx_name(concat_int8):
     from edgesdk.backends import LayersJob, backend
 
-    model, path, record = prelu_int8
+    model, path, record = concat_int8
     feeds = photo_crops(2, seed=2)
     layers = backend("tflite").int8_layers(LayersJob(model, path, record, feeds))
     # every ONNX tensor with an int8 tensor of its own, in ONNX layout, read from the converter's names
-    assert {"c", "pos", "neg", "scaled", "p", "y", "x"} <= set(layers), sorted(layers)
+    assert {"c", "y", "x"} <= set(layers), sorted(layers)
     assert layers["c"]["op"] == "CONV_2D" and layers["c"]["values"][0].shape == (1, 8, SIZE, SIZE)
-    assert "MINIMUM" in layers["c"]["shared"] and layers["c"]["representable"][1] == pytest.approx(0.0, abs=1e-6)
+    assert "CONCATENATION" in layers["c"]["shared"] and layers["c"]["step"] > 1.0, layers["c"]
     found = culprits.rank(model, layers, feeds, segment="s0", parts={"y": [View("y", "values")]})
     assert found[0].node == "/stem/conv/Conv" and found[0].cause == "shared-quantization", found
-    assert found[0].int8_op == "CONV_2D" and "MINIMUM" in found[0].why
+    assert found[0].int8_op == "CONV_2D" and "CONCATENATION" in found[0].why
     assert found[0].added_error > 0.2
-    assert all(c.node != "/head/conv/Conv" for c in found[:1])

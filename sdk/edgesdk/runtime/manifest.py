@@ -469,9 +469,25 @@ SEGMENT = _object(
 )
 _IDS = _list(_list(_text))
 # the informational parts: only what `edgesdk inspect` reads is typed; the rest is shown as it is
-_ACCURACY = _object({}, {"samples": _integer(0, 2**31 - 1), "top1_agreement": _number,
-                         "tensors": _map(_object({"cosine": _number, "max_abs_error": _number}, extra=True))},
-                    extra=True)
+def _measured(value: Any, where: str) -> None:
+    """A figure the build measured: a number, NaN included (a part whose int8 output is all NaN is
+    published only with --accept-accuracy-loss, and says so)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(where, f"expected a number, got {_shown(value)}")
+
+
+_ACCURACY = _object({}, {
+    "samples": _integer(0, 2**31 - 1), "top1_agreement": _number, "held_out": _flag, "accepted_loss": _flag,
+    "tensors": _map(_object({"cosine": _number, "max_abs_error": _number}, extra=True)),
+    # the gate's record (bundling/gate.py): each output part's figures, the verdict, what failed and why
+    "parts": _map(_object({"cosine": _measured, "mean_error": _measured, "max_error": _measured},
+                          {"top1": _nullable(_measured), "kind": _text, "activation": _text}, extra=True)),
+    "gate": _object({}, {"passed": _flag, "calibration": _text}, extra=True),
+    "failures": _list(_object({"part": _text}, {"kind": _text, "missed": _map(
+        _object({"value": _measured, "threshold": _measured}, extra=True))}, extra=True)),
+    "culprits": _list(_object({"node": _text, "segment": _text, "op": _text, "added_error": _measured,
+                               "added_snr_db": _measured, "cause": _text}, {"int8_op": _nullable(_text)}, extra=True)),
+}, extra=True)
 _EDGETPU = _object({}, {
     "edgetpu_compiled": _flag, "finish_command": _text, "co_compiled": _map(_list(_text)),
     "compiler": _map(_object({"on_chip_bytes": _number, "off_chip_bytes": _number,

@@ -153,7 +153,8 @@ def run(artifact: Path, ctx) -> dict:
         worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
     if method == "auto":
-        chosen = auto.choose(plan, sched, ctx.out, record["segments"], inputs,
+        # the model's inputs of the calibration samples, the held-out ones aside, as `acts` holds their outputs
+        chosen = auto.choose(plan, sched, ctx.out, record["segments"], inputs[:len(acts)],
                              [{o: a[o] for o in plan.outputs} for a in acts], ctx.log)
         if chosen is not None:
             calib_info["auto"] = chosen
