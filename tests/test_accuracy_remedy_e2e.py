@@ -78,3 +78,65 @@ def test_below_the_gate_the_culprits_are_kept_on_the_cpu_and_the_plan_says_what_
     # a name the model does not have is refused before anything is placed
     proc = edgesdk(*args, "--keep-on-cpu", "/scores,/no/such/node", "--until", "schedule")
     assert_user_facing(proc, 2, "error: --keep-on-cpu names 1 node(s) the model does not have: /no/such/node")
+
+
+def _failure(culprits: list[dict]):
+    from edgesdk.bundling.gate import GateFailure
+
+    return GateFailure("below", "hint", ["figures"], {"parts": {SCORES: {"cosine": 0.9}}, "culprits": culprits,
+                                                       "failures": [{"part": SCORES, "kind": "scores", "missed": {}}]})
+
+
+def _culprit(node: str, segment: str, added: float, cause: str = "shared-quantization") -> dict:
+    return {"node": node, "segment": segment, "op": "Conv", "cause": cause, "added_error": added, "error": added,
+            "added_snr_db": 10.0, "why": "..."}
+
+
+def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_twice(tmp_path):
+    """Which culprits a round keeps on the CPU: those on an accelerator (not one already on the CPU) losing at
+    least a tenth of the worst one's loss, an approximation's replaced nodes each, none already kept; no round
+    where the user accepts the loss or turns the remedy off; after 2 rounds, or with nothing left to move, the
+    error's notes say what was tried."""
+    import dataclasses
+
+    from edgesdk.pipeline import REMEDY_ROUNDS, BuildOptions, _remedy, stage_dir
+
+    segment = {"artifact": "segments/s.onnx", "inputs": [], "outputs": [], "flops": 0.0, "param_bytes": 0,
+               "predicted_ms": 1.0, "backend": "tflite"}
+    plan = {"target": "arm_2tpu", "mode": "latency", "inputs": ["x"], "outputs": ["y"], "probes": {},
+            "segments": [{**segment, "id": "s0", "device": "edgetpu:0", "nodes": ["a", "b", "c", "d"]},
+                         {**segment, "id": "s1", "device": "cpu", "backend": "litert", "nodes": ["e"]}],
+            "pipeline_stages": [["s0"], ["s1"]], "predicted": {"latency_ms": 1.5, "throughput_fps": 600.0}}
+    tune = stage_dir(tmp_path, "tune")
+    tune.mkdir(parents=True)
+    (tune / "plan.json").write_text(json.dumps(plan))
+    options = BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=tmp_path, start="compress")
+    culprits = [_culprit("a", "s0", 0.5), _culprit("e", "s1", 0.9), _culprit("b, c", "s0", 0.06, "approximation"),
+                _culprit("d", "s0", 0.04, "calibration-clipping")]
+    said = []
+    first = _remedy(options, _failure(culprits), said.append)
+    assert first.keep_on_cpu == ("a", "b", "c") and first.start is None  # d: under a tenth of a's 0.5; e: on the cpu
+    [step] = first.remedy
+    assert step["round"] == 1 and step["latency_ms"] == 1.5 and [m["node"] for m in step["moved"]] == ["a", "b", "c"]
+    assert step["moved"][0]["device"] == "edgetpu:0" and step["failures"][0]["part"] == SCORES
+    assert said == ["accuracy remedy: round 1: the bundle misses the accuracy gate; keeping a (shared-quantization), "
+                    "b (approximation), c (approximation) in float on the cpu and planning again from the schedule stage"]
+    # the next round adds the new culprits only
+    second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("d", "s0", 0.3)]), said.append)
+    assert second.keep_on_cpu == ("a", "b", "c", "d") and len(second.remedy) == REMEDY_ROUNDS == 2
+    # then no more: the error says what was tried
+    last = _failure([_culprit("d", "s0", 0.3), _culprit("b", "s0", 0.1)])
+    assert _remedy(dataclasses.replace(second, keep_on_cpu=("a", "b", "c")), last, said.append) is None
+    assert last.notes == ["figures", "accuracy remedy: round 1 kept a, b, c on the cpu in float (1.500 ms predicted "
+                          "before it)", "accuracy remedy: round 2 kept d on the cpu in float (1.500 ms predicted before "
+                          "it)", "accuracy remedy: stopped after 2 round(s), still below the gate"]
+    nothing = _failure([_culprit("a", "s0", 0.5), _culprit("e", "s1", 0.9)])
+    assert _remedy(first, nothing, said.append) is None
+    assert nothing.notes[-1] == "accuracy remedy: no culprit is left on an accelerator"
+    # nothing tried, nothing said: the user accepts the loss, turns the remedy off, or no culprit is on an accelerator
+    for opts, found in ((dataclasses.replace(options, accept_accuracy_loss=True), culprits),
+                        (dataclasses.replace(options, accuracy_remedy=False), culprits),
+                        (options, [_culprit("e", "s1", 0.9)])):
+        failure = _failure(found)
+        assert _remedy(opts, failure, said.append) is None and failure.notes == ["figures"]
+    assert len(said) == 2
