@@ -74,6 +74,7 @@ def test_below_the_gate_the_culprits_are_kept_on_the_cpu_and_the_plan_says_what_
             in text, text
         assert f"{SCORES}: before the remedy cosine " in text, text
     assert "kept in float on the cpu (the accuracy remedy, 1 round(s)): " in proc.stderr
+    assert "Kept in float on the CPU" in (out / ".build" / "6-package" / "accuracy.html").read_text()
 
     # a name the model does not have is refused before anything is placed
     proc = edgesdk(*args, "--keep-on-cpu", "/scores,/no/such/node", "--until", "schedule")
