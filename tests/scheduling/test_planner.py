@@ -249,8 +249,12 @@ def test_a_node_kept_on_the_cpu_never_lands_on_an_edge_tpu():
             assert kept["predicted"]["latency_ms_without"] < kept["predicted"]["latency_ms"]
             assert kept["predicted"]["cost_ms"] == pytest.approx(
                 kept["predicted"]["latency_ms"] - kept["predicted"]["latency_ms_without"], abs=1e-3)
-    assert json.loads(make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4",)).plan.to_json()
-                      )["keep_on_cpu"]["nodes"] == ["Conv_4"]
+    pinned = make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4",))
+    assert json.loads(pinned.plan.to_json())["keep_on_cpu"]["nodes"] == ["Conv_4"]
+    from edgesdk.scheduling.explain import node_rows  # schedule.html's placement table says why it is there
+
+    assert {r["node"]: r["reason"] for r in node_rows(pinned)}["Conv_4"] == \
+        "kept in float on the cpu for accuracy (plan.json keep_on_cpu)"
     with pytest.raises(UsageError) as e:
         make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4", "/no/such/node"))
     assert e.value.code == "schedule.keep-on-cpu-unknown" and "/no/such/node" in e.value.message

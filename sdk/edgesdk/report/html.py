@@ -59,6 +59,15 @@ def _caches(plan: dict[str, Any]) -> str:
 def _chosen(plan: dict[str, Any]) -> str:
     """Which candidate the plan is (each baseline is one), against the best other."""
     line = chosen_line(plan.get("chosen") or {})
+    kept = plan.get("keep_on_cpu") or {}
+    if kept:  # the constraint every candidate kept, and what it costs
+        p = kept["predicted"]
+        rounds = [f"round {r['round']}: " + ", ".join(f"{m['node']} ({m['cause']}, {m['added_error']:.1%} of its range "
+                                                        f"lost there)" for m in r["moved"]) for r in kept.get("remedy", ())]
+        line = (f"{line}. " if line else "") + (
+            f"Kept in float on the cpu: {', '.join(kept['nodes'])} ({'; '.join(rounds) or '--keep-on-cpu'}): "
+            f"{p['latency_ms']:.3f} ms per inference, {p['latency_ms_without']:.3f} ms without that constraint "
+            f"({p['cost_ms']:+.3f} ms)")
     return f"<p>{html.escape(line[0].upper() + line[1:])}.</p>" if line else ""
 
 
