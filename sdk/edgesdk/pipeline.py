@@ -275,7 +275,8 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
     from .bundling.gate import culprit_nodes
 
     tried = list(options.remedy)
-    if not options.accuracy_remedy or options.accept_accuracy_loss:
+    if not options.accuracy_remedy or options.accept_accuracy_loss or not (stage_dir(options.out, "tune")
+                                                                            / "plan.json").is_file():
         return None
     plan = Plan.load(stage_dir(options.out, "tune"))
     on_accelerator = {s.id: s.device for s in plan.segments if s.device != "cpu"}
