@@ -258,3 +258,23 @@ def test_a_node_kept_on_the_cpu_never_lands_on_an_edge_tpu():
     with pytest.raises(UsageError) as e:
         make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4", "/no/such/node"))
     assert e.value.code == "schedule.keep-on-cpu-unknown" and "/no/such/node" in e.value.message
+
+
+def test_an_approximations_replaced_node_kept_on_the_cpu_stands_for_all_of_its_nodes():
+    """A culprit that is one of legalize's approximations is named by the node it replaced: every node of
+    the sum of ReLUs (named with its prefix) is kept on the CPU, and nothing else; the exact model keeps
+    the replaced node itself there."""
+    from edgesdk.scheduling.planner import cpu_only
+
+    m = _convs("edgetpu,cpu/tvm", n=3)
+    for k, node in enumerate(m.graph.node):
+        node.name = f"approx1/{k}" if node.op_type == "Relu" and k < 4 else f"n{k}"
+    approximations = [{"prefix": "approx1/", "nodes": ["/softplus"]}, {"prefix": "approx2/", "nodes": ["/gelu"]}]
+    assert cpu_only(m, ("/softplus",), approximations) == {"approx1/1", "approx1/3"}
+    assert cpu_only(m, ("/softplus", "n4"), approximations) == {"approx1/1", "approx1/3", "n4"}
+    assert cpu_only(m, ("/gelu",), approximations) == frozenset() and cpu_only(m, (), approximations) == frozenset()
+    plan = make_plan(m, TARGET, mode="latency", inter_op=False, approximations=approximations,
+                     keep_on_cpu=("/softplus",)).plan
+    holding = [s for s in plan.segments if {"approx1/1", "approx1/3"} & set(s.nodes)]
+    assert holding and all(s.device == "cpu" for s in holding), [(s.device, s.nodes) for s in plan.segments]
+    assert plan.keep_on_cpu["nodes"] == ["/softplus"] and set(plan.keep_on_cpu["segments"]) == {"approx1/1", "approx1/3"}
