@@ -52,7 +52,8 @@ def test_a_yolov8_head_builds_for_arm_2tpu_check_agrees_and_the_gate_sees_its_sc
     assert not {"ConstantOfShape", "Range", "Expand"} & {n["op"] for n in report["nodes"]}
 
     out = tmp_path / "out"
-    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out))
+    # the verdict as it is, without the remedy that keeps the culprits on the CPU (test_accuracy_remedy_e2e.py)
+    proc = edgesdk("build", str(path), "--target", "arm_2tpu", "-o", str(out), "--no-accuracy-remedy")
     assert_user_facing(proc, 1, "error: the bundle misses the target's accuracy gate")
     error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
     assert "output0[:, 4:6] (scores)" in error and "output0[:, 0:4]" not in error, error

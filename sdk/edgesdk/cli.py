@@ -334,6 +334,8 @@ def build(
     task_options: Optional[str] = typer.Option(None, "--task-options", help="With --task: KEY=VALUE,... e.g. score=0.25,iou=0.5,match=0.5 (detection), output=NAME, dictionary=FILE (ocr), threshold=0.5 (segmentation), goal=0.98 (the share of fp32's result to keep)."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
     accept_accuracy_loss: bool = typer.Option(False, "--accept-accuracy-loss", help="Publish the bundle even where it misses the target's accuracy gate (each output against fp32 on held-out samples, docs/accuracy.md); the manifest, edgesdk inspect and the build summary then say so."),
+    keep_on_cpu: List[str] = typer.Option([], "--keep-on-cpu", help="Nodes no accelerator may run, by the model's own names joined by ',' (repeatable): the placement keeps them in float on the CPU, and plan.json states the predicted latency that costs. The accuracy gate's culprits are named so."),
+    no_accuracy_remedy: bool = typer.Option(False, "--no-accuracy-remedy", help="Below the accuracy gate, fail at once: do not plan again with the culprit layers kept in float on the CPU (the default tries that, at most 2 rounds; docs/accuracy.md)."),
     low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 2 and 4 times over; the bundle may run slower. The build estimates its peak memory after import and again after schedule, and stops if this machine lacks it."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
     bundle_version: Optional[int] = typer.Option(None, "--bundle-version", envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, 0 to 2^63 - 1, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
@@ -385,7 +387,10 @@ def build(
                            prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
                            prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
                            task=task, decoder=decoder, task_options=task_options,
-                           seed=seed, accept_accuracy_loss=accept_accuracy_loss, low_memory=low_memory, until=until,
+                           seed=seed, accept_accuracy_loss=accept_accuracy_loss,
+                           keep_on_cpu=tuple(dict.fromkeys(n.strip() for v in keep_on_cpu for n in v.split(",")
+                                                           if n.strip())),
+                           accuracy_remedy=not no_accuracy_remedy, low_memory=low_memory, until=until,
                            start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
     total = len(PHASE_NAMES)

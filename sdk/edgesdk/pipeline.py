@@ -24,6 +24,7 @@ everything after it to run; `--until S` stops after S.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import importlib
@@ -141,6 +142,14 @@ class BuildOptions:
     seed: int = 0
     # --accept-accuracy-loss: publish a bundle below the target's accuracy gate (the manifest says so)
     accept_accuracy_loss: bool = False
+    # --keep-on-cpu NODE,...: nodes no accelerator may run, kept in float on the CPU by the placement
+    keep_on_cpu: tuple[str, ...] = ()
+    # below the gate, plan again with the culprits on accelerators kept on the CPU (`REMEDY_ROUNDS` at most);
+    # False: --no-accuracy-remedy
+    accuracy_remedy: bool = True
+    # the accuracy remedy's rounds so far (`build` sets it): per round, the gate's figures and the plan's
+    # predicted latency before it, and the culprits it moved; recorded in plan.json's keep_on_cpu
+    remedy: tuple[dict, ...] = ()
     low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
     until: str | None = None
     start: str | None = None  # --from
@@ -205,6 +214,8 @@ class BuildResult:
     out: Path
     stages: list[StageResult]
     bundle: Path | None
+    # the options the result was built with: the accuracy remedy's (`build`) where it planned again
+    options: BuildOptions | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -220,6 +231,13 @@ def _check_stage_name(name: str | None, flag: str) -> None:
                          f"stages, in order: {', '.join(PHASE_NAMES)}")
 
 
+REMEDY_ROUNDS = 2  # the accuracy remedy's rounds at most: each plans again with more culprits on the CPU
+# a round moves the culprits on an accelerator that lose at least this share of what the worst of them loses
+# itself (`added_error`): the rest are mostly that loss passed on, and each node moved can cost a round trip
+# over the accelerator's link; a culprit that still matters is named again by the next round's search
+REMEDY_SHARE = 0.1
+
+
 def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
           on_stage: Callable[[str, str, float], None] = lambda name, state, secs: None,
           progress: Callable[[str | None], None] | None = None,
@@ -229,7 +247,66 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     `stamp(bundle_dir, tarball)` finishes the published bundle before it is renamed into place: its
     version and signature (`bundling.signing.stamp`), which are no stage's output, so that neither a
     key nor a version enters the stage cache. `replay` maps a stage to an output of it from another
-    build, used as it is instead of running the stage (`check_reproducible` replays tune's measurements)."""
+    build, used as it is instead of running the stage (`check_reproducible` replays tune's measurements).
+
+    The accuracy remedy: where the package stage finds the bundle below the target's accuracy gate
+    (`accuracy.gate`) and the user neither accepts the loss nor turned the remedy off, the culprit layers
+    that run on an accelerator are kept in float on the CPU (`keep_on_cpu`) and the build plans again from
+    the schedule stage (import and legalize stay cached), at most `REMEDY_ROUNDS` times, each adding the
+    new culprits; where the gate still fails, or no culprit is left on an accelerator, the build fails
+    with what was tried in the error's notes. `options.remedy` carries each round's figures before it
+    into the schedule stage, which records them in plan.json (docs/accuracy.md)."""
+    from .bundling.gate import GateFailure
+
+    while True:
+        try:
+            result = _build(options, log=log, on_stage=on_stage, progress=progress, stamp=stamp, replay=replay)
+            return dataclasses.replace(result, options=options)
+        except GateFailure as e:
+            remedied = _remedy(options, e, log)
+            if remedied is None:
+                raise
+            options = remedied
+
+
+def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> BuildOptions | None:
+    """The options of the accuracy remedy's next round after `failure` (the gate's verdict on the plan in
+    the tune stage's output), or None where none is to be tried, `failure`'s notes then saying what was."""
+    from .bundling.gate import culprit_nodes
+
+    tried = list(options.remedy)
+    if not options.accuracy_remedy or options.accept_accuracy_loss or not (stage_dir(options.out, "tune")
+                                                                            / "plan.json").is_file():
+        return None
+    plan = Plan.load(stage_dir(options.out, "tune"))
+    on_accelerator = {s.id: s.device for s in plan.segments if s.device != "cpu"}
+    culprits = [c for c in failure.accuracy.get("culprits") or () if c["segment"] in on_accelerator]
+    worst = max((c["added_error"] for c in culprits), default=0.0)
+    moved = [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
+              "cause": c["cause"], "added_error": c["added_error"], "error": c["error"],
+              "added_snr_db": c["added_snr_db"], "why": c["why"]}
+             for c in culprits if c["added_error"] >= REMEDY_SHARE * worst
+             for n in culprit_nodes(c["node"]) if n not in options.keep_on_cpu]
+    moved = list({m["node"]: m for m in moved}.values())
+    if not moved or len(tried) >= REMEDY_ROUNDS:
+        if tried:
+            failure.notes += [f"accuracy remedy: round {r['round']} kept {', '.join(m['node'] for m in r['moved'])} "
+                              f"on the cpu in float ({r['latency_ms']:.3f} ms predicted before it)" for r in tried]
+            failure.notes.append("accuracy remedy: " + (f"stopped after {len(tried)} round(s), still below the gate"
+                                                         if moved else "no culprit is left on an accelerator"))
+        return None
+    step = {"round": len(tried) + 1, "moved": moved, "latency_ms": plan.predicted["latency_ms"],
+            "parts": failure.accuracy["parts"], "failures": failure.accuracy.get("failures") or []}
+    log(f"accuracy remedy: round {step['round']}: the bundle misses the accuracy gate; keeping "
+        f"{', '.join(m['node'] + ' (' + m['cause'] + ')' for m in moved)} in float on the cpu and planning again "
+        "from the schedule stage")
+    return dataclasses.replace(options, keep_on_cpu=(*options.keep_on_cpu, *(m["node"] for m in moved)),
+                               remedy=(*tried, step), start=None)
+
+
+def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Callable[[str, str, float], None],
+           progress: Callable[[str | None], None] | None, stamp: Callable[[Path, Path], None] | None,
+           replay: dict[str, Path] | None) -> BuildResult:
     _check_stage_name(options.until, "--until")
     _check_stage_name(options.start, "--from")
     target, target_path = load_target(options.target)
@@ -475,7 +552,9 @@ def check_reproducible(options: BuildOptions, first: BuildResult, *, log: Callab
 
     with tempfile.TemporaryDirectory(prefix="edgesdk-rebuild-") as tmp:
         fresh = Path(tmp) / "out"
-        again = build(dataclasses.replace(options, out=fresh, start=None, until=None), log=log, on_stage=on_stage,
+        # the first build's own options: where its accuracy remedy planned again, the rebuild plans so at once
+        again = build(dataclasses.replace(first.options or options, out=fresh, start=None, until=None), log=log,
+                      on_stage=on_stage,
                       stamp=stamp, replay={"tune": stage_dir(first.out, "tune")})
         stages = [p for p in PHASE_NAMES if _content(stage_dir(first.out, p)) != _content(stage_dir(fresh, p))]
         files = compare_bundles(first.out / "bundle", fresh / "bundle")

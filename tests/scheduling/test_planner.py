@@ -217,3 +217,64 @@ def test_a_constant_never_goes_in_an_edge_tpu_segment():
     on_host = [s for s in segments if free & set(s.nodes)]
     assert [(s.id, s.backend, s.inputs) for s in on_host] == [("s0", "onnxruntime", ())]
     assert set(on_host[0].nodes) == free
+
+
+def test_a_node_kept_on_the_cpu_never_lands_on_an_edge_tpu():
+    """`keep_on_cpu` is a constraint of every placement: a chain of convolutions the Edge TPUs run whole is
+    placed with its third convolution in float on the CPU, in latency and throughput mode (the pipelining DP,
+    the replicas) and where the plan is the model as imported; the plan records where the node landed and
+    the predicted latency with and without the constraint. A name the model lacks is refused."""
+    import pytest
+
+    from edgesdk.errors import UsageError
+
+    m = _convs("edgetpu,cpu/tvm")
+    free = make_plan(m, TARGET, mode="latency", inter_op=False)
+    assert {s.device for s in free.plan.segments} <= {"edgetpu:0", "edgetpu:1"} and not free.plan.keep_on_cpu
+    for mode in ("latency", "throughput"):
+        for scheduled in (make_plan(m, TARGET, mode=mode, inter_op=False, keep_on_cpu=("Conv_4",)),
+                          # the legalized graph on the CPU alone, the one as imported on the Edge TPU: the plan
+                          # is the model as imported, and the pin holds there too
+                          make_plan(_convs("cpu/tvm"), TARGET, mode=mode, inter_op=False, rewritten=True,
+                                    as_imported=lambda: _convs("edgetpu,cpu/tvm"), keep_on_cpu=("Conv_4",))):
+            plan = scheduled.plan
+            holding = [s for s in plan.segments if "Conv_4" in s.nodes]
+            assert [s.device for s in holding] == ["cpu"], (mode, [(s.device, s.nodes) for s in plan.segments])
+            assert any(s.device.startswith("edgetpu") for s in plan.segments)
+            for copy in plan.replica_segments():  # a stream's replicas move accelerator segments only
+                assert all(s.device == "cpu" for s in copy if "Conv_4" in s.nodes)
+            kept = plan.keep_on_cpu
+            assert kept["nodes"] == ["Conv_4"] and kept["segments"] == {"Conv_4": holding[0].id}
+            assert kept["predicted"]["latency_ms"] == plan.predicted["latency_ms"]
+            assert kept["predicted"]["latency_ms_without"] < kept["predicted"]["latency_ms"]
+            assert kept["predicted"]["cost_ms"] == pytest.approx(
+                kept["predicted"]["latency_ms"] - kept["predicted"]["latency_ms_without"], abs=1e-3)
+    pinned = make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4",))
+    assert json.loads(pinned.plan.to_json())["keep_on_cpu"]["nodes"] == ["Conv_4"]
+    from edgesdk.scheduling.explain import node_rows  # schedule.html's placement table says why it is there
+
+    assert {r["node"]: r["reason"] for r in node_rows(pinned)}["Conv_4"] == \
+        "kept in float on the cpu for accuracy (plan.json keep_on_cpu)"
+    with pytest.raises(UsageError) as e:
+        make_plan(m, TARGET, mode="latency", inter_op=False, keep_on_cpu=("Conv_4", "/no/such/node"))
+    assert e.value.code == "schedule.keep-on-cpu-unknown" and "/no/such/node" in e.value.message
+
+
+def test_an_approximations_replaced_node_kept_on_the_cpu_stands_for_all_of_its_nodes():
+    """A culprit that is one of legalize's approximations is named by the node it replaced: every node of
+    the sum of ReLUs (named with its prefix) is kept on the CPU, and nothing else; the exact model keeps
+    the replaced node itself there."""
+    from edgesdk.scheduling.planner import cpu_only
+
+    m = _convs("edgetpu,cpu/tvm", n=3)
+    for k, node in enumerate(m.graph.node):
+        node.name = f"approx1/{k}" if node.op_type == "Relu" and k < 4 else f"n{k}"
+    approximations = [{"prefix": "approx1/", "nodes": ["/softplus"]}, {"prefix": "approx2/", "nodes": ["/gelu"]}]
+    assert cpu_only(m, ("/softplus",), approximations) == {"approx1/1", "approx1/3"}
+    assert cpu_only(m, ("/softplus", "n4"), approximations) == {"approx1/1", "approx1/3", "n4"}
+    assert cpu_only(m, ("/gelu",), approximations) == frozenset() and cpu_only(m, (), approximations) == frozenset()
+    plan = make_plan(m, TARGET, mode="latency", inter_op=False, approximations=approximations,
+                     keep_on_cpu=("/softplus",)).plan
+    holding = [s for s in plan.segments if {"approx1/1", "approx1/3"} & set(s.nodes)]
+    assert holding and all(s.device == "cpu" for s in holding), [(s.device, s.nodes) for s in plan.segments]
+    assert plan.keep_on_cpu["nodes"] == ["/softplus"] and set(plan.keep_on_cpu["segments"]) == {"approx1/1", "approx1/3"}

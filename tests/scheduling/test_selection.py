@@ -649,6 +649,19 @@ def test_int8_candidates_are_quantized_gated_and_chosen_when_fastest(tmp_path):
     assert seg.backend == "litert-int8" and seg.predicted_ms == 0.2
 
 
+def test_a_span_holding_a_node_kept_on_the_cpu_for_accuracy_has_no_int8_candidate(tmp_path):
+    """A node the plan keeps in float on the CPU (`Plan.keep_on_cpu`: the accuracy remedy's culprits,
+    `--keep-on-cpu`) stays float: its span's int8 candidates are skipped with why, however fast they are."""
+    model = _model()
+    timer = _timer({"planned": 0.9, "onnxruntime": 0.8, "litert": 0.7, "litert-int8": 0.1, "onnxruntime-int8": 0.1})
+    plan = replace(_plan(model, SPLIT), keep_on_cpu={"nodes": ["relu"], "segments": {"relu": "s0"}})
+    got = _select_int8(model, plan, tmp_path, timer)
+    (span,) = got.record["spans"]
+    for name in ("litert-int8", "onnxruntime-int8"):
+        assert span["candidates"][name]["skipped"] == "relu kept in float on the cpu for accuracy (plan.json keep_on_cpu)"
+    assert span["chosen"] == "litert" and not {"litert-int8", "onnxruntime-int8"} & set(timer.asked)
+
+
 def test_an_int8_candidate_under_the_gate_is_never_chosen_however_fast(tmp_path, monkeypatch):
     """The gate made impossible to pass: every int8 candidate is skipped with why, and the span stays
     fp32 though the fake timer calls int8 fastest. onnxruntime's int8 is refused by the gate on the

@@ -99,6 +99,8 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     del host_model  # released by `accuracy`
     accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
                       warn=warn, search=lambda failures: _culprits(src, reference, held, log))
+    if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
+        accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
     if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
         accuracy = {**accuracy, "task": evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)}
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball

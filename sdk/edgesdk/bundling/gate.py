@@ -26,6 +26,15 @@ CULPRIT_SAMPLES = 2  # held-out samples the culprit search compares layers on (e
 CULPRIT_SEGMENTS = 8  # int8 segments searched at most, those under their own gate in compress first
 
 
+class GateFailure(UserError):
+    """`accuracy.gate`: the bundle below the target's gate, with the verdict's record (`accuracy`: the parts'
+    figures, `failures`, `culprits`), from which the build's accuracy remedy (`pipeline.build`) plans again."""
+
+    def __init__(self, message: str, hint: str, notes: list[str], accuracy: dict):
+        super().__init__("accuracy.gate", message, hint=hint, notes=notes)
+        self.accuracy = accuracy
+
+
 def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, search: Callable[[list], list],
           log: Callable[[str], None], warn: Callable[[str], None]) -> dict:
     """`accuracy` (`golden.accuracy`'s record) judged by the target's gate, for a plan with reduced
@@ -58,15 +67,29 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
     if synthetic:
         notes.append(f"calibration: {unknown}")
     if not getattr(options, "accept_accuracy_loss", False):
-        raise UserError("accuracy.gate",
-                        f"the bundle misses the target's accuracy gate against fp32 on {on}: "
-                        + "; ".join(f.describe() for f in failures),
-                        hint=_remedies(plan, options, calibration, found), notes=notes)
+        raise GateFailure(f"the bundle misses the target's accuracy gate against fp32 on {on}: "
+                          + "; ".join(f.describe() for f in failures),
+                          _remedies(plan, options, calibration, found), notes, accuracy)
     accuracy["accepted_loss"] = True
     warn("--accept-accuracy-loss: the bundle is published BELOW its accuracy gate: "
          + "; ".join(f.describe() for f in failures)
          + (f"; culprit: {found[0].node} ({found[0].cause})" if found else ""))
     return accuracy
+
+
+def remedy(kept: dict, accuracy: dict) -> dict:
+    """The manifest's `accuracy.remedy` for a plan with nodes kept on the CPU (`Plan.keep_on_cpu`): the nodes,
+    why each (the accuracy remedy's round and its culprit figures, or `--keep-on-cpu`), the gate's figures
+    before each round and after (`after`: this verdict), and the predicted latency with and without the
+    constraint (what the remedy costs)."""
+    rounds = kept.get("remedy") or []
+    by_remedy = {m["node"]: {**m, "round": r["round"]} for r in rounds for m in r["moved"]}
+    why = [by_remedy.get(n, {"node": n, "by": "--keep-on-cpu"}) for n in kept["nodes"]]
+    return {"kept_on_cpu": why, "segments": kept.get("segments", {}), "predicted": kept["predicted"],
+            "rounds": [{"round": r["round"], "nodes": [m["node"] for m in r["moved"]],
+                        "latency_ms_before": r["latency_ms"], "failures_before": r["failures"],
+                        "parts_before": r["parts"]} for r in rounds],
+            "after": {"passed": (accuracy.get("gate") or {}).get("passed"), "parts": accuracy["parts"]}}
 
 
 def _kind(m: dict) -> str:
@@ -101,9 +124,20 @@ def _remedies(plan: Plan, options, calibration: dict, found: list) -> str:
         said.append("tighten the approximations (--max-error-lsb 0.5) or keep them on the CPU (--no-rewrites)")
     if any(s.device.split(":")[0] == "cpu" and backends.backend(s.backend).quantizes for s in plan.segments):
         said.append("keep the CPU float (--cpu-precision fp32)")
-    said.append("keep the culprit layers on the CPU (a target without the accelerator keeps every layer in float)")
+    on_accelerators = [n for c in found if c.segment in {s.id for s in plan.segments if s.device != "cpu"}
+                       for n in culprit_nodes(c.node)]
+    if on_accelerators:
+        said.append(f"keep the culprit layers in float on the CPU: --keep-on-cpu "
+                    f"{','.join(dict.fromkeys(on_accelerators))}")
+    else:
+        said.append("keep the culprit layers on the CPU (a target without the accelerator keeps every layer in float)")
     return "; ".join(said) + ("; or publish it anyway with --accept-accuracy-loss, which the manifest and "
                               "`edgesdk inspect` then state")
+
+
+def culprit_nodes(node: str) -> list[str]:
+    """The model's node names a culprit stands for (an approximation's: the nodes it replaced, joined by ', ')."""
+    return [n for n in node.split(", ") if n]
 
 
 @dataclasses.dataclass(frozen=True)

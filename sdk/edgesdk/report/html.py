@@ -6,7 +6,7 @@ import base64
 import html
 from typing import Any
 
-from .text import accuracy_lines, chosen_line
+from .text import accuracy_lines, chosen_line, remedy_lines
 
 
 def schedule_page(plan: dict[str, Any], rows: list[dict[str, Any]], charts: list[tuple[str, bytes]]) -> str:
@@ -59,6 +59,15 @@ def _caches(plan: dict[str, Any]) -> str:
 def _chosen(plan: dict[str, Any]) -> str:
     """Which candidate the plan is (each baseline is one), against the best other."""
     line = chosen_line(plan.get("chosen") or {})
+    kept = plan.get("keep_on_cpu") or {}
+    if kept:  # the constraint every candidate kept, and what it costs
+        p = kept["predicted"]
+        rounds = [f"round {r['round']}: " + ", ".join(f"{m['node']} ({m['cause']}, {m['added_error']:.1%} of its range "
+                                                        f"lost there)" for m in r["moved"]) for r in kept.get("remedy", ())]
+        line = (f"{line}. " if line else "") + (
+            f"Kept in float on the cpu: {', '.join(kept['nodes'])} ({'; '.join(rounds) or '--keep-on-cpu'}): "
+            f"{p['latency_ms']:.3f} ms per inference, {p['latency_ms_without']:.3f} ms without that constraint "
+            f"({p['cost_ms']:+.3f} ms)")
     return f"<p>{html.escape(line[0].upper() + line[1:])}.</p>" if line else ""
 
 
@@ -118,4 +127,10 @@ def accuracy_page(accuracy: dict[str, Any]) -> str:
 <h2>Output parts</h2><table><tr><th>part</th><th>kind</th><th>cosine</th><th>mean error (of its range)</th>
 <th>max error</th><th>top-1</th><th>verdict</th></tr>{parts}</table>
 {f'<h2>Culprit layers</h2><table><tr><th>node</th><th>segment</th><th>op</th><th>lost there (of its range)</th><th>SNR there dB</th><th>lost up to there</th><th>cause</th><th>why</th></tr>{culprits}</table>' if culprits else ''}
-"""
+{_remedy_section(accuracy)}"""
+
+
+def _remedy_section(accuracy: dict[str, Any]) -> str:
+    """The nodes kept in float on the CPU (the accuracy remedy's, `--keep-on-cpu`): the summary's lines."""
+    lines = remedy_lines(accuracy.get("remedy") or {}, accuracy.get("parts") or {})
+    return ("<h2>Kept in float on the CPU</h2>" + "".join(f"<p>{html.escape(line)}</p>" for line in lines)) if lines else ""

@@ -39,6 +39,11 @@ def placement_summary(plan: dict[str, Any]) -> str:
                  f"(simulated on the cost model of devices/cost.py)")
     if line := chosen_line(plan.get("chosen") or {}):
         lines.append(f"  {line}")
+    if kept := plan.get("keep_on_cpu"):
+        k = kept["predicted"]
+        by = (f"the accuracy remedy, {len(kept['remedy'])} round(s)" if kept.get("remedy") else "--keep-on-cpu")
+        lines.append(f"  kept in float on the cpu ({by}): {', '.join(kept['nodes'])}: {k['latency_ms_without']:.3f} ms "
+                     f"per inference without that constraint ({k['cost_ms']:+.3f} ms)")
     for name, b in (plan.get("baselines") or {}).items():
         if "error" not in b:
             lines.append(f"  vs {name}: {b['latency_ms']:.3f} ms, {b['throughput_fps']:.1f} frames/s")
@@ -231,9 +236,42 @@ def accuracy_lines(accuracy: dict[str, Any], reference: str = "fp32") -> list[st
     for c in accuracy.get("culprits") or ():
         lines.append(f"culprit {c['node']} in {c['segment']} ({c['op']} -> {c.get('int8_op') or '?'}): "
                      f"{c['added_error']:.1%} of its range lost there, SNR {c['added_snr_db']:.1f} dB; {c['cause']}")
+    lines += remedy_lines(accuracy.get("remedy") or {}, parts)
     if gate.get("calibration") == "synthetic":
         lines.append("calibration SYNTHETIC (no --calib): the accuracy on real data is UNKNOWN")
     return lines
+
+
+def remedy_lines(remedy: dict[str, Any], parts: dict[str, Any]) -> list[str]:
+    """The nodes kept in float on the CPU (the accuracy remedy's, `--keep-on-cpu`): which and why, each failing
+    part's figures before the first round and now, and the predicted latency the constraint costs."""
+    if not remedy:
+        return []
+    said = []
+    for k in remedy.get("kept_on_cpu") or ():
+        if "round" in k:
+            said.append(f"{k['node']} (round {k['round']}: {k['cause']}, {k['added_error']:.1%} of its range lost "
+                        f"there on {k['device']})")
+        else:
+            said.append(f"{k['node']} (--keep-on-cpu)")
+    p = remedy.get("predicted") or {}
+    lines = [f"kept in float on the cpu: {'; '.join(said)}",
+             f"predicted latency {p.get('latency_ms_without', 0):.3f} ms without that, {p.get('latency_ms', 0):.3f} ms "
+             f"with it ({p.get('cost_ms', 0):+.3f} ms)"]
+    rounds = remedy.get("rounds") or ()
+    if rounds:
+        before = rounds[0]
+        for f in before.get("failures_before") or ():
+            b, a = before["parts_before"].get(f["part"], {}), parts.get(f["part"], {})
+            lines.append(f"{f['part']}: before the remedy {_figures(b)}; after it {_figures(a)}")
+    return lines
+
+
+def _figures(m: dict[str, Any]) -> str:
+    if not m:
+        return "?"
+    top1 = f", top-1 {m['top1']:.1%}" if m.get("top1") is not None else ""
+    return f"cosine {m['cosine']:.4f}, mean error {m['mean_error']:.2%}{top1}"
 
 
 def _missed(failure: dict[str, Any]) -> list[str]:

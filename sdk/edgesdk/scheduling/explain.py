@@ -34,10 +34,12 @@ def node_rows(scheduled: Scheduled) -> list[dict]:
         if t.producer is not None and any(device_of[c] != device_of[t.producer] for c in t.consumers):
             moved[t.producer] = moved.get(t.producer, 0) + t.nbytes
     rows = []
+    kept = (scheduled.plan.keep_on_cpu or {}).get("segments", {})
     for i, node in enumerate(scheduled.model.graph.node):
         dev = device_of[i]
         caps = irm.get_meta(node, irm.CAPABLE_KEY) or ""
         reason = ("only the cpu can run it" if all(c.startswith("cpu") for c in caps.split(",")) else
+                  "kept in float on the cpu for accuracy (plan.json keep_on_cpu)" if problem.nodes[i] in kept else
                   "cheapest in the plan" if dev != "cpu" else "accelerator-capable, cheaper on the cpu in the plan")
         rows.append({"node": problem.nodes[i], "op": node.op_type, "device": dev, "reason": reason,
                      "ms": problem.node_ms(i, dev), "bytes_moved": moved.get(i, 0)})

@@ -20,9 +20,13 @@ from ..ir import model as irm
 from .problem import Link, Problem, Tensor
 
 
-def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Problem, list[str]]:
+def build_problem(model: onnx.ModelProto, target, shapes, consts,
+                  cpu_only: frozenset[str] = frozenset()) -> tuple[Problem, list[str]]:
     """The numeric problem of `model` on `target`, and each node's CPU backend. Devices: the host, then
-    each accelerator kind's instances, kinds by preference (`devices.registry.accelerators`).
+    each accelerator kind's instances, kinds by preference (`devices.registry.accelerators`). The nodes
+    named in `cpu_only` (`irm.node_name`) can run on the host alone, whatever legalize says they can run
+    elsewhere: a constraint of the placement (the accuracy remedy's culprits, `--keep-on-cpu`), which
+    every placement made from this problem (the DPs', the baselines') keeps.
 
     The costs assume a kind's weights spread evenly over its instances' caches (`streamed_fraction` of
     the weights of every node the kind can run, each use counted): a view before any placement.
@@ -38,6 +42,8 @@ def build_problem(model: onnx.ModelProto, target, shapes, consts) -> tuple[Probl
             if t and t not in consts:
                 consumers.setdefault(t, []).append(i)
     caps = [(irm.get_meta(n, irm.CAPABLE_KEY) or f"{HOST}/onnxruntime").split(",") for n in g.node]
+    caps = [[x for x in c if x.split("/")[0] == HOST] or [f"{HOST}/onnxruntime"]
+            if irm.node_name(n, i) in cpu_only else c for i, (n, c) in enumerate(zip(g.node, caps))]
     kinds_of = [{x.split("/")[0] for x in c} for c in caps]
     weights, acts = zip(*(node_bytes(n, shapes, consts) for n in g.node)) if g.node else ((), ())
     # per kind: the share of the weights its capable nodes hold that streams over its link every inference

@@ -76,10 +76,16 @@ class Plan:
     # which candidate the plan is: the scheduler's own, or a baseline's placement predicted better on the
     # same cost model; its figure on the mode's objective, the runner-up's, and the margin in per cent
     chosen: dict[str, Any] = field(default_factory=dict)
+    # nodes kept off every accelerator, in float on the CPU (the accuracy remedy's culprits, `--keep-on-cpu`):
+    # the names, each pinned node's segment, the predicted figures with and without the constraint, and the
+    # remedy's rounds (`remedy`: what the gate measured before each, and why each node was moved); empty
+    # (not written) where nothing is pinned
+    keep_on_cpu: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                           if f.name not in ("cpu_selection", "caches", "replicas", "chosen") or getattr(self, f.name)},
+                           if f.name not in ("cpu_selection", "caches", "replicas", "chosen", "keep_on_cpu")
+                           or getattr(self, f.name)},
                           indent=2) + "\n"
 
     def replica_segments(self) -> tuple[tuple[PlanSegment, ...], ...]:
@@ -99,7 +105,7 @@ class Plan:
                     d.get("inter_op", {}), d["predicted"], d.get("utilization", {}), d.get("cost_model", ""),
                     d.get("search", ""), d.get("baselines", {}), d.get("placement", {}), tuple(d.get("decisions", ())),
                     d.get("cpu_selection", {}), d.get("caches", {}),
-                    tuple(dict(m) for m in d.get("replicas", ())), d.get("chosen", {}))
+                    tuple(dict(m) for m in d.get("replicas", ())), d.get("chosen", {}), d.get("keep_on_cpu", {}))
 
     @staticmethod
     def load(directory: Path) -> "Plan":

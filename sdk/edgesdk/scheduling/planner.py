@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import onnx
 
 from ..devices import registry
-from ..errors import UserError
+from ..errors import UsageError, UserError
 from ..ir import model as irm
 from . import baselines, cache, interop, pipelining, placement, simulate
 from .graph import build_problem
@@ -52,7 +52,8 @@ class Scheduled:
 def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
               as_imported: Callable[[], onnx.ModelProto] | None = None, rewritten: bool = False,
               approximations: list[dict] = (),
-              with_approximations: Callable[[set[int]], onnx.ModelProto] | None = None) -> Scheduled:
+              with_approximations: Callable[[set[int]], onnx.ModelProto] | None = None,
+              keep_on_cpu: tuple[str, ...] = ()) -> Scheduled:
     """Place every node of `model` (legalized: each node annotated with the devices that can run it)
     on a device of `target` by cost, for `mode` latency or throughput, and cut the segments.
     `as_imported` (the model before legalize's rewrites, annotated the same way: what `--no-rewrites`
@@ -65,26 +66,41 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
     the model is made again with that region as exported (`with_approximations(keep)`: the legalized
     model with only the approximations numbered `keep`), placed, and kept where it predicts faster.
     Last, every baseline is a candidate (`_baseline_candidates`): where one predicts better than that
-    plan, on the mode's objective, its placement is the plan (`Plan.chosen`, `decisions`)."""
+    plan, on the mode's objective, its placement is the plan (`Plan.chosen`, `decisions`).
+
+    `keep_on_cpu`: node names (the model's own, as the culprit search names them; an approximation's
+    replaced nodes stand for all of its nodes) that no accelerator may run, in every model placed here
+    and every candidate: kept in float on the CPU (`cpu_only`). The plan is made a second time without
+    them, and `Plan.keep_on_cpu` records the pinned nodes, where they landed, and both predictions: what
+    the constraint costs. A name that is no node of `model` is refused (`schedule.keep-on-cpu-unknown`)."""
+    if keep_on_cpu:
+        _known(model, keep_on_cpu, approximations)
+        free = make_plan(model, target, mode=mode, inter_op=inter_op, as_imported=as_imported, rewritten=rewritten,
+                         approximations=approximations, with_approximations=with_approximations)
     load = functools.cache(as_imported) if as_imported is not None else None
     t0 = time.perf_counter()
-    best = _Candidate.of(model, target, mode)
+
+    def pinned(m: onnx.ModelProto) -> frozenset[str]:
+        return cpu_only(m, keep_on_cpu, approximations)
+
+    best = _Candidate.of(model, target, mode, pinned(model))
     choice = []
     if approximations and with_approximations is not None:
         on_cpu = _approximations_on_cpu(best, approximations)
         if on_cpu:
             keep = set(range(len(approximations))) - on_cpu
-            fewer = _Candidate.of(with_approximations(keep), target, mode)
+            exact = with_approximations(keep)
+            fewer = _Candidate.of(exact, target, mode, pinned(exact))
             best, said = _faster(best, fewer, mode, "legalize's approximations",
                                  f"with approximation(s) {', '.join(map(str, sorted(on_cpu)))} (all their nodes on the "
                                  f"cpu) left as exported", "keeps them approximated on the cpu", "leaves them exact")
             choice.append(said)
     if rewritten and load is not None:
-        best, said = _with_or_without_rewrites(best, _Candidate.of(load(), target, mode), mode)
+        best, said = _with_or_without_rewrites(best, _Candidate.of(load(), target, mode, pinned(load())), mode)
         choice.append(said)
     # every baseline is a candidate, finished and costed exactly as the plan is; the best one is the plan
     ours = _finish(best, target, mode, inter_op)
-    costed, candidates = _baseline_candidates(best, load, target, mode, inter_op, ours)
+    costed, candidates = _baseline_candidates(best, load, target, mode, inter_op, ours, pinned)
     won, winner = _best_of(ours, candidates, mode)
     scheduler_s = time.perf_counter() - t0
     if winner:
@@ -114,6 +130,8 @@ def make_plan(model: onnx.ModelProto, target, *, mode: str, inter_op: bool,
         replicas=maps,
         chosen=_chosen(won, winner, ours, candidates, mode),
     )
+    if keep_on_cpu:
+        plan = replace(plan, keep_on_cpu=_kept(plan, pinned(model), keep_on_cpu, free.plan))
     return Scheduled(plan, models, annotate(model, par.runs), problem, tuple(par.runs), one, stream, scheduler_s)
 
 
@@ -132,15 +150,16 @@ class _Candidate:
     placed: "_Placed | None"
 
     @staticmethod
-    def of(model: onnx.ModelProto, target, mode: str) -> "_Candidate":
-        unplaced = _Candidate.unplaced(model, target)
+    def of(model: onnx.ModelProto, target, mode: str, cpu_only: frozenset[str] = frozenset()) -> "_Candidate":
+        unplaced = _Candidate.unplaced(model, target, cpu_only)
         return replace(unplaced, placed=_place(unplaced.built, mode))
 
     @staticmethod
-    def unplaced(model: onnx.ModelProto, target) -> "_Candidate":
-        """The model's problem built, nothing placed yet (`placed` None)."""
+    def unplaced(model: onnx.ModelProto, target, cpu_only: frozenset[str] = frozenset()) -> "_Candidate":
+        """The model's problem built, nothing placed yet (`placed` None); the nodes named in `cpu_only` on
+        the host alone."""
         shapes, consts = irm.static_shapes(model), irm.constant_names(model)
-        built, cpu_backend = build_problem(model, target, shapes, consts)
+        built, cpu_backend = build_problem(model, target, shapes, consts, cpu_only)
         return _Candidate(model, shapes, consts, built, cpu_backend, None)
 
     def placed_as(self, spans, maps: tuple[dict[str, str], ...], how: str) -> "_Candidate":
@@ -164,6 +183,42 @@ def _faster(ours: _Candidate, other: _Candidate, mode: str, our_name: str, other
     shown = ((lambda v: f"{v:.3f} ms per inference") if mode == "latency" else (lambda v: f"{-v:.1f} frames/s"))
     said = f"{our_name} predict {shown(a)}, {other_name} {shown(b)}: the plan "
     return (other, said + take) if b < a else (ours, said + keep)
+
+
+def cpu_only(model: onnx.ModelProto, names, approximations: list[dict] = ()) -> frozenset[str]:
+    """The nodes of `model` (`irm.node_name`) that `names` keep on the CPU: each named node, and every node
+    of an approximation whose replaced nodes are named (its nodes' names start with its `prefix`)."""
+    if not names:
+        return frozenset()
+    wanted = set(names)
+    prefixes = tuple(e["prefix"] for e in approximations if e.get("prefix") and wanted & set(e.get("nodes", ())))
+    return frozenset(name for i, n in enumerate(model.graph.node) for name in [irm.node_name(n, i)]
+                     if name in wanted or (prefixes and name.startswith(prefixes)))
+
+
+def _known(model: onnx.ModelProto, names, approximations: list[dict]) -> None:
+    """Refuse a name to keep on the CPU that is no node of `model` and no approximation's replaced node."""
+    have = {irm.node_name(n, i) for i, n in enumerate(model.graph.node)}
+    have |= {x for e in approximations for x in e.get("nodes", ())}
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise UsageError("schedule.keep-on-cpu-unknown",
+                         f"--keep-on-cpu names {len(unknown)} node(s) the model does not have: {shown}",
+                         "give the model's own node names, as the accuracy gate's culprits and `edgesdk check --json` "
+                         "name them")
+
+
+def _kept(plan: Plan, pinned: frozenset[str], names, free: Plan) -> dict:
+    """`Plan.keep_on_cpu`: the names asked, each pinned node's segment (on the CPU), and the predicted figures
+    with and without the constraint (`cost_ms`: what keeping them off the accelerators costs one inference)."""
+    where = {n: s.id for s in plan.segments for n in s.nodes if n in pinned}
+    with_, without = plan.predicted, free.predicted
+    return {"nodes": sorted(set(names)), "segments": dict(sorted(where.items())),
+            "predicted": {"latency_ms": with_["latency_ms"], "latency_ms_without": without["latency_ms"],
+                          "cost_ms": round(with_["latency_ms"] - without["latency_ms"], 4),
+                          "throughput_fps": with_["throughput_fps"],
+                          "throughput_fps_without": without["throughput_fps"]}}
 
 
 def _approximations_on_cpu(candidate: _Candidate, approximations: list[dict]) -> set[int]:
@@ -440,7 +495,9 @@ def _as_replicas(problem: Problem, plans: list) -> tuple[dict[str, str], ...] | 
 
 
 def _baseline_candidates(ours: _Candidate, load: Callable[[], onnx.ModelProto] | None, target, mode: str,
-                         inter_op: bool, finished: _Finished) -> tuple[dict[str, dict], dict[str, _Finished | str]]:
+                         inter_op: bool, finished: _Finished,
+                         pinned: Callable[[onnx.ModelProto], frozenset[str]] = lambda m: frozenset()
+                         ) -> tuple[dict[str, dict], dict[str, _Finished | str]]:
     """Each baseline's reported figures ({name: figures}, or {"error": why} where its rule cannot place the
     graph), and the baselines as candidates ({name: finished}, or why it cannot be a plan). A baseline is
     finished like the plan (`_finish`): its figures are what the plan would predict with its placement.
@@ -449,7 +506,7 @@ def _baseline_candidates(ours: _Candidate, load: Callable[[], onnx.ModelProto] |
     baseline is a candidate without its replicas (one inference runs the first copy only)."""
     rules = {name: (ours, plans) for name, plans in _rule_plans(ours.built, target).items()}
     if load is not None and any(_vendor_rules(target)):
-        imported = _Candidate.unplaced(load(), target)
+        imported = _Candidate.unplaced(load(), target, pinned(load()))
         rules.update({name + AS_IMPORTED: (imported, plans)
                       for name, plans in _rule_plans(imported.built, target, vendors_only=True).items()})
     seen = {(id(ours.model), tuple(map(tuple, ours.placed.spans)), _key(ours.placed.replicas)): finished}

@@ -315,6 +315,14 @@ def spans(plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
+def kept_float(plan: Plan, nodes: Sequence[str]) -> str:
+    """Why a span holding a node the plan keeps in float on the CPU (`Plan.keep_on_cpu`: the accuracy remedy's
+    culprits, `--keep-on-cpu`) has no int8 candidate; "" where it holds none."""
+    pinned = [n for n in nodes if n in (plan.keep_on_cpu or {}).get("segments", {})]
+    return (f"{', '.join(pinned[:3])}{' ...' if len(pinned) > 3 else ''} kept in float on the cpu for accuracy "
+            "(plan.json keep_on_cpu)") if pinned else ""
+
+
 def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowed: Sequence[str]
                ) -> tuple[list[Candidate], dict[str, str]]:
     """The plan's cut and each allowed backend's whole span; the backends left out, and why."""
@@ -330,9 +338,13 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
     ids = {s.id for s in segs}
     found = [Candidate(PLANNED, segs, tuple(st for st in plan.parallel_steps if set(st) <= ids))]
     skipped: dict[str, str] = {}
+    pinned = kept_float(plan, nodes)
     for name in allowed:
         if len(segs) == 1 and segs[0].backend == name:
             continue  # the plan's cut is this candidate already
+        if pinned and name in INT8_BACKENDS.values():
+            skipped[name] = pinned
+            continue
         check = backends.backend(name).lowering_check()
         why = next((f"{n}: {w}" for n in nodes if (w := check(model.graph.node[index[n]], shapes, consts))), None)
         if why is not None:
@@ -502,7 +514,8 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                 else:
                     considered[PLANNED] = {"policy": f"untuned: {untuned}"}
                     values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
-                    tried = [INT8_BACKENDS[POLICY]] if int8 is not None and INT8_BACKENDS[POLICY] in allowed else []
+                    tried = ([INT8_BACKENDS[POLICY]] if int8 is not None and INT8_BACKENDS[POLICY] in allowed
+                             and not kept_float(plan, [n for s in segs for n in s.nodes]) else [])
                     failed = ""
                     for name in [*tried, POLICY]:
                         cand = replace(litert, name=name, segments=tuple(replace(s, backend=name) for s in litert.segments))

@@ -39,10 +39,15 @@ still uses an approximation that moves a model output by more than `legalization
 the build stops (`legalize.approximation-moves-output`). A CPU segment is split by
 backend (TVM, or onnxruntime for the ops TVM lacks), and each segment is cut out of the graph as a
 standalone model (`scheduling.segments`).
+
+`--keep-on-cpu` and the accuracy remedy (`pipeline.build`, docs/accuracy.md) name nodes no accelerator may
+run: the placement keeps them in float on the CPU, and `plan.json`'s `keep_on_cpu` records them, with the
+predicted latency with and without that constraint and, for the remedy, why each was moved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -53,7 +58,8 @@ from ...report.text import chosen_line
 from ...scheduling.explain import write_report
 from ...scheduling.planner import make_plan
 
-OPTIONS = ("mode", "inter_op")
+# keep_on_cpu: the nodes no accelerator may run; remedy: the accuracy remedy's rounds that pinned them (recorded)
+OPTIONS = ("mode", "inter_op", "keep_on_cpu", "remedy")
 # the earlier stages whose outputs it reads (its cache key covers them): the imported model too, for
 # the vendors' rules on the model as a user has it (what their compilers alone would do)
 READS = ("import", "legalize")
@@ -68,10 +74,14 @@ def run(artifact: Path, ctx) -> dict:
                           rewritten=bool(legalized.get("rewrites") or legalized.get("approximations")),
                           approximations=legalized.get("approximations", []),
                           with_approximations=lambda keep: with_approximations(
-                              irm.read(artifact / "exact.onnx"), legalized["approximations"], keep, ctx.target))
+                              irm.read(artifact / "exact.onnx"), legalized["approximations"], keep, ctx.target),
+                          keep_on_cpu=ctx.options.keep_on_cpu)
     # an approximation that moves an output by more than legalize allows stops the build where the plan uses it
     refuse_moved_outputs(legalized.get("approximations", []), scheduled.model)
     plan = scheduled.plan
+    if plan.keep_on_cpu:  # why each node is pinned: the accuracy remedy's rounds (pipeline.py), or the user's flag
+        plan = dataclasses.replace(plan, keep_on_cpu={**plan.keep_on_cpu, "remedy": list(ctx.options.remedy)})
+        scheduled = dataclasses.replace(scheduled, plan=plan)
     (ctx.out / "segments").mkdir()
     for s in plan.segments:
         irm.save(scheduled.segments[s.id], ctx.out / s.artifact)
@@ -81,7 +91,7 @@ def run(artifact: Path, ctx) -> dict:
     _log(ctx, scheduled)
     return {"segments": len(plan.segments), "placement": plan.placement, "predicted": plan.predicted,
             "baselines": plan.baselines, "chosen": plan.chosen, "scheduler_s": round(scheduled.scheduler_s, 4),
-            "decisions": list(plan.decisions),
+            "decisions": list(plan.decisions), **({"keep_on_cpu": plan.keep_on_cpu} if plan.keep_on_cpu else {}),
             "inter_op": {k: v for k, v in plan.inter_op.items() if k != "search"}}
 
 
@@ -95,6 +105,11 @@ def _log(ctx, scheduled) -> None:
                                                  if "error" not in b else f"not applicable ({b['error']})"))
     if line := chosen_line(plan.chosen):
         ctx.log(f"schedule: {line}")
+    if kept := plan.keep_on_cpu:
+        p = kept["predicted"]
+        ctx.log(f"schedule: {len(kept['nodes'])} node(s) kept on the cpu in float ({', '.join(kept['nodes'])}): "
+                f"{p['latency_ms']:.3f} ms predicted, {p['latency_ms_without']:.3f} ms without the constraint "
+                f"({p['cost_ms']:+.3f} ms)")
     for r in plan.inter_op.get("runs", ()):
         ctx.log(f"schedule: inter-operator parallelism: {r['nodes']} cpu nodes in {r['stages']} stages, "
                 f"{r['parallel_stages']} of them concurrent groups: {r['sequential_ms']:.3f} -> "

@@ -1,0 +1,143 @@
+"""The accuracy remedy end to end: a bundle below the accuracy gate is planned again with its culprit layers
+kept in float on the CPU, and the plan, the manifest, the build summary and `inspect` say which nodes moved,
+why, what the gate measured before and after, and what that costs in predicted latency (docs/accuracy.md).
+
+The model is the YOLOv8-style head of `tests/yolo_head.py` for arm_2tpu, calibrated on real photographs
+(scikit-image's samples): its last Concat runs in int8 on the Edge TPU, where the class scores ([0, 1]) take
+the boxes' step (pixels), so the scores miss the gate whatever the calibration."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+from PIL import Image
+
+from tests import model_zoo, yolo_head
+from tests.test_cli import assert_user_facing, edgesdk
+
+SCORES = "output0[:, 4:6]"
+
+
+def test_below_the_gate_the_culprits_are_kept_on_the_cpu_and_the_plan_says_what_it_cost(tmp_path):
+    path = tmp_path / "yolov8_head.onnx"
+    onnx.save(yolo_head.model(), path)
+    calib = tmp_path / "photos"
+    calib.mkdir()
+    for k, image in enumerate(model_zoo.photos()[:12]):
+        Image.fromarray(image).resize((80, 80)).save(calib / f"photo{k:02d}.png")
+    out = tmp_path / "out"
+    args = ["build", str(path), "--target", "arm_2tpu", "-o", str(out), "--calib", str(calib), "--calib-samples", "12",
+            "--calib-method", "minmax", "--calib-preprocess", "color=RGB,scale=0.00392157,layout=NCHW"]
+
+    # without the remedy: the build fails, its hint names the culprits to keep on the CPU
+    proc = edgesdk(*args, "--no-accuracy-remedy")
+    assert_user_facing(proc, 1, f"error: the bundle misses the target's accuracy gate against fp32 on 3 held-out "
+                                f"sample(s): {SCORES} (scores)")
+    hint = next(line for line in proc.stderr.splitlines() if line.startswith("hint: "))
+    assert "keep the culprit layers in float on the CPU: --keep-on-cpu /scores," in hint, hint
+    assert not (out / "bundle").exists() and "accuracy remedy" not in proc.stderr
+
+    # with it (the default): one round keeps the culprits on the CPU, and the bundle passes the gate
+    proc = edgesdk(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "accuracy remedy: round 1: the bundle misses the accuracy gate; keeping /scores (shared-quantization)" \
+        in proc.stderr
+    plan = json.loads((out / "bundle" / "plan.json").read_text())
+    kept = plan["keep_on_cpu"]
+    assert "/scores" in kept["nodes"] and set(kept["segments"]) == set(kept["nodes"])
+    devices = {s["id"]: s["device"] for s in plan["segments"]}
+    assert all(devices[sid] == "cpu" for sid in kept["segments"].values()), plan["segments"]
+    assert all(n not in s["nodes"] for s in plan["segments"] if s["device"] != "cpu" for n in kept["nodes"])
+    assert any(d.startswith("edgetpu") for d in devices.values())
+    # the latency the remedy costs, beside the plan without it
+    p = kept["predicted"]
+    assert p["latency_ms"] == plan["predicted"]["latency_ms"] and p["latency_ms_without"] < p["latency_ms"]
+    [step] = kept["remedy"]
+    assert step["round"] == 1 and step["latency_ms"] == p["latency_ms_without"]
+    assert [f["part"] for f in step["failures"]] == [SCORES]
+    moved = {m["node"]: m for m in step["moved"]}
+    assert set(moved) == set(kept["nodes"]) and moved["/scores"]["cause"] == "shared-quantization"
+    assert moved["/scores"]["device"].startswith("edgetpu") and moved["/scores"]["added_error"] > 0.1
+    # the manifest: the gate passed, with its figures before the remedy and after
+    accuracy = json.loads((out / "bundle" / "manifest.json").read_text())["accuracy"]
+    assert accuracy["gate"]["passed"] is True and "accepted_loss" not in accuracy
+    remedy = accuracy["remedy"]
+    assert remedy["after"]["passed"] is True and remedy["predicted"] == p
+    before, after = remedy["rounds"][0]["parts_before"][SCORES], remedy["after"]["parts"][SCORES]
+    threshold = accuracy["gate"]["thresholds"]["scores"]["mean_error"]
+    assert before["mean_error"] > threshold >= after["mean_error"], (before, after)
+    # the build summary and inspect say so
+    for text in (proc.stderr, edgesdk("inspect", str(out / "bundle")).stdout):
+        assert "kept in float on the cpu: /scores (round 1: shared-quantization, " in text, text
+        assert f"predicted latency {p['latency_ms_without']:.3f} ms without that, {p['latency_ms']:.3f} ms with it" \
+            in text, text
+        assert f"{SCORES}: before the remedy cosine " in text, text
+    assert "kept in float on the cpu (the accuracy remedy, 1 round(s)): " in proc.stderr
+    assert "Kept in float on the CPU" in (out / ".build" / "6-package" / "accuracy.html").read_text()
+
+    # a name the model does not have is refused before anything is placed
+    proc = edgesdk(*args, "--keep-on-cpu", "/scores,/no/such/node", "--until", "schedule")
+    assert_user_facing(proc, 2, "error: --keep-on-cpu names 1 node(s) the model does not have: /no/such/node")
+
+
+def _failure(culprits: list[dict]):
+    from edgesdk.bundling.gate import GateFailure
+
+    return GateFailure("below", "hint", ["figures"], {"parts": {SCORES: {"cosine": 0.9}}, "culprits": culprits,
+                                                       "failures": [{"part": SCORES, "kind": "scores", "missed": {}}]})
+
+
+def _culprit(node: str, segment: str, added: float, cause: str = "shared-quantization") -> dict:
+    return {"node": node, "segment": segment, "op": "Conv", "cause": cause, "added_error": added, "error": added,
+            "added_snr_db": 10.0, "why": "..."}
+
+
+def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_twice(tmp_path):
+    """Which culprits a round keeps on the CPU: those on an accelerator (not one already on the CPU) losing at
+    least a tenth of the worst one's loss, an approximation's replaced nodes each, none already kept; no round
+    where the user accepts the loss or turns the remedy off; after 2 rounds, or with nothing left to move, the
+    error's notes say what was tried."""
+    import dataclasses
+
+    from edgesdk.pipeline import REMEDY_ROUNDS, BuildOptions, _remedy, stage_dir
+
+    segment = {"artifact": "segments/s.onnx", "inputs": [], "outputs": [], "flops": 0.0, "param_bytes": 0,
+               "predicted_ms": 1.0, "backend": "tflite"}
+    plan = {"target": "arm_2tpu", "mode": "latency", "inputs": ["x"], "outputs": ["y"], "probes": {},
+            "segments": [{**segment, "id": "s0", "device": "edgetpu:0", "nodes": ["a", "b", "c", "d"]},
+                         {**segment, "id": "s1", "device": "cpu", "backend": "litert", "nodes": ["e"]}],
+            "pipeline_stages": [["s0"], ["s1"]], "predicted": {"latency_ms": 1.5, "throughput_fps": 600.0}}
+    tune = stage_dir(tmp_path, "tune")
+    tune.mkdir(parents=True)
+    (tune / "plan.json").write_text(json.dumps(plan))
+    options = BuildOptions(model=tmp_path / "m.onnx", target="arm_2tpu", out=tmp_path, start="compress")
+    culprits = [_culprit("a", "s0", 0.5), _culprit("e", "s1", 0.9), _culprit("b, c", "s0", 0.06, "approximation"),
+                _culprit("d", "s0", 0.04, "calibration-clipping")]
+    said = []
+    first = _remedy(options, _failure(culprits), said.append)
+    assert first.keep_on_cpu == ("a", "b", "c") and first.start is None  # d: under a tenth of a's 0.5; e: on the cpu
+    [step] = first.remedy
+    assert step["round"] == 1 and step["latency_ms"] == 1.5 and [m["node"] for m in step["moved"]] == ["a", "b", "c"]
+    assert step["moved"][0]["device"] == "edgetpu:0" and step["failures"][0]["part"] == SCORES
+    assert said == ["accuracy remedy: round 1: the bundle misses the accuracy gate; keeping a (shared-quantization), "
+                    "b (approximation), c (approximation) in float on the cpu and planning again from the schedule stage"]
+    # the next round adds the new culprits only
+    second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("d", "s0", 0.3)]), said.append)
+    assert second.keep_on_cpu == ("a", "b", "c", "d") and len(second.remedy) == REMEDY_ROUNDS == 2
+    # then no more: the error says what was tried
+    last = _failure([_culprit("d", "s0", 0.3), _culprit("b", "s0", 0.1)])
+    assert _remedy(dataclasses.replace(second, keep_on_cpu=("a", "b", "c")), last, said.append) is None
+    assert last.notes == ["figures", "accuracy remedy: round 1 kept a, b, c on the cpu in float (1.500 ms predicted "
+                          "before it)", "accuracy remedy: round 2 kept d on the cpu in float (1.500 ms predicted before "
+                          "it)", "accuracy remedy: stopped after 2 round(s), still below the gate"]
+    nothing = _failure([_culprit("a", "s0", 0.5), _culprit("e", "s1", 0.9)])
+    assert _remedy(first, nothing, said.append) is None
+    assert nothing.notes[-1] == "accuracy remedy: no culprit is left on an accelerator"
+    # nothing tried, nothing said: the user accepts the loss, turns the remedy off, or no culprit is on an accelerator
+    for opts, found in ((dataclasses.replace(options, accept_accuracy_loss=True), culprits),
+                        (dataclasses.replace(options, accuracy_remedy=False), culprits),
+                        (options, [_culprit("e", "s1", 0.9)])):
+        failure = _failure(found)
+        assert _remedy(opts, failure, said.append) is None and failure.notes == ["figures"]
+    assert len(said) == 2
