@@ -169,3 +169,41 @@ def test_the_summary_inspect_and_the_report_say_an_accepted_loss_loudly():
     assert "BELOW THE ACCURACY GATE" in page and "/model.22/cv3.0/conv/Conv" in page and "calibration-clipping" in page
     # a bundle from before the gate judged parts: nothing of this, inspect shows its old lines
     assert accuracy_summary({"samples": 8, "tensors": {"y": {"cosine": 1.0, "max_abs_error": 0.0}}}) == ""
+
+
+def _ocr_task(met: bool) -> dict:
+    """`--eval DIR --task ocr`'s record (compression/tasks.py) where int8 reads 68.9% of the characters."""
+    return {"task": "ocr", "source": "heldout/", "summary": "characters fp32 100.0%, int8 68.9%; ...",
+            "verdict": {"met": met, "goal": "int8 reads >= 98% of the characters fp32 reads",
+                        "missed": [] if met else ["characters 68.94% < 98.00%"]}}
+
+
+def test_a_missed_task_goal_is_not_published_and_names_the_culprits_unless_accepted():
+    """The gate's output parts pass on synthetic held-out samples, while the user's own held-out lines show
+    what int8 loses: the task's verdict decides."""
+    from edgesdk.bundling.gate import GateFailure, judge_task
+
+    plan = _plan(("edgetpu:0", "tflite"), ("cpu", "onnxruntime"))
+    options = SimpleNamespace(accept_accuracy_loss=False, calib_method="minmax", calib_percentile=99.99)
+    accuracy = {**_detector(0.95), "task": _ocr_task(met=False)}
+    warnings: list[str] = []
+    with pytest.raises(GateFailure) as e:
+        judge_task(accuracy, plan, options, SYNTHETIC, search=lambda failures: [CULPRIT], warn=warnings.append)
+    err = e.value
+    assert err.code == "accuracy.task" and err.exit_code == 1
+    assert err.message == ("the bundle misses its ocr goal on --eval heldout/: characters 68.94% < 98.00% "
+                           "(goal: int8 reads >= 98% of the characters fp32 reads)")
+    assert "calibrate on real inputs" in err.hint and "--keep-on-cpu /model.22/cv3.0/conv/Conv" in err.hint
+    assert "--task-options goal=SHARE" in err.hint and "--accept-accuracy-loss" in err.hint
+    assert any(n.startswith("culprit: /model.22/cv3.0/conv/Conv in s0") for n in err.notes), err.notes
+    assert err.accuracy["culprits"][0]["node"] == "/model.22/cv3.0/conv/Conv"  # what the remedy moves
+
+    accepting = SimpleNamespace(**{**vars(options), "accept_accuracy_loss": True})
+    accepted = judge_task(accuracy, plan, accepting, SYNTHETIC, search=lambda failures: [CULPRIT], warn=warnings.append)
+    assert accepted["accepted_loss"] is True and warnings == [
+        "--accept-accuracy-loss: the bundle is published below its task goal: the bundle misses its ocr goal on "
+        "--eval heldout/: characters 68.94% < 98.00% (goal: int8 reads >= 98% of the characters fp32 reads)"]
+    # a goal met: nothing searched, nothing said
+    met = {**accuracy, "task": _ocr_task(met=True)}
+    assert judge_task(met, plan, options, SYNTHETIC, search=lambda failures: pytest.fail("searched"),
+                      warn=warnings.append) is met

@@ -102,7 +102,9 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
         accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
     if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
-        accuracy = {**accuracy, "task": evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)}
+        task = evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)
+        accuracy = gate.judge_task({**accuracy, "task": task}, shipped.plan, options, calibration, warn=warn,
+                                   search=lambda failures: _culprits(src, reference, held, log))
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     (out / "accuracy.html").write_text(accuracy_page(accuracy))
     manifest = dataclasses.replace(manifest, accuracy=accuracy, golden=tolerances, warnings=tuple(warnings()),

@@ -75,7 +75,4 @@ def evaluate(bundle: Path, twins: dict[str, Path], imported: Path, options, log:
               **({"preprocess": info["preprocess"]} if "preprocess" in info else {})}
     log(f"package: task {task} on {len(samples)} --eval sample(s), against "
         + (f"{Path(labels.source).name}" if labels else "the fp32 model's own results") + f": {text}")
-    if not result["verdict"]["met"]:
-        warn(f"the bundle misses its {task} goal on --eval {root}: " + "; ".join(result["verdict"]["missed"])
-             + f" (goal: {result['verdict']['goal']})")
     return result

@@ -30,8 +30,8 @@ class GateFailure(UserError):
     """`accuracy.gate`: the bundle below the target's gate, with the verdict's record (`accuracy`: the parts'
     figures, `failures`, `culprits`), from which the build's accuracy remedy (`pipeline.build`) plans again."""
 
-    def __init__(self, message: str, hint: str, notes: list[str], accuracy: dict):
-        super().__init__("accuracy.gate", message, hint=hint, notes=notes)
+    def __init__(self, message: str, hint: str, notes: list[str], accuracy: dict, code: str = "accuracy.gate"):
+        super().__init__(code, message, hint=hint, notes=notes)
         self.accuracy = accuracy
 
 
@@ -90,6 +90,29 @@ def remedy(kept: dict, accuracy: dict) -> dict:
                         "latency_ms_before": r["latency_ms"], "failures_before": r["failures"],
                         "parts_before": r["parts"]} for r in rounds],
             "after": {"passed": (accuracy.get("gate") or {}).get("passed"), "parts": accuracy["parts"]}}
+
+
+def judge_task(accuracy: dict, plan: Plan, options, calibration: dict, *, search: Callable[[list], list],
+               warn: Callable[[str], None]) -> dict:
+    """The task's own verdict (`--eval DIR --task T`, the manifest's `accuracy.task`) as part of the gate:
+    a bundle that misses its task's goal on the user's held-out samples is not published unless the user
+    accepts the loss (`accuracy.task`, with the culprit layers, from which the accuracy remedy plans
+    again as for the output parts); returns `accuracy`, marked where the loss was accepted."""
+    task = accuracy["task"]
+    verdict = task["verdict"]
+    if verdict["met"]:
+        return accuracy
+    missed = (f"the bundle misses its {task['task']} goal on --eval {task['source']}: " + "; ".join(verdict["missed"])
+              + f" (goal: {verdict['goal']})")
+    if getattr(options, "accept_accuracy_loss", False):
+        warn(f"--accept-accuracy-loss: the bundle is published below its task goal: {missed}")
+        return {**accuracy, "accepted_loss": True}
+    found = search([])
+    accuracy = {**accuracy, "culprits": [c.to_json() for c in found]}
+    notes = [task["summary"], *(f"culprit: {c.describe()}" for c in found)]
+    raise GateFailure(missed, _remedies(plan, options, calibration, found)
+                      .replace("; or publish", "; lower the goal with --task-options goal=SHARE; or publish"),
+                      notes, accuracy, code="accuracy.task")
 
 
 def _kind(m: dict) -> str:
