@@ -203,6 +203,11 @@ def test_a_missed_task_goal_is_not_published_and_names_the_culprits_unless_accep
     assert accepted["accepted_loss"] is True and warnings == [
         "--accept-accuracy-loss: the bundle is published below its task goal: the bundle misses its ocr goal on "
         "--eval heldout/: characters 68.94% < 98.00% (goal: int8 reads >= 98% of the characters fp32 reads)"]
+    # pruned: the figures are against the dense model, and pruning's loss is the user's choice: said
+    pruned = SimpleNamespace(**{**vars(options), "prune": "2:4"})
+    assert judge_task(accuracy, plan, pruned, SYNTHETIC, search=lambda failures: pytest.fail("searched"),
+                      warn=warnings.append) is accuracy
+    assert warnings[-1].endswith("; the bundle is pruned (--prune), which the figures against the dense model include")
     # a goal met: nothing searched, nothing said
     met = {**accuracy, "task": _ocr_task(met=True)}
     assert judge_task(met, plan, options, SYNTHETIC, search=lambda failures: pytest.fail("searched"),
