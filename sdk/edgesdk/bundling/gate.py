@@ -139,13 +139,17 @@ def _remedies(plan: Plan, options, calibration: dict, found: list) -> str:
         said.append("calibrate on real inputs: --calib DIR (images with --calib-preprocess)")
     else:
         said.append("calibrate on more inputs like the deployed ones (--calib, --calib-samples)")
-    method = getattr(options, "calib_method", "minmax")
+    # the method the build calibrated with: --calib-method unset is auto with real samples, minmax without
+    method = (options.calibration_method() if hasattr(options, "calibration_method")
+              else getattr(options, "calib_method", None) or "minmax")
     causes = {c.cause for c in found}
     if method == "percentile" and "calibration-clipping" in causes:
         # the tails the percentile cut are what the culprits lose: keep ten times less of them out (the
         # demo's recognizer reads 93% of the characters at 99.99, as fp32 does at 99.999)
         kept = 100 - (100 - getattr(options, "calib_percentile", 99.99)) / 10
         said.append(f"keep more of each tail: --calib-percentile {kept:.10g}, or --calib-method minmax")
+    elif method == "auto":  # auto weighs each method at the default percentile only
+        said.append("keep more of each tail than auto's percentile: --calib-method percentile --calib-percentile 99.999")
     else:
         said.append(f"try --calib-method {'percentile' if method == 'minmax' else 'minmax'}")
     if "approximation" in causes:
