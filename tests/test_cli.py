@@ -143,6 +143,25 @@ def test_an_input_range_naming_no_input_or_twice_is_refused(tmp_path):
     assert [p.name for p in (out / ".build").iterdir()] == ["1-import"] and not (out / "bundle").exists()
 
 
+def test_a_bad_output_activation_is_refused(tmp_path):
+    """A malformed or repeated --output-activation before anything runs; an output the model lacks after
+    import, naming the outputs it has."""
+    out = tmp_path / "o"
+    base = ("build", str(PPOCR_CLS), "--target", "arm_2tpu", "-o", str(out), "--input-shape", "x=1x3x48x192")
+    for given, message in (("y=relu", "--output-activation y=relu: expected NAME=ACTIVATION with ACTIVATION one of "
+                                      "sigmoid, softmax"),
+                           ("sigmoid", "--output-activation sigmoid: expected NAME=ACTIVATION"),
+                           ("=sigmoid", "--output-activation =sigmoid: expected NAME=ACTIVATION")):
+        assert_user_facing(edgesdk(*base, "--output-activation", given), 2, message)
+        assert not out.exists()
+    proc = edgesdk(*base, "--output-activation", "y=sigmoid", "--output-activation", "y=softmax")
+    assert_user_facing(proc, 2, "--output-activation names 'y' twice")
+    proc = edgesdk(*base, "--output-activation", "logits=sigmoid")
+    assert_user_facing(proc, 2, "--output-activation names 'logits', which is not an output of the model",
+                       "hint: the model's outputs: ")
+    assert [p.name for p in (out / ".build").iterdir()] == ["1-import"] and not (out / "bundle").exists()
+
+
 def test_bad_calibration_images_are_a_user_error(tmp_path):
     """A --calib directory of images with a preprocessing that does not fit: exit 1, named, nothing left."""
     from PIL import Image

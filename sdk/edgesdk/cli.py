@@ -294,6 +294,24 @@ def _parse_ranges(values: list[str]) -> dict[str, tuple[float, float]]:
     return ranges
 
 
+def _parse_activations(values: list[str]) -> dict[str, str]:
+    """--output-activation NAME=sigmoid|softmax (repeatable): each output once."""
+    from .compression.accuracy import ACTIVATIONS
+
+    declared: dict[str, str] = {}
+    for v in values:
+        name, sep, activation = (s.strip() for s in v.partition("="))
+        if not sep or not name or activation not in ACTIVATIONS:
+            raise UsageError("cli.bad-output-activation", f"--output-activation {v}: expected NAME=ACTIVATION with "
+                             f"ACTIVATION one of {', '.join(ACTIVATIONS)}",
+                             "e.g. --output-activation classificators=sigmoid for a detector's class logits")
+        if name in declared:
+            raise UsageError("cli.bad-output-activation", f"--output-activation names '{name}' twice",
+                             "give each output one activation")
+        declared[name] = activation
+    return declared
+
+
 @app.command()
 @_failure_as_json
 def build(
@@ -333,6 +351,7 @@ def build(
     decoder: Optional[str] = typer.Option(None, "--decoder", help="With --task detection: yolov8 ([1, 4+C, N]), yolov5 ([1, N, 5+C]) or ssd (boxes and scores outputs, anchors given in --task-options)."),
     task_options: Optional[str] = typer.Option(None, "--task-options", help="With --task: KEY=VALUE,... e.g. score=0.25,iou=0.5,match=0.5 (detection), output=NAME, dictionary=FILE (ocr), threshold=0.5 (segmentation), goal=0.98 (the share of fp32's result to keep)."),
     seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
+    output_activation: List[str] = typer.Option([], "--output-activation", help="An output the model gives as logits that your code passes through an activation, NAME=sigmoid or NAME=softmax (repeatable), e.g. a detector's class logits: the accuracy gate judges it after the activation, and int8 spends its steps where the activation moves (a sigmoid's logits up to 8, from at least -8). The scores output of --decoder ssd with --task-options activation=sigmoid is declared so already."),
     accept_accuracy_loss: bool = typer.Option(False, "--accept-accuracy-loss", help="Publish the bundle even where it misses the target's accuracy gate (each output against fp32 on held-out samples, docs/accuracy.md); the manifest, edgesdk inspect and the build summary then say so."),
     keep_on_cpu: List[str] = typer.Option([], "--keep-on-cpu", help="Nodes no accelerator may run, by the model's own names joined by ',' (repeatable): the placement keeps them in float on the CPU, and plan.json states the predicted latency that costs. The accuracy gate's culprits are named so."),
     no_accuracy_remedy: bool = typer.Option(False, "--no-accuracy-remedy", help="Below the accuracy gate, fail at once: do not plan again with the culprit layers kept in float on the CPU (the default tries that, at most 2 rounds; docs/accuracy.md)."),
@@ -388,6 +407,7 @@ def build(
                            prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
                            task=task, decoder=decoder, task_options=task_options,
                            seed=seed, accept_accuracy_loss=accept_accuracy_loss,
+                           output_activations=_parse_activations(output_activation),
                            keep_on_cpu=tuple(dict.fromkeys(n.strip() for v in keep_on_cpu for n in v.split(",")
                                                            if n.strip())),
                            accuracy_remedy=not no_accuracy_remedy, low_memory=low_memory, until=until,

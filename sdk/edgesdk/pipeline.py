@@ -41,7 +41,7 @@ from . import __version__
 from .config import HOST, Target, load_target
 from .errors import UsageError, UserError
 from .ir import model as irm
-from .ir.calibration import check_input_ranges
+from .ir.calibration import check_input_ranges, check_output_activations
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 from .ir.memory import give_back, resident_bytes, shown
 from .scheduling.plan import Plan
@@ -140,6 +140,9 @@ class BuildOptions:
     decoder: str | None = None  # --decoder with --task detection: yolov8, yolov5 or ssd
     task_options: str | None = None  # --task-options KEY=VALUE,...: the decoder's thresholds, the output, the goal
     seed: int = 0
+    # --output-activation: outputs given as logits that the user's code passes through sigmoid or softmax (by
+    # name): judged after it, and calibrated where it moves (compression/accuracy.py `declared`)
+    output_activations: dict[str, str] = field(default_factory=dict)
     # --accept-accuracy-loss: publish a bundle below the target's accuracy gate (the manifest says so)
     accept_accuracy_loss: bool = False
     # --keep-on-cpu NODE,...: nodes no accelerator may run, kept in float on the CPU by the placement
@@ -365,6 +368,8 @@ def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Calla
                 on_stage(phase.name, "done", secs)
             # the keys of the stages that read this one cover its output, whatever produced it
             digests[phase.name] = (dest / "digest").read_text()
+            if phase.name == "import" and i < stop and options.output_activations:
+                check_output_activations(options, json.loads((dest / "import.json").read_text()))
             if phase.name == "import" and i < stop and options.input_ranges:
                 # --input-range names the model's inputs: said now, not after the stages before compress
                 check_input_ranges(options, json.loads((dest / "import.json").read_text())["inputs"])

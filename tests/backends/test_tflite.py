@@ -665,3 +665,44 @@ def test_a_conversion_the_machine_cannot_hold_is_refused_before_it_starts(tmp_pa
     monkeypatch.setattr(convert, "available_bytes", lambda: need)
     tflite.convert_float(model, tmp_path / "f.tflite")
     assert (tmp_path / "f.tflite").stat().st_size > w.nbytes
+
+
+def test_logits_read_through_a_sigmoid_get_the_int8_steps_where_the_sigmoid_moves(tmp_path):
+    """An SSD-style head: two convolutions give per-anchor class logits, reshaped and concatenated into
+    one output. Most anchors are background, far below zero (here -300 and -250 where the mask input
+    says so, as BlazeFace's reach): their min-max range leaves an int8 step of more than a logit, and a
+    score, read through the sigmoid the user's code applies, moves by tenths. Declared (`activations`), the
+    output and every tensor sharing its quantization (the Reshapes, the Concat) get a range up to 8, from at
+    least -8, and the scores read back within a few hundredths."""
+    rng = np.random.default_rng(3)
+    model = make_model([N("Conv", ["x", "w1"], ["c1"]), N("Conv", ["x", "w2"], ["c2"]),
+                        N("Mul", ["m", "b1"], ["g1"]), N("Mul", ["m", "b2"], ["g2"]),
+                        N("Add", ["c1", "g1"], ["l1"]), N("Add", ["c2", "g2"], ["l2"]),
+                        N("Reshape", ["l1", "s"], ["r1"]), N("Reshape", ["l2", "s"], ["r2"]),
+                        N("Concat", ["r1", "r2"], ["scores"], axis=1)],
+                       {"x": (1, 7, 8, 8), "m": (1, 1, 8, 8)}, ["scores"],
+                       {"w1": (rng.standard_normal((1, 7, 1, 1)) * 0.5).astype(np.float32),
+                        "w2": (rng.standard_normal((1, 7, 1, 1)) * 0.5).astype(np.float32),
+                        "b1": np.float32(-300.0), "b2": np.float32(-250.0), "s": np.array([1, 64, 1], np.int64)})
+
+    def feeds(seed: int) -> dict[str, np.ndarray]:
+        g = np.random.default_rng(seed)
+        return {"x": g.standard_normal((1, 7, 8, 8)).astype(np.float32),
+                "m": (g.random((1, 1, 8, 8)) < 0.8).astype(np.float32)}  # four anchors in five are background
+
+    calibration, held = [feeds(s) for s in range(16)], [feeds(100 + s) for s in range(8)]
+    sigmoid = lambda a: 1 / (1 + np.exp(-np.clip(a, -60, 60)))  # noqa: E731
+    errors, scales = {}, {}
+    for label, activations in (("plain", None), ("declared", {"scores": "sigmoid"})):
+        path = tmp_path / f"{label}.tflite"
+        result = tflite.convert_int8(model, calibration, path, method="auto", activations=activations)
+        (out,) = result.outputs
+        scales[label] = out.quant.scale
+        errors[label] = max(float(np.abs(sigmoid(run_tflite(path, result, f)["scores"]) -
+                                         sigmoid(run_ort(model, f)["scores"])).max()) for f in held)
+        if activations:
+            assert result.ranges["saturated"]["outputs"] == {"scores": "sigmoid"}
+            assert result.ranges["saturated"]["tensors"] >= 3  # the output, and the Reshapes the Concat shares it with
+            assert result.ranges["saturated"]["range"][1] == 8.0
+    assert scales["plain"] > 1.0 and scales["declared"] <= 16.0 / 255 + 1e-6, scales
+    assert errors["plain"] > 0.1 and errors["declared"] < 0.03, errors

@@ -135,3 +135,43 @@ def test_a_bad_accuracy_section_is_refused_at_its_line(tmp_path):
     assert f"{path}:{lines.index('    cosin: 0.99') + 1}: unknown key 'accuracy.scores.cosin'" in e.value.notes
     assert any(n.startswith(f"{path}:{lines.index('    cosine: 1.5') + 1}: field 'accuracy.values.cosine'")
                for n in e.value.notes), e.value.notes
+
+
+def test_an_output_declared_as_logits_is_judged_as_the_scores_the_users_code_reads():
+    """BlazeFace's classificators and a face flag are logits; MediaPipe's graph applies the sigmoid. Judged as
+    values, a background anchor's move from -300 to -250 fails the gate and a face lost (3 to -3) passes it.
+    Declared, the part is scores after the sigmoid: the lost face fails, the background's move does not
+    count."""
+    from types import SimpleNamespace
+
+    from edgesdk.compression.accuracy import declared
+
+    model = _model([helper.make_node("Conv", ["x", "w"], ["logits"])], {"x": [1, 8, 4, 4]}, {"logits": [1, 1, 4, 4]},
+                   {"w": np.ones((1, 8, 1, 1), np.float32)})
+    assert views(model)["logits"][0].kind == VALUES
+    (v,) = views(model, {"logits": "sigmoid"})["logits"]
+    assert v.kind == SCORES and v.applies and v.activation == "sigmoid"
+    fp32 = np.full((1, 1, 4, 4), -300.0, np.float32)
+    fp32[0, 0, 0, :2] = 3.0  # two faces
+    lost, background = fp32.copy(), fp32.copy()
+    lost[0, 0, 0, 1] = -3.0  # one face's score 0.95 -> 0.05
+    background[0, 0, 1:] = -250.0  # the background moves where no sigmoid sees it
+    for got, fails_as_values in ((lost, False), (background, True)):
+        as_values = measure([{"logits": fp32}], [{"logits": got}], views(model))["logits"]
+        assert bool(judge({"logits": as_values}, GATE)) is fails_as_values, as_values
+    parts = {"logits": [v]}
+    got = measure([{"logits": fp32}], [{"logits": lost}], parts)["logits"]
+    assert got["declared"] and got["kind"] == SCORES
+    assert got["max_error"] == pytest.approx(1 / (1 + np.exp(-3.0)) - 1 / (1 + np.exp(3.0)), rel=1e-4)  # of [0, 1]
+    assert [f.part for f in judge({"logits": got}, GATE)] == ["logits"]
+    moved = measure([{"logits": fp32}], [{"logits": background}], parts)["logits"]
+    assert moved["cosine"] == pytest.approx(1.0) and moved["max_error"] < 1e-9 and not judge({"logits": moved}, GATE)
+    # a softmax along the last axis
+    (s,) = views(model, {"logits": "softmax"})["logits"]
+    assert s.class_axis == 3 and np.allclose(s.of(fp32, batched=False).sum(axis=-1), 1.0)
+    # what a build declares: --output-activation, and an SSD decoder's scores output with its activation
+    options = SimpleNamespace(output_activations={"flag": "sigmoid"}, task="detection", decoder="ssd",
+                              task_options="boxes=regressors,scores=classificators,activation=sigmoid")
+    assert declared(options) == {"classificators": "sigmoid", "flag": "sigmoid"}
+    assert declared(SimpleNamespace(output_activations={}, task="detection", decoder="ssd",
+                                    task_options="scores=classificators,activation=none")) == {}

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import UsageError
 from ..runtime.manifest import TensorSpec
@@ -147,6 +147,9 @@ class QuantizeJob:
     # `alternatives` (label -> artifact, tensor specs, accuracy), for the compress stage to weigh by the
     # whole model's outputs
     alternatives: bool = False
+    # the segment's outputs (by name) that the user's code reads through an activation (sigmoid, softmax):
+    # a backend that can spends their int8 steps where the activation moves
+    activations: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from .. import __version__, backends
+from ..compression import accuracy as accuracy_views
 from ..compression import build as pruning
 from ..config import HOST
 from ..errors import UserError
@@ -95,10 +96,11 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     calibrated, held = held_out_split(samples)
     held_out = held is not calibrated  # a single sample is both
     held = held[:golden.ACCURACY_SAMPLES]
-    accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out)
+    declared = accuracy_views.declared(options)  # outputs the user's code reads through an activation
+    accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out, declared=declared)
     del host_model  # released by `accuracy`
     accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
-                      warn=warn, search=lambda failures: _culprits(src, reference, held, log))
+                      warn=warn, search=lambda failures: _culprits(src, reference, held, log, declared))
     if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
         accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
     if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
@@ -421,12 +423,13 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
     return accuracy
 
 
-def _culprits(src: Sources, reference, samples: list[dict], log) -> list:
+def _culprits(src: Sources, reference, samples: list[dict], log, declared: dict[str, str] | None = None) -> list:
     """The layers that lose the most in the plan's int8 segments (bundling/gate.py)."""
     plan = Plan.load(src.scheduled)  # the segments' own graphs, before packaging named their artifacts
     segments = gate.searchable(plan, src.compressed, json.loads((src.compressed / "compress.json").read_text()),
                                src.tuned / "int8", _cpu_int8(src))
-    return gate.search(segments, src.scheduled, reference(), samples, gate.legalize_approximations(src.legalized), log)
+    return gate.search(segments, src.scheduled, reference(), samples, gate.legalize_approximations(src.legalized), log,
+                       declared)
 
 
 def toolchain() -> dict[str, str]:

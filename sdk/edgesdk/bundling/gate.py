@@ -121,6 +121,8 @@ def judge_task(accuracy: dict, plan: Plan, options, calibration: dict, *, search
 
 
 def _kind(m: dict) -> str:
+    if m.get("declared"):
+        return f"scores, after the {m['activation']} --output-activation declares"
     return f"scores, after its {m['activation']}" if m["kind"] == measures.SCORES else "values"
 
 
@@ -203,7 +205,7 @@ def searchable(plan: Plan, compressed: Path, compress: dict, tuned_int8: Path, i
 
 
 def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto, samples: list[dict],
-           approximations: list[dict], log: Callable[[str], None]) -> list:
+           approximations: list[dict], log: Callable[[str], None], declared: dict[str, str] | None = None) -> list:
     """The layers that lose the most, over `segments`, each compared on its own inputs as `reference` (the
     fp32 model) computes them on `samples`; ranked (compression/culprits.py), at most culprits.TOP."""
     if not segments:
@@ -211,7 +213,7 @@ def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto
     samples = samples[:CULPRIT_SAMPLES]
     wanted = sorted({t for x in segments for t in x.segment.inputs})
     acts = ort_backend.run_many(reference, samples, wanted)
-    parts = measures.views(reference)
+    parts = measures.views(reference, declared)
     found = []
     for x in segments:
         seg = x.segment

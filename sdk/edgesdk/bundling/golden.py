@@ -104,10 +104,12 @@ def tolerances(host_model: BundleModel, manifest: mf.Manifest, golden: dict[str,
 
 
 def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], samples: list[dict],
-             reference_name: str = "the imported fp32 model", *, held_out: bool = True) -> dict:
+             reference_name: str = "the imported fp32 model", *, held_out: bool = True,
+             declared: dict[str, str] | None = None) -> dict:
     """The bundle against the fp32 model (a pruned build's: the pruned one) on `samples` (the held-out
     ones, `held_out`): per output (`tensors`: cosine, max abs error, as before) and per part of an output
-    as its meaning cuts it (`parts`: compression/accuracy.py, after the output's own sigmoid or softmax).
+    as its meaning cuts it (`parts`: compression/accuracy.py, after the output's own sigmoid or softmax, or the
+    one `declared` says the user's code applies).
     `host_model` is released once it has run the samples, before `reference()` reads the float model:
     the two are never held at once."""
     from ..compression import accuracy as measures
@@ -119,7 +121,7 @@ def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], 
     model = reference()
     ref = ort_backend.run_many(model, samples, names)  # one session: each holds the weights again
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
-    parts = measures.views(model)
+    parts = measures.views(model, declared)
     return {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "held_out": held_out,
             "tensors": tensors, "parts": measures.measure(ref, got, {n: parts[n] for n in names if n in parts})}
 

@@ -8,13 +8,21 @@ through Reshape/Transpose/Concat, partly a Sigmoid or Softmax, those rows are `s
 model gives them, after the activation) and the rest `values`. Each part gets its measures (`measure`):
 
     cosine      the cosine similarity of the reduced-precision part to fp32, over all samples
-    max_error   max |q - f| / range(f), range(f) = max f - min f over all samples (fp32's)
+    max_error   max |q - f| / range(f), range(f) = max f - min f over all samples (fp32's); for a
+                declared activation's scores, their own range, 1
     mean_error  mean |q - f| / range(f)
     top1        scores with classes: how often the arg max over the class axis agrees, at the positions
                 where fp32 decides (its best score at least CONFIDENT: a sequence's steps, a detector's
                 detections); None where there are no classes or no such position
 
-and `judge` compares them with the target's `accuracy:` thresholds (`Gate`, per kind). By default
+An output the model gives as logits that the user's own code passes through a sigmoid or a softmax
+(BlazeFace's classificators, a face-landmark model's face flag: the activation is in MediaPipe's graph,
+not in the model) is judged as those scores, once the build is told (`--output-activation NAME=sigmoid`,
+or a detection decoder's `activation=`): `views(model, declared)`, whose View applies the activation
+(`applies`). A logit's range is mostly a tail no reader sees (a background anchor at -300 reads 0 as
+well as one at -8), and judged as values its error is a share of that tail.
+
+`judge` compares them with the target's `accuracy:` thresholds (`Gate`, per kind). By default
 scores are judged by cosine, mean error and top-1, values by cosine and mean error; max error is
 measured but judged only where a target asks (a segmentation mask's edge pixel or a recognizer's step
 between two characters flips a score from 0 to 1 in a bundle that reads and segments as fp32 does).
@@ -55,6 +63,7 @@ class View:
     stop: int = 0
     activation: str | None = None
     class_axis: int | None = None
+    applies: bool = False  # the output is the activation's input (logits): `of` applies it
 
     @property
     def name(self) -> str:
@@ -64,7 +73,11 @@ class View:
         return f"{self.output}[{':, ' * self.axis}{self.start}:{self.stop}]"
 
     def of(self, a: np.ndarray, batched: bool = True) -> np.ndarray:
-        """This part of `a` (the output's values; `batched`: samples stacked on a new first axis)."""
+        """This part of `a` (the output's values; `batched`: samples stacked on a new first axis), after
+        the activation where the view `applies` it."""
+        if self.applies:
+            a = activated(np.asarray(a, np.float64), self.activation,
+                          None if self.class_axis is None else self.class_axis + batched)
         if self.axis is None:
             return a
         index = [slice(None)] * a.ndim
@@ -72,9 +85,39 @@ class View:
         return a[tuple(index)]
 
     def describe(self) -> str:
+        if self.applies:
+            return f"scores, after the {self.activation} the build was told the output goes through"
         if self.kind == SCORES:
             return f"scores, after its {self.activation}"
         return "values"
+
+
+ACTIVATIONS = ("sigmoid", "softmax")  # what --output-activation may declare
+
+
+def activated(a: np.ndarray, activation: str, axis: int | None = None) -> np.ndarray:
+    """`a` through `activation` (sigmoid; softmax along `axis`, the last where None)."""
+    if activation == "sigmoid":
+        return 1 / (1 + np.exp(-np.clip(a, -100, 100)))
+    if activation == "softmax":
+        e = np.exp(a - a.max(axis=-1 if axis is None else axis, keepdims=True))
+        return e / e.sum(axis=-1 if axis is None else axis, keepdims=True)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def declared(options) -> dict[str, str]:
+    """The outputs a build's `options` say are logits read through an activation, by name: its
+    `output_activations` (--output-activation), and the scores output of an SSD-style decoder whose
+    `activation=` is sigmoid or softmax (--task detection --decoder ssd --task-options scores=NAME,...)."""
+    from . import tasks
+
+    out = {}
+    if getattr(options, "decoder", None) == "ssd" and getattr(options, "task", None) == "detection":
+        spec = tasks.parse_options("detection", "ssd", getattr(options, "task_options", None))
+        if spec.get("activation") in ACTIVATIONS and spec.get("scores"):
+            out[spec["scores"]] = spec["activation"]
+    out.update(getattr(options, "output_activations", None) or {})
+    return out
 
 
 @dataclass(frozen=True)
@@ -93,9 +136,11 @@ class _Split:
 _PLAIN = _Whole(VALUES)
 
 
-def views(model: onnx.ModelProto) -> dict[str, list[View]]:
+def views(model: onnx.ModelProto, declared: Mapping[str, str] | None = None) -> dict[str, list[View]]:
     """Each graph output of `model` and the parts it is judged by, found by following its producers
-    back through moves (Reshape, Transpose, Squeeze, ...) and Concats to a Sigmoid or a Softmax."""
+    back through moves (Reshape, Transpose, Squeeze, ...) and Concats to a Sigmoid or a Softmax; an
+    output in `declared` (name -> sigmoid or softmax, `declared(options)`) is those scores, whole, the
+    view applying the activation (a softmax along the last axis)."""
     shell, _ = irm.weightless(model)
     shapes = irm.static_shapes(onnx.shape_inference.infer_shapes(shell))
     producer = {o: n for n in model.graph.node for o in n.output if o}
@@ -109,6 +154,12 @@ def views(model: onnx.ModelProto) -> dict[str, list[View]]:
 
     out = {}
     for o in model.graph.output:
+        if declared and o.name in declared:
+            rank = len(shapes.get(o.name, ()))
+            softmax = declared[o.name] == "softmax" and rank
+            out[o.name] = [View(o.name, SCORES, activation=declared[o.name], applies=True,
+                                class_axis=rank - 1 if softmax else None)]
+            continue
         d = walk(o.name)
         if isinstance(d, _Whole):
             out[o.name] = [View(o.name, d.kind, activation=d.activation, class_axis=d.class_axis)]
@@ -213,6 +264,7 @@ def measure(fp32: Sequence[Mapping[str, np.ndarray]], reduced: Sequence[Mapping[
         q_all = np.stack([np.asarray(s[name]) for s in reduced]).astype(np.float64)
         for v in vs:
             out[v.name] = {"output": name, "kind": v.kind, **({"activation": v.activation} if v.activation else {}),
+                           **({"declared": True} if v.applies else {}),
                            **_measures(v.of(f_all), v.of(q_all), v), "samples": len(fp32)}
     return out
 
@@ -225,6 +277,8 @@ def _measures(f: np.ndarray, q: np.ndarray, v: View) -> dict:
     cosine = 1.0 if np.array_equal(fr, qr) else (float(fr @ qr / norms) if norms > 0 else 0.0)
     span = float(fr.max() - fr.min()) if fr.size else 0.0
     scale = span or float(np.abs(fr).max(initial=0.0)) or 1.0  # a constant part: its magnitude, or 1
+    if v.applies:  # a probability the user's code makes of logits: its own range is [0, 1], whatever the
+        scale = 1.0  # few held-out samples spread over (a face flag on 8 faces: 0.8 to 1)
     err = np.abs(qr - fr)
     top1 = None
     if v.kind == SCORES and v.class_axis is not None and f.shape[v.class_axis + 1] > 1:

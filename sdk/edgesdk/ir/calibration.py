@@ -218,6 +218,15 @@ def check_input_ranges(options, inputs: list[dict]) -> None:
                              f"give an integer input a range holding integers, e.g. --input-range {name}=0,100")
 
 
+def check_output_activations(options, imported: dict) -> None:
+    """Refuse an `--output-activation` naming no output of the model (`imported`: import.json)."""
+    names = [o["name"] for o in imported["outputs"]]
+    for name in getattr(options, "output_activations", None) or {}:
+        if name not in names:
+            raise UsageError("build.output-activation-unknown", f"--output-activation names '{name}', which is not "
+                             "an output of the model", f"the model's outputs: {', '.join(names)}")
+
+
 def input_ranges(options, inputs: list[dict]) -> dict[str, InputRange | None]:
     """Each input's range for synthetic samples, from the first that states one: `--input-range`, the range
     `--calib-preprocess` gives 8-bit pixels (an image input: 4-d float, 1 or 3 channels), the model's own

@@ -56,7 +56,8 @@ CALIBRATION_METHODS = (*METHODS, "auto")
 def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndarray]], out_path: Path, *,
                  method: str = "minmax", percentile: float = 99.99, target: Any = None,
                  keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
-                 log: Any = None, cpu: bool = False, alternatives_dir: Path | None = None) -> TfliteResult:
+                 log: Any = None, cpu: bool = False, alternatives_dir: Path | None = None,
+                 activations: dict[str, str] | None = None) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
@@ -75,7 +76,9 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     for every tensor (`_auto`; `log` hears its choice). Weights are per-channel in all. With "auto" and
     `alternatives_dir` (full int8 only), every candidate `_auto` weighed is written there too
     (`<out_path's stem>.<label>.tflite`), so that a caller may weigh them by more than this segment's
-    outputs (the compress stage: the whole model's).
+    outputs (the compress stage: the whole model's). `activations`: outputs (by ONNX name) the user's code
+    reads through an activation, whose int8 range is where that activation moves (narrowing.saturating),
+    whatever the method.
     Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
     if method not in CALIBRATION_METHODS:
         raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
@@ -91,7 +94,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
                         "give calibration inputs (--calibration DIR) or let the build use random ones")
     weighed: dict[str, bytes] | None = {} if alternatives_dir is not None and keep_float is None and target is None \
         else None
-    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed)
+    saturate = {spec.key: a for spec in lowered.outputs if (a := (activations or {}).get(spec.name))}
+    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed, saturate)
     if log is not None and "auto" in ranges:
         log(describe_auto(ranges))
     found = None
@@ -281,28 +285,41 @@ def _quiet(call: Any, *args: Any) -> Any:
 
 
 def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float,
-               alternatives: dict[str, bytes] | None = None) -> tuple[bytes, dict[str, Any], Any]:
+               alternatives: dict[str, bytes] | None = None, saturate: dict[str, str] | None = None
+               ) -> tuple[bytes, dict[str, Any], Any]:
     """The converter's first int8 step: a float model whose activation tensors carry the range each
     is quantized over (min-max, or the method's: narrowing.py), how the ranges were chosen, and the
     second step as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax"
     the converter's own one-step conversion (tested). A tensor whose range is one value on every sample
     is widened first (narrowing.widen_degenerate). With "auto", `alternatives` (where given) receives
-    every candidate's full-int8 model, by label."""
+    every candidate's full-int8 model, by label. `saturate` (signature output key -> activation): outputs
+    whose range, and that of the tensors sharing its quantization, is where the activation moves
+    (narrowing.saturating), in every candidate."""
     with _converter(lowered, samples) as converter:
         converter._experimental_calibrate_only = True  # pylint: disable=protected-access
         calibrated = converter.convert()
     per_channel_off = converter._experimental_disable_per_channel  # pylint: disable=protected-access
     calibrated, widened = narrowing.widen_degenerate(calibrated)
     ranges: dict[str, Any] = {"method": method}
+    clips = {i: ("minmax", r) for i, r in narrowing.saturating(calibrated, saturate or {}).items()}
+    if clips:
+        names = {spec.key: spec.name for spec in lowered.outputs}
+        ranges["saturated"] = {"outputs": {names[k]: a for k, a in saturate.items()}, "tensors": len(clips),
+                               "range": [round(v, 6) for v in next(iter(clips.values()))[1]],
+                               "why": "read through a sigmoid by the user's code: its int8 range is where the sigmoid "
+                                      f"moves, from its least value seen (at least -{narrowing.SIGMOID_LOGITS:g}) to "
+                                      f"{narrowing.SIGMOID_LOGITS:g}"}
     if method == "minmax":
         count = _calibrated_tensors(calibrated)
         ranges.update(tensors=count, methods={"minmax": count})
+        if clips:
+            calibrated = narrowing.with_ranges(calibrated, clips)
     else:
         found = narrowing.measure(calibrated, lowered, samples, percentile, errors=method == "auto")
         if method == "auto":
-            assigned, ranges["auto"] = _auto(found, calibrated, lowered, samples, per_channel_off, alternatives)
+            assigned, ranges["auto"] = _auto(found, calibrated, lowered, samples, per_channel_off, alternatives, clips)
         else:
-            assigned = narrowing.assign(found, method)
+            assigned = {**narrowing.assign(found, method), **clips}
         calibrated = narrowing.with_ranges(calibrated, assigned)
         ranges.update(narrowing.summary(found, assigned, percentile))
     if widened:
@@ -344,7 +361,8 @@ PER_TENSOR = "per tensor"  # auto's own assignment, among its candidates
 
 
 def _auto(found: narrowing.Measured, calibrated: bytes, lowered: _Lowered, samples: list[list[np.ndarray]],
-          per_channel_off: bool, alternatives: dict[str, bytes] | None = None) -> tuple[dict, dict[str, Any]]:
+          per_channel_off: bool, alternatives: dict[str, bytes] | None = None,
+          clips: dict[int, tuple[str, Any]] | None = None) -> tuple[dict, dict[str, Any]]:
     """`auto`: each tensor the method of least error on its own values (narrowing.assign); then that
     assignment and each method alone are quantized whole, and the one whose outputs are nearest the
     float segment's on the calibration samples is kept (a tensor's own error does not see how it
@@ -354,7 +372,8 @@ def _auto(found: narrowing.Measured, calibrated: bytes, lowered: _Lowered, sampl
     `alternatives` (where given) receives each candidate's model (one object for candidates alike)."""
     shown = samples[:AUTO_SAMPLES]
     reference = _outputs(lowered, calibrated, shown)
-    candidates = {PER_TENSOR: narrowing.assign(found, "auto"), **{m: narrowing.assign(found, m) for m in METHODS}}
+    candidates = {PER_TENSOR: {**narrowing.assign(found, "auto"), **(clips or {})},
+                  **{m: {**narrowing.assign(found, m), **(clips or {})} for m in METHODS}}
     writer = narrowing.Ranges(calibrated)
     figures: dict[str, float] = {}
     done: dict[tuple, str] = {}

@@ -108,6 +108,63 @@ class Ranges:
         return bytes(flatbuffer_utils.convert_object_to_bytearray(self._model))
 
 
+# a sigmoid's input past +-8 reads within 3.4e-4 of 0 or 1: the int8 range of logits that the user's code passes
+# through a sigmoid ends there (an SSD head's background anchors reach -300, and their min-max range left one
+# int8 step of 1.55 logits, a face's score reading 0.5 or 0.825 and nothing between)
+SIGMOID_LOGITS = 8.0
+
+
+def saturating(calibrated: bytes, outputs: dict[str, str]) -> dict[int, Range]:
+    """The range of each tensor holding one of `outputs` (signature output key -> the activation the
+    user's code applies to it), by tensor index: for a sigmoid, from its smallest value seen (at least
+    -SIGMOID_LOGITS) up to SIGMOID_LOGITS, wherever the calibration samples stopped: a logit's high tail is
+    the confident detections, which a calibration set with few of them does not reach (BlazeFace calibrated
+    on faces whose best logit was 1.66 read every more confident face as 0.84); the same range for every
+    tensor that shares the output's quantization back through the ops before it
+    (int8_ops.SHARED_QUANTIZATION_OPS: the Reshape and the Concatenation of a detector's heads). A softmax
+    reads differences, so its logits keep their ranges."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from .int8_ops import SHARED_QUANTIZATION_OPS
+
+    wanted = {k for k, a in outputs.items() if a == "sigmoid"}
+    m = schema.Model.GetRootAs(calibrated, 0)
+    graph = m.Subgraphs(0)
+    if not wanted or not m.SignatureDefsLength():
+        return {}
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    codes = [names.get(max(m.OperatorCodes(i).BuiltinCode(), m.OperatorCodes(i).DeprecatedBuiltinCode()), "")
+             for i in range(m.OperatorCodesLength())]
+    producer = {}
+    for k in range(graph.OperatorsLength()):
+        op = graph.Operators(k)
+        for t in op.OutputsAsNumpy():
+            producer[int(t)] = op
+    signature = m.SignatureDefs(0)
+    out: dict[int, Range] = {}
+    for j in range(signature.OutputsLength()):
+        if _name(signature.Outputs(j).Name()) not in wanted:
+            continue
+        index = signature.Outputs(j).TensorIndex()
+        q = graph.Tensors(index).Quantization()
+        if q is None or q.MinLength() != 1:
+            continue
+        r = (min(max(float(q.Min(0)), -SIGMOID_LOGITS), 0.0), SIGMOID_LOGITS)
+        todo = [index]
+        while todo:
+            i = todo.pop()
+            if i in out:
+                continue
+            t = graph.Tensors(i).Quantization()
+            if t is None or t.MinLength() != 1:
+                continue
+            out[i] = r
+            op = producer.get(i)
+            if op is not None and codes[op.OpcodeIndex()] in SHARED_QUANTIZATION_OPS:
+                todo += [int(x) for x in op.InputsAsNumpy() if x >= 0]
+    return out
+
+
 DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor constant on every sample) is widened
 
 

@@ -37,7 +37,8 @@ def quantize_segment(job: QuantizeJob, *, cpu: bool = False) -> dict:
     result = convert_int8(job.model, feeds, job.out_dir.parent / artifact, method=job.method, percentile=job.percentile,
                           target=job.target, keep_float=job.keep_float, reference=reference,
                           log=lambda line: job.log(f"{stage}: {seg.id}: {line}"), cpu=cpu,
-                          alternatives_dir=job.out_dir if job.alternatives else None)
+                          alternatives_dir=job.out_dir if job.alternatives else None,
+                          activations=dict(job.activations))
     want = job.samples[:ACCURACY_SAMPLES]
 
     measured: dict[str, dict] = {}

@@ -71,7 +71,8 @@ from . import auto
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "input_ranges", "seed",
-           "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data", "task")
+           "prune", "prune_layers", "prune_correct", "sparse_kernels", "prune_plan", "eval_data", "task", "decoder",
+           "task_options", "output_activations")
 PRUNED = "pruned.onnx"  # the whole model with its CPU layers pruned (written only with --prune)
 READS = ("import", "schedule")  # the earlier stages whose outputs it reads (its cache key covers them)
 # and of the tune stage only its pruning plan: a new tuning database reruns tune, not the int8 conversion here
@@ -127,7 +128,8 @@ def run(artifact: Path, ctx) -> dict:
     # calibrated on three quarters, gated on the quarter held out: the package stage's split of the same samples
     acts, held = held_out_split(acts)
     gate = measures.Gate.of(ctx.target.accuracy)
-    parts = measures.views(irm.read(ctx.artifact("import") / "model.onnx"))
+    declared = measures.declared(ctx.options)  # outputs read through an activation the model does not hold
+    parts = measures.views(irm.read(ctx.artifact("import") / "model.onnx"), declared)
     record["accuracy_gate"] = gate.to_json()
     for seg in quantized:
         if seg.same_as:
@@ -142,7 +144,8 @@ def run(artifact: Path, ctx) -> dict:
                     f"weights): calibrated on {len(samples)} samples of their inputs")
         entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
             segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
-            method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto"))
+            method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto",
+            activations={o: declared[o] for o in seg.outputs if o in declared}))
         record["segments"][seg.id] = entry
         for u in uses[1:]:
             rename = dict(zip(names, u.inputs + u.outputs))
@@ -155,7 +158,7 @@ def run(artifact: Path, ctx) -> dict:
     if method == "auto":
         # the model's inputs of the calibration samples, the held-out ones aside, as `acts` holds their outputs
         chosen = auto.choose(plan, sched, ctx.out, record["segments"], inputs[:len(acts)],
-                             [{o: a[o] for o in plan.outputs} for a in acts], ctx.log)
+                             [{o: a[o] for o in plan.outputs} for a in acts], ctx.log, parts)
         if chosen is not None:
             calib_info["auto"] = chosen
     # each segment as it ships (after auto's whole-model choice), against its float segment on held-out samples

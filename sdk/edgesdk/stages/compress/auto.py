@@ -7,7 +7,10 @@ adds their errors up, and a choice that is best for each segment alone need not 
 so each candidate is also run for every segment at once, the segments chained as the plan runs them (the
 int8 ones by LiteRT, the others float by onnxruntime), on the calibration samples, and the one whose model
 outputs are nearest the float model's (`ir.calibrators.output_error`) is kept; `per segment` (each
-segment its own choice) is one of them, and wins ties.
+segment its own choice) is one of them, and wins ties. The outputs are weighed part by part, cut as the
+accuracy gate cuts them (`compression.accuracy.views`): a YOLOv8 head's one output holds box coordinates in
+pixels and class scores in [0, 1], and weighed whole its error is the boxes' alone, so that a method that
+halves every class score can win.
 """
 
 from __future__ import annotations
@@ -27,26 +30,36 @@ SAMPLES = 16  # calibration samples the candidates are run end to end on
 
 
 def choose(plan, scheduled: Path, out: Path, entries: dict[str, dict], samples: list[dict], reference: list[dict],
-           log) -> dict | None:
+           log, parts: dict | None = None) -> dict | None:
     """The candidate kept for every int8 segment (the record of the choice), with `entries` (the compress
     stage's records, by segment id) and their artifacts under `out` rewritten to it and the other
     candidates' files removed; None where no segment weighed candidates. `samples`: the model's inputs,
-    `reference`: its float outputs on them."""
+    `reference`: its float outputs on them; `parts`: each output's parts (`accuracy.views`), each weighed
+    as an output of its own."""
     weighed = [e for e in entries.values() if "alternatives" in e and not e.get("same_as")]
     if not weighed:
         return None
     labels = [PER_SEGMENT, *weighed[0]["alternatives"]]
     shown = samples[:SAMPLES]
     figures = {}
+    want = by_part(reference[:len(shown)], parts or {})
     for label in labels:
         got = run(plan, scheduled, out, {k: _candidate(e, label, entries) for k, e in entries.items()}, shown)
-        figures[label] = calibrators.output_error(got, reference[:len(shown)])
+        figures[label] = calibrators.output_error(by_part(got, parts or {}), want)
     chosen = min(labels, key=lambda k: (figures[k], labels.index(k)))
     _apply(entries, chosen, out)
     shown_figures = {k: float(f"{v:.6g}") for k, v in figures.items()}
     log(f"compress: calibration auto, the whole model: {chosen} (output error "
         + ", ".join(f"{k} {v:.3g}" for k, v in shown_figures.items()) + f" on {len(shown)} calibration samples)")
-    return {"chosen": chosen, "output_error": shown_figures, "samples": len(shown), "measure": calibrators.OUTPUT_ERROR}
+    return {"chosen": chosen, "output_error": shown_figures, "samples": len(shown),
+            "measure": calibrators.OUTPUT_ERROR + (", each output's parts as outputs of their own" if parts else "")}
+
+
+def by_part(runs: list[dict], parts: dict) -> list[dict]:
+    """`runs` (per sample, outputs by name) with each output cut into its parts in `parts` (output ->
+    `accuracy.View`s), by the part's name; an output without parts stays whole."""
+    return [{v.name: v.of(np.asarray(y), batched=False) for o, y in r.items() for v in parts.get(o, ())}
+            | {o: y for o, y in r.items() if not parts.get(o)} for r in runs]
 
 
 def _candidate(entry: dict, label: str, entries: dict[str, dict]) -> dict:

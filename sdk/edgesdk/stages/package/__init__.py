@@ -30,7 +30,7 @@ from ...ir.digest import file_sha256, tree_sha256
 # from the calibration samples; below the gate, --accept-accuracy-loss decides whether a bundle is published;
 # the task figures (the manifest's accuracy.task) come from the --eval samples
 OPTIONS = ("calib", "calib_samples", "calib_preprocess", "input_ranges", "seed", "accept_accuracy_loss", "eval_data",
-           "task", "decoder", "task_options")
+           "task", "decoder", "task_options", "output_activations")
 READS = ("import", "legalize", "schedule", "tune", "compress")  # the earlier stages whose outputs it reads (its cache key covers them)
 
 
