@@ -81,11 +81,12 @@ def test_below_the_gate_the_culprits_are_kept_on_the_cpu_and_the_plan_says_what_
     assert_user_facing(proc, 2, "error: --keep-on-cpu names 1 node(s) the model does not have: /no/such/node")
 
 
-def _failure(culprits: list[dict]):
+def _failure(culprits: list[dict], probe: dict | None = None):
     from edgesdk.bundling.gate import GateFailure
 
     return GateFailure("below", "hint", ["figures"], {"parts": {SCORES: {"cosine": 0.9}}, "culprits": culprits,
-                                                       "failures": [{"part": SCORES, "kind": "scores", "missed": {}}]})
+                                                       "failures": [{"part": SCORES, "kind": "scores", "missed": {}}],
+                                                       **({"probe": probe} if probe else {})})
 
 
 def _culprit(node: str, segment: str, added: float, cause: str = "shared-quantization") -> dict:
@@ -93,11 +94,12 @@ def _culprit(node: str, segment: str, added: float, cause: str = "shared-quantiz
             "added_snr_db": 10.0, "why": "..."}
 
 
-def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_twice(tmp_path):
+def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_times(tmp_path):
     """Which culprits a round keeps on the CPU: those on an accelerator (not one already on the CPU) losing at
-    least a tenth of the worst one's loss, an approximation's replaced nodes each, none already kept; no round
-    where the user accepts the loss or turns the remedy off; after 2 rounds, or with nothing left to move, the
-    error's notes say what was tried."""
+    least a tenth of the worst one's loss, an approximation's replaced nodes each, none already kept; from the
+    second round, the segment the probe found best in float instead; no round where the user accepts the loss
+    or turns the remedy off; after 3 rounds, or with nothing left to move, the error's notes say what was
+    tried."""
     import dataclasses
 
     from edgesdk.pipeline import REMEDY_ROUNDS, BuildOptions, _remedy, stage_dir
@@ -122,15 +124,30 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_twice(
     assert step["moved"][0]["device"] == "edgetpu:0" and step["failures"][0]["part"] == SCORES
     assert said == ["accuracy remedy: round 1: the bundle misses the accuracy gate; keeping a (shared-quantization), "
                     "b (approximation), c (approximation) in float on the cpu and planning again from the schedule stage"]
-    # the next round adds the new culprits only
-    second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("d", "s0", 0.3)]), said.append)
-    assert second.keep_on_cpu == ("a", "b", "c", "d") and len(second.remedy) == REMEDY_ROUNDS == 2
+    # a later round: where the package stage's probe found an accelerator segment whose float version does
+    # better end to end, its nodes (those not kept already); the probe is not used in the first round
+    probe = {"measure": "the accuracy gate on the held-out samples", "samples": 3,
+             "int8": {"met": False, "shortfall": 0.5, "said": "below"},
+             "float": [{"segment": "s0", "device": "edgetpu:0", "nodes": ["c", "d", "f"], "met": True, "shortfall": 0.0,
+                        "said": "within the gate"}]}
+    assert _remedy(options, _failure(culprits, probe), said.append).keep_on_cpu == ("a", "b", "c")
+    second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], probe), said.append)
+    assert second.keep_on_cpu == ("a", "b", "c", "d", "f") and len(second.remedy) == 2
+    assert [(m["node"], m["cause"]) for m in second.remedy[1]["moved"]] == [("d", "end-to-end"), ("f", "end-to-end")]
+    assert said[-1].startswith("accuracy remedy: round 2: the bundle misses the accuracy gate; keeping segment s0's "
+                               "2 node(s) (d, f): with segment s0 (3 nodes) in float and every other int8, the accuracy "
+                               "gate on the held-out samples: within the gate (all int8: below)")
+    # a probe whose best segment does no better than all int8 moves nothing: the culprits do
+    useless = {**probe, "float": [{**probe["float"][0], "met": False, "shortfall": 0.5}]}
+    third = _remedy(second, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], useless), said.append)
+    assert third.keep_on_cpu == ("a", "b", "c", "d", "f", "g") and len(third.remedy) == REMEDY_ROUNDS == 3
     # then no more: the error says what was tried
-    last = _failure([_culprit("d", "s0", 0.3), _culprit("b", "s0", 0.1)])
-    assert _remedy(dataclasses.replace(second, keep_on_cpu=("a", "b", "c")), last, said.append) is None
+    last = _failure([_culprit("h", "s0", 0.3), _culprit("b", "s0", 0.1)])
+    assert _remedy(third, last, said.append) is None
     assert last.notes == ["figures", "accuracy remedy: round 1 kept a, b, c on the cpu in float (1.500 ms predicted "
-                          "before it)", "accuracy remedy: round 2 kept d on the cpu in float (1.500 ms predicted before "
-                          "it)", "accuracy remedy: stopped after 2 round(s), still below the gate"]
+                          "before it)", "accuracy remedy: round 2 kept d, f on the cpu in float (1.500 ms predicted "
+                          "before it)", "accuracy remedy: round 3 kept g on the cpu in float (1.500 ms predicted before "
+                          "it)", "accuracy remedy: stopped after 3 round(s), still below the gate"]
     nothing = _failure([_culprit("a", "s0", 0.5), _culprit("e", "s1", 0.9)])
     assert _remedy(first, nothing, said.append) is None
     assert nothing.notes[-1] == "accuracy remedy: no culprit is left on an accelerator"
@@ -140,4 +157,4 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_twice(
                         (options, [_culprit("e", "s1", 0.9)])):
         failure = _failure(found)
         assert _remedy(opts, failure, said.append) is None and failure.notes == ["figures"]
-    assert len(said) == 2
+    assert len(said) == 4

@@ -234,7 +234,7 @@ def _check_stage_name(name: str | None, flag: str) -> None:
                          f"stages, in order: {', '.join(PHASE_NAMES)}")
 
 
-REMEDY_ROUNDS = 2  # the accuracy remedy's rounds at most: each plans again with more culprits on the CPU
+REMEDY_ROUNDS = 3  # the accuracy remedy's rounds at most: each plans again with more culprits on the CPU
 # a round moves the culprits on an accelerator that lose at least this share of what the worst of them loses
 # itself (`added_error`): the rest are mostly that loss passed on, and each node moved can cost a round trip
 # over the accelerator's link; a culprit that still matters is named again by the next round's search
@@ -283,13 +283,16 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
         return None
     plan = Plan.load(stage_dir(options.out, "tune"))
     on_accelerator = {s.id: s.device for s in plan.segments if s.device != "cpu"}
+    # the culprits first (a few nodes, a small price in latency); where their round was not enough, the segment
+    # whose float version the probe measured to help the most, end to end
+    moved = _probed(failure.accuracy.get("probe"), on_accelerator, options.keep_on_cpu) if tried else []
     culprits = [c for c in failure.accuracy.get("culprits") or () if c["segment"] in on_accelerator]
     worst = max((c["added_error"] for c in culprits), default=0.0)
-    moved = [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
-              "cause": c["cause"], "added_error": c["added_error"], "error": c["error"],
-              "added_snr_db": c["added_snr_db"], "why": c["why"]}
-             for c in culprits if c["added_error"] >= REMEDY_SHARE * worst
-             for n in culprit_nodes(c["node"]) if n not in options.keep_on_cpu]
+    moved = moved or [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
+                       "cause": c["cause"], "added_error": c["added_error"], "error": c["error"],
+                       "added_snr_db": c["added_snr_db"], "why": c["why"]}
+                      for c in culprits if c["added_error"] >= REMEDY_SHARE * worst
+                      for n in culprit_nodes(c["node"]) if n not in options.keep_on_cpu]
     moved = list({m["node"]: m for m in moved}.values())
     if not moved or len(tried) >= REMEDY_ROUNDS:
         if tried:
@@ -300,11 +303,31 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
         return None
     step = {"round": len(tried) + 1, "moved": moved, "latency_ms": plan.predicted["latency_ms"],
             "parts": failure.accuracy["parts"], "failures": failure.accuracy.get("failures") or []}
-    log(f"accuracy remedy: round {step['round']}: the bundle misses the accuracy gate; keeping "
-        f"{', '.join(m['node'] + ' (' + m['cause'] + ')' for m in moved)} in float on the cpu and planning again "
-        "from the schedule stage")
+    if moved[0]["cause"] == "end-to-end":
+        said = (f"segment {moved[0]['segment']}'s {len(moved)} node(s) ({', '.join(m['node'] for m in moved[:4])}"
+                f"{', ...' if len(moved) > 4 else ''}): {moved[0]['why']}")
+    else:
+        said = ", ".join(m["node"] + " (" + m["cause"] + ")" for m in moved)
+    log(f"accuracy remedy: round {step['round']}: the bundle misses the accuracy gate; keeping {said} in float on "
+        "the cpu and planning again from the schedule stage")
     return dataclasses.replace(options, keep_on_cpu=(*options.keep_on_cpu, *(m["node"] for m in moved)),
                                remedy=(*tried, step), start=None)
+
+
+def _probed(probe: dict | None, on_accelerator: dict[str, str], kept: tuple[str, ...]) -> list[dict]:
+    """The nodes of the int8 segment whose float version helped the failing measure the most in the package
+    stage's probe (bundling/probe.py), as the remedy moves them; none where no segment in float did better
+    than all int8."""
+    if not probe or not probe.get("float"):
+        return []
+    best, base = probe["float"][0], probe["int8"]
+    if best["segment"] not in on_accelerator or not (best["met"] or best["shortfall"] < base["shortfall"]):
+        return []
+    why = (f"with segment {best['segment']} ({len(best['nodes'])} nodes) in float and every other int8, "
+           f"{probe['measure']}: {best['said']} (all int8: {base['said']})")
+    return [{"node": n, "segment": best["segment"], "device": on_accelerator[best["segment"]], "op": "",
+             "cause": "end-to-end", "added_error": round(base["shortfall"] - best["shortfall"], 6), "error": 0.0,
+             "added_snr_db": 0.0, "why": why} for n in best["nodes"] if n not in kept]
 
 
 def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Callable[[str, str, float], None],

@@ -99,14 +99,23 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     declared = accuracy_views.declared(options)  # outputs the user's code reads through an activation
     accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out, declared=declared)
     del host_model  # released by `accuracy`
-    accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
-                      warn=warn, search=lambda failures: _culprits(src, reference, held, log, declared))
-    if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
-        accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
-    if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
-        task = evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)
-        accuracy = gate.judge_task({**accuracy, "task": task}, shipped.plan, options, calibration, warn=warn,
-                                   search=lambda failures: _culprits(src, reference, held, log))
+    try:
+        accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
+                          warn=warn, search=lambda failures: _culprits(src, reference, held, log, declared))
+        if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
+            accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
+        if options.eval_data:  # the task's own measure on held-out samples, against the fp32 model as imported
+            task = evaluation.evaluate(bundle, shipped.twins, src.imported, options, log, warn)
+            accuracy = gate.judge_task({**accuracy, "task": task}, shipped.plan, options, calibration, warn=warn,
+                                       search=lambda failures: _culprits(src, reference, held, log, declared))
+    except gate.GateFailure as e:
+        if getattr(options, "accuracy_remedy", True):  # what the remedy plans again from: no failure without it
+            found = e.accuracy["probe"] = _probe(src, e, held, target, options, declared, log)
+            if found:
+                e.notes += [f"probe, {found['measure']}, all int8: {found['int8']['said']}"]
+                e.notes += [f"probe: {r['segment']} ({len(r['nodes'])} nodes on {r['device']}) in float, the rest "
+                            f"int8: {r['said']}" for r in found["float"][:3]]
+        raise
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     (out / "accuracy.html").write_text(accuracy_page(accuracy))
     manifest = dataclasses.replace(manifest, accuracy=accuracy, golden=tolerances, warnings=tuple(warnings()),
@@ -421,6 +430,29 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
                 hint="rebuild with --tuning-db pointing at an empty directory to rule out a tuning record; "
                      "if it persists, report it with the model")
     return accuracy
+
+
+def _probe(src: Sources, failure, held: list[dict], target, options, declared: dict[str, str], log) -> dict | None:
+    """The failing measure with each int8 segment on an accelerator in float in turn (bundling/probe.py): the
+    task's on --eval's samples where the task failed, else the gate's parts on the held-out samples."""
+    from ..compression.accuracy import Gate
+    from . import probe
+
+    plan = Plan.load(src.scheduled)
+    entries = json.loads((src.compressed / "compress.json").read_text()).get("segments", {})
+    try:
+        if failure.code == "accuracy.task":
+            e = evaluation.eval_inputs(options, src.imported)
+            judge = probe.task_judge(e["task"], e["labels"], e["spec"])
+            samples, measure = e["samples"], f"the {e['task']} goal on --eval's samples"
+        else:
+            parts = accuracy_views.views(irm.read(src.imported / "model.onnx"), declared)
+            judge = probe.parts_judge(parts, Gate.of(target.accuracy))
+            samples, measure = held, "the accuracy gate on the held-out samples"
+        return probe.probe(plan, src.scheduled, src.compressed, entries, samples, judge, measure, log)
+    except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not hide the gate's verdict
+        log(f"package: accuracy probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        return None
 
 
 def _culprits(src: Sources, reference, samples: list[dict], log, declared: dict[str, str] | None = None) -> list:

@@ -33,10 +33,9 @@ def task_of(options) -> str:
     return "classification" if (Path(options.eval_data) / LABELS).exists() else "generic"
 
 
-def evaluate(bundle: Path, twins: dict[str, Path], imported: Path, options, log: Callable[[str], None],
-             warn: Callable[[str], None]) -> dict:
-    """The task's figures and verdict (`tasks.measure_task`) of the bundle in `bundle` against the fp32 model
-    in `imported`, on the samples of `options.eval_data`, with where they came from."""
+def eval_inputs(options, imported: Path, warn: Callable[[str], None] = lambda s: None) -> dict:
+    """What `--eval` measures with: the task, its options (`spec`, with an OCR model's dictionary), the
+    samples of `options.eval_data` (read as `--calib` reads its samples) and their labels (or None)."""
     root = Path(options.eval_data)
     task = task_of(options)
     spec = tasks.parse_options(task, options.decoder, options.task_options)
@@ -49,7 +48,20 @@ def evaluate(bundle: Path, twins: dict[str, Path], imported: Path, options, log:
     first = io["inputs"][0]["name"] if io["inputs"] else None
     images = len(samples) * (int(samples[0][first].shape[0]) if first and samples[0][first].ndim else 1)
     labels = tasks.load_labels(root, task, images)
-    names = [o["name"] for o in io["outputs"]]
+    if task == "ocr":
+        model = irm.read(imported / "model.onnx")
+        spec["characters"] = tasks.dictionary(spec.get("dictionary"), {p.key: p.value for p in model.metadata_props})
+    return {"root": root, "task": task, "spec": spec, "samples": samples, "labels": labels, "info": info,
+            "names": [o["name"] for o in io["outputs"]]}
+
+
+def evaluate(bundle: Path, twins: dict[str, Path], imported: Path, options, log: Callable[[str], None],
+             warn: Callable[[str], None]) -> dict:
+    """The task's figures and verdict (`tasks.measure_task`) of the bundle in `bundle` against the fp32 model
+    in `imported`, on the samples of `options.eval_data`, with where they came from."""
+    given = eval_inputs(options, imported, warn)
+    root, task, spec, samples, labels, info, names = (given[k] for k in ("root", "task", "spec", "samples", "labels",
+                                                                      "info", "names"))
 
     log(f"package: --eval: running the bundle and the fp32 model on {len(samples)} sample(s) of {root} ({task})")
     host = BundleModel(bundle, artifacts=twins, log=log)
@@ -64,8 +76,6 @@ def evaluate(bundle: Path, twins: dict[str, Path], imported: Path, options, log:
     host.release()
     give_back()
     model = irm.read(imported / "model.onnx")
-    if task == "ocr":
-        spec["characters"] = tasks.dictionary(spec.get("dictionary"), {p.key: p.value for p in model.metadata_props})
     ref = ort_backend.run_many(model, samples, names)
     del model
     result = tasks.measure_task(task, ref, got, labels, **spec)

@@ -585,6 +585,30 @@ def _defaults(task: str, spec: Mapping) -> dict:
     return {k: default for k, (_, default) in keys.items()}
 
 
+def shortfall(figures: Mapping, goal: float | None = None) -> float:
+    """How far `figures` (measure_task's) fall short of the task's goal, in the goal's own share (0 where
+    met): a detector's missing share of fp32's detections plus its extra false ones per detection, the
+    missing share of characters, of mask IoU, of top-1; the cosines missing on a generic model's outputs."""
+    task = figures["task"]
+    g = GOALS[task] if goal is None else goal
+    labelled = figures["against"] == "labels"
+    short = lambda value, floor: max(0.0, floor - value) if value is not None else 0.0  # noqa: E731
+    if task == "classification":
+        return (short(figures["top1_int8"], g * figures["top1_fp32"]) if labelled
+                else short(figures["top1_agreement"], g))
+    if task == "detection":
+        kept, base = ((figures["kept_int8"], figures["kept_fp32"]) if labelled else
+                      (figures["kept"], figures["detections_fp32"]))
+        extra = figures["false_int8"] - figures["false_fp32"] if labelled else figures["false"]
+        return short(kept / max(base, 1), g) + max(0, extra) / max(base, 1)
+    if task == "ocr":
+        return short(figures["characters_int8"] / figures["characters_fp32"]
+                     if labelled and figures["characters_fp32"] else figures["characters"], g)
+    if task == "segmentation":
+        return short(figures["iou_int8"] / figures["iou_fp32"] if labelled and figures["iou_fp32"] else figures["iou"], g)
+    return sum(short(f["cosine"], g) for f in figures["outputs"].values())
+
+
 def verdict(figures: Mapping, goal: float | None = None) -> dict:
     """Whether `figures` (measure_task's) meet the task's goal: `met`, the `goal` as a sentence, and what
     was `missed`, each with its figure."""

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...backends import onnxruntime as ort_backend
+from ...bundling.chain import run
 from ...ir import calibrators
-from ...ir import model as irm
-from ...runtime.manifest import Segment, tensor_from_dict
 
 PER_SEGMENT = "per segment"
 SAMPLES = 16  # calibration samples the candidates are run end to end on
@@ -71,32 +69,6 @@ def _candidate(entry: dict, label: str, entries: dict[str, dict]) -> dict:
         return chosen
     rename = {t["name"]: u["name"] for k in ("inputs", "outputs") for t, u in zip(source[k], entry[k])}
     return {**chosen, **{k: [{**t, "name": rename[t["name"]]} for t in chosen[k]] for k in ("inputs", "outputs")}}
-
-
-def run(plan, scheduled: Path, out: Path, int8: dict[str, dict], samples: list[dict]) -> list[dict]:
-    """The model's outputs on `samples`, its segments run in plan order: those in `int8` (segment id ->
-    artifact under `out` and tensor specs) by LiteRT, the others float by onnxruntime."""
-    from ...runtime.backends import tflite_runner
-
-    runners = {}
-    for s in plan.segments:
-        if s.id in int8:
-            c = int8[s.id]
-            runners[s.id] = tflite_runner.open_runner(out, Segment(
-                id=s.id, device="cpu", backend="tflite", artifact=c["artifact"], fallback_artifact=c["artifact"],
-                inputs=tuple(tensor_from_dict(t) for t in c["inputs"]),
-                outputs=tuple(tensor_from_dict(t) for t in c["outputs"])), None).run
-        else:
-            session = ort_backend.session(irm.read(scheduled / s.artifact))
-            names = [o.name for o in session.get_outputs()]
-            runners[s.id] = lambda feeds, session=session, names=names: dict(zip(names, session.run(names, feeds)))
-    got = []
-    for sample in samples:
-        values = dict(sample)
-        for s in plan.segments:
-            values.update(runners[s.id]({k: values[k] for k in s.inputs}))
-        got.append({k: np.asarray(values[k]) for k in plan.outputs})
-    return got
 
 
 def _apply(entries: dict[str, dict], chosen: str, out: Path) -> None:

@@ -1,0 +1,67 @@
+"""The accuracy probe (bundling/probe.py) on a real build's compress stage: the YOLOv8-style head of
+tests/yolo_head.py for arm_2tpu, calibrated min-max on photographs, whose class scores miss the gate in int8
+(its last Concat gives them the boxes' step); with its Edge TPU segment in float they meet it. And the
+shortfall measures the probe ranks by."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from PIL import Image
+
+from edgesdk.bundling import probe
+from edgesdk.compression import tasks
+from edgesdk.compression.accuracy import Gate, views
+from edgesdk.config import load_target
+from edgesdk.ir import model as irm
+from edgesdk.ir.calibration import load_calibration
+from edgesdk.pipeline import BuildOptions, build, stage_dir
+from edgesdk.scheduling.plan import Plan
+from tests import model_zoo, yolo_head
+
+PREPROCESS = "color=RGB,scale=0.00392157,layout=NCHW"
+
+
+def test_the_probe_finds_the_segment_whose_float_version_meets_the_gate(tmp_path):
+    path = tmp_path / "head.onnx"
+    onnx.save(yolo_head.model(), path)
+    calib = tmp_path / "photos"
+    calib.mkdir()
+    for k, image in enumerate(model_zoo.photos()[:12]):
+        Image.fromarray(image).resize((80, 80)).save(calib / f"photo{k:02d}.png")
+    options = BuildOptions(model=path, target="arm_2tpu", out=tmp_path / "out", calib=calib, calib_samples=12,
+                           calib_method="minmax", calib_preprocess=PREPROCESS, until="compress")
+    build(options)
+    scheduled, compressed = stage_dir(options.out, "schedule"), stage_dir(options.out, "compress")
+    plan = Plan.load(scheduled)
+    entries = json.loads((compressed / "compress.json").read_text())["segments"]
+    io = json.loads((stage_dir(options.out, "import") / "import.json").read_text())
+    samples, _ = load_calibration(options, io["inputs"])
+    parts = views(irm.read(stage_dir(options.out, "import") / "model.onnx"))
+    judge = probe.parts_judge(parts, Gate.of(load_target("arm_2tpu")[0].accuracy))
+    said = []
+    got = probe.probe(plan, scheduled, compressed, entries, samples, judge, "the gate", said.append)
+    on_tpu = [s.id for s in plan.segments if s.device.startswith("edgetpu") and s.id in entries]
+    assert got["samples"] == probe.PROBE_SAMPLES and got["measure"] == "the gate"
+    assert not got["int8"]["met"] and got["int8"]["shortfall"] > 0.5, got["int8"]  # mean error 95% > 10%
+    assert "output0[:, 4:6] (scores): mean error" in got["int8"]["said"]
+    assert [r["segment"] for r in got["float"]] == on_tpu and on_tpu
+    best = got["float"][0]
+    assert best["met"] and best["shortfall"] == 0 and best["said"] == "within the gate"
+    assert best["nodes"] == list(next(s for s in plan.segments if s.id == best["segment"]).nodes)
+    assert said == [f"package: accuracy probe: each of {len(on_tpu)} int8 segment(s) in float in turn, on "
+                    f"{probe.PROBE_SAMPLES} sample(s)"]
+
+
+def test_a_tasks_shortfall_is_how_far_it_falls_below_its_goal():
+    fp32 = [{"y": np.array([[0.1, 0.9], [0.8, 0.2]])}]
+    same = tasks.measure_task("classification", fp32, fp32)
+    assert same["verdict"]["met"] and tasks.shortfall(same) == 0.0
+    flipped = tasks.measure_task("classification", fp32, [{"y": np.array([[0.9, 0.1], [0.8, 0.2]])}])
+    assert not flipped["verdict"]["met"]
+    assert tasks.shortfall(flipped) == tasks.GOALS["classification"] - flipped["top1_agreement"] > 0
+    detections = {"task": "detection", "against": "fp32", "kept": 18, "detections_fp32": 20, "false": 1}
+    assert tasks.shortfall(detections, 0.95) == (0.95 - 0.9) + 1 / 20
+    assert tasks.shortfall({**detections, "kept": 20, "false": 0}, 0.95) == 0.0
