@@ -214,6 +214,14 @@ def test_run_emulates_an_aarch64_bundle_and_says_so(arm_det, tmp_path):
         result = compare(spec, got[spec.name], golden[spec.name], m.golden["outputs"][spec.name], golden)
         assert result["passed"], result
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npz"]  # nothing else left behind
+    # the same from Python: the build side's run of a bundle, emulated, saying so
+    from edgesdk import verify
+
+    said = []
+    assert verify.where_runnable(m, arm_det.bundle) == "qemu-user"
+    again = verify.run_bundle(arm_det.bundle, {"x": golden_in["x"]}, say=said.append)
+    assert set(again) == set(got) and all(np.array_equal(again[k], got[k]) for k in got)
+    assert any("runs emulated under qemu-user" in line for line in said), said
 
 
 def test_run_without_a_root_file_system_refuses_with_the_way_to_one(arm_det, tmp_path):
@@ -238,7 +246,7 @@ def test_an_emulated_run_that_fails_or_hangs_is_a_user_error(arm_det, tmp_path, 
                                                              needle):
     """The bundle's own runtime (hashes re-stamped, so that it passes every check and runs) failing, or
     hanging past the run's time limit: a user error naming it, nothing written, the hanging one ended."""
-    from edgesdk import cli
+    from edgesdk import cli, verify
     from tests.processes import ends
     from tests.test_verify import manifest_of, write_manifest
 
@@ -249,7 +257,7 @@ def test_an_emulated_run_that_fails_or_hangs_is_a_user_error(arm_det, tmp_path, 
     (bundle / "runtime" / "__main__.py").write_text(runtime.replace("PID", repr(str(pid))))
     write_manifest(bundle, manifest_of(bundle))
     np.save(tmp_path / "x.npy", np.zeros((1, 3, 160, 160), np.float32))
-    monkeypatch.setattr(cli, "RUN_EMULATED_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(verify, "RUN_EMULATED_TIMEOUT_S", 5.0)
     assert cli.main(["run", str(bundle), "-i", str(tmp_path / "x.npy"), "-o", str(tmp_path / "y.npz")]) == 1
     err = capsys.readouterr().err
     assert f"error: {bundle}: " in err and needle in err and "hint: " in err, err

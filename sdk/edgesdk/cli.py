@@ -720,16 +720,12 @@ def run_bundle(
 ) -> None:
     """Run a bundle on the given inputs (on this host), once every file matches the manifest. An aarch64
     bundle runs under qemu-user in the arm64 root file system (`make rootfs`), emulated and slowly."""
-    import platform
-
     import numpy as np
 
-    from .backends import qemu
     from .errors import UserError
-    from .runtime import BundleModel
     from .runtime import InputError, ManifestError
     from .runtime.output_file import refusal
-    from .verify import check_bundle, opened_bundle
+    from .verify import check_bundle, opened_bundle, run_bundle, where_runnable
 
     if output is not None and (why := refusal(output, (".npz", ".npy"))):
         raise UsageError("run.bad-output", f"--output {output}: {why}", "give a file name ending in .npz (every "
@@ -737,14 +733,7 @@ def run_bundle(
                          "replaced")
     root = ctx.with_resource(opened_bundle(bundle))  # an unpacked archive is removed when the command ends
     manifest = check_bundle(root, bundle)
-    emulated = manifest.arch != platform.machine()
-    if emulated and (manifest.arch != "aarch64" or qemu.find_rootfs() is None):  # qemu-user emulates aarch64 only
-        raise UsageError("run.foreign-arch", f"{bundle} is built for {manifest.arch}; this host is {platform.machine()}"
-                         + (", and no arm64 root file system was found to emulate it in" if manifest.arch == "aarch64"
-                            else ""),
-                         ("prepare the root file system with `make rootfs` (or point EDGESDK_ARM64_ROOTFS at one) to "
-                          "run it under qemu-user here, or " if manifest.arch == "aarch64" else "")
-                         + "run it on the device: python -B -m runtime run IN.npz OUT.npz")
+    where_runnable(manifest, bundle)
     if output is not None and output.suffix.lower() == ".npy" and len(manifest.outputs) != 1:
         raise UsageError("run.bad-output", f"--output {output}: a .npy file holds one array, and the model has "
                          f"{len(manifest.outputs)} outputs", "give a .npz file name: it holds every output by name")
@@ -771,10 +760,7 @@ def run_bundle(
             raise UserError("run.bad-input-file", f"--input {spec}: {file} is not a numpy file ({numpy_load_error(e)})",
                             "give a .npy file written by numpy.save") from None
     try:
-        if emulated:
-            outputs = _run_emulated(root, bundle, manifest, feeds, allow_nonfinite)
-        else:
-            outputs = BundleModel(root).run(feeds, allow_nonfinite=allow_nonfinite)
+        outputs = run_bundle(root, feeds, manifest=manifest, allow_nonfinite=allow_nonfinite, say=_err, shown=bundle)
     except InputError as e:  # the data is at fault (an index outside its table, NaN, a lossy dtype)
         raise UserError("run.input-refused", str(e), e.hint) from None
     except ManifestError as e:  # the manifest does not describe the artifacts it names
@@ -790,53 +776,6 @@ def run_bundle(
         _write_output(output, lambda f: np.save(f, next(iter(outputs.values()))))
     else:
         _write_output(output, lambda f: np.savez(f, **outputs))
-
-
-RUN_EMULATED_TIMEOUT_S = 3600.0
-
-
-def _run_emulated(root: Path, shown: Path, manifest, feeds: dict, allow_nonfinite: bool) -> dict:
-    """The bundle's own runtime (`python -B -m runtime run`) under qemu-user on `feeds`, as `edgesdk
-    verify` and `bench` run it; the feeds are checked here first, so a refusal reads as it does natively.
-    The inputs and outputs pass through a temporary directory outside the bundle, removed after."""
-    import subprocess
-    import tempfile
-
-    import numpy as np
-
-    from .backends import qemu
-    from .errors import UserError
-    from .runtime.inputs import check_feeds
-    from .verify import runtime_process
-
-    checked, notes = check_feeds(manifest.inputs, feeds, allow_nonfinite=allow_nonfinite)
-    for note in notes:  # as the runtime says them natively
-        _err(f"runtime: {note}")
-    _err(f"note: {shown} is built for aarch64: it runs emulated under qemu-user in {qemu.find_rootfs()}, many times "
-         "slower than on the board")
-    with tempfile.TemporaryDirectory(prefix="edgesdk-run-") as work:
-        given, made = Path(work) / "inputs.npz", Path(work) / "outputs.npz"
-        np.savez(given, **checked)
-        try:
-            proc = runtime_process(root, manifest, ["run", str(given), str(made),
-                                                    *(["--allow-nonfinite"] if allow_nonfinite else [])],
-                                   timeout=RUN_EMULATED_TIMEOUT_S, capture_output=True, text=True, errors="replace")
-        except subprocess.TimeoutExpired:
-            raise UserError("run.timeout", f"{shown}: the emulated run did not finish in {RUN_EMULATED_TIMEOUT_S:g} "
-                            "s; it was stopped with every process it started",
-                            "run it on the device, or `edgesdk verify` the bundle: its self-test shows whether it "
-                            "hangs") from None
-        for line in proc.stderr.splitlines():  # the runtime's own notes (a TPU it runs without, casts)
-            if line.startswith("runtime:"):
-                _err(line)
-        if proc.returncode != 0 or not made.is_file():
-            said = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or \
-                proc.stderr.strip().splitlines()[-1:] or ["no output"]
-            raise UserError("run.failed", f"{shown}: the bundle's runtime under qemu-user ended with exit code "
-                            f"{proc.returncode}: {said[-1].removeprefix('error: ')}",
-                            "run `edgesdk verify` on the bundle: its self-test shows what fails")
-        with np.load(made) as out:
-            return {t.name: out[t.name] for t in manifest.outputs}
 
 
 def _write_output(path: Path, write) -> None:

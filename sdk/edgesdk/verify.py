@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .backends import qemu
-from .errors import UserError
+from .errors import UsageError, UserError
 from .runtime import trust
 from .runtime.manifest import Manifest, ManifestError, RuntimeTooOld
 from .runtime.process import run_bounded
@@ -252,3 +252,69 @@ def _has_gpu() -> bool:
     if not exe:
         return False
     return subprocess.run([exe, "-L"], capture_output=True).returncode == 0
+
+
+RUN_EMULATED_TIMEOUT_S = 3600.0  # an emulated run of one input: qemu-user is many times slower than the board
+
+
+def where_runnable(manifest: Manifest, shown: Path) -> str:
+    """"native" where this host runs the bundle, "qemu-user" where it emulates it (an aarch64 bundle on another
+    host with the arm64 root file system, `make rootfs`); else UsageError `run.foreign-arch` naming the way."""
+    if manifest.arch == platform.machine():
+        return "native"
+    if manifest.arch == "aarch64" and qemu.find_rootfs() is not None:  # qemu-user emulates aarch64 only
+        return "qemu-user"
+    raise UsageError("run.foreign-arch", f"{shown} is built for {manifest.arch}; this host is {platform.machine()}"
+                     + (", and no arm64 root file system was found to emulate it in" if manifest.arch == "aarch64"
+                        else ""),
+                     ("prepare the root file system with `make rootfs` (or point EDGESDK_ARM64_ROOTFS at one) to "
+                      "run it under qemu-user here, or " if manifest.arch == "aarch64" else "")
+                     + "run it on the device: python -B -m runtime run IN.npz OUT.npz")
+
+
+def run_bundle(bundle: Path, feeds: dict, *, manifest: Manifest | None = None, allow_nonfinite: bool = False,
+               say=lambda line: None, shown: Path | None = None) -> dict:
+    """The outputs of the bundle directory `bundle` (its files checked: `check_bundle`) on `feeds` (input name
+    -> array), on this host: by its own `BundleModel` where this host runs its code, or, for an aarch64 bundle
+    on another host, by its own runtime (`python -B -m runtime run`) under qemu-user in the arm64 root file
+    system, `say` (the caller's stderr) told that it is emulated. Inputs are checked first either way, so a
+    refusal reads the same (`runtime.InputError`); an emulated run that fails or outlives
+    RUN_EMULATED_TIMEOUT_S is a UserError (`run.failed`, `run.timeout`); the inputs and outputs pass
+    through a temporary directory outside the bundle, removed after."""
+    import numpy as np
+
+    from .runtime import BundleModel
+    from .runtime.inputs import check_feeds
+
+    shown = shown or bundle
+    manifest = manifest or Manifest.load(bundle)
+    if where_runnable(manifest, shown) == "native":
+        return BundleModel(bundle).run(feeds, allow_nonfinite=allow_nonfinite)
+    checked, notes = check_feeds(manifest.inputs, feeds, allow_nonfinite=allow_nonfinite)
+    for note in notes:  # as the runtime says them natively
+        say(f"runtime: {note}")
+    say(f"note: {shown} is built for aarch64: it runs emulated under qemu-user in {qemu.find_rootfs()}, many times "
+        "slower than on the board")
+    with tempfile.TemporaryDirectory(prefix="edgesdk-run-") as work:
+        given, made = Path(work) / "inputs.npz", Path(work) / "outputs.npz"
+        np.savez(given, **checked)
+        try:
+            proc = runtime_process(bundle, manifest, ["run", str(given), str(made),
+                                                      *(["--allow-nonfinite"] if allow_nonfinite else [])],
+                                   timeout=RUN_EMULATED_TIMEOUT_S, capture_output=True, text=True, errors="replace")
+        except subprocess.TimeoutExpired:
+            raise UserError("run.timeout", f"{shown}: the emulated run did not finish in {RUN_EMULATED_TIMEOUT_S:g} "
+                            "s; it was stopped with every process it started",
+                            "run it on the device, or `edgesdk verify` the bundle: its self-test shows whether it "
+                            "hangs") from None
+        for line in proc.stderr.splitlines():  # the runtime's own notes (a TPU it runs without, casts)
+            if line.startswith("runtime:"):
+                say(line)
+        if proc.returncode != 0 or not made.is_file():
+            said = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or \
+                proc.stderr.strip().splitlines()[-1:] or ["no output"]
+            raise UserError("run.failed", f"{shown}: the bundle's runtime under qemu-user ended with exit code "
+                            f"{proc.returncode}: {said[-1].removeprefix('error: ')}",
+                            "run `edgesdk verify` on the bundle: its self-test shows what fails")
+        with np.load(made) as out:
+            return {t.name: out[t.name] for t in manifest.outputs}
