@@ -107,7 +107,7 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
     segment = {"artifact": "segments/s.onnx", "inputs": [], "outputs": [], "flops": 0.0, "param_bytes": 0,
                "predicted_ms": 1.0, "backend": "tflite"}
     plan = {"target": "arm_2tpu", "mode": "latency", "inputs": ["x"], "outputs": ["y"], "probes": {},
-            "segments": [{**segment, "id": "s0", "device": "edgetpu:0", "nodes": ["a", "b", "c", "d"]},
+            "segments": [{**segment, "id": "s0", "device": "edgetpu:0", "nodes": ["a", "b", "c", "d", "f", "g"]},
                          {**segment, "id": "s1", "device": "cpu", "backend": "litert", "nodes": ["e"]}],
             "pipeline_stages": [["s0"], ["s1"]], "predicted": {"latency_ms": 1.5, "throughput_fps": 600.0}}
     tune = stage_dir(tmp_path, "tune")
@@ -128,15 +128,15 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
     # better end to end, its nodes (those not kept already); the probe is not used in the first round
     probe = {"measure": "the accuracy gate on the held-out samples", "samples": 3,
              "int8": {"met": False, "shortfall": 0.5, "said": "below"},
-             "float": [{"segment": "s0", "device": "edgetpu:0", "nodes": ["c", "d", "f"], "met": True, "shortfall": 0.0,
-                        "said": "within the gate"}]}
+             "float": [{"segments": ["s0"], "devices": ["edgetpu:0"], "nodes": ["c", "d", "f"], "met": True,
+                        "shortfall": 0.0, "said": "within the gate"}]}
     assert _remedy(options, _failure(culprits, probe), said.append).keep_on_cpu == ("a", "b", "c")
     second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], probe), said.append)
     assert second.keep_on_cpu == ("a", "b", "c", "d", "f") and len(second.remedy) == 2
     assert [(m["node"], m["cause"]) for m in second.remedy[1]["moved"]] == [("d", "end-to-end"), ("f", "end-to-end")]
-    assert said[-1].startswith("accuracy remedy: round 2: the bundle misses the accuracy gate; keeping segment s0's "
-                               "2 node(s) (d, f): with segment s0 (3 nodes) in float and every other int8, the accuracy "
-                               "gate on the held-out samples: within the gate (all int8: below)")
+    assert said[-1].startswith("accuracy remedy: round 2: the bundle misses the accuracy gate; keeping 2 node(s) "
+                               "(d, f): with s0 (3 nodes) in float and every other segment int8, the accuracy gate on "
+                               "the held-out samples: within the gate (all int8: below)")
     # a probe whose best segment does no better than all int8 moves nothing: the culprits do
     useless = {**probe, "float": [{**probe["float"][0], "met": False, "shortfall": 0.5}]}
     third = _remedy(second, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], useless), said.append)

@@ -285,7 +285,7 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
     on_accelerator = {s.id: s.device for s in plan.segments if s.device != "cpu"}
     # the culprits first (a few nodes, a small price in latency); where their round was not enough, the segment
     # whose float version the probe measured to help the most, end to end
-    moved = _probed(failure.accuracy.get("probe"), on_accelerator, options.keep_on_cpu) if tried else []
+    moved = _probed(failure.accuracy.get("probe"), plan, options.keep_on_cpu) if tried else []
     culprits = [c for c in failure.accuracy.get("culprits") or () if c["segment"] in on_accelerator]
     worst = max((c["added_error"] for c in culprits), default=0.0)
     moved = moved or [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
@@ -304,8 +304,8 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
     step = {"round": len(tried) + 1, "moved": moved, "latency_ms": plan.predicted["latency_ms"],
             "parts": failure.accuracy["parts"], "failures": failure.accuracy.get("failures") or []}
     if moved[0]["cause"] == "end-to-end":
-        said = (f"segment {moved[0]['segment']}'s {len(moved)} node(s) ({', '.join(m['node'] for m in moved[:4])}"
-                f"{', ...' if len(moved) > 4 else ''}): {moved[0]['why']}")
+        said = (f"{len(moved)} node(s) ({', '.join(m['node'] for m in moved[:4])}{', ...' if len(moved) > 4 else ''}): "
+                f"{moved[0]['why']}")
     else:
         said = ", ".join(m["node"] + " (" + m["cause"] + ")" for m in moved)
     log(f"accuracy remedy: round {step['round']}: the bundle misses the accuracy gate; keeping {said} in float on "
@@ -314,20 +314,22 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
                                remedy=(*tried, step), start=None)
 
 
-def _probed(probe: dict | None, on_accelerator: dict[str, str], kept: tuple[str, ...]) -> list[dict]:
-    """The nodes of the int8 segment whose float version helped the failing measure the most in the package
-    stage's probe (bundling/probe.py), as the remedy moves them; none where no segment in float did better
-    than all int8."""
+def _probed(probe: dict | None, plan: Plan, kept: tuple[str, ...]) -> list[dict]:
+    """The nodes of the int8 segments whose float version helped the failing measure the most in the package
+    stage's probe (bundling/probe.py), as the remedy moves them; none where no set in float did better than
+    all int8."""
     if not probe or not probe.get("float"):
         return []
     best, base = probe["float"][0], probe["int8"]
-    if best["segment"] not in on_accelerator or not (best["met"] or best["shortfall"] < base["shortfall"]):
+    where = {n: s for s in plan.segments if s.device != "cpu" for n in s.nodes}
+    if not (best["met"] or best["shortfall"] < base["shortfall"]):
         return []
-    why = (f"with segment {best['segment']} ({len(best['nodes'])} nodes) in float and every other int8, "
+    segments = ", ".join(best["segments"])
+    why = (f"with {segments} ({len(best['nodes'])} nodes) in float and every other segment int8, "
            f"{probe['measure']}: {best['said']} (all int8: {base['said']})")
-    return [{"node": n, "segment": best["segment"], "device": on_accelerator[best["segment"]], "op": "",
-             "cause": "end-to-end", "added_error": round(base["shortfall"] - best["shortfall"], 6), "error": 0.0,
-             "added_snr_db": 0.0, "why": why} for n in best["nodes"] if n not in kept]
+    return [{"node": n, "segment": where[n].id, "device": where[n].device, "op": "", "cause": "end-to-end",
+             "added_error": round(base["shortfall"] - best["shortfall"], 6), "error": 0.0, "added_snr_db": 0.0,
+             "why": why} for n in best["nodes"] if n in where and n not in kept]
 
 
 def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Callable[[str, str, float], None],

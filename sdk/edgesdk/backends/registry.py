@@ -150,6 +150,8 @@ class QuantizeJob:
     # the segment's outputs (by name) that the user's code reads through an activation (sigmoid, softmax):
     # a backend that can spends their int8 steps where the activation moves
     activations: Mapping[str, str] = field(default_factory=dict)
+    # the segment's inputs that are the model's own: their range is every value the samples hold (min-max)
+    model_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,8 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
             found = e.accuracy["probe"] = _probe(src, e, held, target, options, declared, log)
             if found:
                 e.notes += [f"probe, {found['measure']}, all int8: {found['int8']['said']}"]
-                e.notes += [f"probe: {r['segment']} ({len(r['nodes'])} nodes on {r['device']}) in float, the rest "
-                            f"int8: {r['said']}" for r in found["float"][:3]]
+                e.notes += [f"probe: {', '.join(r['segments'])} ({len(r['nodes'])} nodes on {', '.join(r['devices'])}) "
+                            f"in float, the rest int8: {r['said']}" for r in found["float"][:3]]
         raise
     # 4. the provenance and the SBOM, then the file table (which lists, so signs, the SBOM), and the tarball
     (out / "accuracy.html").write_text(accuracy_page(accuracy))

@@ -1,5 +1,7 @@
-"""Which int8 segment costs the bundle the most, end to end: each int8 segment on an accelerator run in float
-in turn, the others int8, and the measure the bundle failed taken again.
+"""Which int8 segments cost the bundle the most, end to end: each int8 segment on an accelerator run in float
+in turn, the others int8, then the first k of them and the last k (errors grow along the model: what is
+lost early is amplified, what is lost late reaches the outputs unmended), and the measure the bundle failed
+taken again.
 
 The culprit search (compression/culprits.py) ranks layers by the error each adds on its own inputs; it
 does not see how the layers after one amplify what it adds. PP-OCRv4's text detector is the case: its
@@ -30,22 +32,28 @@ PROBE_SAMPLES = 8
 
 def probe(plan, scheduled: Path, compressed: Path, entries: Mapping[str, dict], samples: list[dict],
           judge: Callable[[list, list], dict], measure: str, log: Callable[[str], None]) -> dict | None:
-    """The all-int8 figure and, per int8 segment on an accelerator, the figure with it in float, ranked
-    best first (met, then least shortfall); None where no segment can be probed."""
+    """The all-int8 figure and, per set of int8 segments on accelerators in float (each alone, the first k,
+    the last k, in plan order), the figure, ranked best first: those that meet the measure by the fewest
+    nodes they move, then the rest by least shortfall; None where no segment can be probed."""
     int8 = {s.id: entries[s.id] for s in plan.segments if s.id in entries}
     on_accelerator = [s for s in plan.segments if s.id in int8 and s.device != "cpu"]
     if not on_accelerator or not samples:
         return None
     samples = samples[:PROBE_SAMPLES]
-    log(f"package: accuracy probe: each of {len(on_accelerator)} int8 segment(s) in float in turn, on "
-        f"{len(samples)} sample(s)")
+    n = len(on_accelerator)
+    sets = list(dict.fromkeys([(s,) for s in on_accelerator] + [tuple(on_accelerator[:k]) for k in range(2, n + 1)]
+                              + [tuple(on_accelerator[-k:]) for k in range(2, n)]))
+    log(f"package: accuracy probe: {len(sets)} set(s) of the {n} int8 segment(s) on accelerators in float in "
+        f"turn, on {len(samples)} sample(s)")
     reference = chain.run(plan, scheduled, compressed, {}, samples)
     base = judge(reference, chain.run(plan, scheduled, compressed, int8, samples))
     rows = []
-    for s in on_accelerator:
-        got = chain.run(plan, scheduled, compressed, {k: v for k, v in int8.items() if k != s.id}, samples)
-        rows.append({"segment": s.id, "device": s.device, "nodes": list(s.nodes), **judge(reference, got)})
-    rows.sort(key=lambda r: (not r["met"], r["shortfall"], len(r["nodes"])))
+    for chosen in sets:
+        ids = {s.id for s in chosen}
+        got = chain.run(plan, scheduled, compressed, {k: v for k, v in int8.items() if k not in ids}, samples)
+        rows.append({"segments": [s.id for s in chosen], "devices": sorted({s.device for s in chosen}),
+                     "nodes": [n for s in chosen for n in s.nodes], **judge(reference, got)})
+    rows.sort(key=lambda r: (not r["met"], len(r["nodes"]) if r["met"] else r["shortfall"], len(r["nodes"])))
     return {"samples": len(samples), "measure": measure, "int8": base, "float": rows}
 
 

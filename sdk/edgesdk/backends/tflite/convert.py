@@ -57,7 +57,7 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
                  method: str = "minmax", percentile: float = 99.99, target: Any = None,
                  keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
                  log: Any = None, cpu: bool = False, alternatives_dir: Path | None = None,
-                 activations: dict[str, str] | None = None) -> TfliteResult:
+                 activations: dict[str, str] | None = None, model_inputs: tuple[str, ...] = ()) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
@@ -78,7 +78,9 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     (`<out_path's stem>.<label>.tflite`), so that a caller may weigh them by more than this segment's
     outputs (the compress stage: the whole model's). `activations`: outputs (by ONNX name) the user's code
     reads through an activation, whose int8 range is where that activation moves (narrowing.saturating),
-    whatever the method.
+    whatever the method. `model_inputs`: the segment's inputs that are the model's own, whose range stays
+    the min-max one whatever the method: every value of an input the preprocessing makes is real data (a
+    percentile cut the black of PP-OCR's text, (0 - 0.485) / 0.229, off its detector's normalized pages).
     Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
     if method not in CALIBRATION_METHODS:
         raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
@@ -95,7 +97,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     weighed: dict[str, bytes] | None = {} if alternatives_dir is not None and keep_float is None and target is None \
         else None
     saturate = {spec.key: a for spec in lowered.outputs if (a := (activations or {}).get(spec.name))}
-    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed, saturate)
+    pinned = {spec.key for spec in lowered.inputs if spec.name in model_inputs}
+    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed, saturate, pinned)
     if log is not None and "auto" in ranges:
         log(describe_auto(ranges))
     found = None
@@ -285,8 +288,8 @@ def _quiet(call: Any, *args: Any) -> Any:
 
 
 def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float,
-               alternatives: dict[str, bytes] | None = None, saturate: dict[str, str] | None = None
-               ) -> tuple[bytes, dict[str, Any], Any]:
+               alternatives: dict[str, bytes] | None = None, saturate: dict[str, str] | None = None,
+               pinned: set[str] | None = None) -> tuple[bytes, dict[str, Any], Any]:
     """The converter's first int8 step: a float model whose activation tensors carry the range each
     is quantized over (min-max, or the method's: narrowing.py), how the ranges were chosen, and the
     second step as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax"
@@ -294,7 +297,8 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     is widened first (narrowing.widen_degenerate). With "auto", `alternatives` (where given) receives
     every candidate's full-int8 model, by label. `saturate` (signature output key -> activation): outputs
     whose range, and that of the tensors sharing its quantization, is where the activation moves
-    (narrowing.saturating), in every candidate."""
+    (narrowing.saturating), in every candidate; `pinned` (signature input keys): inputs that keep their
+    min-max range in every candidate."""
     with _converter(lowered, samples) as converter:
         converter._experimental_calibrate_only = True  # pylint: disable=protected-access
         calibrated = converter.convert()
@@ -316,6 +320,8 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
             calibrated = narrowing.with_ranges(calibrated, clips)
     else:
         found = narrowing.measure(calibrated, lowered, samples, percentile, errors=method == "auto")
+        clips = {**{i: ("minmax", found.seen[i]) for i in narrowing.signature_inputs(calibrated, pinned or set())
+                    if i in found.seen}, **clips}
         if method == "auto":
             assigned, ranges["auto"] = _auto(found, calibrated, lowered, samples, per_channel_off, alternatives, clips)
         else:

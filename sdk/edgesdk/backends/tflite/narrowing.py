@@ -165,6 +165,18 @@ def saturating(calibrated: bytes, outputs: dict[str, str]) -> dict[int, Range]:
     return out
 
 
+def signature_inputs(calibrated: bytes, keys: set[str]) -> list[int]:
+    """The tensor indices of the signature inputs named `keys`."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    m = schema.Model.GetRootAs(calibrated, 0)
+    if not keys or not m.SignatureDefsLength():
+        return []
+    signature = m.SignatureDefs(0)
+    return [signature.Inputs(j).TensorIndex() for j in range(signature.InputsLength())
+            if _name(signature.Inputs(j).Name()) in keys]
+
+
 DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor constant on every sample) is widened
 
 

@@ -149,7 +149,8 @@ def run(artifact: Path, ctx) -> dict:
         entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
             segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
             method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto",
-            activations={o: declared[o] for o in seg.outputs if o in declared}))
+            activations={o: declared[o] for o in seg.outputs if o in declared},
+            model_inputs=tuple(i for i in seg.inputs if i in plan.inputs)))
         record["segments"][seg.id] = entry
         for u in uses[1:]:
             rename = dict(zip(names, u.inputs + u.outputs))
