@@ -31,6 +31,33 @@ def _private_temporary_directory() -> None:
 _private_temporary_directory()
 
 
+# About how long each of the slowest test files takes, in seconds on 2 cores (a full run's durations summed
+# per file): only the order the files are handed to the two pytest processes depends on it. `--dist loadfile`
+# hands out whole files in collection order, and the end-to-end files collect last: one process was left with
+# them for two minutes while the other had finished. Longest first evens the two out (a file not listed
+# keeps its place after these).
+FILE_SECONDS = {
+    "tests/test_build_e2e.py": 260, "tests/backends/test_tvm_tuning.py": 150, "tests/backends/test_tvm_rpc.py": 140,
+    "tests/test_build_faults.py": 130, "tests/stages/test_tune_stage.py": 110, "tests/test_signing_e2e.py": 90,
+    "tests/ir/test_large_models.py": 75, "tests/test_selftest_e2e.py": 70, "tests/test_cpu_int8_e2e.py": 60,
+    "tests/runtime/test_inputs.py": 60, "tests/test_verify.py": 60, "tests/test_detector_e2e.py": 50,
+    "tests/test_eval_e2e.py": 50, "tests/runtime/test_install.py": 50, "tests/test_cpu_selection_e2e.py": 40,
+    "tests/test_prune_e2e.py": 40, "tests/backends/test_tvm.py": 40,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+
+    def seconds(item) -> int:
+        try:
+            return FILE_SECONDS.get(Path(str(item.fspath)).resolve().relative_to(root).as_posix(), 0)
+        except ValueError:
+            return 0
+
+    items.sort(key=lambda item: -seconds(item))  # stable: within a file, and among the unlisted ones, as collected
+
+
 def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | None = None,
            calib: Path | None = None, **more):
     from edgesdk.pipeline import BuildOptions, build

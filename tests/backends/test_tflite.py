@@ -706,3 +706,24 @@ def test_logits_read_through_a_sigmoid_get_the_int8_steps_where_the_sigmoid_move
             assert result.ranges["saturated"]["range"][1] == 8.0
     assert scales["plain"] > 1.0 and scales["declared"] <= 16.0 / 255 + 1e-6, scales
     assert errors["plain"] > 0.1 and errors["declared"] < 0.03, errors
+
+
+def test_the_models_own_inputs_keep_their_min_max_range_whatever_the_method(tmp_path):
+    """Every value of a model input is data the preprocessing made (the black of a page, normalized, is its
+    lowest value and its text): a percentile that cuts the rarest of them cuts the text. A segment's inputs that
+    are the model's own (`model_inputs`) keep the min-max range; other tensors still take the method's."""
+    model = make_model([N("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), N("Relu", ["c"], ["y"])], {"x": (1, 3, 16, 16)},
+                       ["y"], {"w": _w(4, 3, 3, 3)})
+    rng = np.random.default_rng(5)
+    calibration = []
+    for _ in range(8):
+        x = rng.uniform(-1.0, 1.0, (1, 3, 16, 16)).astype(np.float32)
+        x[0, :, 0, :2] = -2.1  # a few dark pixels, as text on a page
+        calibration.append({"x": x})
+    ranges = {}
+    for label, inputs in (("method", ()), ("pinned", ("x",))):
+        result = tflite.convert_int8(model, calibration, tmp_path / f"{label}.tflite", method="percentile",
+                                     percentile=99.0, model_inputs=inputs)
+        (spec,) = result.inputs
+        ranges[label] = (-128 - spec.quant.zero_point) * spec.quant.scale
+    assert ranges["method"] > -2.05 and ranges["pinned"] == pytest.approx(-2.1, abs=0.01), ranges
