@@ -483,7 +483,7 @@ def build(work: Path, name: str, config: str, best_method: str, accept: bool = F
     except json.JSONDecodeError:
         summary = {"error": {"message": (proc.stderr.strip().splitlines() or ["no output"])[-1]}}
     if "error" in summary:
-        row["error"] = {k: summary["error"].get(k) for k in ("code", "message", "hint")}
+        row["error"] = {k: summary["error"].get(k) for k in ("code", "message", "hint", "notes")}
         return row
     from edgesdk.runtime import Manifest
 
@@ -573,16 +573,18 @@ def table(results: dict) -> str:
     configs = ("synthetic", "minmax", "best")
     lines = ["| model | held out | measure | fp32 | synthetic | real, min-max | real, " + results["best_method"] + " |",
              "|---|---|---|---|---|---|---|"]
-    built = ["| model | configuration | exit | build s | warnings | manifest cosine (its own samples) | "
-             "the build's `--eval` on the held-out inputs | aarch64 self-test (qemu) |", "|---|---|---|---|---|---|---|---|"]
+    built = ["| model | configuration | exit | build s | warnings | the accuracy remedy | manifest cosine (its own samples) | "
+             "the build's `--eval` on the held-out inputs | aarch64 self-test (qemu) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     generic_rows = ["| model | output part | synthetic: cosine / max err | min-max | " + results["best_method"] + " |",
                     "|---|---|---|---|---|"]
     for name, entry in results["models"].items():
         rows = entry["configs"]
         ok = [c for c in configs if "task" in rows.get(c, {})]
         first = rows[ok[0]] if ok else {}
-        cells = [headline(name, rows[c]["task"]) if c in ok else
-                 f"build failed: {rows[c]['build'].get('error', {}).get('code')}" if c in rows else "—" for c in configs]
+        cells = [headline(name, rows[c]["task"]) + (" (published below its gate: --accept)" if rows[c]["build"].get(
+                     "manifest_accuracy", {}).get("accepted_loss") else "") if c in ok else
+                 refused(rows[c]["build"]) if c in rows else "—" for c in configs]
         lines.append(f"| {entry['what']} | {first.get('held_out', '—')} | {measure_of(first['task']) if ok else '—'} | "
                      f"{fp32_headline(name, first['task']) if ok else '—'} | " + " | ".join(cells) + " |")
         for c in configs:
@@ -595,14 +597,33 @@ def table(results: dict) -> str:
             warns = "; ".join(w.removeprefix("warning: ") for w in b["warnings"]
                               if "edgetpu_compiler is not installed" not in w and "misses its" not in w) or "none"
             own = (b.get("manifest_accuracy") or {}).get("task")
-            built.append(f"| {name} | {c} | {b['exit_code']} | {b['seconds']} | {warns} | {cos or '—'} | "
-                         f"{headline(name, own) if own else '—'} | {st.get('selftest', 'not run')} |")
+            built.append(f"| {name} | {c} | {b['exit_code']} | {b['seconds']} | {warns} | {remedy_of(b)} | {cos or '—'} | "
+                         f"{headline(name, own) if own else '—'} | {(st or {}).get('selftest', 'not run')} |")
         for part in first.get("generic", {}):
             cells = [f"{rows[c]['generic'][part]['cosine']:.4f} / {rows[c]['generic'][part]['max_error']:.1%}"
                      + (f", top-1 {rows[c]['generic'][part]['top1']:.1%}" if "top1" in rows[c]["generic"][part] else "")
                      if c in ok else "—" for c in configs]
             generic_rows.append(f"| {name} | {part} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""] + generic_rows + [""] + built) + "\n"
+
+
+def refused(b: dict) -> str:
+    """A refused build's cell: its error code and the figure its message names."""
+    e = b.get("error") or {}
+    said = (e.get("message") or "").split(": ", 1)[-1].split(" (goal:")[0]
+    return f"**refused** `{e.get('code')}`: {said}"
+
+
+def remedy_of(b: dict) -> str:
+    """What the accuracy remedy did: the rounds and the predicted latency without and with it (published), or
+    its notes' rounds (refused)."""
+    r = (b.get("manifest_accuracy") or {}).get("remedy")
+    if r:
+        p = r["predicted"]
+        return (f"{len(r['rounds'])} round(s), {len(r['kept_on_cpu'])} node(s) on the CPU: predicted "
+                f"{p['latency_ms_without']:.1f} → {p['latency_ms']:.1f} ms")
+    rounds = [n for n in ((b.get("error") or {}).get("notes") or []) if n.startswith("accuracy remedy: round")]
+    return f"{len(rounds)} round(s), still refused" if rounds else "none"
 
 
 def host_cpu() -> str:
