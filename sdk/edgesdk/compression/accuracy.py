@@ -7,9 +7,10 @@ output is cut into the parts it is judged by (`views`), found from the graph: wh
 through Reshape/Transpose/Concat, partly a Sigmoid or Softmax, those rows are `scores` (compared as the
 model gives them, after the activation) and the rest `values`. Each part gets its measures (`measure`):
 
-    cosine      the cosine similarity of the reduced-precision part to fp32, over all samples
+    cosine      the cosine similarity of the reduced-precision part to fp32, over all samples; not judged
+                for scores none of which reaches DECIDES in fp32 (`decides: false`; their mean error is)
     max_error   max |q - f| / range(f), range(f) = max f - min f over all samples (fp32's); for a
-                declared activation's scores, their own range, 1
+                declared activation's scores, their own range, 1; for other scores at least DECIDES
     mean_error  mean |q - f| / range(f)
     top1        scores with classes: how often the arg max over the class axis agrees, at the positions
                 where fp32 decides (its best score at least CONFIDENT: a sequence's steps, a detector's
@@ -45,6 +46,10 @@ from ..ir import model as irm
 
 SCORES, VALUES = "scores", "values"
 CONFIDENT = 0.9  # fp32 decides where its best score is at least this: top-1 is taken there
+# scores none of which reaches this (a person mask of photographs without a person, a detector's scores
+# on background) have no cosine: fp32 decides nothing there, and the cosine of near-zero vectors said 0.0
+# of a selfie segmenter whose masks agreed with fp32's at IoU 1.0
+DECIDES = 0.5
 # ops an output's meaning passes through unchanged (elementwise or a move of its elements)
 _SAME = ("Identity", "Cast", "Dropout")
 _MOVES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -275,17 +280,21 @@ def _measures(f: np.ndarray, q: np.ndarray, v: View) -> dict:
     fr, qr = f.ravel(), q.ravel()
     norms = float(np.linalg.norm(fr) * np.linalg.norm(qr))
     cosine = 1.0 if np.array_equal(fr, qr) else (float(fr @ qr / norms) if norms > 0 else 0.0)
+    # fp32 decides nothing here: the direction of its near-zero scores means nothing, and is not judged
+    decides = not (v.kind == SCORES and fr.size and float(fr.max()) < DECIDES)
     span = float(fr.max() - fr.min()) if fr.size else 0.0
     scale = span or float(np.abs(fr).max(initial=0.0)) or 1.0  # a constant part: its magnitude, or 1
     if v.applies:  # a probability the user's code makes of logits: its own range is [0, 1], whatever the
         scale = 1.0  # few held-out samples spread over (a face flag on 8 faces: 0.8 to 1)
+    elif v.kind == SCORES:  # scores spread over less than DECIDES (background only) are errors of at least it
+        scale = max(scale, DECIDES)
     err = np.abs(qr - fr)
     top1 = None
     if v.kind == SCORES and v.class_axis is not None and f.shape[v.class_axis + 1] > 1:
         fa, qa = np.argmax(f, axis=v.class_axis + 1), np.argmax(q, axis=v.class_axis + 1)
         where = np.max(f, axis=v.class_axis + 1) >= CONFIDENT
         top1 = round(float(np.mean(fa[where] == qa[where])), 4) if where.any() else None
-    return {"cosine": round(cosine, 6), "max_error": round(float(err.max(initial=0.0)) / scale, 6),
+    return {"cosine": round(cosine, 6), **({} if decides else {"decides": False}), "max_error": round(float(err.max(initial=0.0)) / scale, 6),
             "mean_error": round(float(err.mean()) / scale if err.size else 0.0, 6), "top1": top1,
             "range": [float(fr.min(initial=0.0)), float(fr.max(initial=0.0))]}
 
@@ -352,7 +361,7 @@ def judge(measures: Mapping[str, dict], gate: Gate) -> list[Failure]:
         missed = {}
         for key, (side, limit) in gate.thresholds(m["kind"]).items():
             value = m.get(key)
-            if value is None:
+            if value is None or (key == "cosine" and m.get("decides") is False):
                 continue
             ok = value >= limit if side == "min" else value <= limit
             if not ok:  # NaN compares false both ways
