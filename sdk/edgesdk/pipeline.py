@@ -261,12 +261,21 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     into the schedule stage, which records them in plan.json (docs/accuracy.md)."""
     from .bundling.gate import GateFailure
 
+    said: set[str] = set()
+
+    def once(line: str) -> None:  # a warning is said once, though stages and the remedy's rounds repeat it
+        if line.startswith("warning: "):
+            if line in said:
+                return
+            said.add(line)
+        log(line)
+
     while True:
         try:
-            result = _build(options, log=log, on_stage=on_stage, progress=progress, stamp=stamp, replay=replay)
+            result = _build(options, log=once, on_stage=on_stage, progress=progress, stamp=stamp, replay=replay)
             return dataclasses.replace(result, options=options)
         except GateFailure as e:
-            remedied = _remedy(options, e, log)
+            remedied = _remedy(options, e, once)
             if remedied is None:
                 raise
             options = remedied
