@@ -102,7 +102,8 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
     tried."""
     import dataclasses
 
-    from edgesdk.pipeline import REMEDY_ROUNDS, BuildOptions, _remedy, stage_dir
+    from edgesdk.pipeline import REMEDY_ROUNDS, BuildOptions, _probed, _remedy, stage_dir
+    from edgesdk.scheduling.plan import Plan
 
     segment = {"artifact": "segments/s.onnx", "inputs": [], "outputs": [], "flops": 0.0, "param_bytes": 0,
                "predicted_ms": 1.0, "backend": "tflite"}
@@ -138,6 +139,8 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
                                "(d, f): with s0 (3 nodes) in float and every other segment int8, the accuracy gate on "
                                "the held-out samples: within the gate (all int8: below)")
     # a probe whose best segment does no better than all int8 moves nothing: the culprits do
+    blind = {**probe, "int8": {"met": True, "shortfall": 0.0, "said": "met on the probe's samples too"}}
+    assert _probed(blind, Plan.load(stage_dir(tmp_path, "tune")), first.keep_on_cpu) == []
     useless = {**probe, "float": [{**probe["float"][0], "met": False, "shortfall": 0.5}]}
     third = _remedy(second, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], useless), said.append)
     assert third.keep_on_cpu == ("a", "b", "c", "d", "f", "g") and len(third.remedy) == REMEDY_ROUNDS == 3

@@ -331,8 +331,8 @@ def _probed(probe: dict | None, plan: Plan, kept: tuple[str, ...]) -> list[dict]
         return []
     best, base = probe["float"][0], probe["int8"]
     where = {n: s for s in plan.segments if s.device != "cpu" for n in s.nodes}
-    if not (best["met"] or best["shortfall"] < base["shortfall"]):
-        return []
+    if not (best["met"] and not base["met"] or best["shortfall"] < base["shortfall"]):
+        return []  # no better than all int8 on the probe's samples: they cannot tell which segment matters
     segments = ", ".join(best["segments"])
     why = (f"with {segments} ({len(best['nodes'])} nodes) in float and every other segment int8, "
            f"{probe['measure']}: {best['said']} (all int8: {base['said']})")

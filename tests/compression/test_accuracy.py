@@ -196,3 +196,15 @@ def test_scores_that_decide_nothing_are_not_judged_by_their_cosine():
     lit["m"][0, 0] = DECIDES + 0.1  # one decision: the cosine is judged again
     assert "decides" not in measure([lit], [noise], part)["m"]
     assert [set(f.missed) for f in judge(measure([lit], [noise], part), GATE)] == [{"cosine"}]
+
+
+def test_the_tensors_that_only_move_into_a_declared_output_are_judged_as_it():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Reshape", ["c", "s"], ["r"]),
+             helper.make_node("Concat", ["r", "r"], ["logits"], axis=1)]
+    model = _model(nodes, {"x": [1, 8, 4, 4]}, {"logits": [1, 32, 1]},
+                   {"w": np.ones((1, 8, 1, 1), np.float32), "s": np.array([1, 16, 1], np.int64)})
+    from edgesdk.compression.accuracy import declared_chain
+
+    chain = declared_chain(model, {"logits": "sigmoid"})
+    assert set(chain) == {"r", "c"} and all(v[0].applies and v[0].activation == "sigmoid" for v in chain.values())
+    assert declared_chain(model, {}) == {}

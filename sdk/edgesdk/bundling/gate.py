@@ -213,7 +213,7 @@ def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto
     samples = samples[:CULPRIT_SAMPLES]
     wanted = sorted({t for x in segments for t in x.segment.inputs})
     acts = ort_backend.run_many(reference, samples, wanted)
-    parts = measures.views(reference, declared)
+    parts = {**measures.declared_chain(reference, declared), **measures.views(reference, declared)}
     found = []
     for x in segments:
         seg = x.segment

@@ -176,6 +176,26 @@ def views(model: onnx.ModelProto, declared: Mapping[str, str] | None = None) -> 
     return out
 
 
+def declared_chain(model: onnx.ModelProto, declared: Mapping[str, str] | None) -> dict[str, list[View]]:
+    """The tensors before each `declared` output whose values reach it only moved or concatenated (Reshape,
+    Transpose, Concat, ...: what shares the output's int8 quantization), each judged as the output is, after
+    its activation: the culprit search must not name the Reshape before BlazeFace's classificators for
+    logits below -8 that its sigmoid reads as the fp32 ones do."""
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    out: dict[str, list[View]] = {}
+    todo = [(o, a) for o, a in (declared or {}).items()]
+    while todo:
+        name, activation = todo.pop()
+        node = producer.get(name)
+        if node is None or node.op_type not in (*_SAME, *_MOVES, "Transpose", "Concat"):
+            continue
+        for i in node.input:
+            if i and i not in out and i in producer:
+                out[i] = [View(i, SCORES, activation=activation, applies=True)]
+                todo.append((i, activation))
+    return out
+
+
 def _of(node: onnx.NodeProto, name: str, shapes: dict, walk) -> _Whole | _Split:
     """What `name`, an output of `node`, is made of (`walk` tells the same of another tensor)."""
     op = node.op_type
