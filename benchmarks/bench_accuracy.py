@@ -236,8 +236,9 @@ def inputs(name: str) -> tuple[list[np.ndarray], list[np.ndarray], object]:
     if name in ("yolov8n", "selfie", "blazeface"):
         size = {"yolov8n": 320, "selfie": 256, "blazeface": 128}[name]
         calib, held = photo_sets(size)
-        if name in ("blazeface", "yolov8n"):  # a detector is calibrated on what it detects too (BlazeFace: faces;
-            # nudenet's YOLOv8n: people's faces and bodies): half photo crops, half lfw faces (none held out)
+        if name in ("blazeface", "yolov8n", "selfie"):  # a model is calibrated on what it finds too (BlazeFace:
+            # faces; nudenet's YOLOv8n: people's faces and bodies; the selfie segmenter: people): half photo crops,
+            # half lfw faces (none held out)
             calib = calib[::2] + face_sets(size)[0][:16]
         return calib, held, None
     if name == "face-landmark":
