@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import json
 
-import onnx
-from PIL import Image
-
-from tests import model_zoo, yolo_head
+from tests import yolo_head
 from tests.test_cli import assert_user_facing, edgesdk
 
 SCORES = "output0[:, 4:6]"
 
 
 def test_below_the_gate_the_culprits_are_kept_on_the_cpu_and_the_plan_says_what_it_cost(tmp_path):
-    path = tmp_path / "yolov8_head.onnx"
-    onnx.save(yolo_head.model(), path)
-    calib = tmp_path / "photos"
-    calib.mkdir()
-    for k, image in enumerate(model_zoo.photos()[:12]):
-        Image.fromarray(image).resize((80, 80)).save(calib / f"photo{k:02d}.png")
+    path, calib = yolo_head.written_with_photos(tmp_path)
     out = tmp_path / "out"
     args = ["build", str(path), "--target", "arm_2tpu", "-o", str(out), "--calib", str(calib), "--calib-samples", "12",
-            "--calib-method", "minmax", "--calib-preprocess", "color=RGB,scale=0.00392157,layout=NCHW"]
+            "--calib-method", "minmax", "--calib-preprocess", yolo_head.PHOTOS_PREPROCESS]
 
     # without the remedy: the build fails, its hint names the culprits to keep on the CPU
     proc = edgesdk(*args, "--no-accuracy-remedy")
@@ -135,12 +127,13 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
     second = _remedy(first, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], probe), said.append)
     assert second.keep_on_cpu == ("a", "b", "c", "d", "f") and len(second.remedy) == 2
     assert [(m["node"], m["cause"]) for m in second.remedy[1]["moved"]] == [("d", "end-to-end"), ("f", "end-to-end")]
+    assert second.remedy[1]["probe"].startswith("with s0 (3 nodes) in float")  # once, not node by node
     assert said[-1].startswith("accuracy remedy: round 2: the bundle misses the accuracy gate; keeping 2 node(s) "
                                "(d, f): with s0 (3 nodes) in float and every other segment int8, the accuracy gate on "
                                "the held-out samples: within the gate (all int8: below)")
     # a probe whose best segment does no better than all int8 moves nothing: the culprits do
     blind = {**probe, "int8": {"met": True, "shortfall": 0.0, "said": "met on the probe's samples too"}}
-    assert _probed(blind, Plan.load(stage_dir(tmp_path, "tune")), first.keep_on_cpu) == []
+    assert _probed(blind, Plan.load(stage_dir(tmp_path, "tune")), first.keep_on_cpu) == ([], None)
     useless = {**probe, "float": [{**probe["float"][0], "met": False, "shortfall": 0.5}]}
     third = _remedy(second, _failure([_culprit("a", "s0", 0.5), _culprit("g", "s0", 0.3)], useless), said.append)
     assert third.keep_on_cpu == ("a", "b", "c", "d", "f", "g") and len(third.remedy) == REMEDY_ROUNDS == 3
@@ -161,3 +154,25 @@ def test_a_round_moves_the_culprits_that_matter_on_an_accelerator_at_most_three_
         failure = _failure(found)
         assert _remedy(opts, failure, said.append) is None and failure.notes == ["figures"]
     assert len(said) == 4
+
+
+def test_a_probe_round_is_said_once_not_node_by_node():
+    """A probe's round moves a set of segments, which can be most of a model (YOLOv8n: 175 nodes): the
+    summary and `inspect` say the round once, with its sentence, and the culprits' nodes one by one."""
+    from edgesdk.bundling.gate import remedy
+    from edgesdk.report.text import remedy_lines
+
+    culprit = {"node": "a", "segment": "s0", "device": "edgetpu:0", "cause": "saturation", "added_error": 0.2}
+    probed = [{"node": n, "segment": "s2", "device": "edgetpu:1", "cause": "end-to-end", "added_error": 0.5,
+               "why": "in float with s2: the round's probe"} for n in ("b", "c", "d", "e", "f")]
+    rounds = [{"round": 1, "moved": [culprit], "latency_ms": 1.0, "failures": [], "parts": {}},
+              {"round": 2, "moved": probed, "latency_ms": 1.5, "failures": [], "parts": {},
+               "probe": "with s2 (5 nodes) in float and every other segment int8, the gate: within the gate"}]
+    kept = {"nodes": ["a", "b", "c", "d", "e", "f"], "segments": {}, "remedy": rounds,
+            "predicted": {"latency_ms": 3.0, "latency_ms_without": 1.0, "cost_ms": 2.0}}
+    record = remedy(kept, {"gate": {"passed": True}, "parts": {}})
+    assert record["rounds"][1]["probe"].startswith("with s2 (5 nodes)") and "probe" not in record["rounds"][0]
+    first = remedy_lines(record, {})[0]
+    assert first == ("kept in float on the cpu: a (round 1: saturation, 20.0% of its range lost there on edgetpu:0); "
+                     "5 node(s) (b, c, d, e, ...; round 2, end to end: with s2 (5 nodes) in float and every other "
+                     "segment int8, the gate: within the gate)")

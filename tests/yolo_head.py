@@ -11,6 +11,8 @@ Nothing of the grid depends on the input's values: at `size` 80 the first scale'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -107,3 +109,23 @@ def model(size: int = 80, classes: int = 2, channels: int = 8, seed: int = 0, gr
     m = onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
     onnx.checker.check_model(m, full_check=True)
     return m
+
+
+PHOTOS_PREPROCESS = "color=RGB,scale=0.00392157,layout=NCHW"  # how written_with_photos' images become inputs
+
+
+def written_with_photos(directory: Path) -> tuple[Path, Path]:
+    """`model()` saved as `directory`/yolov8_head.onnx, and 12 of scikit-image's photographs at its 80x80
+    input in `directory`/photos (tests.model_zoo.photos): the model and its real calibration images."""
+    from PIL import Image
+
+    from tests import model_zoo
+
+    directory = Path(directory)
+    path = directory / "yolov8_head.onnx"
+    onnx.save(model(), path)
+    calib = directory / "photos"
+    calib.mkdir()
+    for k, image in enumerate(model_zoo.photos()[:12]):
+        Image.fromarray(image).resize((80, 80)).save(calib / f"photo{k:02d}.png")
+    return path, calib

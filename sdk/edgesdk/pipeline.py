@@ -292,17 +292,17 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
         return None
     plan = Plan.load(stage_dir(options.out, "tune"))
     on_accelerator = {s.id: s.device for s in plan.segments if s.device != "cpu"}
-    # the culprits first (a few nodes, a small price in latency); where their round was not enough, the segment
-    # whose float version the probe measured to help the most, end to end
-    moved = _probed(failure.accuracy.get("probe"), plan, options.keep_on_cpu) if tried else []
     culprits = [c for c in failure.accuracy.get("culprits") or () if c["segment"] in on_accelerator]
     worst = max((c["added_error"] for c in culprits), default=0.0)
-    moved = moved or [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
-                       "cause": c["cause"], "added_error": c["added_error"], "error": c["error"],
-                       "added_snr_db": c["added_snr_db"], "why": c["why"]}
-                      for c in culprits if c["added_error"] >= REMEDY_SHARE * worst
-                      for n in culprit_nodes(c["node"]) if n not in options.keep_on_cpu]
-    moved = list({m["node"]: m for m in moved}.values())
+    moved = [{"node": n, "segment": c["segment"], "device": on_accelerator[c["segment"]], "op": c["op"],
+              "cause": c["cause"], "added_error": c["added_error"], "error": c["error"],
+              "added_snr_db": c["added_snr_db"], "why": c["why"]}
+             for c in culprits if c["added_error"] >= REMEDY_SHARE * worst
+             for n in culprit_nodes(c["node"]) if n not in options.keep_on_cpu]
+    # the culprits first (a few nodes, a small price in latency); where their round was not enough, the set of
+    # segments whose float version the probe measured to help the most, end to end
+    probed, probe_said = _probed(failure.accuracy.get("probe"), plan, options.keep_on_cpu) if tried else ([], None)
+    moved = list({m["node"]: m for m in probed or moved}.values())
     if not moved or len(tried) >= REMEDY_ROUNDS:
         if tried:
             failure.notes += [f"accuracy remedy: round {r['round']} kept {', '.join(m['node'] for m in r['moved'])} "
@@ -311,10 +311,11 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
                                                          if moved else "no culprit is left on an accelerator"))
         return None
     step = {"round": len(tried) + 1, "moved": moved, "latency_ms": plan.predicted["latency_ms"],
-            "parts": failure.accuracy["parts"], "failures": failure.accuracy.get("failures") or []}
-    if moved[0]["cause"] == "end-to-end":
+            "parts": failure.accuracy["parts"], "failures": failure.accuracy.get("failures") or [],
+            **({"probe": probe_said} if probed else {})}
+    if probed:
         said = (f"{len(moved)} node(s) ({', '.join(m['node'] for m in moved[:4])}{', ...' if len(moved) > 4 else ''}): "
-                f"{moved[0]['why']}")
+                f"{probe_said}")
     else:
         said = ", ".join(m["node"] + " (" + m["cause"] + ")" for m in moved)
     log(f"accuracy remedy: round {step['round']}: the bundle misses the accuracy gate; keeping {said} in float on "
@@ -323,22 +324,23 @@ def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> Build
                                remedy=(*tried, step), start=None)
 
 
-def _probed(probe: dict | None, plan: Plan, kept: tuple[str, ...]) -> list[dict]:
+def _probed(probe: dict | None, plan: Plan, kept: tuple[str, ...]) -> tuple[list[dict], str | None]:
     """The nodes of the int8 segments whose float version helped the failing measure the most in the package
-    stage's probe (bundling/probe.py), as the remedy moves them; none where no set in float did better than
-    all int8."""
+    stage's probe (bundling/probe.py), as the remedy moves them, and the probe's sentence (said once per round:
+    a set can be most of a model); none where no set in float did better than all int8."""
     if not probe or not probe.get("float"):
-        return []
+        return [], None
     best, base = probe["float"][0], probe["int8"]
     where = {n: s for s in plan.segments if s.device != "cpu" for n in s.nodes}
     if not (best["met"] and not base["met"] or best["shortfall"] < base["shortfall"]):
-        return []  # no better than all int8 on the probe's samples: they cannot tell which segment matters
+        return [], None  # no better than all int8 on the probe's samples: they cannot tell which segment matters
     segments = ", ".join(best["segments"])
-    why = (f"with {segments} ({len(best['nodes'])} nodes) in float and every other segment int8, "
-           f"{probe['measure']}: {best['said']} (all int8: {base['said']})")
-    return [{"node": n, "segment": where[n].id, "device": where[n].device, "op": "", "cause": "end-to-end",
-             "added_error": round(base["shortfall"] - best["shortfall"], 6), "error": 0.0, "added_snr_db": 0.0,
-             "why": why} for n in best["nodes"] if n in where and n not in kept]
+    said = (f"with {segments} ({len(best['nodes'])} nodes) in float and every other segment int8, "
+            f"{probe['measure']}: {best['said']} (all int8: {base['said']})")
+    moved = [{"node": n, "segment": where[n].id, "device": where[n].device, "op": "", "cause": "end-to-end",
+              "added_error": round(base["shortfall"] - best["shortfall"], 6), "error": 0.0, "added_snr_db": 0.0,
+              "why": f"in float with {segments}: the round's probe"} for n in best["nodes"] if n in where and n not in kept]
+    return moved, said if moved else None
 
 
 def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Callable[[str, str, float], None],

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx
-from PIL import Image
 
 from edgesdk.bundling import probe
 from edgesdk.compression import tasks
@@ -19,20 +17,13 @@ from edgesdk.ir import model as irm
 from edgesdk.ir.calibration import load_calibration
 from edgesdk.pipeline import BuildOptions, build, stage_dir
 from edgesdk.scheduling.plan import Plan
-from tests import model_zoo, yolo_head
-
-PREPROCESS = "color=RGB,scale=0.00392157,layout=NCHW"
+from tests import yolo_head
 
 
 def test_the_probe_finds_the_segment_whose_float_version_meets_the_gate(tmp_path):
-    path = tmp_path / "head.onnx"
-    onnx.save(yolo_head.model(), path)
-    calib = tmp_path / "photos"
-    calib.mkdir()
-    for k, image in enumerate(model_zoo.photos()[:12]):
-        Image.fromarray(image).resize((80, 80)).save(calib / f"photo{k:02d}.png")
+    path, calib = yolo_head.written_with_photos(tmp_path)
     options = BuildOptions(model=path, target="arm_2tpu", out=tmp_path / "out", calib=calib, calib_samples=12,
-                           calib_method="minmax", calib_preprocess=PREPROCESS, until="compress")
+                           calib_method="minmax", calib_preprocess=yolo_head.PHOTOS_PREPROCESS, until="compress")
     build(options)
     scheduled, compressed = stage_dir(options.out, "schedule"), stage_dir(options.out, "compress")
     plan = Plan.load(scheduled)

@@ -109,7 +109,12 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
             accuracy = gate.judge_task({**accuracy, "task": task}, shipped.plan, options, calibration, warn=warn,
                                        search=lambda failures: _culprits(src, reference, held, log, declared))
     except gate.GateFailure as e:
-        if getattr(options, "accuracy_remedy", True):  # what the remedy plans again from: no failure without it
+        # the remedy's rounds after the first plan again from it, and the failure after them says it; a first
+        # round keeps the culprits on the CPU, unless none is on an accelerator
+        on_accelerator = {s.id for s in shipped.plan.segments if s.device != "cpu"}
+        wanted = getattr(options, "remedy", ()) or not any(c["segment"] in on_accelerator
+                                                          for c in e.accuracy.get("culprits") or ())
+        if getattr(options, "accuracy_remedy", True) and wanted:
             found = e.accuracy["probe"] = _probe(src, e, held, target, options, declared, log)
             if found:
                 e.notes += [f"probe, {found['measure']}, all int8: {found['int8']['said']}"]

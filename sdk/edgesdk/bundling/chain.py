@@ -17,24 +17,32 @@ from ..ir import model as irm
 from ..runtime.manifest import Segment, tensor_from_dict
 
 
-def run(plan, scheduled: Path, out: Path, int8: dict[str, dict], samples: list[dict]) -> list[dict]:
+def run(plan, scheduled: Path, out: Path, int8: dict[str, dict], samples: list[dict],
+        cache: dict | None = None) -> list[dict]:
     """The model's outputs on `samples`, its segments run in plan order: those in `int8` (segment id ->
     artifact under `out` and tensor specs, as compress.json records them) by LiteRT, the others float by
-    onnxruntime on `scheduled`'s segment graphs."""
+    onnxruntime on `scheduled`'s segment graphs. `cache` (a dict the caller keeps) holds the runners opened,
+    for a caller that runs the same plan with one set of int8 segments after another."""
     from ..runtime.backends import tflite_runner
 
+    cache = {} if cache is None else cache
     runners = {}
     for s in plan.segments:
         if s.id in int8:
             c = int8[s.id]
-            runners[s.id] = tflite_runner.open_runner(out, Segment(
-                id=s.id, device="cpu", backend="tflite", artifact=c["artifact"], fallback_artifact=c["artifact"],
-                inputs=tuple(tensor_from_dict(t) for t in c["inputs"]),
-                outputs=tuple(tensor_from_dict(t) for t in c["outputs"])), None).run
+            key = ("int8", s.id, c["artifact"], tuple(t["name"] for t in c["inputs"] + c["outputs"]))
+            if key not in cache:
+                cache[key] = tflite_runner.open_runner(out, Segment(
+                    id=s.id, device="cpu", backend="tflite", artifact=c["artifact"], fallback_artifact=c["artifact"],
+                    inputs=tuple(tensor_from_dict(t) for t in c["inputs"]),
+                    outputs=tuple(tensor_from_dict(t) for t in c["outputs"])), None).run
         else:
-            session = ort_backend.session(irm.read(scheduled / s.artifact))
-            names = [o.name for o in session.get_outputs()]
-            runners[s.id] = lambda feeds, session=session, names=names: dict(zip(names, session.run(names, feeds)))
+            key = ("float", s.id)
+            if key not in cache:
+                session = ort_backend.session(irm.read(scheduled / s.artifact))
+                names = [o.name for o in session.get_outputs()]
+                cache[key] = lambda feeds, session=session, names=names: dict(zip(names, session.run(names, feeds)))
+        runners[s.id] = cache[key]
     got = []
     for sample in samples:
         values = dict(sample)

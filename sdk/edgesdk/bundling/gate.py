@@ -88,7 +88,8 @@ def remedy(kept: dict, accuracy: dict) -> dict:
     return {"kept_on_cpu": why, "segments": kept.get("segments", {}), "predicted": kept["predicted"],
             "rounds": [{"round": r["round"], "nodes": [m["node"] for m in r["moved"]],
                         "latency_ms_before": r["latency_ms"], "failures_before": r["failures"],
-                        "parts_before": r["parts"]} for r in rounds],
+                        "parts_before": r["parts"], **({"probe": r["probe"]} if r.get("probe") else {})}
+                       for r in rounds],
             "after": {"passed": (accuracy.get("gate") or {}).get("passed"), "parts": accuracy["parts"]}}
 
 

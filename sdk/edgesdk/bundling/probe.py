@@ -45,12 +45,13 @@ def probe(plan, scheduled: Path, compressed: Path, entries: Mapping[str, dict], 
                               + [tuple(on_accelerator[-k:]) for k in range(2, n)]))
     log(f"package: accuracy probe: {len(sets)} set(s) of the {n} int8 segment(s) on accelerators in float in "
         f"turn, on {len(samples)} sample(s)")
-    reference = chain.run(plan, scheduled, compressed, {}, samples)
-    base = judge(reference, chain.run(plan, scheduled, compressed, int8, samples))
+    runners: dict = {}  # each segment's float and int8 runner, opened once for every set
+    reference = chain.run(plan, scheduled, compressed, {}, samples, runners)
+    base = judge(reference, chain.run(plan, scheduled, compressed, int8, samples, runners))
     rows = []
     for chosen in sets:
         ids = {s.id for s in chosen}
-        got = chain.run(plan, scheduled, compressed, {k: v for k, v in int8.items() if k not in ids}, samples)
+        got = chain.run(plan, scheduled, compressed, {k: v for k, v in int8.items() if k not in ids}, samples, runners)
         rows.append({"segments": [s.id for s in chosen], "devices": sorted({s.device for s in chosen}),
                      "nodes": [n for s in chosen for n in s.nodes], **judge(reference, got)})
     rows.sort(key=lambda r: (not r["met"], len(r["nodes"]) if r["met"] else r["shortfall"], len(r["nodes"])))

@@ -248,12 +248,20 @@ def remedy_lines(remedy: dict[str, Any], parts: dict[str, Any]) -> list[str]:
     if not remedy:
         return []
     said = []
+    probed = {r["round"]: r["probe"] for r in remedy.get("rounds") or () if r.get("probe")}
     for k in remedy.get("kept_on_cpu") or ():
+        if k.get("round") in probed:
+            continue  # a probe's round moves a whole set of segments: said once below
         if "round" in k:
             said.append(f"{k['node']} (round {k['round']}: {k['cause']}, {k['added_error']:.1%} of its range lost "
                         f"there on {k['device']})")
         else:
             said.append(f"{k['node']} (--keep-on-cpu)")
+    for r in remedy.get("rounds") or ():
+        if r["round"] in probed:
+            nodes = r["nodes"]
+            said.append(f"{len(nodes)} node(s) ({', '.join(nodes[:4])}{', ...' if len(nodes) > 4 else ''}; round "
+                        f"{r['round']}, end to end: {probed[r['round']]})")
     p = remedy.get("predicted") or {}
     lines = [f"kept in float on the cpu: {'; '.join(said)}",
              f"predicted latency {p.get('latency_ms_without', 0):.3f} ms without that, {p.get('latency_ms', 0):.3f} ms "

@@ -41,8 +41,9 @@ def choose(plan, scheduled: Path, out: Path, entries: dict[str, dict], samples: 
     shown = samples[:SAMPLES]
     figures = {}
     want = by_part(reference[:len(shown)], parts or {})
+    runners: dict = {}  # the float segments' sessions, opened once for every candidate
     for label in labels:
-        got = run(plan, scheduled, out, {k: _candidate(e, label, entries) for k, e in entries.items()}, shown)
+        got = run(plan, scheduled, out, {k: _candidate(e, label, entries) for k, e in entries.items()}, shown, runners)
         figures[label] = calibrators.output_error(by_part(got, parts or {}), want)
     chosen = min(labels, key=lambda k: (figures[k], labels.index(k)))
     _apply(entries, chosen, out)
