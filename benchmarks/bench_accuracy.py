@@ -492,10 +492,22 @@ def build(work: Path, name: str, config: str, best_method: str, accept: bool = F
     from edgesdk.runtime import Manifest
 
     m = Manifest.load(out / "bundle")
-    row["manifest_accuracy"] = json.loads(portable(json.dumps(m.accuracy), work))
+    row["manifest_accuracy"] = compact(json.loads(portable(json.dumps(m.accuracy), work)))
     row["calibration"] = {k: m.calibration.get(k) for k in ("synthetic", "samples", "method", "percentile", "images")}
     row["segments"] = [f"{s.id}:{s.device}" for s in m.segments]
     return row
+
+
+def compact(accuracy: dict) -> dict:
+    """The manifest's accuracy record with its remedy said by node name: which nodes each round kept on the
+    CPU, the probe's sentence, the predicted latency (the manifest has each node's figures)."""
+    r = accuracy.get("remedy")
+    if not r:
+        return accuracy
+    rounds = [{k: x[k] for k in ("round", "nodes", "latency_ms_before", "failures_before", "probe") if k in x}
+              for x in r.get("rounds", [])]
+    return {**accuracy, "remedy": {"kept_on_cpu": [k["node"] for k in r.get("kept_on_cpu", [])],
+                                   "rounds": rounds, "predicted": r.get("predicted"), "after": r.get("after")}}
 
 
 def evaluate(work: Path, name: str, config: str) -> dict:
