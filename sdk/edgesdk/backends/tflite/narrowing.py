@@ -125,6 +125,7 @@ def saturating(calibrated: bytes, outputs: dict[str, str]) -> dict[int, Range]:
     reads differences, so its logits keep their ranges."""
     from ai_edge_litert import schema_py_generated as schema
 
+    from .flatbuffer import operators
     from .int8_ops import SHARED_QUANTIZATION_OPS
 
     wanted = {k for k, a in outputs.items() if a == "sigmoid"}
@@ -132,14 +133,12 @@ def saturating(calibrated: bytes, outputs: dict[str, str]) -> dict[int, Range]:
     graph = m.Subgraphs(0)
     if not wanted or not m.SignatureDefsLength():
         return {}
-    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-    codes = [names.get(max(m.OperatorCodes(i).BuiltinCode(), m.OperatorCodes(i).DeprecatedBuiltinCode()), "")
-             for i in range(m.OperatorCodesLength())]
+    op_names = operators(calibrated)[0]  # the main subgraph's, by operator index
     producer = {}
     for k in range(graph.OperatorsLength()):
         op = graph.Operators(k)
         for t in op.OutputsAsNumpy():
-            producer[int(t)] = op
+            producer[int(t)] = (op, op_names[k])
     signature = m.SignatureDefs(0)
     out: dict[int, Range] = {}
     for j in range(signature.OutputsLength()):
@@ -159,8 +158,8 @@ def saturating(calibrated: bytes, outputs: dict[str, str]) -> dict[int, Range]:
             if t is None or t.MinLength() != 1:
                 continue
             out[i] = r
-            op = producer.get(i)
-            if op is not None and codes[op.OpcodeIndex()] in SHARED_QUANTIZATION_OPS:
+            op, name = producer.get(i, (None, ""))
+            if op is not None and name in SHARED_QUANTIZATION_OPS:
                 todo += [int(x) for x in op.InputsAsNumpy() if x >= 0]
     return out
 

@@ -180,12 +180,10 @@ def run(artifact: Path, ctx) -> dict:
     return {**out, "pruning": _summary(record["pruning"])} if "pruning" in record else out
 
 
-UNLIT = 0.5  # a score no calibration sample reaches: no detection, no decision was calibrated
-
-
 def unlit_scores(acts: list[dict], parts: dict) -> list[str]:
     """A warning for each sigmoid scores part (a detector's class scores, declared or in the graph) that no
-    calibration sample in `acts` (the float model's outputs) raises to UNLIT: the int8 ranges of what
+    calibration sample in `acts` (the float model's outputs) raises to where a score decides (`DECIDES`, the
+    accuracy gate's: no detection, no decision was calibrated): the int8 ranges of what
     computes it saw background only (nudenet's YOLOv8n calibrated on photographs without people read a
     third fewer of the people on held-out ones than calibrated with faces among them)."""
     out = []
@@ -196,7 +194,7 @@ def unlit_scores(acts: list[dict], parts: dict) -> list[str]:
             if v.kind != measures.SCORES or v.activation != "sigmoid":
                 continue
             best = max(float(np.max(v.of(np.asarray(a[name]), batched=False))) for a in acts)
-            if best < UNLIT:
+            if best < measures.DECIDES:
                 out.append(f"{v.name}: no calibration sample raises a score above {best:.3g} (of 1), so the int8 "
                            "ranges of the layers computing it were calibrated on background alone and may cut "
                            "what a detection needs: calibrate on inputs that hold what the model detects")
