@@ -341,12 +341,9 @@ def _ssd_outputs(outputs: Mapping[str, np.ndarray]) -> tuple[str, str]:
 
 
 def _activated(scores: np.ndarray, activation: str) -> np.ndarray:
-    if activation == "sigmoid":
-        return 1 / (1 + np.exp(-np.clip(scores, -100, 100)))
-    if activation == "softmax":
-        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
-    return scores
+    from .accuracy import ACTIVATIONS, activated
+
+    return activated(scores, activation) if activation in ACTIVATIONS else scores
 
 
 def _select(boxes: np.ndarray, scores: np.ndarray, spec: Mapping) -> Detections:
