@@ -68,9 +68,19 @@ test: setup rootfs
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
-# the fuzz suite's full run: over 10,000 hostile inputs, every loader; figures in benchmarks/fuzz.json
+# the fuzz suite's full run: over 10,000 hostile inputs, every loader; figures in benchmarks/results/fuzz.json
 fuzz: setup
 	$(PY) benchmarks/fuzz.py
+
+# every benchmark question's script (hours: they build and time real models), then benchmarks/RESULTS.md;
+# Q=<question> runs one question's script (benchmarks/README.md lists them)
+.PHONY: bench results
+bench: setup
+	$(PY) benchmarks/report.py --run $(or $(Q),all)
+
+# benchmarks/RESULTS.md and its plot from benchmarks/results/*.json alone
+results:
+	$(PY) benchmarks/report.py
 
 release: setup rootfs
 	bash packaging/release.sh

@@ -1,8 +1,8 @@
 """Accuracy of int8 arm_2tpu bundles on real held-out inputs, against the fp32 model (issue 44).
 
     .venv/bin/python benchmarks/bench_accuracy.py [--models ppocr-rec,yolov8n,...] [--configs synthetic,minmax,best]
-        [--best-method percentile] [--no-verify] [--accept] [--work DIR] [--out benchmarks/accuracy_before.json]
-    .venv/bin/python benchmarks/bench_accuracy.py --table benchmarks/accuracy_before.json
+        [--best-method percentile] [--no-verify] [--accept] [--work DIR] [--out benchmarks/results/accuracy-arm2tpu.json]
+    .venv/bin/python benchmarks/bench_accuracy.py --table benchmarks/results/accuracy-arm2tpu.json
 
 Each model is built for `targets/arm_2tpu.yaml` three times, each build in a fresh process of its own
 (`edgesdk build --json`): (a) `synthetic`, no `--calib`; (b) `minmax`, 32 real calibration images with
@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import _results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
@@ -584,8 +586,13 @@ def measure_of(t: dict) -> str:
     return t.get("measure") or f"{t['task']}: goal {t['verdict']['goal']}"
 
 
+def goal_table(results: dict) -> str:
+    """The first of `table`'s tables: each model's task figure against its goal, per configuration (RESULTS.md's)."""
+    return table(results).split("\n\n")[0]
+
+
 def table(results: dict) -> str:
-    """The markdown tables of benchmarks/RESULTS.md from a results file."""
+    """The markdown tables of a results file: task figures, every output's figures, what each build said."""
     configs = ("synthetic", "minmax", "best")
     lines = ["| model | held out | measure | fp32 | synthetic | real, min-max | real, " + results["best_method"] + " |",
              "|---|---|---|---|---|---|---|"]
@@ -659,12 +666,13 @@ def main() -> None:
                     help="build with --accept-accuracy-loss: a bundle under its gate is published and measured")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-accuracy",
                     help="builds, calibration images and fp32 references")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "accuracy_before.json")
+    ap.add_argument("--out", type=Path, default=_results.path("accuracy-arm2tpu"))
     ap.add_argument("--table", type=Path, help="print the markdown tables of a results file, and nothing else")
     ap.add_argument("--evaluate", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(args.table.read_text())), end="")
+        given = json.loads(args.table.read_text())
+        print(table(given.get("data", given)), end="")
         return
     if args.evaluate:  # the child process of one held-out run: its result as one JSON line
         print(json.dumps(evaluate(args.work, *args.evaluate), default=float))
@@ -692,7 +700,7 @@ def main() -> None:
             print(json.dumps({name: {config: {k: row.get(k) for k in ("task", "selftest_aarch64_qemu")}}}, default=str),
                   file=sys.stderr, flush=True)
             results["seconds"] = round(time.perf_counter() - t_all, 1)
-            args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")  # a partial run keeps what it has
+            _results.write("accuracy-arm2tpu", results, goal_table(results), out=args.out)  # a partial run keeps what it has
     print(f"wrote {args.out} in {results['seconds']} s", file=sys.stderr)
 
 

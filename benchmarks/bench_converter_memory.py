@@ -6,8 +6,9 @@ process samples every 50 ms (a sampler thread would stall: the converter holds t
 
     .venv/bin/python benchmarks/bench_converter_memory.py [--width 4096] [--layers 8] [--out FILE.json]
 
-Printed per conversion: the process's resident memory once TensorFlow and edgesdk are imported (the
-base), its peak, of it anonymous, and (peak - base) / weights; `limits.py` prices the converter from these.
+Per conversion: the process's resident memory once TensorFlow and edgesdk are imported (the base), its peak,
+of it anonymous, and (peak - base) / weights; `limits.py` prices the converter from these. Written to
+benchmarks/results/converter-memory.json (--out) and printed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import _results
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "bench-converter-memory"
@@ -102,25 +105,31 @@ def measured(model: Path, kind: str) -> dict:
     return {**said[0], **said[1], "peak": peak, "anonymous": anonymous}
 
 
+def table(result: dict) -> str:
+    gib, weights = 2**30, result["weights"]
+    rows = ["| conversion | weights MiB | base GiB | peak GiB | of it anonymous | (peak - base) / weights | s |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for kind, r in result["runs"].items():
+        rows.append(f"| {kind} | {weights / 2**20:.0f} | {r['base'] / gib:.2f} | {r['peak'] / gib:.2f} | "
+                    f"{r['anonymous'] / gib:.2f} | {(r['peak'] - r['base']) / weights:.1f} | {r['seconds']:.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, default=_results.path("converter-memory"))
     args = parser.parse_args()
     model = mlp(args.width, args.layers)
     weights = args.width * args.width * 4 * args.layers
     rows = {}
-    gib = 2**30
-    print(f"| conversion | weights MiB | base GiB | peak GiB | of it anonymous | (peak - base) / weights | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in ("float", "int8"):
-        r = rows[kind] = measured(model, kind)
-        print(f"| {kind} | {weights / 2**20:.0f} | {r['base'] / gib:.2f} | {r['peak'] / gib:.2f} | "
-              f"{r['anonymous'] / gib:.2f} | {(r['peak'] - r['base']) / weights:.1f} | {r['seconds']:.0f} |", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"weights": weights, "width": args.width, "layers": args.layers,
-                                        "runs": rows}, indent=2) + "\n")
+        rows[kind] = measured(model, kind)
+        print(f"bench-converter-memory: {kind}: {json.dumps(rows[kind])}", file=sys.stderr, flush=True)
+    result = {"weights": weights, "width": args.width, "layers": args.layers, "runs": rows}
+    _results.write("converter-memory", result, table(result), out=args.out)
+    print(table(result))
     return 0
 
 

@@ -18,8 +18,9 @@ the median of all of a runtime's inferences:
   - the default bundle and the TVM bundle (`BundleModel.run`, the runtime a device runs),
   - onnxruntime with all graph optimizations on `--threads` intra-op threads, on the ONNX file a
     user has (the model file; for a Keras model, the converter's output from the import stage).
-Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/cpu.json (--out) and prints
-the table for RESULTS.md.
+Every bundle's outputs are checked against onnxruntime first. Writes benchmarks/results/x86-latency.json
+(--out; a run of some models updates their entries, each entry with the commit it was measured at) and prints
+its table.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402  (after the path above)
+
+QUESTION = "x86-latency"
 CACHE = ROOT / ".cache" / "bench-cpu"
 ROUNDS = 3  # measurements of each runtime, in turn, each in a process of its own (--rounds)
 MODELS = {  # name -> (file or Keras application, build arguments)
@@ -122,13 +126,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="more rounds spread a shared host's slow spells over every runtime alike")
     ap.add_argument("--no-build", action="store_true", help="time the bundles the last run built")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cpu.json",
+    ap.add_argument("--out", type=Path, default=_results.path(QUESTION),
                     help="the results file (a run of some models updates their entries in it)")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     CACHE.mkdir(parents=True, exist_ok=True)
     results_path = args.out
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results = json.loads(results_path.read_text())["data"] if results_path.exists() else {}
     results.setdefault("models", {})
     for name in names:
         entry = results["models"].setdefault(name, {})
@@ -139,10 +143,11 @@ def main() -> None:
             entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "planned"])
         log(f"{name}: timing")
         entry.update(measure(name, args.runs, args.threads, args.rounds))
+        entry.update(commit=_results.commit()[:7], host=host())
         log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
     results["host"] = host()
-    results["command"] = " ".join(["benchmarks/bench_cpu.py", *sys.argv[1:]])
-    results_path.write_text(json.dumps(results, indent=1) + "\n")
+    names = [n for n in MODELS if n in results["models"]]
+    _results.write(QUESTION, results, table(results, names), out=results_path)
     print(table(results, names))
 
 
@@ -222,13 +227,21 @@ def host() -> str:
 
 def table(results: dict, names: list[str]) -> str:
     rows = ["| model | bundle (measured backends) | onnxruntime | bundle / onnxruntime | before: TVM (+ onnxruntime) | "
-            "before / onnxruntime | chosen | build s: measured (its tune stage) / before |", "|---|---|---|---|---|---|---|---|"]
+            "before / onnxruntime | chosen | build s: measured (its tune stage) / before | commit |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    def s(x) -> str:
+        return f"{x:.1f}" if isinstance(x, float) else str(x)
+
+    def ms(x: float) -> str:
+        return f"{x:.2f} ms" if x >= 1 else f"{x:.3f} ms"
+
     for n in names:
         e = results["models"][n]
         b, t = e.get("build_selected", {}), e.get("build_tvm", {})
-        rows.append(f"| {n} | {e['bundle_ms']:.2f} ms | {e['onnxruntime_ms']:.2f} ms | **{e['bundle_over_ort']:.2f}** | "
-                    f"{e['tvm_bundle_ms']:.2f} ms | {e['tvm_over_ort']:.2f} | {'; '.join(e['chosen'])} | "
-                    f"{b.get('seconds', '-')} s ({b.get('tune_s', '-')} s) / {t.get('seconds', '-')} s |")
+        rows.append(f"| {n} | {ms(e['bundle_ms'])} | {ms(e['onnxruntime_ms'])} | **{e['bundle_over_ort']:.2f}** | "
+                    f"{ms(e['tvm_bundle_ms'])} | {e['tvm_over_ort']:.2f} | {'; '.join(e['chosen'])} | "
+                    f"{s(b.get('seconds', '-'))} s ({s(b.get('tune_s', '-'))} s) / {s(t.get('seconds', '-'))} s | "
+                    f"{e.get('commit', '-')} |")
     return "\n".join(rows)
 
 

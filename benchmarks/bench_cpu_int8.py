@@ -16,7 +16,8 @@ Accuracy, on 16 new samples (new text lines, or seed 1), of the int8 bundle and 
 against onnxruntime fp32: cosine over each model's first output, and top-1 agreement for a
 classifier's (rank 2) output.
 Timing, interleaved: 3 rounds, each runtime in turn in a fresh process of its own, `--runs`
-inferences after 5 warm-up ones; medians. Writes benchmarks/cpu_int8.json and prints the table.
+inferences after 5 warm-up ones; medians. Writes benchmarks/results/x86-int8-latency.json (min-max) or
+x86-int8-latency-percentile.json and prints the table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402
 import bench_cpu  # noqa: E402
 
 CACHE = bench_cpu.CACHE
@@ -123,8 +125,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-method", default="minmax", choices=("minmax", "percentile"))
     ap.add_argument("--out", type=Path, default=None,
-                    help="where the figures go (default benchmarks/cpu_int8.json, or cpu_int8_<method>.json); "
-                         "a run of some models replaces the whole file")
+                    help="where the figures go (default benchmarks/results/x86-int8-latency.json, or "
+                         "x86-int8-latency-<method>.json); a run of some models replaces the whole file")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     results: dict = {"models": {}}
@@ -177,14 +179,13 @@ def main() -> None:
         med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
         entry.update({"ms": med, "bundle_over_ort_fp32": round(med["int8 bundle"] / med["onnxruntime fp32"], 3),
                       "ort_int8_over_ort_fp32": round(med["onnxruntime int8"] / med["onnxruntime fp32"], 3)})
+        entry["commit"] = _results.commit()[:7]
         results["models"][name] = entry
         bench_cpu.log(f"{name}: {json.dumps({k: entry[k] for k in ('chosen', 'ms', 'bundle_accuracy', 'ort_int8_accuracy')})}")
     results["host"] = bench_cpu.host()
-    results["command"] = " ".join(["benchmarks/bench_cpu_int8.py", *sys.argv[1:]])
     results["calib_method"] = args.calib_method
-    out = args.out or ROOT / "benchmarks" / ("cpu_int8.json" if args.calib_method == "minmax"
-                                             else f"cpu_int8_{args.calib_method}.json")
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    question = "x86-int8-latency" + ("" if args.calib_method == "minmax" else f"-{args.calib_method}")
+    _results.write(question, results, table(results, names), out=args.out)
     print(table(results, names))
 
 
@@ -193,12 +194,14 @@ def table(results: dict, names: list[str]) -> str:
         return f"{a['cosine']:.4f}" + (f" / {a['top1']:.0%}" if a["top1"] is not None else "")
 
     rows = ["| model | chosen | int8 bundle | onnxruntime fp32 | **int8 bundle / ort fp32** | its cosine / top-1 | "
-            "onnxruntime int8 | ort int8 / ort fp32 | its cosine / top-1 | build s |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "onnxruntime int8 | ort int8 / ort fp32 | its cosine / top-1 | build s | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         e = results["models"][n]
         rows.append(f"| {n} | {', '.join(e['chosen'])} | {e['ms']['int8 bundle']:.2f} ms | {e['ms']['onnxruntime fp32']:.2f} ms | "
                     f"**{e['bundle_over_ort_fp32']:.2f}** | {acc(e['bundle_accuracy'])} | {e['ms']['onnxruntime int8']:.2f} ms | "
-                    f"{e['ort_int8_over_ort_fp32']:.2f} | {acc(e['ort_int8_accuracy'])} | {e['build']['seconds']} |")
+                    f"{e['ort_int8_over_ort_fp32']:.2f} | {acc(e['ort_int8_accuracy'])} | {e['build']['seconds']} | "
+                    f"{e.get('commit', '-')} |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,6 @@
 """Build cost and x86 latency of the end-to-end pipeline, side by side with onnxruntime.
 
-    .venv/bin/python benchmarks/bench_e2e.py [--runs 50] [--threads 2] [--out benchmarks/e2e.json]
+    .venv/bin/python benchmarks/bench_e2e.py [--runs 50] [--threads 2] [--out benchmarks/results/build-stages.json]
 
 1. `edgesdk build` of MobileNetV2 (tf.keras.applications, weights=None, tf2onnx) for each
    target, each in its own process with an empty tuning database: wall time per stage (from
@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 
 
 def build_one(model: Path, target: str, out: Path, db: Path) -> dict:
@@ -81,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "e2e.json")
+    ap.add_argument("--out", type=Path, default=_results.path("build-stages"))
     args = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -124,8 +125,25 @@ def main() -> None:
             print(f"{label}: {lat[label]:.3f} ms", file=sys.stderr)
     results["runs"], results["threads"] = args.runs, args.threads
     results["host_cpu"] = _cpu_name()
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    _results.write("build-stages", results, table(results), out=args.out, notes=notes(results))
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """Per target: each stage's seconds, the whole build's wall time and peak memory, the bundle's size."""
+    stages = ["import", "legalize", "schedule", "tune", "compress", "package"]
+    rows = ["| target | " + " | ".join(f"{s} s" for s in stages) + " | total wall s | peak RSS MB | bundle MB | .tar.gz MB |",
+            "|---|" + "---:|" * (len(stages) + 4)]
+    for b in results["builds"]:
+        rows.append(f"| {Path(b['target']).stem} | " + " | ".join(f"{b['stages_s'].get(s, 0):.2f}" for s in stages)
+                    + f" | {b['wall_s']:.1f} | {b['peak_rss_mb']:.0f} | {b['bundle_bytes'] / 1e6:.1f} | "
+                    f"{b['tarball_bytes'] / 1e6:.1f} |")
+    return "\n".join(rows)
+
+
+def notes(results: dict) -> list[str]:
+    return [f"latency of one inference on this host, median of {results['runs']}, {results['threads']} threads: "
+            + "; ".join(f"{k} {v:.2f} ms" for k, v in results["latency_ms"].items())]
 
 
 def _cpu_name() -> str:

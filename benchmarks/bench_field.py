@@ -1,7 +1,7 @@
 """The arm_2tpu field bundle, per model: bundle size, int8 accuracy, load time and latency on this host
 and under emulation, and the pipelined stream's throughput beside sequential runs of the same plan.
 
-    .venv/bin/python benchmarks/bench_field.py [--frames 32] [--out benchmarks/field.json]
+    .venv/bin/python benchmarks/bench_field.py [--frames 32] [--out benchmarks/results/field-arm2tpu.json]
 
 Models, each built for targets/arm_2tpu.yaml (builds cached under .cache/bench-field/):
 - MobileNetV2 224 (tf.keras.applications, weights=None, BatchNorm statistics set; tests/model_zoo.py),
@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-field"
@@ -169,7 +170,7 @@ def measure(name: str, model: Path, frames: int, **kw) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "field.json")
+    parser.add_argument("--out", type=Path, default=_results.path("field-arm2tpu"))
     args = parser.parse_args()
     from tests import model_zoo
 
@@ -183,8 +184,26 @@ def main() -> None:
         rows.append(row)
     rows.append(measure("PP-OCRv4 rec", model_zoo.ppocr_rec(), args.frames, input_shapes={"x": (1, 3, 48, 320)}))
     rows.append(measure("captioner (CI sizes)", model_zoo.captioner(), args.frames))
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _results.write("field-arm2tpu", {"models": rows}, table(rows), out=args.out)
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    """Size, int8 accuracy against fp32 (the build's report), and load, latency and stream on the host and emulated."""
+    out = ["| model | calibration | segments | bundle MB | .tar.gz MB | end-to-end cosine | top-1 agreement | "
+           "host: load s, latency ms | host: sequential / stream frames/s | emulated: load s, latency ms | "
+           "emulated: sequential / stream frames/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, h, e = r["calibration"], r["host"], r["emulated"]
+        cal = f"{c['samples']} {'synthetic' if c['synthetic'] else 'images'}, {c['method']}" + (
+            f" {c['percentile']}" if c.get("percentile") else "")
+        cos = ", ".join(f"{t['cosine']:.4f}" for t in r["accuracy"]["tensors"].values())
+        top1 = f"{r['accuracy']['top1_agreement']:.2f}" if r["accuracy"].get("top1_agreement") is not None else "—"
+        out.append(f"| {r['model']} | {cal} | {r['segments']} | {r['bundle_bytes'] / 1e6:.2f} | "
+                   f"{r['tar_gz_bytes'] / 1e6:.2f} | {cos} | {top1} | {h['load_s']}, {h['latency_ms']} | "
+                   f"{h['sequential_fps']} / {h['stream_fps']} | {e.get('load_s', '-')}, {e.get('latency_ms', '-')} | "
+                   f"{e.get('sequential_fps', '-')} / {e.get('stream_fps', '-')} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

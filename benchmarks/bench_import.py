@@ -1,6 +1,6 @@
 """Import of every format users bring: correctness, node counts, import time, onnxruntime latency.
 
-    .venv/bin/python benchmarks/bench_import.py [--runs 30] [--threads 2] [--only NAME ...] [--out benchmarks/import.json]
+    .venv/bin/python benchmarks/bench_import.py [--runs 30] [--threads 2] [--only NAME ...] [--out benchmarks/results/import.json]
 
 For each model, in one run:
 1. `edgesdk build MODEL --until import` through the pipeline API (the same code as the CLI):
@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 MODELS = ROOT / ".cache" / "models"
@@ -283,7 +284,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="model names to run (default: all)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "import.json")
+    ap.add_argument("--out", type=Path, default=_results.path("import"))
     args = ap.parse_args()
     rows = []
     for name, kind in cases():
@@ -296,7 +297,7 @@ def main() -> None:
             row = {"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    args.out.write_text(json.dumps({"runs": args.runs, "threads": args.threads, "models": rows}, indent=2) + "\n")
+    _results.write("import", {"runs": args.runs, "threads": args.threads, "models": rows}, table(rows), out=args.out)
     print(table(rows))
 
 

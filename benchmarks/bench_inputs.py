@@ -5,13 +5,12 @@ inference, beside the inference itself, on real bundles.
 
 For each bundle (MobileNetV2 on x86, the PP-OCR classifier on x86; built once into
 .cache/bench-inputs with --trials 0), interleaved, median of N after warm-up: `check_feeds` alone, and
-`BundleModel.run` (which includes it). Results in benchmarks/inputs.json.
+`BundleModel.run` (which includes it). Results in benchmarks/results/input-checks.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 CACHE = ROOT / ".cache" / "bench-inputs"
 
 
@@ -63,7 +63,13 @@ def main() -> None:
         row["share"] = round(row["check_us"] / 1e3 / row["run_ms"], 4)
         results["models"][name] = row
         print(f"{name}: input check {row['check_us']} us of {row['run_ms']} ms per run ({row['share']:.1%})")
-    (ROOT / "benchmarks" / "inputs.json").write_text(json.dumps(results, indent=2) + "\n")
+    _results.write("input-checks", results, table(results))
+
+
+def table(results: dict) -> str:
+    rows = ["| bundle | check µs | run ms (check included) | share |", "|---|---:|---:|---:|"]
+    rows += [f"| {name} | {r['check_us']} | {r['run_ms']} | {r['share']:.1%} |" for name, r in results["models"].items()]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Legalize for the Edge TPU: coverage and transitions before and after, approximation errors,
 end-to-end deviation, and the arm_2tpu latency the cost model predicts with and without legalize.
 
-    .venv/bin/python benchmarks/bench_legalize.py [--only NAME ...] [--out benchmarks/legalize.json]
+    .venv/bin/python benchmarks/bench_legalize.py [--only NAME ...] [--out benchmarks/results/legalize.json]
 
 Models (Keras, `weights=None`, BatchNorm statistics set by one training-mode pass, saved as `.keras`
 under .cache/bench-legalize and imported through tf2onnx like a user's file):
@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-legalize"
@@ -167,7 +168,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "legalize.json")
+    ap.add_argument("--out", type=Path, default=_results.path("legalize"))
     args = ap.parse_args()
     rows = []
     for name in MODELS:
@@ -180,7 +181,7 @@ def main() -> None:
             row = {"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(row, default=float), file=sys.stderr, flush=True)
         rows.append(row)
-    args.out.write_text(json.dumps({"models": rows}, indent=2, default=float) + "\n")
+    _results.write("legalize", json.loads(json.dumps({"models": rows}, default=float)), table(rows), out=args.out)
     print(table(rows))
 
 

@@ -1,7 +1,7 @@
 """Load and soak on a real model (issue 21, item 3): the long forms of tests/runtime/test_load_faults.py.
 
     .venv/bin/python benchmarks/bench_load.py [--calls 1000] [--frames 10000] [--rounds 3] [--soak-minutes 30]
-                                             [--out benchmarks/load.json]
+                                             [--out benchmarks/results/load.json]
 
 The demo model (PP-OCRv4's recognizer, 1x3x48x320) built for x86 as `make demo` builds it for arm_2tpu
 (its one CPU segment on the backend the tune stage measured fastest), run in this process with the
@@ -36,6 +36,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 MODEL = ROOT / ".cache" / "models" / "ch_PP-OCRv4_rec_infer.onnx"
 OUT = ROOT / ".cache" / "bench-load" / "x86"
 
@@ -93,7 +94,8 @@ def main() -> None:
     ap.add_argument("--soak-minutes", type=float, default=30.0)
     ap.add_argument("--parts", default="load,stream,soak", help="which parts to run (the soak's memory figures "
                     "stand noise from other jobs; the load's timings do not)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "load.json")
+    ap.add_argument("--out", type=Path, default=_results.path("load"),
+                    help="the results file: the parts run replace theirs, the others stay")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
@@ -117,10 +119,41 @@ def main() -> None:
     if "soak" in parts:
         _soak(args, model, feeds, expected, result)
     model.close()
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    kept = json.loads(args.out.read_text())["data"] if args.out.exists() else {}
+    result = {**{k: v for k, v in kept.items() if k in PARTS}, **result}
+    _results.write("load", result, table(result), out=args.out, notes=notes(result))
     print(json.dumps({k: v for k, v in result.items() if k != "soak"} | ({"soak": {k: v for k, v in result["soak"].items()
                                                                                   if k != "series"}} if "soak" in result else {}),
                      indent=2))
+
+
+PARTS = ("correctness_8_callers", "throughput", "stream", "soak")  # what --parts load,stream,soak write
+
+
+def table(result: dict) -> str:
+    rows = ["| run | frames/s | call p50 ms | call p99 ms | wrong results |", "|---|---|---|---|---|"]
+    if "correctness_8_callers" in result:
+        c = result["correctness_8_callers"]
+        rows.append(f"| {c['callers']} callers x {c['calls'] // c['callers']:,} inferences, each caller its own "
+                    f"inputs | {c['fps']:.1f} | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['wrong']} of {c['calls']:,} |")
+    for t in result.get("throughput", []):
+        rows.append(f"| {t['callers']} caller(s) (400 calls, median of {t['rounds']} interleaved rounds) | "
+                    f"{t['fps']:.1f} | {t['p50_ms']:.2f} | {t['p99_ms']:.1f} | {t['wrong']} |")
+    if "stream" in result:
+        s = result["stream"]
+        rows.append(f"| a stream of {s['frames']:,} frames, each checked, in order | {s['fps']:.1f} | | | "
+                    f"{s['out_of_order_or_wrong']} |")
+    return "\n".join(rows)
+
+
+def notes(result: dict) -> list[str]:
+    s = result.get("soak")
+    if not s:
+        return []
+    return [f"soak: a stream for {s['minutes']:g} minutes, {s['frames']:,} frames, every 97th checked "
+            f"({s['checked_wrong']} wrong); RSS {s['rss_mib_first']:.1f} MiB at the start, {s['rss_mib_after_1min']:.1f} "
+            f"after a minute, {s['rss_mib_last']:.1f} at the end; least-squares slope after the first minute "
+            f"{s['slope_mib_per_hour_after_1min']:+.2f} MiB per hour (residuals' std {s['residual_std_mib']:.3f} MiB)"]
 
 
 def _load(args, model, feeds, expected, result: dict) -> None:

@@ -4,7 +4,7 @@ data), the resident memory of the whole process tree (the build and its converte
 children) sampled every 0.2 s, its peak per stage, beside the build's own estimate (`stages/memory.py`).
 
     .venv/bin/python benchmarks/bench_memory.py [--models mobilenet_v2,resnet50,vgg16,mlp2g,vgg16.savedmodel] [--targets x86]
-                                                [--low-memory both|on|off] [--out benchmarks/memory.json]
+                                                [--low-memory both|on|off] [--out benchmarks/results/build-memory.json]
                                                 [--plot PNG]
 
 A Keras application may also be given as a TensorFlow SavedModel (`vgg16.savedmodel`) or an fp32 TFLite
@@ -12,8 +12,11 @@ file (`vgg16.tflite`). Each model is saved once under .cache/bench-memory/ and b
 --tuning-db, so every CPU backend is converted and timed; `--trials 0`: tuning search is not what is
 measured). The base is the tree's peak building a model of one 3x3 convolution (TensorFlow's
 converter, TVM and the runtime loaded, no weights to speak of). A build the estimate refuses
-(`build.out-of-memory`) is recorded as refused, with its estimate. Printed as a markdown table; written
-to --out, and plotted (peak against weights, the 4x line) to --plot.
+(`build.out-of-memory`) is recorded as refused, with its estimate. Each build measured replaces that
+build's row (target, mode, model) in benchmarks/results/build-memory.json (--out), with the base of its own
+run and the commit; the other rows stay, so the file holds the newest figure of every build. Printed as a
+markdown table, and plotted (peak against weights, the 4x line) to --plot; benchmarks/report.py draws
+benchmarks/results/build-memory.png from the results file.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import threading
 import time
 from pathlib import Path
 
+import _results
 
 ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "build-memory"
 WORK = ROOT / ".cache" / "bench-memory"
 MODELS = {"mobilenet_v2": "MobileNetV2", "resnet50": "ResNet50", "vgg16": "VGG16"}
 MLP_WIDTH, MLP_LAYERS = 8192, 9  # 9 x 8192 x 8192 float32: 2.25 GiB of weights, past protobuf's 2 GB
@@ -229,20 +234,45 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(result: dict) -> str:
+    """One row per build: its peak, the estimate the build logged and (peak - base) / weights, where the base
+    is the one-convolution build of the same run."""
+    rows = ["| build | model | weights MiB | result | peak GiB | of it anonymous | estimate GiB | "
+            "(peak - base) / weights | peak during | wall s | commit |", "|---|---|---:|---|---:|---:|---:|---:|---|---:|---|"]
+    for key, runs in result["runs"].items():
+        for name, r in runs.items():
+            if name == "tiny":
+                continue
+            base = r.get("base_bytes", runs["tiny"]["peak_bytes"])
+            ratio = (r["peak_bytes"] - base) / r["weight_bytes"]
+            during = max(r["stage_peak_bytes"].items(), key=lambda kv: kv[1])[0] if r["stage_peak_bytes"] else "-"
+            est = f"{r['estimate_bytes'] / 2**30:.2f}" if r["estimate_bytes"] else "-"
+            anonymous = f"{r['peak_anonymous_bytes'] / 2**30:.2f}" if r.get("peak_anonymous_bytes") else "-"
+            outcome = "refused" if r["refused"] else "built" if r["exit"] == 0 else f"exit {r['exit']}"
+            rows.append(f"| {key} | {name} | {r['weight_bytes'] / 2**20:.0f} | {outcome} | "
+                        f"{r['peak_bytes'] / 2**30:.2f} | {anonymous} | {est} | "
+                        f"{'under the base' if ratio < 0 else f'{ratio:.1f}'} | {during} | {r.get('wall_s', '-')} | "
+                        f"{r.get('commit', '-')} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join([*MODELS, "mlp2g"]))
     parser.add_argument("--targets", default="x86")
     parser.add_argument("--low-memory", default="both", choices=("both", "on", "off"))
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "memory.json")
+    parser.add_argument("--out", type=Path, default=_results.path(QUESTION))
     parser.add_argument("--plot", type=Path, default=None, help="where to plot them (none unless given)")
     args = parser.parse_args()
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.low_memory]
-    result = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(), "cpu": _cpu_name()}, "runs": {}}
+    # the newest figure of every build: this run's builds replace theirs, the others stay
+    result = json.loads(args.out.read_text())["data"] if args.out.exists() else {"runs": {}}
+    result["host"] = {"machine": platform.machine(), "cpus": os.cpu_count(), "cpu": _cpu_name()}
+    commit = _results.commit()[:7]
     for target in args.targets.split(","):
         for low in modes:
             key = f"{target}{' --low-memory' if low else ''}"
-            rows = result["runs"][key] = {}
+            rows = result["runs"].setdefault(key, {})
             for name in ["tiny", *args.models.split(",")]:
                 model = model_for(name)
                 size = weight_bytes(model)
@@ -251,25 +281,14 @@ def main() -> int:
                 weights = weight_bytes(saved(name.partition(".")[0])) if "." in name else size
                 print(f"bench-memory: {name} ({weights / 2**20:.0f} MiB) for {key} ...", file=sys.stderr, flush=True)
                 rows[name] = {"file_bytes": size, "weight_bytes": weights,
-                              **measured_build(model, target, WORK / f"out-{name}-{target}", low)}
-                args.out.write_text(json.dumps(result, indent=2) + "\n")  # each build kept as it finishes
+                              **measured_build(model, target, WORK / f"out-{name}-{target}", low),
+                              "base_bytes": rows["tiny"]["peak_bytes"] if name != "tiny" else None, "commit": commit}
+                _results.write(QUESTION, result, table(result), out=args.out)  # each build kept as it finishes
     if args.plot:
         plot(result, args.plot)
-    stages = ["import", "legalize", "schedule", "tune", "compress", "package"]
-    print("| build | model | weights MiB | exit | peak GiB | of it anonymous | estimate GiB | (peak - base) / weights | "
-          + " | ".join(stages) + " |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(stages))
-    for key, rows in result["runs"].items():
-        base = rows["tiny"]["peak_bytes"]
-        for name, r in rows.items():
-            ratio = (r["peak_bytes"] - base) / r["weight_bytes"]
-            cells = [f"{r['stage_peak_bytes'].get(s, 0) / 2**30:.2f} ({r['stage_seconds'].get(s, 0):.0f} s)"
-                     for s in stages]
-            est = f"{r['estimate_bytes'] / 2**30:.2f}" if r["estimate_bytes"] else "-"
-            print(f"| {key} | {name} | {r['weight_bytes'] / 2**20:.0f} | {'refused' if r['refused'] else r['exit']} | "
-                  f"{r['peak_bytes'] / 2**30:.2f} | {r.get('peak_anonymous_bytes', 0) / 2**30:.2f} | {est} | {ratio:.1f} | "
-                  + " | ".join(cells) + " |")
-    return 0 if all(r["exit"] == 0 or r["refused"] for rows in result["runs"].values() for r in rows.values()) else 1
+    print(table(result))
+    measured = [result["runs"][f"{t}{' --low-memory' if low else ''}"] for t in args.targets.split(",") for low in modes]
+    return 0 if all(r["exit"] == 0 or r["refused"] for rows in measured for r in rows.values()) else 1
 
 
 def _cpu_name() -> str:

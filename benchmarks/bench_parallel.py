@@ -1,6 +1,6 @@
 """Inter-operator parallelism on x86, measured, and the simulator's prediction against the real run.
 
-    .venv/bin/python benchmarks/bench_parallel.py [--runs 30] [--out benchmarks/parallel.json]
+    .venv/bin/python benchmarks/bench_parallel.py [--runs 30] [--out benchmarks/results/inter-op-parallel.json]
 
 One run does everything on this host, with its CPUs as the resource limit (2 on the build machine):
 
@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-parallel"
@@ -143,7 +144,7 @@ def host_target(fitted: dict, cores: int, dispatch: float, eff: dict) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "parallel.json")
+    ap.add_argument("--out", type=Path, default=_results.path("inter-op-parallel"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     os.environ["TVM_NUM_THREADS"] = str(cores)
@@ -231,7 +232,7 @@ def main() -> None:
         par.close()
         result["models"][name] = row
         log(json.dumps(row, indent=1))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _results.write("inter-op-parallel", result, table(result), out=args.out)
     print(table(result))
 
 

@@ -19,7 +19,7 @@ Then, interleaved (`--rounds` rounds, each runtime in a process of its own, `--r
 warm-up ones; the median of all): onnxruntime (all graph optimizations, 2 threads) on the dense ONNX file a
 user has, and every bundle (`BundleModel.run`). The pruned bundle's fidelity to the dense model (the build's
 record, on its calibration samples), its sparse kernels and the tune stage's candidate times come from the
-manifest. Writes benchmarks/prune.json and prints the table.
+manifest. Writes benchmarks/results/prune.json (each build replacing its row) and prints the table.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402  (after the path above)
 CACHE = ROOT / ".cache" / "bench-prune"
 THREADS = 2
 from bench_cpu import ORT_CHILD  # noqa: E402  (after the path above)
@@ -85,7 +86,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-build", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "prune.json"))
+    ap.add_argument("--out", default=str(_results.path("prune")),
+                    help="the results file: this run's rows replace those of the same model, batch and variant")
     args = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(THREADS)
     from edgesdk.runtime import BundleModel
@@ -93,6 +95,9 @@ def main() -> None:
     from edgesdk.scheduling import selection
 
     results: dict = {"host": selection.host_name(), "threads": THREADS, "rows": []}
+    # the newest figure of every build: this run's rows replace theirs (model, batch, variant), the others stay
+    kept = json.loads(Path(args.out).read_text())["data"]["rows"] if Path(args.out).exists() else []
+    commit = _results.commit()[:7]
     for name in args.models.split(","):
         for batch in [int(b) for b in args.batches.split(",")]:
             model, margs = model_file(name, batch)
@@ -169,24 +174,28 @@ def main() -> None:
                     got = next(iter(BundleModel(dirs[v] / "bundle", log=lambda s: None).run(feeds).values()))
                     row["cosine_to_dense_bundle_here"] = float(np.dot(got.ravel(), dense_out.ravel()) / (
                         np.linalg.norm(got) * np.linalg.norm(dense_out)))
+                row["commit"] = commit
                 results["rows"].append(row)
                 log(f"{name} b{batch} {v}: {med[v]:.2f} ms (onnxruntime {med['onnxruntime']:.2f} ms)")
-            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
+            mine = {(r["model"], r["batch"], r["variant"]) for r in results["rows"]}
+            merged = {**results, "rows": [r for r in kept if (r["model"], r["batch"], r["variant"]) not in mine]
+                      + results["rows"]}
+            _results.write("prune", merged, table(merged), out=Path(args.out))
+    print(table(merged))
 
 
 def table(results: dict) -> str:
     lines = [f"Host: {results['host']}, {results['threads']} threads.", "",
              "| model | batch | variant | bundle ms | onnxruntime ms (dense) | **bundle / ort** | dense bundle / this | "
-             "chosen (tune stage: candidates ms) | sparse kernels (kept dense) | fidelity: cosine / top-1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "chosen (tune stage: candidates ms) | sparse kernels (kept dense) | fidelity: cosine / top-1 | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         cands = "; ".join(", ".join(f"{k} {v:.1f}" for k, v in c.items() if v is not None) for c in r["candidates_ms"])
         sk = (f"{r['sparse_choices']['sparse']} ({r['sparse_choices']['dense']})" if "sparse_choices" in r else "-")
         fid = (f"{r['fidelity']['cosine']:.4f} / {r['fidelity']['top1_agreement']:.3f}" if "fidelity" in r else "-")
         lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {r['ms']:.2f} | {r['onnxruntime_ms']:.2f} | "
                      f"**{r['over_ort']:.2f}** | {r['dense_over_this']:.2f} | {', '.join(r['chosen'])} ({cands}) | "
-                     f"{sk} | {fid} |")
+                     f"{sk} | {fid} | {r.get('commit', '-')} |")
     plans = [r for r in results["rows"] if "plan" in r]
     if plans:
         lines += ["", "Per-layer plans (`--prune-plan auto`): the budget, the plan's predicted CPU time, the tune "

@@ -15,7 +15,8 @@ timing every variant `--runs` times in turn after a warm-up), medians:
   - sparse, for 2:4, 1:4, magnitude 75 % and 90 %, column combining (groups of 4): the kernel of
     backends/tvm/sparse.py as the compiler builds it (CHWN with a batch, W-vectorized at batch 1), timed alone.
 Effective GFLOP/s counts the dense layer's FLOPs (2 per multiply-add) over the time. The per-network line sums
-each layer's time times its count in ResNet-18. Writes benchmarks/sparse_layers.json and prints the tables.
+each layer's time times its count in ResNet-18. Each batch measured replaces that batch's tables in
+benchmarks/results/sparse-layers.json (--out; the other batches stay); prints the tables.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 CACHE = ROOT / ".cache" / "bench-sparse"
 THREADS = 2
 TARGET = {"kind": "llvm", "mcpu": "native", "num-cores": THREADS}
@@ -100,7 +102,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=48)
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "sparse_layers.json"))
+    ap.add_argument("--out", default=str(_results.path("sparse-layers")))
     args = ap.parse_args()
     import os
 
@@ -111,8 +113,10 @@ def main() -> None:
     from edgesdk.backends.tvm.tuning import tune_onnx
     from edgesdk.compression import mask, parse_method
 
-    results: dict = {"host": f"{platform.processor() or 'x86_64'} {host_cpu()[0]}, {THREADS} threads",
-                     "trials": args.trials, "batches": {}}
+    # the newest figure of every batch: this run's batches replace theirs, the others stay
+    results: dict = (json.loads(Path(args.out).read_text())["data"] if Path(args.out).exists()
+                     else {"batches": {}, "commits": {}})
+    results.update(host=f"{platform.processor() or 'x86_64'} {host_cpu()[0]}, {THREADS} threads", trials=args.trials)
     for batch in [int(b) for b in args.batches.split(",")]:
         rows = []
         for ci, co, size, k, stride, count in LAYERS:
@@ -152,8 +156,22 @@ def main() -> None:
             rows.append(row)
             log(f"b{batch} {name}: " + ", ".join(f"{key} {ms:.3f} ms" for key, ms in row["ms"].items()))
         results["batches"][str(batch)] = rows
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        results.setdefault("commits", {})[str(batch)] = _results.commit()[:7]
+        _results.write("sparse-layers", results, table(results), out=Path(args.out))
     print(tables(results))
+
+
+def table(results: dict) -> str:
+    """ResNet-18's convolutions in all, per batch and variant: ms, and speedup over dense TVM tuned and onnxruntime."""
+    lines = ["| batch | variant | ResNet-18's convolutions ms | over TVM dense tuned | over onnxruntime dense | commit |",
+             "|---|---|---:|---:|---:|---|"]
+    for batch, rows in sorted(results["batches"].items(), key=lambda kv: -int(kv[0])):
+        total = {k: sum(r["ms"][k] * r["count"] for r in rows) for k in rows[0]["ms"]}
+        base = total.get("TVM dense tuned", total["TVM dense untuned"])
+        for k, ms in total.items():
+            lines.append(f"| {batch} | {k} | {ms:.2f} | {base / ms:.2f}x | {total['onnxruntime dense'] / ms:.2f}x | "
+                         f"{results.get('commits', {}).get(batch, '-')} |")
+    return "\n".join(lines)
 
 
 def tables(results: dict) -> str:

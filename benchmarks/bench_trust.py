@@ -1,6 +1,6 @@
 """Signing, verification, install and rollback times for the demo bundle (issue 20).
 
-    .venv/bin/python benchmarks/bench_trust.py [--runs 15] [--qemu-runs 5] [--install-runs 3] [--out benchmarks/trust.json]
+    .venv/bin/python benchmarks/bench_trust.py [--runs 15] [--qemu-runs 5] [--install-runs 3] [--out benchmarks/results/trust.json]
 
 The demo model (PP-OCRv4's text recognizer, 1x3x48x320) is built as `make demo` builds it, for
 arm_2tpu, and for x86 (the installer runs the self-test natively, so install and rollback are timed on
@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 
 CACHE = ROOT / ".cache" / "bench-trust"
 MODEL = ROOT / ".cache" / "models" / "ch_PP-OCRv4_rec_infer.onnx"
@@ -94,7 +95,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--qemu-runs", type=int, default=5)
     ap.add_argument("--install-runs", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "trust.json")
+    ap.add_argument("--out", type=Path, default=_results.path("trust"))
     args = ap.parse_args()
 
     from edgesdk.backends import qemu
@@ -182,8 +183,15 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    _results.write("trust", result, table(result), out=args.out)
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    """Each step's median, beside how many runs it is the median of."""
+    rows = ["| step | median ms | runs |", "|---|---:|---:|"]
+    rows += [f"| {step} | {ms:g} | {result['runs'][step]} |" for step, ms in result["median_ms"].items()]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

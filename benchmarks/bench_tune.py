@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 CACHE = ROOT / ".cache" / "bench-tune"
 MODELS = ("MobileNetV2", "ResNet50", "InceptionV3", "PP-OCRv4-det")
@@ -205,7 +206,7 @@ def main() -> None:
     ap.add_argument("--transfer-trials", type=int, default=96)
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "tune.json")
+    ap.add_argument("--out", type=Path, default=_results.path("tune"))
     args = ap.parse_args()
     for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "EDGESDK_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -237,9 +238,33 @@ def main() -> None:
         for name in TRANSFER_MODELS:
             result["transfer"] += transfer(name, kept, target, db / "cpu", args.transfer_trials)
     elif args.out.exists():  # --transfer-trials 0: a rerun of the latencies keeps the last transfer run
-        result["transfer"] = json.loads(args.out.read_text()).get("transfer")
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    log(f"wrote {args.out}")
+        result["transfer"] = json.loads(args.out.read_text())["data"].get("transfer")
+    result = json.loads(json.dumps(result, default=str))
+    _results.write("tune", result, table(result), out=args.out, notes=notes(result))
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    """Latency of one inference: tuned against untuned, onnxruntime and LiteRT fp32."""
+    rows = ["| model | tuned bundle ms | untuned bundle ms | tuned vs untuned | onnxruntime ms | tuned / onnxruntime | "
+            "LiteRT fp32 ms | trials (searched / reused functions) | tune stage s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in result["models"].items():
+        lat = m["latency"]
+        litert = f"{lat['litert_fp32_ms']:.1f}" if lat.get("litert_fp32_ms") else "-"
+        rows.append(f"| {name} | {lat['tuned_ms']:.2f} | {lat['untuned_ms']:.2f} | "
+                    f"{lat['untuned_ms'] / lat['tuned_ms']:.2f}× | {lat['onnxruntime_ms']:.2f} | "
+                    f"{lat['tuned_ms'] / lat['onnxruntime_ms']:.2f} | {litert} | {m['trials']} ({m['searched']} / "
+                    f"{m['reused']}) | {m['tune_stage_s']} |")
+    return "\n".join(rows)
+
+
+def notes(result: dict) -> list[str]:
+    """The transfer searches: trials to come within 5 % of the better search's best, without and with transfer."""
+    def said(s: dict) -> str:
+        return f"{s['trials_to_5pct'] if s['trials_to_5pct'] is not None else '—'} trials, best {s['best_ms']:.4g} ms, {s['wall_s']:.0f} s"
+
+    return [f"transfer, {t['model']} {t['task']}: without {said(t['without'])}; with ({t['transfer_records']} records) "
+            f"{said(t['with'])}" for t in result.get("transfer") or []]
 
 
 if __name__ == "__main__":

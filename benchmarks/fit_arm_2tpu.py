@@ -1,6 +1,6 @@
 """Fit arm_2tpu's free cost parameters to Coral's published benchmark, then predict what was held out.
 
-    .venv/bin/python benchmarks/fit_arm_2tpu.py [--out benchmarks/fit_arm_2tpu.json]
+    .venv/bin/python benchmarks/fit_arm_2tpu.py [--out benchmarks/results/fit-arm2tpu.json]
 
 Fit parameters on the published figures only, compare the rest with the predictions
 afterwards, never adjust a parameter toward a result. The model is `devices/cost.py` (node_ms); two
@@ -49,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 from edgesdk.pipeline import stage_dir  # noqa: E402  (after the path above)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE = ROOT / ".cache" / "bench-fit"
@@ -540,6 +541,21 @@ def file_agrees(loaded, fields) -> dict[str, bool]:
     return out
 
 
+def table(result: dict) -> str:
+    """Coral's published latencies against the fitted cost model's, fitted and held out."""
+    return markdown(result).split("\n\n")[1]
+
+
+def notes(result: dict) -> list[str]:
+    """The fitted figures, and the leave-one-out errors: a second estimate of the error."""
+    loo = {(r["model"], r["column"]): r["error"] for r in result["leave_one_out"]}
+    cpu = ", ".join(f"{m} {e:+.1%}" for (m, c), e in loo.items() if c == "Embedded CPU")
+    tpu = ", ".join(f"{m} {e:+.1%}" for (m, c), e in loo.items() if c != "Embedded CPU")
+    return ["fitted: " + "; ".join(f"{p['device']} {p['name']} (`{p['field']}`) {p['value']:.4g} {p['unit']}"
+                                   for p in result["parameters"]),
+            f"leave-one-out (fitted on the other four models): CPU {cpu}; Edge TPU {tpu}"]
+
+
 def markdown(result: dict) -> str:
     out = ["| device | parameter | field | fitted | bound hit |", "|---|---|---|---|---|"]
     for p in result["parameters"]:
@@ -588,7 +604,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "fit_arm_2tpu.json")
+    ap.add_argument("--out", type=Path, default=_results.path("fit-arm2tpu"))
     args = ap.parse_args()
     from edgesdk.config import load_target
 
@@ -668,7 +684,7 @@ def main() -> None:
         "yaml_snippet": snippet, "target_file_holds_this_fit": agrees,
         "seconds": {"build": round(built_s, 1), "fit": round(fit_s, 3), "total": round(time.perf_counter() - t0, 1)},
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _results.write("fit-arm2tpu", result, table(result), out=args.out, notes=notes(result))
     print(markdown(result))
     print("\nThe fitted figures for targets/arm_2tpu.yaml:\n\n" + snippet)
     print(f"\ntargets/arm_2tpu.yaml holds this fit: {agrees}; fit vs product predictions agree to "

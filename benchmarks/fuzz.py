@@ -8,7 +8,7 @@ build host.
 How inputs are made and judged: tests/fuzz/harness.py (the short run of `make test` is
 tests/fuzz/test_fuzz.py). Per loader: the inputs accepted, refused with a typed error (by code; `exit N`
 for the inputs of `edgesdk run`, judged by its exit code), the findings, the inputs that reached the
-TensorFlow converter child, and the wall time. Written to benchmarks/fuzz.json and printed as a markdown
+TensorFlow converter child, and the wall time. Written to benchmarks/results/fuzz.json and printed as a markdown
 table. Exits 1 on any finding, naming its loader, its input (kept under --findings) and where it was
 raised; the same seed and case number make the same input again.
 """
@@ -16,7 +16,6 @@ raised; the same seed and case number make the same input again.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk")]
+import _results  # noqa: E402  (after the path above)
 
 # inputs per loader in a full run; a converter run costs ~3 s, so the TensorFlow formats get fewer
 SHARES = {"onnx": 4000, "tflite": 300, "keras": 300, "savedmodel": 200, "target": 2000, "manifest": 2500,
@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--only", choices=LOADERS, default=None)
     parser.add_argument("--findings", type=Path, default=ROOT / ".cache" / "fuzz-findings",
                         help="where each finding's input and traceback are kept (emptied first)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "fuzz.json")
+    parser.add_argument("--out", type=Path, default=_results.path("fuzz"))
     args = parser.parse_args()
     total = args.count if args.count is not None else (SHARES[args.only] if args.only else sum(SHARES.values()))
     plan = counts_for(total, args.only)
@@ -98,7 +98,7 @@ def main() -> int:
               "seeds_s": round(session.seeds_seconds, 1), "left_in_temporary_directory": left,
               "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
               "loaders": loaders}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _results.write("fuzz", result, table(loaders, wall_s, session.seeds_seconds), out=args.out)
     print(table(loaders, wall_s, session.seeds_seconds))
     for f in findings:
         print(f"\nFINDING {f.loader} case {f.index} (seed {f.seed}), {f.kind}: {f.summary}\n"

@@ -643,7 +643,7 @@ def test_each_method_narrows_the_outlier_widened_ranges_and_auto_records_its_cho
 
 def test_a_conversion_the_machine_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
     """TensorFlow's converter holds about 4 bytes per byte of weights converting to fp32 and 7 to int8
-    (benchmarks/RESULTS.md, issue 22): a segment whose estimate exceeds the machine's available memory
+    (docs/design-notes.md, "TensorFlow's TFLite converter memory"): a segment whose estimate exceeds the machine's available memory
     is refused by name, with the estimate, before the converter starts (the kernel would kill the build
     partway instead); with room it converts."""
     from edgesdk.backends.tflite import convert

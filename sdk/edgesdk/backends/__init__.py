@@ -11,10 +11,10 @@ from .tflite.limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYT
                             FLATBUFFER_LIMIT)
 
 # What each compiler holds while it compiles a segment (beyond the build's own copies of the model), measured
-# on this project's machines (benchmarks/bench_memory.py, RESULTS "Build memory against model size"):
+# on this project's machines (benchmarks/bench_memory.py; benchmarks/RESULTS.md, question build-memory):
 # TensorFlow's TFLite converter (backends/tflite/convert.py); TVM's Relax import and build, the weights lifted
 # out of the library into its weights file (1.4 to 1.7 x above the compile's base for a 768 MiB MLP and VGG16;
-# 2 covers the 2.25 GiB MLP's aarch64 and CUDA packages with their x86 twin, RESULTS part 6); onnxruntime's
+# 2 covers the 2.25 GiB MLP's aarch64 and CUDA packages with their x86 twin, docs/design-notes.md); onnxruntime's
 # session over arrays it is handed (irm.onnxruntime_session).
 TFLITE_MEMORY = {"compile_base_bytes": CONVERTER_BASE_BYTES, "compile_bytes_per_weight_byte": CONVERTER_BYTES_PER_WEIGHT_BYTE,
                  "max_weight_bytes": FLATBUFFER_LIMIT}

@@ -256,7 +256,7 @@ class Backend:
     # tune stage's timing cache keys on it, so a candidate timed the old way is measured anew, not replayed
     revision: int = 0
     # what its compiler holds while it compiles a segment, beyond the build's own copies of the model: a
-    # fixed part and bytes per byte of the segment's weights (measured, benchmarks/memory.json); the build's
+    # fixed part and bytes per byte of the segment's weights (measured, benchmarks/results/build-memory.json); the build's
     # memory estimate (`stages/memory.py`) is made of these
     compile_base_bytes: int = 0
     compile_bytes_per_weight_byte: float = 1.0

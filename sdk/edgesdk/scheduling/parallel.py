@@ -55,7 +55,7 @@ ThreadCost = Callable[[int, int], float]   # (node, threads) -> ms
 # The least predicted gain over the sequential run, relative to it, for which a plan with concurrent
 # groups is taken. Each group is a segment of its own (a TVM library, its tensors handed across segment
 # boundaries at run time), and the prediction is not exact to a few per cent: on x86, plans predicted
-# 0.1 % and 3 % faster measured 1.00x and 0.75x (benchmarks/RESULTS.md, inter-operator parallelism),
+# 0.1 % and 3 % faster measured 1.00x and 0.75x (docs/design-notes.md, "Inter-operator parallelism on x86"),
 # per-node cost errors of 20-50 % unbalancing the groups and a step costing about 500 us against the
 # 61 us measured on trivial segments. A smaller predicted gain is noise that the extra segments pay for.
 MIN_GAIN = 0.05

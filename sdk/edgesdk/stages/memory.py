@@ -13,8 +13,8 @@ A compiler's share is its backend's `compile_base_bytes + compile_bytes_per_weig
 and on the CPU the backends the tune stage measures (`--cpu-backends`) besides the host's own; with
 `--low-memory`, onnxruntime alone on the CPU. A CPU candidate whose format cannot hold the weights (a
 TFLite FlatBuffer past 2 GiB) is never run; an accelerator's segments are each at most that big. The
-figures are upper bounds for the models measured (benchmarks/memory.json: the estimate beside the peak
-of each build).
+figures are upper bounds for the models measured (benchmarks/results/build-memory.json: the estimate beside
+the peak of each build).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from ..ir import model as irm
 from ..ir.memory import GiB, available_bytes, shown
 
 # the build of a model of one 3x3 convolution: TensorFlow, TVM and the runtime loaded, no weights to
-# speak of (benchmarks/memory.json "tiny": 1.05 GiB)
+# speak of (benchmarks/results/build-memory.json "tiny": 1.05 GiB)
 BASE_BYTES = int(1.1 * GiB)
 # copies of the weights the build itself holds at once, at most, beside a compiler's: the model, a segment
 # cut from it and a reference session's (tune); the model, the optimized model and a transient (import);
-# the float model, its session and the bundle's self-test (package). Measured: 2.3 to 4.3 (memory.json)
+# the float model, its session and the bundle's self-test (package). Measured: 2.3 to 4.3 (build-memory.json)
 HELD_COPIES = 4
 # the same past `irm.EXTERNAL_FROM`, where the stages map the weights from their files instead of holding
 # them (`irm.read`): a session's copy and the self-test's, and the file's pages while they are read.

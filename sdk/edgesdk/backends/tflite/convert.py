@@ -185,8 +185,8 @@ def _converter(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> Ite
     and the calibrator's intermediate tensors for LSTM ops. Each of those rebuilt the whole FlatBuffer
     as Python objects, about four times its size. TensorFlow's oneDNN allocator, which kept what it
     freed, is off (`ir.memory.TENSORFLOW_ENV`). Per byte of weights, above TensorFlow's base: fp32 9.1
-    -> 3.1, int8 12.5 -> 6.0 (a 512 MiB MatMul segment, benchmarks/RESULTS.md "Models of every size,
-    part 4")."""
+    -> 3.1, int8 12.5 -> 6.0 (a 512 MiB MatMul segment, docs/design-notes.md "TensorFlow's TFLite
+    converter memory")."""
     import tensorflow as tf
     from tensorflow.lite.python import lite
     from tensorflow.lite.python.optimize import calibrator

@@ -5,7 +5,7 @@ activations and softmax built on them, legalized with TOPI's polynomial forms (`
 LLVM has no vector form of `expf`, `tanhf` or `erff` on a target without a vector math library: a
 vectorized `exp` becomes one libm call per lane. EfficientNetB0's swish (x * sigmoid(x), after 49 of
 its convolutions) spent a third of its untuned TVM time in `expf` on this project's x86 host
-(13.9 -> 9.2 ms with these forms; benchmarks/RESULTS.md, issue 17 part 7). The polynomial forms are
+(the bundle 14.8 -> 9.8 ms with these forms; docs/design-notes.md, "TVM's x86 code"). The polynomial forms are
 plain arithmetic and bit operations, which the default schedules vectorize.
 
 Their error, measured against float64 over 4 million points in [-100, 100] on this project's x86
