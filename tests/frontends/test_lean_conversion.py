@@ -1,4 +1,4 @@
-"""tf2onnx's optimizers run first without catch_errors (`_child._lean_first`): with it, tf2onnx deep-copies
+"""tf2onnx's optimizers run first without catch_errors (`tf2onnx_patches.lean_first`): with it, tf2onnx deep-copies
 the whole graph, weights and all, before each optimizer. Where one fails on that first pass, the model
 is converted again with catch_errors, as tf2onnx does by default. The failure is FAULT INJECTION: an
 optimizer added to tf2onnx's real list that raises once; the conversions are tf2onnx's own."""
@@ -11,12 +11,12 @@ import numpy as np
 import onnx
 import pytest
 
-from edgesdk.frontends import _child
+from edgesdk.frontends import keras_file, savedmodel, tf2onnx_patches, tf2onnx_steps
 
 
 @pytest.fixture
 def tf2onnx_and_function():
-    tf, tf2onnx, _ = _child._tensorflow()
+    tf, tf2onnx, _ = tf2onnx_steps.tensorflow()
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
     spec = [tf.TensorSpec((1, 4), tf.float32, name="x")]
 
@@ -51,7 +51,7 @@ def test_a_lean_pass_that_an_optimizer_fails_is_converted_again_with_catch_error
     optimizers = dict(tf2onnx.optimizer._optimizers)
     monkeypatch.setattr(tf2onnx.optimizer, "_optimizers", {**optimizers, "fails_once": FailsWithoutCatch})
     calls = []
-    proto = _child._lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
+    proto = tf2onnx_patches.lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
                                after=lambda: calls.append("after"))
     assert calls == ["before", "before", "after"]  # the lean pass failed; the second, with catch_errors, did not
     x = np.array([[1.0, -2.0, 3.0, 0.5]], np.float32)
@@ -63,7 +63,7 @@ def test_a_lean_pass_that_an_optimizer_fails_is_converted_again_with_catch_error
 def test_a_lean_pass_runs_once_where_no_optimizer_fails(tf2onnx_and_function):
     tf2onnx, convert = tf2onnx_and_function
     calls = []
-    proto = _child._lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
+    proto = tf2onnx_patches.lean_first(tf2onnx, convert, before=lambda graph: calls.append("before"),
                                after=lambda: calls.append("after"))
     assert calls == ["before", "after"]
     x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
@@ -73,18 +73,18 @@ def test_a_lean_pass_runs_once_where_no_optimizer_fails(tf2onnx_and_function):
 
 def _written(tmp_path: Path, converted) -> onnx.ModelProto:
     """A tf2onnx large-model conversion's (proto, storage) as the converter child writes it, read back."""
-    tf2onnx = _child._tensorflow()[1]
+    tf2onnx = tf2onnx_steps.tensorflow()[1]
     path = tmp_path / "converted.onnx"
-    _child._finish(*converted[:1], {"onnx": str(path)}, tf2onnx, {}, storage=converted[1])
+    tf2onnx_steps.finish(*converted[:1], {"onnx": str(path)}, tf2onnx, {}, storage=converted[1])
     return onnx.load(str(path))
 
 
 def test_a_weight_read_through_its_variable_is_not_copied_into_a_new_constant(monkeypatch, tmp_path):
     """A frozen graph reads each weight through an Identity (the variable's read); tf2onnx folded that
-    Identity into a new Const holding a copy of the weight (`_child._constants_stay`; SavedModel import). The Identity's
+    Identity into a new Const holding a copy of the weight (`tf2onnx_patches._constants_stay`; SavedModel import). The Identity's
     readers now take the weight's own Const: no Const of the weight's size is made, and the model
     computes what the function does."""
-    tf, tf2onnx, _ = _child._tensorflow()
+    tf, tf2onnx, _ = tf2onnx_steps.tensorflow()
     from tf2onnx import graph
 
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
@@ -129,9 +129,9 @@ def _fully_connected_tflite(tf, tmp_path: Path):
 def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, monkeypatch):
     """tf2onnx infers each new node's shapes on a model of that node, its constant inputs as
     initializers: a Transpose it inserts on a TFLite FullyConnected's weight serialized and parsed the
-    whole weight several times (`_child._shapes_without_weights`). Only constants small enough to be
+    whole weight several times (`tf2onnx_patches._shapes_without_weights`). Only constants small enough to be
     shapes go in now, and the converted model computes what the TFLite model does."""
-    tf, tf2onnx, _ = _child._tensorflow()
+    tf, tf2onnx, _ = tf2onnx_steps.tensorflow()
     from tf2onnx import schemas
 
     w, f, path = _fully_connected_tflite(tf, tmp_path)
@@ -144,7 +144,7 @@ def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, 
 
     monkeypatch.setattr(schemas.shape_inference, "infer_shapes", spied)
     proto = tf2onnx.convert.from_tflite(str(path), opset=17)[0]
-    assert largest and max(largest) <= _child.SHAPE_VALUES < w.size
+    assert largest and max(largest) <= tf2onnx_patches.SHAPE_VALUES < w.size
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     want = f(tf.constant(x)).numpy()
     np.testing.assert_allclose(_run(proto, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -153,10 +153,10 @@ def test_a_new_nodes_shapes_are_inferred_without_the_weights_it_reads(tmp_path, 
 def test_a_tflite_weight_becomes_its_constant_from_one_copy(tmp_path, monkeypatch):
     """tf2onnx made each TFLite constant through a TensorFlow TensorProto, a numpy array, an ONNX tensor and
     the node's copy of it (five copies of VGG16's 392 MiB fc1 weight at once), and asked an interpreter with
-    XNNPACK, which packs every weight once more, for the shapes (`_child._tflite_read_lean`). No ONNX tensor
+    XNNPACK, which packs every weight once more, for the shapes (`tf2onnx_patches.tflite_read_lean`). No ONNX tensor
     of the weight's size is made apart from its node now, the interpreter runs without delegates, and the
     converted model computes what the TFLite model does."""
-    tf, tf2onnx, _ = _child._tensorflow()
+    tf, tf2onnx, _ = tf2onnx_steps.tensorflow()
     from onnx import numpy_helper
 
     w, f, path = _fully_connected_tflite(tf, tmp_path)
@@ -173,7 +173,7 @@ def test_a_tflite_weight_becomes_its_constant_from_one_copy(tmp_path, monkeypatc
 
     monkeypatch.setattr(numpy_helper, "from_array", spied_from_array)
     monkeypatch.setattr(tf.lite, "Interpreter", spied_interpreter)
-    with _child._weights_stored() as stored, _child._tflite_read_lean(tf2onnx.tflite_utils):
+    with tf2onnx_patches.weights_stored() as stored, tf2onnx_patches.tflite_read_lean(tf2onnx.tflite_utils):
         proto = tf2onnx.convert.from_tflite(str(path), opset=17)[0]
     assert w.size not in made, made
     assert resolvers == [tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES]
@@ -186,11 +186,11 @@ def test_a_tflite_weight_becomes_its_constant_from_one_copy(tmp_path, monkeypatc
 
 def test_a_new_constant_is_made_from_one_copy(tmp_path):
     """tf2onnx made a new constant (a weight its folding transposed) from a flattened copy, a bytes copy,
-    the tensor made from them and the node's copy of that (`_child._constants_made_once`); and its large-model
+    the tensor made from them and the node's copy of that (`tf2onnx_patches._constants_made_once`); and its large-model
     path stored a weight's bytes from a deep copy of the node's attribute, which the node kept
-    (`_child._values_moved`). Now no ONNX tensor of the weight is made apart from its node, the node's bytes
+    (`tf2onnx_patches._values_moved`). Now no ONNX tensor of the weight is made apart from its node, the node's bytes
     move to the storage, and the written model holds the weight."""
-    _, tf2onnx, _ = _child._tensorflow()
+    _, tf2onnx, _ = tf2onnx_steps.tensorflow()
     from onnx import TensorProto
     from tf2onnx import graph
 
@@ -246,13 +246,13 @@ def test_a_savedmodel_is_frozen_with_each_weight_a_placeholder_viewing_its_varia
     """TensorFlow's freeze copied each variable into the frozen GraphDef, and tf2onnx imported that into a
     TensorFlow graph: VGG16's converter peaked at 2.9 GiB for 528 MiB of weights. Now no constant of the
     frozen graph holds a weight: each is a placeholder whose value is a read-only view of its variable's
-    buffer (`_child._frozen_without_weights`), and the converted model computes what the signature does."""
-    tf, _, _ = _child._tensorflow()
+    buffer (`savedmodel._frozen_without_weights`), and the converted model computes what the signature does."""
+    tf, _, _ = tf2onnx_steps.tensorflow()
     module = _loop_savedmodel(tf, tmp_path / "loop")
     values: dict = {}
     request = {"source": str(tmp_path / "loop"), "input_shapes": {}, "batch": 1, "opset": 17,
                "onnx": str(tmp_path / "loop.onnx"), "result": str(tmp_path / "result.json")}
-    graph_def = _child._frozen(tf, request, [], values)[0]
+    graph_def = savedmodel._frozen(tf, request, [], values)[0]
     assert max(len(n.attr["value"].tensor.tensor_content) for n in _constants(graph_def)) < 1024
     placeholders = {f"{n.name}:0": n for n in graph_def.node if n.op == "Placeholder"}
     assert set(values) <= set(placeholders) and len(values) == 2
@@ -263,7 +263,7 @@ def test_a_savedmodel_is_frozen_with_each_weight_a_placeholder_viewing_its_varia
         np.testing.assert_array_equal(value, variable.numpy())
 
     values.clear()
-    _child._savedmodel(request)
+    savedmodel.convert(request)
     x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
     want = module.serve(tf.constant(x))["y"].numpy()
     np.testing.assert_allclose(_run(onnx.load(request["onnx"]), x), want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -273,7 +273,7 @@ def test_a_weight_frozen_into_a_library_function_freezes_again_with_its_value(tm
     """Where the freeze leaves a weight's constant in a function of the graph's library (FAULT INJECTION:
     the first freeze's result has one marked constant moved into a function), that weight would have no
     placeholder: the signature is frozen again as TensorFlow has it, every weight a constant."""
-    tf, _, _ = _child._tensorflow()
+    tf, _, _ = tf2onnx_steps.tensorflow()
     from tf2onnx import tf_loader
 
     _loop_savedmodel(tf, tmp_path / "loop")
@@ -294,7 +294,7 @@ def test_a_weight_frozen_into_a_library_function_freezes_again_with_its_value(tm
     monkeypatch.setattr(tf_loader, "from_function", moving_one)
     values: dict = {}
     request = {"source": str(tmp_path / "loop"), "input_shapes": {}, "batch": 1}
-    graph_def = _child._frozen(tf, request, [], values)[0]
+    graph_def = savedmodel._frozen(tf, request, [], values)[0]
     assert calls == [0, 1] and values == {}
     sizes = sorted(len(n.attr["value"].tensor.tensor_content) for n in _constants(graph_def))
     assert sizes[-2:] == [16 * 16 * 4, 512 * 4]
@@ -318,7 +318,7 @@ def test_a_keras_files_weights_are_read_from_a_copy_on_disk_in_the_work_folder(c
     extracted = []
     work = tmp_path / "work"
     work.mkdir()
-    with _child._weights_read_from_disk(work):
+    with keras_file._weights_read_from_disk(work):
         temporary = saving_lib.tempfile.TemporaryDirectory
 
         def spied(*args, **kwargs):

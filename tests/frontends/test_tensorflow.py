@@ -212,7 +212,7 @@ def test_tflite_int8_within_one_step_of_the_interpreter(conv_net_files, tmp_path
 
 
 def test_conversion_is_deterministic(conv_net_files, tmp_path):
-    """Same file, same bytes. Without `_child._number_nodes`, tf2onnx merged duplicate Q/DQ
+    """Same file, same bytes. Without `tf2onnx_patches._number_nodes`, tf2onnx merged duplicate Q/DQ
     constants and nodes in address order: 3 runs of this file gave 3 different graphs."""
     first, _ = frontends.load(conv_net_files["int8-per-tensor"], tmp_path / "a")
     second, _ = frontends.load(conv_net_files["int8-per-tensor"], tmp_path / "b")
@@ -432,7 +432,7 @@ def test_a_converter_that_would_exhaust_memory_is_stopped(conv_net_files, tmp_pa
 
 
 def test_keras_weights_stay_out_of_tensorflows_graph(conv_net_files, tmp_path):
-    """The Keras converter traces the model with its weights as inputs (`_child._keras_weights_apart`).
+    """The Keras converter traces the model with its weights as inputs (`keras_file._keras_weights_apart`).
     A 64 MiB dense layer: the converter's peak above a tiny model's was ~47 copies of the weights when
     tf2onnx froze them into TensorFlow's graph (3.6 GB, measured on the build host), ~6 now; under 10
     passes. Its output equals Keras's, and the weights sit in the external data file beside the

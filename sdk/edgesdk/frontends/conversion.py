@@ -1,4 +1,4 @@
-"""Converting the TensorFlow formats, in a child process (`_child`).
+"""Converting the TensorFlow formats, in a child process (`converter_child`).
 
 TensorFlow and the TFLite flatbuffer reader are native code that can crash (SIGSEGV, SIGABRT
 from a failed CHECK) on a malformed file. The child is started with its own process group, its
@@ -77,7 +77,7 @@ def convert(path: Path, fmt: str, work: Path, *, batch: int, input_shapes: dict[
 
 
 def child_command(request: Path) -> list[str]:
-    return [sys.executable, "-m", "edgesdk.frontends._child", str(request)]
+    return [sys.executable, "-m", "edgesdk.frontends.converter_child", str(request)]
 
 
 def _run_child(command: list[str], log: Path, path: Path, fmt: str,
@@ -86,7 +86,7 @@ def _run_child(command: list[str], log: Path, path: Path, fmt: str,
     floor = memory_floor()
     env = dict(os.environ)
     tensorflow_env(env)
-    env["PYTHONHASHSEED"] = "0"  # str hashes, like node hashes (_child._number_nodes), fixed: same file, same bytes
+    env["PYTHONHASHSEED"] = "0"  # str hashes, like node hashes (tf2onnx_patches._number_nodes), fixed: same file, same bytes
     sdk = str(Path(__file__).resolve().parents[2])  # the child imports edgesdk from where we run
     env["PYTHONPATH"] = os.pathsep.join([sdk] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with open(log, "wb") as out:
