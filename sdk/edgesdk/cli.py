@@ -24,7 +24,7 @@ import typer
 from typer.core import TyperCommand
 
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
-from .options import GENERAL, PANELS, BuildOptions, check_choice, field_type, flag_of, flagged
+from .options import GENERAL, PANELS, BuildOptions, check_choice, default_of, field_type, flag_of, flagged
 
 app = typer.Typer(
     name="edgesdk",
@@ -335,14 +335,14 @@ _SPELLINGS = {
 
 def _typer_parameter(name: str, help: str | None, panels: bool) -> Parameter:
     """The typer parameter of BuildOptions field `name`, as its `Flag` declares it."""
-    f, field = flag_of(name), BuildOptions.__dataclass_fields__[name]
+    f = flag_of(name)
     spelled = bool if f.negated else f.spelled or field_type(name)
     if f.negated:
         default = False
     elif get_origin(spelled) is list:
         default = []
     else:
-        default = ... if field.default is MISSING else field.default
+        default = ... if default_of(name) is MISSING else default_of(name)
     # what rich would read as markup ("[default: ...]") is shown as written
     shown = dict(help=(help or f.help).replace("[", "\\["),
                  rich_help_panel=PANELS[f.stage] if panels and f.stage else None,
@@ -375,13 +375,18 @@ def _build_options(given: dict[str, Any], **fixed: Any) -> BuildOptions:
     values = {}
     for name in (n for n in flagged() if n in given):
         value = given[name]
-        values[name] = not value if flag_of(name).negated else _SPELLINGS[name](value) if name in _SPELLINGS else value
+        if flag_of(name).negated:
+            value = not value
+        elif name in _SPELLINGS:
+            value = _SPELLINGS[name](value)
+        values[name] = value
     return BuildOptions(**values, **fixed)
 
 
 class _RefusalsAsJson(TyperCommand):
-    """A command whose `--json` (eager: read first) covers a value refused as the command line is read
-    (a choice, options.py `Refusal`) too, printed as `_failure_as_json` prints a failure of the command."""
+    """A command (with `_failure_as_json`) whose `--json` also covers a value refused while the command line
+    is read, before the command runs (a choice, options.py `Refusal`); `--json` is eager, read first, so
+    it is known by then."""
 
     def parse_args(self, ctx, args):
         try:

@@ -67,6 +67,9 @@ def _option(default: Any = MISSING, *, factory: Any = MISSING, **flag: Any) -> A
 
 @dataclass(frozen=True)
 class BuildOptions:
+    """What a build runs with. Each field the command line sets declares its `Flag` (cli.py makes the
+    typer parameter from it); the stages read the fields they name in their OPTIONS."""
+
     model: Path = _option(
         stage=None, argument=True, help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory.")
     target: str = _option(
@@ -268,6 +271,11 @@ class BuildOptions:
         if isinstance(v, Path):
             return str(v)
         return v
+
+
+def default_of(name: str) -> Any:
+    """BuildOptions field `name`'s default; MISSING where it has none or a factory makes it."""
+    return _fields()[name].default
 
 
 def flag_of(name: str) -> Flag:
