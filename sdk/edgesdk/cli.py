@@ -15,12 +15,16 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import MISSING
+from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, get_origin
 
 import typer
+from typer.core import TyperCommand
 
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
+from .options import GENERAL, PANELS, BuildOptions, check_choice, default_of, field_type, flag_of, flagged
 
 app = typer.Typer(
     name="edgesdk",
@@ -270,9 +274,6 @@ def _parse_values(values: list[str]) -> dict[str, tuple[float, ...]]:
     return frozen
 
 
-CALIB_METHODS = ("minmax", "percentile", "mse", "entropy", "auto")  # ir/calibrators.py METHODS, and auto
-
-
 def _parse_ranges(values: list[str]) -> dict[str, tuple[float, float]]:
     """--input-range NAME=LOW,HIGH (repeatable): finite numbers, LOW < HIGH, each input once."""
     ranges: dict[str, tuple[float, float]] = {}
@@ -312,107 +313,149 @@ def _parse_activations(values: list[str]) -> dict[str, str]:
     return declared
 
 
-@app.command()
+def _node_names(values: list[str]) -> tuple[str, ...]:
+    """--keep-on-cpu NODE,... (repeatable): each name once, in the order given."""
+    return tuple(dict.fromkeys(n.strip() for v in values for n in v.split(",") if n.strip()))
+
+
+# How a field's command-line spelling (options.py `Flag.spelled`) becomes its value; a bound of 0 is none
+# given (the target's), as it always was on the command line.
+_SPELLINGS = {
+    "input_shapes": _parse_shapes,
+    "input_values": _parse_values,
+    "time_budget": functools.partial(_parse_duration, flag="--time-budget"),
+    "input_ranges": _parse_ranges,
+    "max_abs_error": lambda bound: bound or None,
+    "max_error_lsb": lambda bound: bound or None,
+    "cpu_backends": _parse_cpu_backends,
+    "output_activations": _parse_activations,
+    "keep_on_cpu": _node_names,
+}
+
+
+def _typer_parameter(name: str, help: str | None, panels: bool) -> Parameter:
+    """The typer parameter of BuildOptions field `name`, as its `Flag` declares it."""
+    f = flag_of(name)
+    spelled = bool if f.negated else f.spelled or field_type(name)
+    if f.negated:
+        default = False
+    elif get_origin(spelled) is list:
+        default = []
+    else:
+        default = ... if default_of(name) is MISSING else default_of(name)
+    # what rich would read as markup ("[default: ...]") is shown as written
+    shown = dict(help=(help or f.help).replace("[", "\\["),
+                 rich_help_panel=PANELS[f.stage] if panels and f.stage else None,
+                 parser=functools.partial(check_choice, name) if f.refusal else None)
+    info = (typer.Argument(default, **shown) if f.argument else
+            typer.Option(default, *f.flags(name), min=f.min, **shown))
+    return Parameter(name, Parameter.KEYWORD_ONLY, default=info, annotation=spelled)
+
+
+def _with_options(*names: str, help: dict[str, str] | None = None, panels: bool = True):
+    """A command that takes these BuildOptions fields (options.py declares each once) as typer parameters,
+    into its `**given`, beside its own; with `panels`, --help shows each in the panel of the stage that owns
+    it, the stages in order."""
+    def add(command):
+        made = [_typer_parameter(n, (help or {}).get(n), panels) for n in names]
+        own = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in signature(command).parameters.values()
+               if p.kind is not Parameter.VAR_KEYWORD]
+        order = [None, *PANELS.values()]
+        params = sorted(made + own, key=lambda p: order.index(getattr(p.default, "rich_help_panel", None)))
+        command.__signature__ = Signature(params, return_annotation=None)
+        command.__annotations__ = {**command.__annotations__, **{p.name: p.annotation for p in made}}
+        return command
+
+    return add
+
+
+def _build_options(given: dict[str, Any], **fixed: Any) -> BuildOptions:
+    """BuildOptions from a command's `**given` (`_with_options`): each spelled field parsed, each negated
+    flag inverted; `fixed`: fields the command sets itself."""
+    values = {}
+    for name in (n for n in flagged() if n in given):
+        value = given[name]
+        if flag_of(name).negated:
+            value = not value
+        elif name in _SPELLINGS:
+            value = _SPELLINGS[name](value)
+        values[name] = value
+    return BuildOptions(**values, **fixed)
+
+
+class _RefusalsAsJson(TyperCommand):
+    """A command (with `_failure_as_json`) whose `--json` also covers a value refused while the command line
+    is read, before the command runs (a choice, options.py `Refusal`); `--json` is eager, read first, so
+    it is known by then."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except EdgeSDKError as e:
+            if ctx.params.get("as_json"):
+                print(json.dumps({"error": _error_json(e)}, indent=2, default=str), flush=True)
+            raise
+
+
+def _checked_together(given: dict[str, Any]) -> dict[str, Any]:
+    """The build's options refused where a value is out of range or values do not go together (exit 2,
+    before anything runs); `--prune` in its canonical spelling."""
+    if not 50.0 < given["calib_percentile"] <= 100.0:
+        raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {given['calib_percentile']}: outside "
+                         "(50, 100]", "99.99 keeps all but one value in 10,000 per tail")
+    if bool(given["rpc_tracker"]) != bool(given["rpc_key"]):
+        raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
+                         "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
+    prune = _check_prune_options(given["prune"], given["prune_plan"], given["latency_budget"], given["prune_layers"],
+                                 given["prune_correct"], given["sparse_kernels"])
+    _check_eval_options(given["eval_data"], given["task"], given["decoder"], given["task_options"])
+    return {**given, "prune": prune}
+
+
+@app.command(cls=_RefusalsAsJson)
 @_failure_as_json
+@_with_options(*flagged())
 def build(
-    model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
-    target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory: DIR/bundle, DIR/bundle.tar.gz, DIR/.build (stage cache)."),
-    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
-    input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 or NAME=1,2,3 (repeatable); the input leaves the bundle's signature."),
-    batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
-    trials: int = typer.Option(0, "--trials", min=0, help="MetaSchedule trials (measured candidates) per device kind (CPU, GPU) of the model; 0: no search, the tuning database's records are applied."),
-    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="Stop tuning after this long: 90s, 20m, 1.5h or seconds; the next build with the same --trials resumes."),
-    tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="Tuning database directory \\[default: ~/.cache/edgesdk/tuning/TARGET]."),
-    rpc_tracker: Optional[str] = typer.Option(None, "--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: tuning measures candidates on the boards registered with it, and a foreign CPU's backends are timed there (boards run `python -B -m runtime.board`)."),
-    rpc_key: Optional[str] = typer.Option(None, "--rpc-key", help="With --rpc-tracker: the key the boards registered with."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of calibration samples for int8: .npy / .npz files, or images (PNG, JPEG, BMP)."),
-    calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
-    calib_method: Optional[str] = typer.Option(None, "--calib-method", help="How int8 activation ranges are chosen: minmax (the values' min and max), percentile (--calib-percentile), mse (least squared error through int8), entropy (TensorRT's KL), or auto (per tensor the method of least measured error) \\[default: auto with --calib, minmax on synthetic samples]."),
-    calib_percentile: float = typer.Option(99.99, "--calib-percentile", help="With --calib-method percentile (and auto): the percentile kept in each tail, in (50, 100]."),
-    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs: KEY=VALUE,... of color (RGB, BGR, GRAY), scale (1/255), mean, std (per channel joined by ':'), layout (NCHW, NHWC); input = (pixel * scale - mean) / std. Without --calib, the range it gives 8-bit pixels is the image input's range for synthetic samples."),
-    input_range: List[str] = typer.Option([], "--input-range", help="Without --calib: the range an input's synthetic calibration samples are drawn from, NAME=LOW,HIGH (repeatable), e.g. x=0,1 for images in [0, 1] \\[default: the range --calib-preprocess or the model's metadata states, else -1,1 with a warning]."),
-    max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each ReLU-sum approximation's error \\[default: the target's legalize.max_abs_error]."),
-    max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (the output's calibrated range / 255), e.g. 0.5; with --max-abs-error too, the tighter of the two."),
-    allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Keep a function on the CPU when no approximation meets the bound, instead of failing."),
-    no_rewrites: bool = typer.Option(False, "--no-rewrites", help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare)."),
-    mode: str = typer.Option("latency", "--mode", help="latency: one inference as fast as possible; throughput: pipeline a stream."),
-    no_inter_op: bool = typer.Option(False, "--no-inter-op", help="Never run independent CPU operators concurrently (no inter-operator parallelism), to compare."),
-    cpu_backends: Optional[str] = typer.Option(None, "--cpu-backends", help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a comma-separated subset of tvm,onnxruntime,litert \\[default: all]; 'planned': the schedule's cut, nothing measured."),
-    cpu_precision: Optional[str] = typer.Option(None, "--cpu-precision", help="fp32: every CPU segment float; int8: also measure int8 candidates (LiteRT's int8 kernels, with the ops full int8 hurts most kept float where needed, and onnxruntime's), each admitted only where it passes the accuracy gate on held-out calibration samples \\[default: the target's CPU precision, fp32]."),
-    prune: Optional[str] = typer.Option(None, "--prune", help="Prune the CPU segments' convolution and matrix weights: 2:4 or 1:4 (N of every M input channels kept), magnitude:S (the smallest share S of each layer's weights, e.g. magnitude:0.75), column-combine[:G] (one input channel of every G kept per output channel, G=4 by default). Without retraining: the build reports the pruned model's fidelity to the dense one; pruned convolutions run sparse TVM kernels where measured faster."),
-    prune_layers: Optional[str] = typer.Option(None, "--prune-layers", help="With --prune: the layers to prune, node names or globs joined by ',' or 'all' \\[default: all but the first and last]."),
-    prune_correct: bool = typer.Option(False, "--prune-correct", help="With --prune: refit each pruned layer's kept weights by least squares to the dense layer's outputs on the calibration data."),
-    sparse_kernels: str = typer.Option("measured", "--sparse-kernels", help="With --prune: how a pruned convolution is computed on the CPU: measured (the sparse kernel where it is timed faster than the dense one on this host; by policy where the target's CPU cannot be timed here), sparse or dense (forced, to compare)."),
-    prune_plan: Optional[str] = typer.Option(None, "--prune-plan", help="Prune layer by layer: 'auto' chooses each layer's method among --prune's (a list, e.g. 2:4,1:4, the default) or dense, by dynamic programming over its kernels' times measured on this host and its sensitivity, the least fidelity loss within --latency-budget; or a plan file (a build's OUT/.build/4-tune/prune_plan.json) to prune exactly as it says."),
-    latency_budget: Optional[float] = typer.Option(None, "--latency-budget", min=0.0, help="With --prune-plan auto: the model's CPU time per inference on this host, in milliseconds, as the build runs it: nothing is pruned where the dense model meets it on a CPU backend the tune stage measures; else the plan must be predicted within it."),
-    eval_data: Optional[Path] = typer.Option(None, "--eval", help="A directory of held-out samples (as --calib reads them, in file-name order), with labels.txt where you have labels: the finished bundle is measured against the fp32 model on --task's own measure (docs/evaluation.md); with --prune and labels.txt of integer classes, also top-1 accuracy of the dense and the pruned model."),
-    task: Optional[str] = typer.Option(None, "--task", help="With --eval: classification (top-1/top-5), detection (with --decoder: boxes kept, lost, false at IoU 0.5), ocr (CTC decoding: character accuracy), segmentation (mask IoU) or generic (per output cosine and error) \\[default: classification where DIR has labels.txt, else generic]."),
-    decoder: Optional[str] = typer.Option(None, "--decoder", help="With --task detection: yolov8 ([1, 4+C, N]), yolov5 ([1, N, 5+C]) or ssd (boxes and scores outputs, anchors given in --task-options)."),
-    task_options: Optional[str] = typer.Option(None, "--task-options", help="With --task: KEY=VALUE,... e.g. score=0.25,iou=0.5,match=0.5 (detection), output=NAME, dictionary=FILE (ocr), threshold=0.5 (segmentation), goal=0.98 (the share of fp32's result to keep)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for every random choice (synthetic calibration, tuning)."),
-    output_activation: List[str] = typer.Option([], "--output-activation", help="An output the model gives as logits that your code passes through an activation, NAME=sigmoid or NAME=softmax (repeatable), e.g. a detector's class logits: the accuracy gate judges it after the activation, and int8 spends its steps where the activation moves (a sigmoid's logits up to 8, from at least -8). The scores output of --decoder ssd with --task-options activation=sigmoid is declared so already."),
-    accept_accuracy_loss: bool = typer.Option(False, "--accept-accuracy-loss", help="Publish the bundle even where it misses the target's accuracy gate (each output against fp32 on held-out samples, docs/accuracy.md); the manifest, edgesdk inspect and the build summary then say so."),
-    keep_on_cpu: List[str] = typer.Option([], "--keep-on-cpu", help="Nodes no accelerator may run, by the model's own names joined by ',' (repeatable): the placement keeps them in float on the CPU, and plan.json states the predicted latency that costs. The accuracy gate's culprits are named so."),
-    no_accuracy_remedy: bool = typer.Option(False, "--no-accuracy-remedy", help="Below the accuracy gate, fail at once: do not plan again with the culprit layers kept in float on the CPU (the default tries that, at most 3 rounds; docs/accuracy.md)."),
-    low_memory: bool = typer.Option(False, "--low-memory", help="Build in less memory: the CPU segments are compiled by onnxruntime alone (which reads the weights where they are), none by TVM or LiteRT, whose compilers hold the weights about 2 and 4 times over; the bundle may run slower. The build estimates its peak memory after import and again after schedule, and stops if this machine lacks it."),
-    sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
-    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", envvar="EDGESDK_BUNDLE_VERSION", help="The bundle's version, 0 to 2^63 - 1, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
-    check_reproducible: bool = typer.Option(False, "--check-reproducible", help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
-    until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
-    start: Optional[str] = typer.Option(None, "--from", help="Rerun from this stage even if the cache is valid."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr."),
-    as_json: bool = typer.Option(False, "--json", help="Print the build summary as JSON on stdout (a failure: its error, as {\"error\": {code, message, notes, hint, exit_code}})."),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", envvar="EDGESDK_SIGN_KEY", rich_help_panel=PANELS["package"], help="Sign the bundle with this ed25519 private key (edgesdk keys generate): manifest.sig; the key never enters the bundle."),
+    bundle_version: Optional[int] = typer.Option(None, "--bundle-version", envvar="EDGESDK_BUNDLE_VERSION", rich_help_panel=PANELS["package"], help="The bundle's version, 0 to 2^63 - 1, increasing with every release of this product: devices refuse to install a bundle older than theirs \\[default: 0]."),
+    check_reproducible: bool = typer.Option(False, "--check-reproducible", rich_help_panel=PANELS[GENERAL], help="Build again in a fresh directory (the tune stage's measurements replayed) and compare the bundles byte for byte, naming any difference (exit 1)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", rich_help_panel=PANELS[GENERAL], help="Only errors on stderr."),
+    as_json: bool = typer.Option(False, "--json", is_eager=True, rich_help_panel=PANELS[GENERAL], help="Print the build summary as JSON on stdout (a failure: its error, as {\"error\": {code, message, notes, hint, exit_code}})."),
+    **given: Any,
 ) -> None:
     """Run the pipeline and write DIR/bundle and DIR/bundle.tar.gz."""
-    if check_reproducible and until is not None:
+    if check_reproducible and given["until"] is not None:
         raise UsageError("cli.reproducible-until", "--check-reproducible compares whole bundles: --until does not go "
                          "with it", "drop --until")
     stamp = _stamper(sign_key, bundle_version)
-    if cpu_precision not in (None, "fp32", "int8"):
-        raise UsageError("cli.bad-cpu-precision", f"--cpu-precision {cpu_precision}: expected fp32 or int8",
-                         "int8 measures int8 CPU candidates behind an accuracy gate; fp32 keeps the CPU float")
-    if mode not in ("latency", "throughput"):
-        raise UsageError("cli.bad-mode", f"--mode {mode}: expected latency or throughput", "see edgesdk build --help")
-    if calib_method is not None and calib_method not in CALIB_METHODS:
-        raise UsageError("cli.bad-calib-method", f"--calib-method {calib_method}: expected one of "
-                         f"{', '.join(CALIB_METHODS)}", "auto chooses per tensor among minmax, percentile, mse and "
-                         "entropy by measured error; see docs/calibration.md")
-    if not 50.0 < calib_percentile <= 100.0:
-        raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {calib_percentile}: outside (50, 100]",
-                         "99.99 keeps all but one value in 10,000 per tail")
-    if bool(rpc_tracker) != bool(rpc_key):
-        raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
-                         "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
-    chosen_backends = _parse_cpu_backends(cpu_backends)
-    if sparse_kernels not in ("measured", "sparse", "dense"):
-        raise UsageError("cli.bad-sparse-kernels", f"--sparse-kernels {sparse_kernels}: expected measured, sparse or dense",
-                         "measured chooses per layer by timing both kernels; sparse or dense forces one")
-    prune = _check_prune_options(prune, prune_plan, latency_budget, prune_layers, prune_correct, sparse_kernels)
-    _check_eval_options(eval_data, task, decoder, task_options)
-    from .pipeline import PHASE_NAMES, BuildOptions, build as run_build, stage_dir
+    options = _build_options(_checked_together(given))
+    from .pipeline import build as run_build
 
-    options = BuildOptions(model=model, target=target, out=out, input_shapes=_parse_shapes(input_shape),
-                           input_values=_parse_values(input_value), batch=batch,
-                           trials=trials, time_budget=_parse_duration(time_budget, "--time-budget"),
-                           tuning_db=tuning_db, rpc_tracker=rpc_tracker, rpc_key=rpc_key,
-                           calib=calib, calib_samples=calib_samples,
-                           calib_method=calib_method, calib_percentile=calib_percentile,
-                           calib_preprocess=calib_preprocess, input_ranges=_parse_ranges(input_range),
-                           max_abs_error=max_abs_error or None,
-                           max_error_lsb=max_error_lsb or None, allow_cpu_fallback=allow_cpu_fallback,
-                           legalize_rewrites=not no_rewrites, mode=mode, inter_op=not no_inter_op,
-                           cpu_backends=chosen_backends, cpu_precision=cpu_precision, prune=prune,
-                           prune_layers=prune_layers, prune_correct=prune_correct, sparse_kernels=sparse_kernels,
-                           prune_plan=prune_plan, latency_budget=latency_budget, eval_data=eval_data,
-                           task=task, decoder=decoder, task_options=task_options,
-                           seed=seed, accept_accuracy_loss=accept_accuracy_loss,
-                           output_activations=_parse_activations(output_activation),
-                           keep_on_cpu=tuple(dict.fromkeys(n.strip() for v in keep_on_cpu for n in v.split(",")
-                                                           if n.strip())),
-                           accuracy_remedy=not no_accuracy_remedy, low_memory=low_memory, until=until,
-                           start=start)
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
+    on_stage = _stage_lines(quiet)
+    t0 = time.perf_counter()
+    with _native_stderr_silenced(quiet):
+        result = run_build(options, log=log, on_stage=on_stage, progress=None if quiet else _progress_line(),
+                           stamp=stamp)
+    summary = result.summary()
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    if result.bundle is not None:
+        summary["signed_by"] = _stamped(result.bundle, quiet)
+    if as_json:
+        if check_reproducible:
+            summary["reproducible"] = _check_reproducible(options, result, stamp, quiet, log, on_stage)
+        print(json.dumps(summary, indent=2, default=str))
+        return
+    if not quiet:
+        _report_build(result, options.out, summary["seconds"])
+    if check_reproducible:  # after the build's own report: the rebuild's verdict is the last word
+        _check_reproducible(options, result, stamp, quiet, log, on_stage)
+
+
+def _stage_lines(quiet: bool):
+    """The build's `on_stage`: a line on stderr as each stage starts and ends."""
+    from .pipeline import PHASE_NAMES
+
     total = len(PHASE_NAMES)
 
     def on_stage(name: str, state: str, secs: float) -> None:
@@ -428,45 +471,33 @@ def build(
         else:
             _err(f"[{i}/{total}] {name} cached")
 
-    t0 = time.perf_counter()
-    with _native_stderr_silenced(quiet):
-        result = run_build(options, log=log, on_stage=on_stage, progress=None if quiet else _progress_line(),
-                           stamp=stamp)
-    summary = result.summary()
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    if result.bundle is not None:
-        summary["signed_by"] = _stamped(result.bundle, quiet)
-    if as_json:
-        if check_reproducible:
-            summary["reproducible"] = _check_reproducible(options, result, stamp, quiet, log, on_stage)
-        print(json.dumps(summary, indent=2, default=str))
-        return
-    if not quiet:
-        from .report.text import import_summary, legalize_summary, placement_summary
+    return on_stage
 
-        for s in result.stages:
-            if s.name == "import":
-                _err(import_summary(s.record))
-            if s.name == "legalize" and (text := legalize_summary(s.record)):
-                _err(text)
-        # the tune stage's plan (each CPU span on its measured backend) where the build got that far
-        plan_path = next((p for p in (stage_dir(out, "tune") / "plan.json", stage_dir(out, "schedule") / "plan.json")
-                          if p.exists()), None)
-        if plan_path is not None:
-            _err(placement_summary(json.loads(plan_path.read_text())))
-            _err(f"schedule report: {stage_dir(out, 'schedule') / 'schedule.html'}")
-        from .report.text import accuracy_summary
 
-        for s in result.stages:
-            if s.name == "package" and (text := accuracy_summary(s.record.get("accuracy") or {})):
-                _err(text)
-                _err(f"accuracy report: {stage_dir(out, 'package') / 'accuracy.html'}")
-        for s in result.stages:
-            for w in s.record.get("warnings", []) if s.cached else []:
-                _err(f"warning: {w}")
-        _err(f"built in {summary['seconds']:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
-    if check_reproducible:  # after the build's own report: the rebuild's verdict is the last word
-        _check_reproducible(options, result, stamp, quiet, log, on_stage)
+def _report_build(result, out: Path, seconds: float) -> None:
+    """What the build did, on stderr: each stage's summary, the plan, the accuracy, cached stages' warnings."""
+    from .pipeline import stage_dir
+    from .report.text import accuracy_summary, import_summary, legalize_summary, placement_summary
+
+    for s in result.stages:
+        if s.name == "import":
+            _err(import_summary(s.record))
+        if s.name == "legalize" and (text := legalize_summary(s.record)):
+            _err(text)
+    # the tune stage's plan (each CPU span on its measured backend) where the build got that far
+    plan_path = next((p for p in (stage_dir(out, "tune") / "plan.json", stage_dir(out, "schedule") / "plan.json")
+                      if p.exists()), None)
+    if plan_path is not None:
+        _err(placement_summary(json.loads(plan_path.read_text())))
+        _err(f"schedule report: {stage_dir(out, 'schedule') / 'schedule.html'}")
+    for s in result.stages:
+        if s.name == "package" and (text := accuracy_summary(s.record.get("accuracy") or {})):
+            _err(text)
+            _err(f"accuracy report: {stage_dir(out, 'package') / 'accuracy.html'}")
+    for s in result.stages:
+        for w in s.record.get("warnings", []) if s.cached else []:
+            _err(f"warning: {w}")
+    _err(f"built in {seconds:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
 
 
 def _stamper(sign_key: Path | None, version: int | None):
@@ -613,35 +644,24 @@ def _trusted_keys(public_key: Path | None, trust_dir: Path | None, root: Path | 
                          "directory of them") from None
 
 
-@app.command()
+@app.command(cls=_RefusalsAsJson)
 @_failure_as_json
+@_with_options("model", "target", "input_shapes", "input_values", "batch", "calib", "calib_samples", "calib_preprocess",
+               "input_ranges", "max_abs_error", "max_error_lsb", "allow_cpu_fallback", "seed",
+               help={"input_values": "Freeze an input to a constant: NAME=16000 or NAME=1,2,3 (repeatable).",
+                     "calib": "Directory of .npy / .npz samples or images: the ranges approximations are fitted on.",
+                     "allow_cpu_fallback": "Report functions that miss the bound as CPU fallbacks instead of failing.",
+                     "seed": "Seed of the synthetic calibration samples."})
 def check(
-    model: Path = typer.Argument(..., help="The model: .onnx, .keras, .h5, .tflite, or a SavedModel directory."),
-    target: str = typer.Option(..., "--target", "-t", help="A target file or a shipped target's name (edgesdk targets list)."),
-    input_shape: List[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1x3x224x224 (repeatable)."),
-    input_value: List[str] = typer.Option([], "--input-value", help="Freeze an input to a constant: NAME=16000 (repeatable)."),
-    batch: int = typer.Option(1, "--batch", min=1, help="Batch size for inputs whose first dimension is dynamic."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Directory of .npy / .npz samples or images: the ranges approximations are fitted on."),
-    calib_samples: int = typer.Option(32, "--calib-samples", min=1, help="Calibration samples to use at most."),
-    calib_preprocess: Optional[str] = typer.Option(None, "--calib-preprocess", help="How --calib images become inputs (see edgesdk build --help)."),
-    input_range: List[str] = typer.Option([], "--input-range", help="Without --calib: the range an input's synthetic samples are drawn from, NAME=LOW,HIGH (repeatable; see edgesdk build --help)."),
-    max_abs_error: Optional[float] = typer.Option(None, "--max-abs-error", min=0.0, help="Bound on each approximation's error \\[default: the target's]."),
-    max_error_lsb: Optional[float] = typer.Option(None, "--max-error-lsb", min=0.0, help="Bound on each approximation's error in int8 steps of its output (see edgesdk build --help)."),
-    allow_cpu_fallback: bool = typer.Option(False, "--allow-cpu-fallback", help="Report functions that miss the bound as CPU fallbacks instead of failing."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic calibration samples."),
     nodes: bool = typer.Option(False, "--nodes", help="List every node, not only each op type."),
-    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout (a failure: its error, as build --json prints it)."),
+    as_json: bool = typer.Option(False, "--json", is_eager=True, help="Print the analysis as JSON on stdout (a failure: its error, as build --json prints it)."),
+    **given: Any,
 ) -> None:
     """Analyse MODEL for TARGET without building: which devices can run each op and why not,
     accelerator coverage by ops and FLOPs, CPU<->accelerator transitions, what legalize would rewrite."""
-    from .pipeline import BuildOptions, check as run_check
+    from .pipeline import check as run_check
 
-    options = BuildOptions(model=model, target=target, out=Path("."), input_shapes=_parse_shapes(input_shape),
-                           input_values=_parse_values(input_value), batch=batch, calib=calib,
-                           calib_samples=calib_samples, calib_preprocess=calib_preprocess,
-                           input_ranges=_parse_ranges(input_range),
-                           max_abs_error=max_abs_error or None, max_error_lsb=max_error_lsb or None,
-                           allow_cpu_fallback=allow_cpu_fallback, seed=seed)
+    options = _build_options(given, out=Path("."))
     report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))
     if as_json:
         print(json.dumps(report, indent=2, default=float))
@@ -652,8 +672,11 @@ def check(
 
 
 @app.command()
+@_with_options("target", "tuning_db", panels=False, help={
+    "target": "The target whose CPU figures to fit (its CPU must be this host's architecture).",
+    "tuning_db": "The tuning database whose records TVM compiles with, as the build would (default: the build's, "
+                 "~/.cache/edgesdk/tuning/TARGET)."})
 def calibrate(
-    target: str = typer.Option(..., "--target", "-t", help="The target whose CPU figures to fit (its CPU must be this host's architecture)."),
     model: List[str] = typer.Option(..., "--model", "-m", help="A model whose ops are measured and fitted (repeatable); PATH@NAME=1x3x48x192 fixes its input shapes."),
     holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Intra-op threads, as the bundle will run, at most this host's CPUs \\[default: 2, or the host's CPUs if fewer]."),
@@ -661,9 +684,9 @@ def calibrate(
     cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
     cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Timings of each run on each backend, the runs in turn, each in a fresh process (the quickest round's median is kept); more on a busy host."),
-    tuning_db: Optional[Path] = typer.Option(None, "--tuning-db", help="The tuning database whose records TVM compiles with, as the build would (default: the build's, ~/.cache/edgesdk/tuning/TARGET)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),
     as_json: bool = typer.Option(False, "--json", help="Print the fits and their evaluation as JSON on stdout."),
+    **given: Any,
 ) -> None:
     """Measure per-op latencies on this host and fit the target's CPU cost figures; time runs of each
     model on each CPU backend as a bundle runs them and fit the backend's own figures; report predicted
@@ -672,6 +695,8 @@ def calibrate(
 
     from .pipeline import calibrate as run_calibrate
     from .runtime.output_file import refusal
+
+    target, tuning_db = given["target"], given["tuning_db"]
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:

@@ -44,6 +44,7 @@ from .ir import model as irm
 from .ir.calibration import check_input_ranges, check_output_activations
 from .ir.digest import file_sha256, tree_sha256, value_sha256
 from .ir.memory import give_back, resident_bytes, shown
+from .options import BuildOptions, check_choice
 from .scheduling.plan import Plan
 from .stages import memory as build_memory
 
@@ -92,81 +93,6 @@ def stage_read_files(module: Any, stage: str) -> dict[str, tuple[str, ...]]:
         raise ValueError(f"stage {stage} READS_FILES {sorted(files)}: only earlier stages "
                          f"({', '.join(PHASE_NAMES[:i])})")
     return files
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    model: Path
-    target: str
-    out: Path
-    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    input_values: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    batch: int = 1
-    trials: int = 0
-    time_budget: float | None = None  # seconds of tuning at most (the tune stage's wall time)
-    tuning_db: Path | None = None
-    rpc_tracker: str | None = None  # HOST:PORT of a TVM RPC tracker whose boards measure tuning candidates
-    rpc_key: str | None = None
-    calib: Path | None = None
-    calib_samples: int = 32
-    # how int8 activation ranges are chosen: minmax, percentile, mse, entropy or auto (ir/calibrators.py);
-    # None: auto with --calib data, minmax on synthetic samples (`calibration_method`)
-    calib_method: str | None = None
-    calib_percentile: float = 99.99
-    calib_preprocess: str | None = None  # how --calib images become inputs (ir/calibration.py)
-    # --input-range: per input, the [low, high] its synthetic calibration samples are drawn from
-    input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
-    max_abs_error: float | None = None  # legalize's approximation bound; None: the target's
-    # legalize's approximation bound in int8 steps of each approximated output (its range on the calibration
-    # data / 255); None: max_abs_error. Given both, each approximation keeps the tighter
-    max_error_lsb: float | None = None
-    allow_cpu_fallback: bool = False
-    legalize_rewrites: bool = True  # False: legalize only annotates (--no-rewrites, for comparison)
-    mode: str = "latency"
-    inter_op: bool = True  # False: no inter-operator parallelism on the CPU (--no-inter-op, to compare)
-    # the backends a whole CPU span is measured on beside the plan's cut (--cpu-backends); None: all; ("planned",): none
-    cpu_backends: tuple[str, ...] | None = None
-    cpu_precision: str | None = None  # fp32 or int8 (--cpu-precision); None: the target's CPU `precision`
-    prune: str | None = None  # --prune METHOD (compression/prune.py): 2:4, 1:4, magnitude:S, column-combine[:G]
-    prune_layers: str | None = None  # --prune-layers: names or globs; None: all but the first and last
-    prune_correct: bool = False  # --prune-correct: least-squares correction of the kept weights
-    sparse_kernels: str = "measured"  # --sparse-kernels: a pruned layer's kernel: measured, sparse or dense
-    prune_plan: str | None = None  # --prune-plan: "auto" (with latency_budget) or a plan file (compression/plan.py)
-    latency_budget: float | None = None  # --latency-budget MS: the auto plan's CPU time budget
-    # --eval DIR: held-out samples (labels optional): the bundle's task figures against the fp32 model
-    # (compression/tasks.py); with --prune and labels.txt, also the pruned model's top-1 beside the dense one's
-    eval_data: Path | None = None
-    task: str | None = None  # --task: classification, detection, ocr, segmentation or generic; None: from DIR
-    decoder: str | None = None  # --decoder with --task detection: yolov8, yolov5 or ssd
-    task_options: str | None = None  # --task-options KEY=VALUE,...: the decoder's thresholds, the output, the goal
-    seed: int = 0
-    # --output-activation: outputs given as logits that the user's code passes through sigmoid or softmax (by
-    # name): judged after it, and calibrated where it moves (compression/accuracy.py `declared`)
-    output_activations: dict[str, str] = field(default_factory=dict)
-    # --accept-accuracy-loss: publish a bundle below the target's accuracy gate (the manifest says so)
-    accept_accuracy_loss: bool = False
-    # --keep-on-cpu NODE,...: nodes no accelerator may run, kept in float on the CPU by the placement
-    keep_on_cpu: tuple[str, ...] = ()
-    # below the gate, plan again with the culprits on accelerators kept on the CPU (`REMEDY_ROUNDS` at most);
-    # False: --no-accuracy-remedy
-    accuracy_remedy: bool = True
-    # the accuracy remedy's rounds so far (`build` sets it): per round, the gate's figures and the plan's
-    # predicted latency before it, and the culprits it moved; recorded in plan.json's keep_on_cpu
-    remedy: tuple[dict, ...] = ()
-    low_memory: bool = False  # --low-memory: the CPU segments compiled by onnxruntime alone (stages/memory.py)
-    until: str | None = None
-    start: str | None = None  # --from
-
-    def calibration_method(self) -> str:
-        """--calib-method, else auto where real calibration data is given and minmax on synthetic samples
-        (whose ranges say little of real inputs, so measuring which method fits them best says little too)."""
-        return self.calib_method or ("auto" if self.calib is not None else "minmax")
-
-    def value(self, name: str) -> Any:
-        v = getattr(self, name)
-        if isinstance(v, Path):
-            return str(v)
-        return v
 
 
 @dataclass
@@ -226,12 +152,6 @@ class BuildResult:
             "bundle": str(self.bundle) if self.bundle else None,
             "stages": [asdict(s) for s in self.stages],
         }
-
-
-def _check_stage_name(name: str | None, flag: str) -> None:
-    if name is not None and name not in PHASE_NAMES:
-        raise UsageError("build.bad-stage", f"{flag} {name}: no such stage",
-                         f"stages, in order: {', '.join(PHASE_NAMES)}")
 
 
 REMEDY_ROUNDS = 3  # the accuracy remedy's rounds at most: each plans again with more culprits on the CPU
@@ -346,8 +266,8 @@ def _probed(probe: dict | None, plan: Plan, kept: tuple[str, ...]) -> tuple[list
 def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Callable[[str, str, float], None],
            progress: Callable[[str | None], None] | None, stamp: Callable[[Path, Path], None] | None,
            replay: dict[str, Path] | None) -> BuildResult:
-    _check_stage_name(options.until, "--until")
-    _check_stage_name(options.start, "--from")
+    check_choice("until", options.until)
+    check_choice("start", options.start)
     target, target_path = load_target(options.target)
     model = Path(options.model)
     if not model.exists():

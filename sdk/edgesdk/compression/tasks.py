@@ -40,14 +40,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
 from ..errors import UsageError, UserError
 from ..ir.calibration import MAX_LABELS_BYTES, open_regular_file, read_samples, utf8_text
+from ..options import Decoder, Task, check_choice
 
-TASKS = ("classification", "detection", "ocr", "segmentation", "generic")
-DECODERS = ("yolov8", "yolov5", "ssd")
+TASKS: tuple[str, ...] = get_args(Task)
+DECODERS: tuple[str, ...] = get_args(Decoder)
 LABELS_TEXT = "labels.txt"  # classification, detection, ocr
 LABELS_MASKS = "labels.npy"  # segmentation
 GOALS = {"classification": 0.99, "detection": 0.95, "ocr": 0.98, "segmentation": 0.95, "generic": 0.99}
@@ -87,16 +89,12 @@ class Labels:
 def parse_options(task: str, decoder: str | None, text: str | None) -> dict:
     """`--task-options KEY=VALUE,...` for `task` (and `--decoder`), with every default filled in; UsageError
     (exit 2) naming a key the task does not take or a value that does not parse."""
-    if task not in TASKS:
-        raise UsageError("cli.bad-task", f"--task {task}: expected one of {', '.join(TASKS)}",
-                         "classification, detection (with --decoder), ocr, segmentation or generic")
+    check_choice("task", task)
     if (decoder is not None) != (task == "detection"):
         raise UsageError("cli.task-options", "--task detection needs --decoder" if decoder is None else
                          f"--decoder {decoder} goes with --task detection only",
                          f"--task detection --decoder {'|'.join(DECODERS)}")
-    if decoder is not None and decoder not in DECODERS:
-        raise UsageError("cli.bad-decoder", f"--decoder {decoder}: expected one of {', '.join(DECODERS)}",
-                         "yolov8: [1, 4+C, N]; yolov5: [1, N, 5+C]; ssd: a boxes and a scores output")
+    check_choice("decoder", decoder)
     keys = {k: v for k, v in _KEYS[task].items() if decoder == "ssd" or k not in _SSD_ONLY}
     spec: dict = {k: default for k, (_, default) in keys.items()}
     for item in (text or "").split(","):
