@@ -406,7 +406,7 @@ def evaluate(fit: CpuFit, samples: list[OpSample]) -> dict:
 
 # --- per backend: runs of nodes timed as a bundle runs them --------------------------------------
 
-TOLERANCE = 0.25  # a held-out model's prediction is expected within 25 % of its measured time (issue 17)
+TOLERANCE = 0.25  # a held-out model's prediction is expected within 25 % of its measured time
 BOUND = 100.0  # a backend's fitted figure stays within this factor of its start (the per-op fit's), either way
 WHOLE = "whole"
 

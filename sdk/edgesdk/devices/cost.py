@@ -6,7 +6,7 @@ A segment costs the sum of its nodes plus its transfers (`scheduling.placement.s
 Edge TPU, weights beyond the on-chip parameter cache are streamed over the link on every inference
 (Coral's compiler docs), and every tensor that enters or leaves the accelerator crosses the link:
 t_link = latency + bytes / bandwidth. Every figure comes from the target file, which names its
-source. This is the simple model of the end-to-end issue; the scheduling issue fits it.
+source; `devices/fit.py` fits a device's free figures to published latencies (docs/cost-figures.md).
 """
 
 from __future__ import annotations
