@@ -229,7 +229,9 @@ def _check_eval_options(eval_data: Path | None, task: str | None, decoder: str |
 def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    from .scheduling.selection import CPU_BACKENDS, PLANNED
+    from .backends import cpu_candidates
+    from .scheduling.selection import PLANNED
+    CPU_BACKENDS = cpu_candidates()
 
     names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
     unknown = [n for n in names if n not in (PLANNED, *CPU_BACKENDS)]
@@ -687,7 +689,8 @@ def calibrate(
         path, _, shapes = text.partition("@")
         return Path(path), _parse_shapes([x for x in shapes.split(",") if x])
 
-    from .scheduling.selection import CPU_BACKENDS
+    from .backends import cpu_candidates
+    CPU_BACKENDS = cpu_candidates()
 
     chosen = () if cpu_backends == "none" else tuple(dict.fromkeys(b.strip() for b in cpu_backends.split(",")
                                                                     if b.strip()))
