@@ -6,8 +6,8 @@ bundle (the backends) sits above.
 """
 
 from .cache import CACHE_HINT, CACHE_MAX_BYTES, TimingCache, entry_problem
-from .runner import (RUNS, WARMUP, Apart, FakeRunner, FreshProcess, Handle, InProcess, Loaded, Runner, failure,
+from .runner import (RUNS, WARMUP, Apart, FakeRunner, FreshProcess, Handle, InProcess, Loaded, Runner, failure, laps,
                      measure_alone)
 
 __all__ = ["CACHE_HINT", "CACHE_MAX_BYTES", "RUNS", "WARMUP", "Apart", "FakeRunner", "FreshProcess", "Handle", "InProcess",
-           "Loaded", "Runner", "TimingCache", "entry_problem", "failure", "measure_alone"]
+           "Loaded", "Runner", "TimingCache", "entry_problem", "failure", "laps", "measure_alone"]

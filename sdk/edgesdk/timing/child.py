@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import numpy as np
 
 from edgesdk.runtime import BundleModel
+from edgesdk.timing.runner import laps
 
 
 def measure(bundle: str, feeds_file: str, warmup: int, runs: int) -> list[float]:
@@ -23,13 +23,7 @@ def measure(bundle: str, feeds_file: str, warmup: int, runs: int) -> list[float]
     model = BundleModel(bundle, log=lambda s: None)
     feeds = dict(np.load(feeds_file))
     feeds = {t.name: feeds[t.name] for t in model.inputs}
-    laps = []
-    for k in range(warmup + runs):
-        t0 = time.perf_counter()
-        model.run(feeds)
-        if k >= warmup:
-            laps.append((time.perf_counter() - t0) * 1e3)
-    return laps
+    return laps(lambda: model.run(feeds), warmup, runs)
 
 
 def run(bundle: str, feeds_file: str, outputs_file: str) -> None:
