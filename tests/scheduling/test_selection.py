@@ -774,3 +774,20 @@ def test_a_foreign_target_under_the_gate_falls_back_to_litert_fp32_with_why(tmp_
     assert span["chosen"] == "litert" and span["candidates"]["litert-int8"]["skipped"].startswith(why)
     assert span["why"].startswith(f"policy: LiteRT lowers every node (litert-int8: {why}")
     assert got.quantized == {}
+
+
+def test_low_memory_takes_the_one_candidate_left_unbuilt_and_untimed(tmp_path):
+    """`only` (--low-memory): candidates another backend compiles are left out, with why; the one left
+    (onnxruntime's whole span, the plan's cut holding a TVM segment) is taken without a build or a timing."""
+    model = _model()
+    target, _ = load_target("x86")
+    x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
+    got = selection.select(_plan(model, SPLIT), model, _segment_models(model), target, [{"x": x}], allowed=("onnxruntime",),
+                           tuning_db=tmp_path / "db" / "cpu", cache=TimingCache(tmp_path / "db" / "timing.json"),
+                           measurable=None, host="test host", log=lambda s: None, timer=_never_timed, only=("onnxruntime",))
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "onnxruntime" and span["why"] == "the only candidate (--low-memory)"
+    assert span["candidates"] == {"planned": {"skipped": "--low-memory: compiled by onnxruntime, tvm"}}
+    (seg,) = got.plan.segments
+    assert (seg.backend, seg.nodes) == ("onnxruntime", ("mm1", "relu", "mm2")) and set(got.models) == {"s0"}
+    assert not (tmp_path / "db" / "timing.json").exists()  # nothing measured

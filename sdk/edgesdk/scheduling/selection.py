@@ -265,8 +265,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     if not found:
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
-    int8 = _int8(plan, model, samples, allowed, calib_method, calib_percentile, log, record) \
-        if precision == "int8" else None
+    int8 = _int8(plan, model, samples, allowed, precision, calib_method, calib_percentile, log, record)
     runner, host, threads = _where_timed(target, measurable, boards, board, runner or FreshProcess(), host, log, record)
     if runner is None:  # this host cannot time the target's CPU code: chosen by policy
         chosen_plan, models, record = by_policy(plan, model, segment_models, target, samples, allowed=allowed,
@@ -288,7 +287,11 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
             if only is not None:
                 cands = _low_memory(cands, skipped, only)
             if len(cands) == 1:  # nothing to choose between: no build, no timing
-                record["spans"].append(_taken_unmeasured(cands[0], skipped, model, chosen, span, models, log))
+                entry, cut = _only_candidate(cands[0], skipped, model, log)
+                record["spans"].append(entry)
+                if cands[0].name != PLANNED:  # what --low-memory left, taken unmeasured
+                    chosen[span] = cands[0], None
+                    models.update(cut)
                 continue
             # check: each candidate built and checked against onnxruntime (int8: the accuracy gate), or its
             # time replayed from the timing cache
@@ -305,11 +308,11 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     return Selected(new, models, record, _quantize_chosen(new, models, int8, int8_dir, log))
 
 
-def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowed: Sequence[str], calib_method: str,
-          calib_percentile: float, log: Callable[[str], None], record: dict) -> Int8 | None:
+def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowed: Sequence[str], precision: str,
+          calib_method: str, calib_percentile: float, log: Callable[[str], None], record: dict) -> Int8 | None:
     """How `--cpu-precision int8` candidates are quantized and gated, where one is allowed; the gate's
     thresholds and samples added to `record`."""
-    if model is None or not set(allowed) & set(backends.cpu_candidates("int8")):
+    if precision != "int8" or model is None or not set(allowed) & set(backends.cpu_candidates("int8")):
         return None
     calib, held = held_out_split(samples)
     int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
@@ -349,18 +352,15 @@ def _low_memory(cands: list[Candidate], skipped: dict[str, str], only: Sequence[
     return kept or cands[:1]
 
 
-def _taken_unmeasured(cand: Candidate, skipped: dict[str, str], model: onnx.ModelProto,
-                      chosen: dict[tuple[int, int], tuple[Candidate, float | None]], span: tuple[int, int],
-                      models: dict[str, onnx.ModelProto], log: Callable[[str], None]) -> dict:
-    """The record of a span with one candidate, taken unbuilt and untimed: the plan's cut, or what
-    `--low-memory` left (then cut anew into `models`, and `chosen` for the span)."""
+def _only_candidate(cand: Candidate, skipped: dict[str, str], model: onnx.ModelProto,
+                    log: Callable[[str], None]) -> tuple[dict, dict[str, onnx.ModelProto]]:
+    """The record of a span with one candidate, taken unbuilt and untimed (the plan's cut, or what
+    `--low-memory` left), and the segment models it cuts anew."""
     if cand.name == PLANNED:
-        return _unmeasured(cand, skipped, "the only candidate")
-    chosen[span] = cand, None
-    models.update({s.id: _extract(model, s) for s in cand.segments})
+        return _unmeasured(cand, skipped, "the only candidate"), {}
     entry = _unmeasured(cand, skipped, "the only candidate (--low-memory)")
     log(f"tune: span of {entry['nodes']} nodes: {cand.name}, the only candidate (--low-memory)")
-    return entry
+    return entry, {s.id: _extract(model, s) for s in cand.segments}
 
 
 def _unmeasured(cand: Candidate, skipped: dict[str, str], why: str) -> dict:
