@@ -4,7 +4,7 @@
 
 Each bundle's outputs are first compared with the first one's (max |difference| over the first
 bundle's max |output|). Then `--rounds` rounds, each timing every bundle in turn in a process of its own
-(`scheduling.selection.measure_alone`: `--runs` inferences after 5 warm-up ones, the runtime a device
+(`timing.measure_alone`: `--runs` inferences after 5 warm-up ones, the runtime a device
 runs); per bundle the median of all its inferences, and its ratio to the first. Prints a JSON line
 with the host CPU. `bench_cpu.py` keeps the bundles it builds under .cache/bench-cpu/NAME-{selected,tvm}
 and the inputs it timed them on as .cache/bench-cpu/NAME-feeds.npz: copy a bundle aside, change the
@@ -37,6 +37,7 @@ def main() -> None:
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(args.threads)
     from edgesdk.runtime import BundleModel
     from edgesdk.scheduling import selection
+    from edgesdk.timing import measure_alone
 
     feeds = dict(np.load(args.feeds))
     outputs = []
@@ -49,7 +50,7 @@ def main() -> None:
     laps: list[list[float]] = [[] for _ in args.bundles]
     for _ in range(args.rounds):
         for i, bundle in enumerate(args.bundles):
-            laps[i] += selection.measure_alone(bundle, args.feeds, warmup=5, runs=args.runs)
+            laps[i] += measure_alone(bundle, args.feeds, warmup=5, runs=args.runs)
     medians = [statistics.median(v) for v in laps]
     print(json.dumps({
         "host": selection.host_name(), "threads": args.threads, "runs": args.runs * args.rounds,

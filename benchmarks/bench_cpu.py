@@ -178,7 +178,7 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
 
     from edgesdk.runtime import BundleModel
     from edgesdk.runtime.manifest import Manifest
-    from edgesdk.scheduling import selection
+    from edgesdk.timing import measure_alone
 
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(threads)
     selected, tvm = CACHE / f"{name}-selected" / "bundle", CACHE / f"{name}-tvm" / "bundle"
@@ -203,8 +203,8 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
                               capture_output=True, text=True, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    calls = {"onnxruntime": ort_alone, "bundle": lambda: selection.measure_alone(selected, tmp, warmup=5, runs=runs),
-             "tvm bundle": lambda: selection.measure_alone(tvm, tmp, warmup=5, runs=runs)}
+    calls = {"onnxruntime": ort_alone, "bundle": lambda: measure_alone(selected, tmp, warmup=5, runs=runs),
+             "tvm bundle": lambda: measure_alone(tvm, tmp, warmup=5, runs=runs)}
     laps: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(rounds):
         for label, call in calls.items():

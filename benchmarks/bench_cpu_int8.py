@@ -117,7 +117,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from edgesdk.runtime import BundleModel
-    from edgesdk.scheduling import selection
+    from edgesdk.timing import measure_alone
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(bench_cpu.MODELS))  # PP-OCR-cls added above
@@ -171,7 +171,7 @@ def main() -> None:
             return json.loads(done.stdout.strip().splitlines()[-1])
 
         calls = {"onnxruntime fp32": lambda: ort_alone(fp32), "onnxruntime int8": lambda: ort_alone(q),
-                 "int8 bundle": lambda: selection.measure_alone(out / "bundle", feeds, warmup=5, runs=args.runs)}
+                 "int8 bundle": lambda: measure_alone(out / "bundle", feeds, warmup=5, runs=args.runs)}
         laps: dict[str, list[float]] = {k: [] for k in calls}
         for _ in range(ROUNDS):
             for label, call in calls.items():

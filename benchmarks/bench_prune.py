@@ -93,6 +93,7 @@ def main() -> None:
     from edgesdk.runtime import BundleModel
     from edgesdk.runtime.manifest import Manifest
     from edgesdk.scheduling import selection
+    from edgesdk.timing import measure_alone
 
     results: dict = {"host": selection.host_name(), "threads": THREADS, "rows": []}
     # the newest figure of every build: this run's rows replace theirs (model, batch, variant), the others stay
@@ -142,7 +143,7 @@ def main() -> None:
 
             calls = {"onnxruntime": ort_alone}
             for v in variants:
-                calls[v] = lambda v=v: selection.measure_alone(dirs[v] / "bundle", npz, warmup=3, runs=args.runs)
+                calls[v] = lambda v=v: measure_alone(dirs[v] / "bundle", npz, warmup=3, runs=args.runs)
             laps: dict[str, list[float]] = {k: [] for k in calls}
             for _ in range(args.rounds):
                 for label, call in calls.items():

@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from edgesdk import backends, timing
 from edgesdk.cli import main as cli_main
 from edgesdk.ir.numeric import compare
 from edgesdk.pipeline import BuildOptions, build
@@ -22,7 +23,7 @@ from edgesdk.scheduling import selection
 from edgesdk.verify import verify
 from tests import model_zoo
 
-INT8 = set(selection.INT8_BACKENDS.values())
+INT8 = set(backends.cpu_candidates("int8"))
 SHAPE = {"x": (1, 3, 48, 192)}
 
 
@@ -34,7 +35,7 @@ def int8_build(tmp_path_factory, text_calib):
         return [0.1 if Path(bundle).name in INT8 else 1.0] * 3
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(selection, "measure_alone", fake_laps)
+        mp.setattr(timing.runner, "measure_alone", fake_laps)
         options = BuildOptions(model=model_zoo.ppocr_cls(), target="x86", out=tmp / "a",
                                input_shapes=SHAPE, tuning_db=tmp / "db", calib=text_calib, calib_method="minmax",
                                calib_preprocess=model_zoo.PPOCR_CLS_PREPROCESS, cpu_backends=("onnxruntime", "litert"),
@@ -107,7 +108,7 @@ def planted(tmp_path, monkeypatch):
     from tests.scheduling.test_selection import PLANTED_GATE, _model, _plant, zeroed_int8
 
     zeroed_int8(monkeypatch)
-    monkeypatch.setattr(selection, "measure_alone", lambda bundle, feeds, **_: [1.0] * 3)  # A FAKE TIMER
+    monkeypatch.setattr(timing.runner, "measure_alone", lambda bundle, feeds, **_: [1.0] * 3)  # A FAKE TIMER
     onnx.save(_model(), tmp_path / "mlp.onnx")
     args = ["build", str(tmp_path / "mlp.onnx"), "--target", "x86", "--cpu-precision", "int8",
             "--cpu-backends", "onnxruntime", "--tuning-db", str(tmp_path / "db")]

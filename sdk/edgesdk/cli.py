@@ -233,14 +233,16 @@ def _check_eval_options(eval_data: Path | None, task: str | None, decoder: str |
 def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    from .scheduling.selection import CPU_BACKENDS, PLANNED
+    from .backends import cpu_candidates
+    from .scheduling.selection import PLANNED
+    known = cpu_candidates()
 
     names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
-    unknown = [n for n in names if n not in (PLANNED, *CPU_BACKENDS)]
+    unknown = [n for n in names if n not in (PLANNED, *known)]
     if unknown or not names:
         raise UsageError("cli.bad-cpu-backends", f"--cpu-backends {value!r}: " + (
             f"unknown backend {', '.join(repr(n) for n in unknown)}" if unknown else "names no backend"),
-            f"choose among {','.join(CPU_BACKENDS)}, or {PLANNED} alone for the schedule's own cut, unmeasured")
+            f"choose among {','.join(known)}, or {PLANNED} alone for the schedule's own cut, unmeasured")
     return names
 
 
@@ -712,15 +714,16 @@ def calibrate(
         path, _, shapes = text.partition("@")
         return Path(path), _parse_shapes([x for x in shapes.split(",") if x])
 
-    from .scheduling.selection import CPU_BACKENDS
+    from .backends import cpu_candidates
+    known = cpu_candidates()
 
     chosen = () if cpu_backends == "none" else tuple(dict.fromkeys(b.strip() for b in cpu_backends.split(",")
                                                                     if b.strip()))
-    unknown = [b for b in chosen if b not in CPU_BACKENDS]
+    unknown = [b for b in chosen if b not in known]
     if unknown or (cpu_backends != "none" and not chosen):
         raise UsageError("cli.bad-backends", f"--backends {cpu_backends!r}: " + (
             f"unknown backend {', '.join(repr(b) for b in unknown)}" if unknown else "names no backend"),
-            f"choose among {','.join(CPU_BACKENDS)}, or none for the per-op fit alone")
+            f"choose among {','.join(known)}, or none for the per-op fit alone")
     result = run_calibrate(target, [spec(m) for m in model], [spec(h) for h in holdout], threads=threads, runs=runs,
                            backends=chosen, cuts=cuts, rounds=rounds, tuning_db=tuning_db,
                            log=(lambda s: None) if as_json else (lambda s: _err(f"    {s}")))

@@ -19,6 +19,19 @@ def test_the_shipped_backends_and_what_they_do():
     assert backends.backend("tvm").runtime_dists == ("apache-tvm", "apache-tvm-ffi")
 
 
+def test_the_cpu_candidates_their_int8_twins_and_the_policy_fallback_are_registry_data():
+    # the order ties between equal measurements are broken in, as the tune stage measured them before
+    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert"]
+    assert backends.cpu_candidates("int8") == ["onnxruntime-int8", "litert-int8"]
+    assert {b: backends.int8_variant(b) for b in backends.cpu_candidates()} == {
+        "tvm": None, "onnxruntime": "onnxruntime-int8", "litert": "litert-int8"}
+    assert backends.policy_fallback() == "litert"  # what ARM users run, where the target's CPU cannot be timed here
+    fast = Backend("fastcpu", runner="onnxruntime", rank=9, runtime_dists=(), cpu_order=9)
+    with backends.registered(fast):
+        assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "fastcpu"]
+    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert"]
+
+
 def test_a_backend_registered_for_a_test_is_forgotten_after_it():
     fake = Backend("fake", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",))  # after the others
     with backends.registered(fake):

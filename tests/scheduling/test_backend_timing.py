@@ -1,6 +1,6 @@
 """Runs of a model's nodes timed on CPU backends for `edgesdk calibrate` (scheduling/backend_timing.py).
 
-The timing is a FAKE TIMER (timings never go into tests): `selection.measure_alone` is replaced by one
+The timing is a FAKE TIMER (timings never go into tests): `timing.runner.measure_alone` is replaced by one
 that says how long each run took. The runs themselves are real: cut from the model, compiled by their
 backends, run by the runtime's runners and checked against onnxruntime; a run a backend cannot lower,
 or whose outputs disagree, is not timed and says why.
@@ -13,10 +13,10 @@ import os
 import numpy as np
 import pytest
 
-from edgesdk import backends
+from edgesdk import backends, timing
 from edgesdk.backends import Backend
 from edgesdk.config import load_target
-from edgesdk.scheduling import backend_timing, selection
+from edgesdk.scheduling import backend_timing
 from tests.scheduling.test_selection import _model
 
 RUNS = (range(0, 3), range(0, 1), range(1, 3))  # whole; mm1; relu + mm2
@@ -27,13 +27,13 @@ def _fake_timer(monkeypatch, fail: str | None = None):
     process on the cores); the run whose directory is `fail` dies."""
     asked: list[str] = []
 
-    def measure_alone(bundle, feeds, *, warmup=selection.WARMUP, runs=selection.RUNS):
+    def measure_alone(bundle, feeds, *, warmup=timing.WARMUP, runs=timing.RUNS):
         asked.append(bundle.name)
         if bundle.name == fail:
             raise RuntimeError("the timing run failed: killed")
         busy = 0.0 if asked.count(bundle.name) == 2 else 10.0
         return [float(int(bundle.name.split("-")[0]) + 1) + busy] * runs
-    monkeypatch.setattr(selection, "measure_alone", measure_alone)
+    monkeypatch.setattr(timing.runner, "measure_alone", measure_alone)
     return asked
 
 

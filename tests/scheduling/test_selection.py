@@ -28,6 +28,8 @@ from edgesdk.ir import model as irm
 from edgesdk.runtime.manifest import TensorSpec
 from edgesdk.scheduling import selection
 from edgesdk.scheduling.plan import Plan, PlanSegment
+from edgesdk.timing import TimingCache
+from edgesdk.timing import cache as timing_cache
 from tests.numeric import assert_close
 
 
@@ -76,7 +78,7 @@ def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measur
     x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
     return selection.select(plan, model, _segment_models(model), target, [{"x": x}, {"x": x * 2}], allowed=allowed,
                             tuning_db=tmp_path / "db" / "cpu",
-                            cache=cache or selection.TimingCache(tmp_path / "db" / "timing.json"),
+                            cache=cache or TimingCache(tmp_path / "db" / "timing.json"),
                             measurable=measurable, host="test host", log=lambda s: None, timer=timer)
 
 
@@ -192,7 +194,7 @@ def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
     target, _ = load_target("x86")
     other = selection.select(plan, model, _segment_models(model), target,
                              [{"x": np.ones((1, 16), np.float32)}], allowed=("onnxruntime",),
-                             tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
+                             tuning_db=tmp_path / "db" / "cpu", cache=TimingCache(tmp_path / "db" / "timing.json"),
                              measurable=None, host="another host", log=lambda s: None,
                              timer=_timer({"planned": 0.1, "onnxruntime": 0.5}))
     assert other.record["spans"][0]["chosen"] == "planned"
@@ -239,7 +241,7 @@ def test_a_wrong_candidate_whose_time_is_planted_in_the_cache_is_checked_and_dro
         got = selection.select(_plan(model, SPLIT), model, _segment_models(model), load_target("x86")[0],
                                [{"x": np.ones((1, 16), np.float32)}, {"x": np.full((1, 16), 2, np.float32)}],
                                allowed=("onnxruntime", "wrongsign"), tuning_db=tmp_path / "db" / "cpu",
-                               cache=selection.TimingCache(cache), measurable=None, host="test host", log=lines.append,
+                               cache=TimingCache(cache), measurable=None, host="test host", log=lines.append,
                                timer=_never_timed)
     (span,) = got.record["spans"]
     assert span["chosen"] == "onnxruntime" and got.plan.segments[0].backend == "onnxruntime"
@@ -321,7 +323,7 @@ def test_a_damaged_timing_cache_is_refused_naming_the_file(tmp_path, text, needl
     path = tmp_path / "timing.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(UserError) as err:
-        selection.TimingCache(path)
+        TimingCache(path)
     assert err.value.code == "tune.timing-cache" and err.value.exit_code == 1
     assert err.value.message.startswith(f"the timing cache {path}: ") and needle in err.value.message, err.value.message
     assert "remove the file, or point --tuning-db at another directory" in err.value.hint
@@ -334,13 +336,13 @@ def test_a_timing_cache_that_is_a_fifo_or_too_large_is_refused_without_reading_i
     fifo = tmp_path / "timing.json"
     os.mkfifo(fifo)
     with no_hang(), pytest.raises(UserError, match="not a regular file \\(a FIFO\\)"):
-        selection.TimingCache(fifo)
+        TimingCache(fifo)
     big = tmp_path / "big.json"
     big.write_text("{}" + " " * 100)
-    monkeypatch.setattr(selection, "CACHE_MAX_BYTES", 64)
+    monkeypatch.setattr(timing_cache, "CACHE_MAX_BYTES", 64)
     with pytest.raises(UserError, match="102 bytes, more than the 64 such a file may hold"):
-        selection.TimingCache(big)
-    assert selection.TimingCache(tmp_path / "absent.json").entries == {}
+        TimingCache(big)
+    assert TimingCache(tmp_path / "absent.json").entries == {}
 
 
 def test_the_caches_in_a_tuning_database_never_write_through_a_planted_link(tmp_path):
@@ -355,7 +357,7 @@ def test_the_caches_in_a_tuning_database_never_write_through_a_planted_link(tmp_
     db = tmp_path / "db"
     db.mkdir()
     writers = {
-        "timing.json": lambda: selection.TimingCache(db / "timing.json").put("k", {"ms": 1.0}),
+        "timing.json": lambda: TimingCache(db / "timing.json").put("k", {"ms": 1.0}),
         "layers.json": lambda: database._merge(db, "layers.json", {"a": 1}, max),
         "plan.json": lambda: write_plan(db / "plan.json", {"conv": "2:4"}),
     }
@@ -383,7 +385,7 @@ def test_a_foreign_targets_span_that_litert_lowers_goes_to_litert_by_policy(tmp_
     model's predictions kept, and a record that says why and that nothing was measured."""
     model = _model()
     plan = _plan(model, SPLIT)
-    got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+    got = _select(model, plan, tmp_path, _never_timed, allowed=backends.cpu_candidates(), measurable=FOREIGN,
                   target="arm_2tpu")
     rec = got.record
     assert rec["measured_on"] is None and rec["note"] == f"not measured ({FOREIGN}): chosen by policy"
@@ -405,7 +407,7 @@ def test_a_foreign_targets_span_that_litert_lowers_goes_to_litert_by_policy(tmp_
 def test_a_span_with_an_op_litert_cannot_lower_keeps_the_plan_with_the_reason(tmp_path):
     model = _model("Erf")
     plan = _plan(model, SPLIT)
-    got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+    got = _select(model, plan, tmp_path, _never_timed, allowed=backends.cpu_candidates(), measurable=FOREIGN,
                   target="arm_2tpu")
     (span,) = got.record["spans"]
     assert span["chosen"] == "planned"
@@ -421,7 +423,7 @@ def test_cpu_backends_planned_keeps_the_plan_and_reads_nothing(tmp_path):
     plan = _plan(model, SPLIT)
     target, _ = load_target("arm_2tpu")
     got = selection.select(plan, None, _segment_models(model), target, [], allowed=(), tuning_db=tmp_path / "db",
-                           cache=selection.TimingCache(tmp_path / "timing.json"), measurable=FOREIGN, host="test host",
+                           cache=TimingCache(tmp_path / "timing.json"), measurable=FOREIGN, host="test host",
                            log=lambda s: None, timer=_never_timed)
     assert got.plan.segments == plan.segments and got.models == {}
     assert got.record["spans"] == [{"segments": ["s0", "s1"], "nodes": 3, "chosen": "planned",
@@ -438,7 +440,7 @@ def test_a_litert_span_that_disagrees_with_onnxruntime_keeps_the_plan(tmp_path, 
     model = _model()
     wrong = Backend("wrongsign", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
                     compiler=f"{__name__}:compile_negated", lowering="edgesdk.backends.onnxruntime:lowering_reason")
-    monkeypatch.setattr(selection, "POLICY", "wrongsign")
+    monkeypatch.setattr(backends, "policy_fallback", lambda: "wrongsign")
     with backends.registered(wrong):
         got = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=("wrongsign",), measurable=FOREIGN,
                       target="arm_2tpu")
@@ -457,7 +459,7 @@ def test_a_tuned_schedules_cut_is_kept_over_litert(tmp_path):
                     lowering="edgesdk.backends.tvm.segment:lowering_reason")
     plan = _plan(model, [("tunedtvm", ["mm1", "relu", "mm2"], ("x",), ("y",))])
     with backends.registered(tuned):
-        got = _select(model, plan, tmp_path, _never_timed, allowed=selection.CPU_BACKENDS, measurable=FOREIGN,
+        got = _select(model, plan, tmp_path, _never_timed, allowed=backends.cpu_candidates(), measurable=FOREIGN,
                       target="arm_2tpu")
     (span,) = got.record["spans"]
     assert span["chosen"] == "planned" and got.plan.segments == plan.segments
@@ -471,7 +473,7 @@ def test_a_policy_record_validates_in_the_manifest_and_inspect_shows_it(tmp_path
     from edgesdk.runtime import manifest as mf
 
     model = _model("Erf")
-    erf = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=selection.CPU_BACKENDS,
+    erf = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=backends.cpu_candidates(),
                   measurable=FOREIGN, target="arm_2tpu").record
     mf._CPU_SELECTION(json.loads(json.dumps(erf)), "tuning.cpu_selection")  # raises where it does not validate
     with pytest.raises(mf.ManifestError):
@@ -498,7 +500,7 @@ def test_the_real_cpu_backends_build_and_agree_on_a_model(tmp_path):
     against onnxruntime; the fake timer only decides which wins."""
     model = _model()
     got = _select(model, _plan(model, [("tvm", ["mm1", "relu", "mm2"], ("x",), ("y",))]), tmp_path,
-                  _timer({"planned": 0.3, "onnxruntime": 0.2, "litert": 0.1}), allowed=selection.CPU_BACKENDS)
+                  _timer({"planned": 0.3, "onnxruntime": 0.2, "litert": 0.1}), allowed=backends.cpu_candidates())
     span = got.record["spans"][0]
     assert set(span["candidates"]) == {"planned", "onnxruntime", "litert"}  # the plan's cut is TVM's whole span
     assert all("ms" in c for c in span["candidates"].values()), span
@@ -625,7 +627,7 @@ def _select_int8(model, plan, tmp_path, timer, allowed=("onnxruntime", "litert")
     rng = np.random.default_rng(1)
     samples = [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)]
     return selection.select(plan, model, _segment_models(model), target, samples, allowed=allowed,
-                            tuning_db=tmp_path / "db" / "cpu", cache=selection.TimingCache(tmp_path / "db" / "timing.json"),
+                            tuning_db=tmp_path / "db" / "cpu", cache=TimingCache(tmp_path / "db" / "timing.json"),
                             measurable=measurable, host="test host", log=log, timer=timer, precision="int8",
                             int8_dir=tmp_path / int8_dir)
 
@@ -772,3 +774,20 @@ def test_a_foreign_target_under_the_gate_falls_back_to_litert_fp32_with_why(tmp_
     assert span["chosen"] == "litert" and span["candidates"]["litert-int8"]["skipped"].startswith(why)
     assert span["why"].startswith(f"policy: LiteRT lowers every node (litert-int8: {why}")
     assert got.quantized == {}
+
+
+def test_low_memory_takes_the_one_candidate_left_unbuilt_and_untimed(tmp_path):
+    """`only` (--low-memory): candidates another backend compiles are left out, with why; the one left
+    (onnxruntime's whole span, the plan's cut holding a TVM segment) is taken without a build or a timing."""
+    model = _model()
+    target, _ = load_target("x86")
+    x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
+    got = selection.select(_plan(model, SPLIT), model, _segment_models(model), target, [{"x": x}], allowed=("onnxruntime",),
+                           tuning_db=tmp_path / "db" / "cpu", cache=TimingCache(tmp_path / "db" / "timing.json"),
+                           measurable=None, host="test host", log=lambda s: None, timer=_never_timed, only=("onnxruntime",))
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "onnxruntime" and span["why"] == "the only candidate (--low-memory)"
+    assert span["candidates"] == {"planned": {"skipped": "--low-memory: compiled by onnxruntime, tvm"}}
+    (seg,) = got.plan.segments
+    assert (seg.backend, seg.nodes) == ("onnxruntime", ("mm1", "relu", "mm2")) and set(got.models) == {"s0"}
+    assert not (tmp_path / "db" / "timing.json").exists()  # nothing measured

@@ -5,8 +5,9 @@ finisher (`registry.py`).
 """
 
 from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
-                       Finisher, LayersJob, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, finisher, register,
-                       register_finisher, registered, unregister, unregister_finisher)
+                       Finisher, LayersJob, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, cpu_candidates,
+                       finisher, int8_variant, policy_fallback, register, register_finisher, registered, unregister,
+                       unregister_finisher)
 from .tflite.limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
                             FLATBUFFER_LIMIT)
 
@@ -22,7 +23,7 @@ TFLITE_INT8_MEMORY = {**TFLITE_MEMORY, "compile_bytes_per_weight_byte": CONVERTE
 TVM_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 ONNXRUNTIME_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 
-register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"),
+register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"), cpu_order=0,
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
                  tuner="edgesdk.backends.tvm.segment:tune_segments",
                  coverage="edgesdk.backends.tvm.segment:untuned",
@@ -40,27 +41,30 @@ register(Backend("tflite", runner="tflite", rank=1, runtime_dists=("ai-edge-lite
                  quantizer="edgesdk.backends.tflite.segment:quantize_segment",
                  layers="edgesdk.backends.tflite.layers:int8_layers",
                  lowering="edgesdk.backends.tflite.lowering:lowering_reason", **TFLITE_INT8_MEMORY))
-register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",),
+register(Backend("onnxruntime", runner="onnxruntime", rank=2, runtime_dists=("onnxruntime",), cpu_order=1,
                  compiler="edgesdk.backends.onnxruntime:compile_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason",
                  revision=3, **ONNXRUNTIME_MEMORY))  # 1: affine maps as BatchNormalization; 2: Keras GELU as Gelu; 3: the runner's threads
 # fp32 on the CPU through LiteRT's XNNPACK kernels: a candidate the tune stage measures for CPU spans
-register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
+register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",), cpu_order=2, cpu_policy=True,
                  compiler="edgesdk.backends.tflite.segment:compile_float_segment",
                  lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_MEMORY))
 # int8 on the CPU (`--cpu-precision int8`): candidates the tune stage measures behind an accuracy gate,
 # quantized with the build's calibration samples by the compress stage
-register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",),
+register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",), cpu_order=2,
+                 precision="int8", int8_of="litert",
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
                  layers="edgesdk.backends.tflite.layers:int8_cpu_layers",
                  lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_INT8_MEMORY))
-register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",),
+register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",), cpu_order=1,
+                 precision="int8", int8_of="onnxruntime",
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason", **ONNXRUNTIME_MEMORY))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",
-           "Finisher", "LayersJob", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "finisher", "register",
-           "register_finisher", "registered", "unregister", "unregister_finisher"]
+           "Finisher", "LayersJob", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "cpu_candidates",
+           "finisher", "int8_variant", "policy_fallback", "register", "register_finisher", "registered", "unregister",
+           "unregister_finisher"]

@@ -7,7 +7,9 @@ plan, layers timed by one that names a `layer_timer` (`Backend.time_layers`), th
 has those of one that `quantizes` converted by it (`Backend.quantize`: a `QuantizeJob` per segment),
 the package stage has each segment compiled by its backend (`Backend.compile`: a `CompileJob` in, a
 `Compiled` out) and then finished by its device kind's `Finisher`, where one is registered (Coral's
-`edgetpu_compiler` for the Edge TPU); a bundle's requirements.txt lists each used backend's
+`edgetpu_compiler` for the Edge TPU); the tune stage measures each CPU span on the backends that say where
+they stand among its candidates (`cpu_order`: `cpu_candidates`), and where it cannot measure tries the one
+marked `cpu_policy` (`policy_fallback`); a bundle's requirements.txt lists each used backend's
 `runtime_dists`, in `rank` order. MetaSchedule's string-keyed roles are the model. Registering here
 imports nothing heavy: every entry point is named as "module:function" and imported when it is
 first called, and compiler and runtime libraries stay imported inside the functions that use them.
@@ -262,6 +264,14 @@ class Backend:
     compile_bytes_per_weight_byte: float = 1.0
     # where a file format bounds a segment's weights (a FlatBuffer's 2 GiB): the most it compiles; 0: no bound
     max_weight_bytes: int = 0
+    # a candidate the tune stage measures for a CPU span (`scheduling/selection.py`, `cpu_candidates`): its place
+    # in the order ties are broken in (None: never a candidate), and the precision it computes in: an "int8" one
+    # is measured with `--cpu-precision int8` where its float twin `int8_of` is allowed
+    cpu_order: int | None = None
+    precision: str = "fp32"
+    int8_of: str = ""
+    # where the target's CPU cannot be timed here: the backend a whole span is tried on by policy (`policy_fallback`)
+    cpu_policy: bool = False
 
     @property
     def tunes(self) -> bool:
@@ -340,6 +350,22 @@ def backend(name: str) -> Backend:
 def backends() -> list[Backend]:
     """Every registered backend, in `rank` order."""
     return sorted(_BACKENDS.values(), key=lambda b: (b.rank, b.name))
+
+
+def cpu_candidates(precision: str = "fp32") -> list[str]:
+    """The backends the tune stage measures for a CPU span at `precision`, in the order ties are broken."""
+    found = [b for b in _BACKENDS.values() if b.cpu_order is not None and b.precision == precision]
+    return [b.name for b in sorted(found, key=lambda b: (b.cpu_order, b.name))]
+
+
+def int8_variant(name: str) -> str | None:
+    """The int8 candidate measured beside the fp32 candidate `name` with `--cpu-precision int8`, if any."""
+    return next((b.name for b in backends() if b.int8_of and b.int8_of == name and b.cpu_order is not None), None)
+
+
+def policy_fallback() -> str | None:
+    """The backend a whole CPU span is tried on where the target's CPU cannot be timed here."""
+    return next((b.name for b in backends() if b.cpu_policy), None)
 
 
 _FINISHERS: dict[str, Finisher] = {}

@@ -2,11 +2,12 @@
 fits a backend's own figures to (`devices/calibrate.fit_backend`).
 
 A run (the whole model, or consecutive nodes of it) on one backend is made a bundle of its own the way
-the tune stage makes a candidate (`selection._open`: compiled by the backend, TVM with the tuning
+the tune stage makes a candidate (`selection.open_candidate`: compiled by the backend, TVM with the tuning
 database's records, opened by the runtime's executor), checked against onnxruntime on the float model
 (`agrees`: a run whose outputs disagree is not timed, and says why), and timed as the tune stage times
-a candidate (`selection.measure_alone`): `rounds` measurements, every run on every backend in turn,
-each a fresh process that loads the run alone and times `runs` inferences after `selection.WARMUP`.
+a candidate (a `timing.Runner`, `timing.FreshProcess` unless given): `rounds` measurements, every run on
+every backend in turn, each a fresh process that loads the run alone and times `runs` inferences after
+`timing.WARMUP`.
 The run's time is the least of the measurements' medians, where the tune stage keeps their median: the
 figures describe the host's CPU, and on a shared host another process only ever adds time (on this
 project's 2-core build host, a CPU-bound process beside a 2-thread onnxruntime run made it 3.6x slower
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from .. import backends
 from ..config import HOST
 from ..devices.cost import tensor_bytes
 from ..ir import model as irm
+from ..timing import FreshProcess, Runner, failure
 from . import selection
 from .plan import PlanSegment
 
@@ -61,10 +64,11 @@ def label(nodes: range, total: int) -> str:
 
 def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range], names: Sequence[str], target,
               feeds: dict[str, np.ndarray], *, tuning_db: Path, work: Path, threads: int, runs: int, rounds: int,
-              log: Callable[[str], None]) -> list[Timed]:
+              log: Callable[[str], None], runner: Runner | None = None) -> list[Timed]:
     """Each run of `runs_of_nodes` on each backend of `names` (the model needs static shapes; `feeds`
-    are its inputs), timed on `threads` threads. A backend that cannot lower a node of a run, or whose
+    are its inputs), timed by `runner` on `threads` threads. A backend that cannot lower a node of a run, or whose
     build, check or timing fails, gives that run no time and the reason."""
+    runner = runner or FreshProcess()
     g = model.graph
     shapes, consts = irm.static_shapes(model), irm.constant_names(model)
     graph_outputs = [o.name for o in g.output]
@@ -97,14 +101,12 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
                                   0.0, irm.param_bytes(part), 0.0, threads)
                 cand = selection.Candidate(b, (seg,))
                 try:
-                    bundle = selection._open(cand, {seg.id: part}, target, work / f"{k}-{b}", tuning_db)
-                    try:
-                        agrees(bundle, values)
-                    finally:
-                        bundle.close()
-                    bundles[k, b] = bundle.bundle
+                    with closing(selection.open_candidate(cand, {seg.id: part}, target, work / f"{k}-{b}", tuning_db,
+                                                          runner=runner)) as handle:
+                        agrees(handle, values)
+                    bundles[k, b] = handle.bundle
                 except Exception as e:  # noqa: BLE001 -- a run that does not build, load or agree is not timed
-                    why = selection._short(e)
+                    why = failure(e)
             if why is not None:
                 done[k, b] = Timed(name, what, b, nodes, None, why, cut_bytes[k])
                 log(f"calibrate: {name} {what} on {b}: skipped: {why}")
@@ -117,10 +119,10 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
             if key in done:
                 continue
             try:
-                laps[key].append(statistics.median(selection.measure_alone(path, feeds_file, runs=runs)))
+                laps[key].append(statistics.median(runner.measure(path, feeds_file, runs=runs)))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 done[key] = Timed(name, label(runs_of_nodes[key[0]], len(g.node)), key[1], runs_of_nodes[key[0]], None,
-                                  selection._short(e), cut_bytes[key[0]])
+                                  failure(e), cut_bytes[key[0]])
     for key, lap in laps.items():
         if key not in done:
             done[key] = Timed(name, label(runs_of_nodes[key[0]], len(g.node)), key[1], runs_of_nodes[key[0]],
@@ -131,7 +133,7 @@ def time_runs(model: onnx.ModelProto, name: str, runs_of_nodes: Sequence[range],
 def agrees(bundle, values: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
     """Every output of the run within `tolerance` of its scale of onnxruntime's value (the tune
     stage's check of a candidate); raises ValueError saying which output is off and by how much."""
-    selection._check(None, bundle, [values], tolerance)
+    selection.check(bundle, [values], tolerance)
 
 
 def _cut(model: onnx.ModelProto, nodes: range, consts: set[str],

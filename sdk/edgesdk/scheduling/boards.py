@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import backends
 from ..errors import UserError
+from ..timing import RUNS, WARMUP
 
 SESSION_TIMEOUT_S = 900  # an emulated board loads TensorFlow Lite in tens of seconds
 HINT = ("start `python -B -m runtime.board --tracker HOST:PORT --key KEY` from a bundle directory on each "
@@ -124,6 +125,24 @@ class OnBoard:
 
 
 def measure(boards: backends.Boards, bundle: Path, feeds: Path, *, warmup: int, runs: int) -> list[float]:
-    """One measurement on a board, as `selection.measure_alone` on this host: milliseconds per inference
+    """One measurement on a board, as `timing.FreshProcess` on this host: milliseconds per inference
     of `runs` inferences after `warmup`, on the inputs in `feeds` (.npz)."""
     return _measure(boards, bundle, [dict(np.load(feeds))], warmup, runs)[0]
+
+
+class BoardRunner:
+    """The timing runner (`timing.Runner`) of the boards under a tracker's key: each `open`'s runs and
+    each measurement a session of its own on a free board."""
+
+    local = False
+
+    def __init__(self, boards: backends.Boards) -> None:
+        self.boards = boards
+
+    def open(self, bundle: Path) -> OnBoard:
+        from ..runtime.manifest import Manifest
+
+        return OnBoard(self.boards, bundle, Manifest.load(bundle))
+
+    def measure(self, bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:
+        return measure(self.boards, bundle, feeds, warmup=warmup, runs=runs)

@@ -5,24 +5,25 @@ A span is a run of consecutive plan segments on the host (the groups of its para
 in a throughput plan, inside one pipeline stage): the schedule cut it by backend (TVM, onnxruntime for the ops TVM lacks) by the cost model, which
 costs every CPU backend alike. Its candidates are the plan's own cut, and the whole span as one segment
 on each CPU backend that lowers every node of it (`Backend.lowering`; TVM with the tuning database's
-records, onnxruntime, LiteRT/XNNPACK fp32) among those `--cpu-backends` allows. Each candidate is
-made a bundle of its own (its segments compiled by their backends, its parallel steps) and run by the
-runtime's executor, as a device runs it; checked against onnxruntime on the float model (`TOLERANCE`
+records, onnxruntime, LiteRT/XNNPACK fp32: the registry's `cpu_candidates`) among those `--cpu-backends`
+allows. Per span, `select` reads: candidates, check, time, choose, re-plan. Each candidate is made a
+bundle of its own (`build`: its segments compiled by their backends, its parallel steps) and run by the
+runtime's executor, as a device runs it (a runner, `edgesdk.timing`); checked against onnxruntime on the float model (`TOLERANCE`
 of each output's scale; a candidate that fails is skipped, with why); and timed: `ROUNDS` measurements
-of each, the candidates in turn, each measurement a fresh process that loads the candidate alone (so
-no other runtime's threads spin on the cores, as on a device) and times `RUNS` inferences after
-`WARMUP`: the median of them all decides.
+of each, the candidates in turn, each measurement a fresh process that loads the candidate alone
+(`timing.FreshProcess`: no other runtime's threads spin on the cores, as on a device) and times `RUNS`
+inferences after `WARMUP`: the median of them all decides.
 
 Timing happens on the build host when it runs the target's CPU code (the same architecture, no
 instruction the host lacks); otherwise (an aarch64 target built on an x86-64 host) on a board over TVM
-RPC where boards are given (`boards.py`: the same candidates, checks and rounds, each measurement a
-session of its own on a board). Without boards nothing is timed and each span's backend is chosen by
+RPC where boards are given (`boards.BoardRunner`: the same candidates, checks and rounds, each
+measurement a session of its own on a board). Without boards nothing is timed and each span's backend is chosen by
 policy (`by_policy`): the schedule's cut where the tuning database holds
 tuned TVM records for all of its functions, else the whole span on LiteRT/XNNPACK (what ARM users run)
 where it lowers every node and agrees with onnxruntime on this host, else the schedule's cut; the record
 says why, with `measured_on: null`.
 
-A measurement is kept in a timing cache (`TimingCache`, beside the tuning database, keyed by the segment's
+A measurement is kept in a timing cache (`timing.TimingCache`, beside the tuning database, keyed (`_key`) by the segment's
 bytes, the backend, the database's records it compiles with, the host CPU and the threads), so a
 rebuild replays it: the same choice, the same bundle bytes. It replays times, never correctness: the
 fastest candidate is built and checked again (an int8 one gated again) on every build, and one that
@@ -36,44 +37,36 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
 from .. import backends
 from ..config import HOST
-from ..errors import UserError
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
-from ..ir.memory import give_back, shown
-from ..runtime.files import NotRegularFile, open_regular, read_bounded, write_whole
+from ..ir.memory import give_back
+from ..timing import RUNS, WARMUP, FreshProcess, Handle, InProcess, Runner, TimingCache, failure
 from .plan import Plan, PlanSegment
 
-CPU_BACKENDS = ("tvm", "onnxruntime", "litert")  # the candidates, in the order ties are broken
-# with `--cpu-precision int8`, these int8 candidates besides (after their fp32 backend is allowed)
-INT8_BACKENDS = {"litert": "litert-int8", "onnxruntime": "onnxruntime-int8"}
 GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
 GATE_TOP1 = 0.9  # and its least agreement of the arg max of a class-score output's last axis
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
-POLICY = "litert"  # where the target's CPU cannot be timed here: the whole span on LiteRT/XNNPACK, what ARM users run
 ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
-RUNS = 10  # inferences per measurement, after WARMUP
-WARMUP = 3
 TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels that sum in another order
 CHECK_SAMPLES = 2
-# a candidate with more weights than this is checked in a process of its own (`_Apart`), as it is timed: a
+# a candidate with more weights than this is checked in a process of its own (`timing.Apart`), as it is timed: a
 # TVM library once loaded is never unloaded (its weights stayed held twice, the library's and the VM's,
 # through the timing of every later candidate: 1.04 GiB for VGG16's); a smaller one is checked here, where
 # a child's start (about a second) would cost more than its weights
@@ -149,120 +142,6 @@ class Selected:
     # the int8 segments chosen, by id: their quantizer's record (artifact relative to `int8_dir`, specs, accuracy)
     quantized: dict[str, dict] = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # the samples they were calibrated on (the tune stage's record)
-
-
-# a timing cache holds well under a kilobyte per candidate measured: 64 MiB is far past any real one
-CACHE_MAX_BYTES = 64 << 20
-CACHE_HINT = ("the timing cache only saves measuring again: remove the file, or point --tuning-db at another "
-              "directory; the next build measures the candidates anew")
-
-
-class TimingCache:
-    """Measured medians by key, in one JSON file written whole (temporary file, then rename).
-
-    It replays what an earlier build measured, never what it checked: the tune stage checks the candidate
-    it chooses on every build (`_measure_span`). A file that is not a regular file of at most
-    `CACHE_MAX_BYTES`, not JSON, or holds an entry of another shape is refused (`tune.timing-cache`)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.entries: dict[str, dict] = _read_cache(path)
-
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
-
-    def put(self, key: str, entry: dict) -> None:
-        self.entries[key] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.entries, indent=1, sort_keys=True) + "\n"
-        # through a fresh temporary: the database may be a shared directory where a link was planted
-        write_whole(self.path, lambda f: f.write(text.encode()))
-
-
-def _read_cache(path: Path) -> dict[str, dict]:
-    """The cache's entries: {} where the file does not exist. Opened without blocking (a FIFO planted as
-    the file would wait for a writer for ever), then refused unless a regular file of a bounded size."""
-    def refused(why: str) -> UserError:
-        return UserError("tune.timing-cache", f"the timing cache {path}: {why}", hint=CACHE_HINT)
-
-    try:
-        with open_regular(path, CACHE_MAX_BYTES) as f:
-            raw = read_bounded(f, CACHE_MAX_BYTES)
-    except FileNotFoundError:
-        return {}
-    except NotRegularFile as e:
-        raise refused(str(e)) from None
-    except OSError as e:
-        raise refused(f"cannot be read ({e.strerror or e})") from None
-    try:
-        text = raw.decode("utf-8")
-        data = json.loads(text)
-    except UnicodeDecodeError as e:
-        raise refused(f"is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise refused(f"is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
-    except RecursionError:
-        raise refused("is not valid JSON (nested too deeply)") from None
-    if not isinstance(data, dict):
-        raise refused(f"holds a JSON {_json_kind(data)}, not an object of entries")
-    for key, entry in data.items():
-        why = _entry_problem(entry)
-        if why is not None:
-            at = text.find(json.dumps(key))
-            line = f"line {text[:at].count(chr(10)) + 1}: " if at >= 0 else ""
-            name = key if len(key) <= 20 else key[:16] + "..."
-            raise refused(f"{line}entry {name!r}: {why}")
-    return data
-
-
-def _json_kind(x) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
-        type(x), "null")
-
-
-def _finite(x, low: float = -math.inf, high: float = math.inf) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
-
-
-def _entry_problem(entry) -> str | None:
-    """Why a timing cache entry is not one `TimingCache.put` writes (None where it is):
-    {"skipped": why} or {"ms": milliseconds, "gate": ..., "mixed": ...}."""
-    if not isinstance(entry, dict):
-        return f"is a JSON {_json_kind(entry)}, not an object"
-    if "skipped" in entry:
-        if set(entry) != {"skipped"} or not isinstance(entry["skipped"], str):
-            return "a skipped candidate's entry holds its reason (text) alone"
-        return None
-    unknown = sorted(set(entry) - {"ms", "gate", "mixed"})
-    if unknown:
-        return f"unknown key {unknown[0]!r}"
-    if "ms" not in entry:
-        return "no 'ms' (the measured milliseconds) and no 'skipped'"
-    if not _finite(entry["ms"], 0.0) or entry["ms"] <= 0:
-        return f"'ms' is {json.dumps(entry['ms'])}, not a finite positive number of milliseconds"
-    gate = entry.get("gate")
-    if gate is not None:
-        if not isinstance(gate, dict) or set(gate) != {"cosine", "top1", "samples"}:
-            return "'gate' is not an object of cosine, top1 and samples"
-        if not _finite(gate["cosine"], -1.0, 1.0):
-            return f"'gate.cosine' is {json.dumps(gate['cosine'])}, not a number in [-1, 1]"
-        if gate["top1"] is not None and not _finite(gate["top1"], 0.0, 1.0):
-            return f"'gate.top1' is {json.dumps(gate['top1'])}, not null or a number in [0, 1]"
-        if not _count(gate["samples"]):
-            return f"'gate.samples' is {json.dumps(gate['samples'])}, not a count"
-    mixed = entry.get("mixed")
-    if mixed is not None:
-        figures = ("calibration_cosine", "calibration_top1")  # what the search reached, where it searched
-        if (not isinstance(mixed, dict) or set(mixed) - {"float_ops", "ops", *figures}
-                or not _count(mixed.get("ops")) or not isinstance(mixed.get("float_ops"), list)
-                or not all(isinstance(f, str) for f in mixed["float_ops"])
-                or any(mixed.get(k) is not None and not _finite(mixed[k]) for k in figures)):
-            return "'mixed' is not an object of float_ops (op names) and ops (a count)"
-    return None
-
-
-def _count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def unmeasurable(target) -> str | None:
@@ -342,7 +221,7 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
     for name in allowed:
         if len(segs) == 1 and segs[0].backend == name:
             continue  # the plan's cut is this candidate already
-        if pinned and name in INT8_BACKENDS.values():
+        if pinned and backends.backend(name).precision == "int8":
             skipped[name] = pinned
             continue
         check = backends.backend(name).lowering_check()
@@ -362,47 +241,33 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
            int8_dir: Path | None = None, boards: backends.Boards | None = None, board: dict | None = None,
-           only: Sequence[str] | None = None) -> Selected:
+           only: Sequence[str] | None = None, runner: Runner | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
-    and `model` and `samples` are needed only where `litert` is allowed); `samples` are inputs of the
-    whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8", the
-    int8 variants of the allowed backends (`INT8_BACKENDS`) are candidates too, quantized on the
-    calibration share of `samples` and gated on the held-out rest (`held_out_split`); each one chosen
+    and `model` and `samples` are needed only where the policy's backend is allowed); `samples` are inputs
+    of the whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8",
+    the int8 variants of the allowed backends (`backends.int8_variant`) are candidates too, quantized on
+    the calibration share of `samples` and gated on the held-out rest (`held_out_split`); each one chosen
     is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage.
 
     Where this host cannot time the target's CPU code and `boards` (`--rpc-tracker`, `--rpc-key`) are
-    given, the candidates are checked and timed on a board (`scheduling/boards.py`) instead of chosen by
+    given, the candidates are checked and timed on a board (`boards.BoardRunner`) instead of chosen by
     policy; `host` then names the board's CPU (`board`: what the board said of itself, asked if not given).
+    Else `runner` times them (a fresh process per measurement, `timing.FreshProcess`, unless given).
     With `only` (`--low-memory`), a candidate with a segment another backend compiles is left out, and
     a span left with one candidate other than the plan's cut takes it unbuilt and untimed."""
-    found = spans(plan)
     if precision == "int8":
-        allowed = [*allowed, *(INT8_BACKENDS[b] for b in allowed if b in INT8_BACKENDS)]
+        allowed = [*allowed, *(v for b in allowed if (v := backends.int8_variant(b)) is not None)]
     record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
     if precision == "int8":
         record["precision"] = "int8"
+    found = spans(plan)
     if not found:
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
-    int8 = None
-    if precision == "int8" and model is not None and any(b in INT8_BACKENDS.values() for b in allowed):
-        calib, held = held_out_split(samples)
-        int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
-                    _samples_digest(samples, calib_method, calib_percentile), tuple(plan.outputs), log)
-        record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
-                          "held_out_samples": len(held) if held is not calib else 0}
-    threads = min(target.host.cores, os.cpu_count() or 1)
-    if measurable is not None and boards is not None:  # timed on a board instead
-        from . import boards as on_boards
-
-        board = board or on_boards.describe(boards)
-        host = on_boards.name(board, boards)
-        record["measured_on"] = f"{host} via {boards.host}:{boards.port}"
-        threads = min(target.host.cores, int(board["cores"]))
-        log(f"tune: CPU candidates are timed on {host}")
-        measurable = None
-    if measurable is not None:  # this host cannot time the target's CPU code: chosen by policy
+    int8 = _int8(plan, model, samples, allowed, precision, calib_method, calib_percentile, log, record)
+    runner, host, threads = _where_timed(target, measurable, boards, board, runner or FreshProcess(), host, log, record)
+    if runner is None:  # this host cannot time the target's CPU code: chosen by policy
         chosen_plan, models, record = by_policy(plan, model, segment_models, target, samples, allowed=allowed,
                                                 tuning_db=tuning_db, unmeasured=measurable, log=log, int8=int8,
                                                 record=record)
@@ -414,31 +279,88 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
     models: dict[str, onnx.ModelProto] = {}
     with tempfile.TemporaryDirectory(prefix="edgesdk-select-") as tmp:
+        bench = _Bench(model, segment_models, target, values, int8, plan.outputs, Path(tmp), tuning_db, cache, host,
+                       threads, log, timer, runner)
         for span in found:
+            # candidates: the plan's cut, and the whole span on each allowed backend that lowers every node of it
             cands, skipped = candidates(plan, span, model, allowed)
-            if only is not None and any(b not in only for c in cands for b in (s.backend for s in c.segments)):
-                kept = [c for c in cands if all(s.backend in only for s in c.segments)]
-                skipped.update({c.name: f"--low-memory: compiled by {', '.join(sorted({s.backend for s in c.segments}))}"
-                                for c in cands if c not in kept})
-                cands = kept or cands[:1]  # none left: the plan's cut, as scheduled
-                if cands[0].name != PLANNED and len(cands) == 1:  # the one left, not built here: nothing to time
-                    chosen[span] = cands[0], None
-                    models.update({s.id: _extract(model, s) for s in cands[0].segments})
-                    record["spans"].append(_unmeasured(cands[0], skipped, "the only candidate (--low-memory)"))
-                    log(f"tune: span of {record['spans'][-1]['nodes']} nodes: {cands[0].name}, the only candidate "
-                        "(--low-memory)")
-                    continue
+            if only is not None:
+                cands = _low_memory(cands, skipped, only)
             if len(cands) == 1:  # nothing to choose between: no build, no timing
-                record["spans"].append(_unmeasured(cands[0], skipped, "the only candidate"))
+                entry, cut = _only_candidate(cands[0], skipped, model, log)
+                record["spans"].append(entry)
+                if cands[0].name != PLANNED:  # what --low-memory left, taken unmeasured
+                    chosen[span] = cands[0], None
+                    models.update(cut)
                 continue
-            entry, winner, ms, cut = _measure_span(cands, skipped, model, segment_models, target, values, int8,
-                                                   plan.outputs, Path(tmp), tuning_db, cache, host, threads, log,
-                                                   timer, boards)
+            # check: each candidate built and checked against onnxruntime (int8: the accuracy gate), or its
+            # time replayed from the timing cache
+            trial = _build_and_check(cands, skipped, bench)
+            # time: ROUNDS measurements of each checked candidate, in turn
+            _time(trial, bench)
+            # choose: the fastest, checked by this build
+            entry, winner, ms, cut = _choose(trial, bench)
             record["spans"].append(entry)
             chosen[span] = winner, ms
             models.update(cut)
+    # re-plan: each span's segments the chosen candidate's, their predictions its measured time
     new = replace(_replan(plan, chosen), cpu_selection=record)
     return Selected(new, models, record, _quantize_chosen(new, models, int8, int8_dir, log))
+
+
+def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowed: Sequence[str], precision: str,
+          calib_method: str, calib_percentile: float, log: Callable[[str], None], record: dict) -> Int8 | None:
+    """How `--cpu-precision int8` candidates are quantized and gated, where one is allowed; the gate's
+    thresholds and samples added to `record`."""
+    if precision != "int8" or model is None or not set(allowed) & set(backends.cpu_candidates("int8")):
+        return None
+    calib, held = held_out_split(samples)
+    int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
+                _samples_digest(samples, calib_method, calib_percentile), tuple(plan.outputs), log)
+    record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
+                      "held_out_samples": len(held) if held is not calib else 0}
+    return int8
+
+
+def _where_timed(target, measurable: str | None, boards: backends.Boards | None, board: dict | None, runner: Runner,
+                 host: str, log: Callable[[str], None], record: dict) -> tuple[Runner | None, str, int]:
+    """What times the candidates (None: nothing can, they are chosen by policy), the CPU it names for the
+    timing cache, and the threads they run on: this host's, or with `boards` a board's where this
+    host cannot run the target's CPU code."""
+    threads = min(target.host.cores, os.cpu_count() or 1)
+    if measurable is None:
+        return runner, host, threads
+    if boards is None:
+        return None, host, threads
+    from . import boards as on_boards
+
+    board = board or on_boards.describe(boards)
+    host = on_boards.name(board, boards)
+    record["measured_on"] = f"{host} via {boards.host}:{boards.port}"
+    log(f"tune: CPU candidates are timed on {host}")
+    return on_boards.BoardRunner(boards), host, min(target.host.cores, int(board["cores"]))
+
+
+def _low_memory(cands: list[Candidate], skipped: dict[str, str], only: Sequence[str]) -> list[Candidate]:
+    """`--low-memory`: the candidates whose segments `only`'s backends compile (`skipped` says why the others
+    are left out); none left, the plan's cut."""
+    if all(s.backend in only for c in cands for s in c.segments):
+        return cands
+    kept = [c for c in cands if all(s.backend in only for s in c.segments)]
+    skipped.update({c.name: f"--low-memory: compiled by {', '.join(sorted({s.backend for s in c.segments}))}"
+                    for c in cands if c not in kept})
+    return kept or cands[:1]
+
+
+def _only_candidate(cand: Candidate, skipped: dict[str, str], model: onnx.ModelProto,
+                    log: Callable[[str], None]) -> tuple[dict, dict[str, onnx.ModelProto]]:
+    """The record of a span with one candidate, taken unbuilt and untimed (the plan's cut, or what
+    `--low-memory` left), and the segment models it cuts anew."""
+    if cand.name == PLANNED:
+        return _unmeasured(cand, skipped, "the only candidate"), {}
+    entry = _unmeasured(cand, skipped, "the only candidate (--low-memory)")
+    log(f"tune: span of {entry['nodes']} nodes: {cand.name}, the only candidate (--low-memory)")
+    return entry, {s.id: _extract(model, s) for s in cand.segments}
 
 
 def _unmeasured(cand: Candidate, skipped: dict[str, str], why: str) -> dict:
@@ -472,8 +394,8 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
     1. the schedule's cut where its TVM kernels are tuned: the database holds tuned records for every
        function of its TVM segments (for a foreign CPU, only a search measured on the boards over RPC
        writes them: tuning the user paid for);
-    2. else the whole span on LiteRT/XNNPACK (`POLICY`, what ARM users run), where it lowers every node
-       and its output agrees with onnxruntime on the float model (`_check`, on this host: TFLite's fp32
+    2. else the whole span on LiteRT/XNNPACK (`backends.policy_fallback()`, what ARM users run), where it
+       lowers every node and its output agrees with onnxruntime on the float model (`check`, on this host: TFLite's fp32
        kernels compute the same function on every CPU, within TOLERANCE);
     3. else the schedule's cut (TVM's untuned kernels), with why.
 
@@ -490,6 +412,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
     chosen: dict[tuple[int, int], tuple[Candidate, float | None]] = {}
     models: dict[str, onnx.ModelProto] = {}
     values: list[dict] = []
+    policy = backends.policy_fallback()
     with tempfile.TemporaryDirectory(prefix="edgesdk-policy-") as tmp:
         for span in spans(plan):
             segs = plan.segments[span[0]:span[1]]
@@ -499,58 +422,68 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
             considered: dict[str, dict] = {PLANNED: {"policy": "the schedule's cut"}}
             winner, why = planned, "the schedule's cut"
             litert = None
-            if POLICY in allowed:
-                cands, skipped = candidates(plan, span, model, [POLICY])
-                litert = next((c for c in cands if c.name == POLICY), None)
+            if policy is not None and policy in allowed:
+                cands, skipped = candidates(plan, span, model, [policy])
+                litert = next((c for c in cands if c.name == policy), None)
                 if litert is None:
-                    considered[POLICY] = {"skipped": skipped[POLICY]}
-                    why += f" ({POLICY}: {skipped[POLICY]})"
+                    considered[policy] = {"skipped": skipped[policy]}
+                    why += f" ({policy}: {skipped[policy]})"
             if litert is not None:  # the schedule's cut tuned for this target, or LiteRT where it agrees
                 untuned = _untuned(planned, segment_models, target, tuning_db)
                 if untuned is None:
                     considered[PLANNED] = {"policy": "TVM's kernels tuned"}
-                    considered[POLICY] = {"policy": "not built: the schedule's cut is tuned"}
+                    considered[policy] = {"policy": "not built: the schedule's cut is tuned"}
                     why = "TVM's kernels of the schedule's cut are tuned"
                 else:
                     considered[PLANNED] = {"policy": f"untuned: {untuned}"}
                     values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
-                    tried = ([INT8_BACKENDS[POLICY]] if int8 is not None and INT8_BACKENDS[POLICY] in allowed
+                    variant = backends.int8_variant(policy)
+                    tried = ([variant] if int8 is not None and variant is not None and variant in allowed
                              and not kept_float(plan, [n for s in segs for n in s.nodes]) else [])
-                    failed = ""
-                    for name in [*tried, POLICY]:
-                        cand = replace(litert, name=name, segments=tuple(replace(s, backend=name) for s in litert.segments))
-                        cut = {s.id: _extract(model, s) for s in cand.segments}
-                        try:
-                            bundle = _open(cand, cut, target, Path(tmp) / f"{label}-{name}", tuning_db,
-                                           int8 if name != POLICY else None)
-                            try:
-                                gated = _gated(bundle, int8, cand, cut, plan.outputs) if name != POLICY else None
-                                if gated is None:
-                                    _check(cand, bundle, values)
-                            finally:
-                                bundle.close()
-                        except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
-                            considered[name] = {"skipped": _short(e)}
-                            failed += f" ({name}: {_short(e)})"
-                            continue
-                        if gated is not None:
-                            found = int8.mixed_of(cand, cut)
-                            considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated,
-                                                **({"mixed": _mixed_entry(found)} if found else {})}
-                            winner, why = cand, "LiteRT int8 lowers every node and passes the accuracy gate"
-                        else:
-                            considered[name] = {"policy": "lowers every node; agrees with onnxruntime"}
-                            winner, why = cand, "LiteRT lowers every node" + failed
-                        models.update(cut)
-                        break
+                    found, told, cut = _first_agreeing(litert, [*tried, policy], policy, model, target,
+                                                       Path(tmp) / label, tuning_db, int8, values, plan.outputs,
+                                                       considered)
+                    if found is None:
+                        why += told
                     else:
-                        why += failed
+                        winner, why = found, told
+                        models.update(cut)
             entry = {"segments": ids, "nodes": sum(len(s.nodes) for s in segs), "candidates": considered,
                      "chosen": winner.name, "why": f"policy: {why}; not measured: {unmeasured}"}
             record["spans"].append(entry)
             log(f"tune: {label} ({entry['nodes']} nodes): {winner.name}, policy: {why}")
             chosen[span] = winner, None
     return replace(_replan(plan, chosen), cpu_selection=record), models, record
+
+
+def _first_agreeing(whole: Candidate, names: Sequence[str], policy: str, model: onnx.ModelProto, target, work: Path,
+                    tuning_db: Path, int8: Int8 | None, values: list[dict], model_outputs: Sequence[str],
+                    considered: dict[str, dict]) -> tuple[Candidate | None, str, dict[str, onnx.ModelProto]]:
+    """The policy's whole-span candidate on each backend of `names` in turn (its int8 variant first): the
+    first that builds and agrees with onnxruntime (an int8 one: passes the accuracy gate), why, and the
+    segment models it cuts anew; None and why each failed where none does. `considered` records each one tried."""
+    failed = ""
+    for name in names:
+        cand = replace(whole, name=name, segments=tuple(replace(s, backend=name) for s in whole.segments))
+        cut = {s.id: _extract(model, s) for s in cand.segments}
+        try:
+            with closing(open_candidate(cand, cut, target, Path(f"{work}-{name}"), tuning_db,
+                                        int8 if name != policy else None)) as handle:
+                gated = _gated(handle, int8, cand, cut, model_outputs) if name != policy else None
+                if gated is None:
+                    check(handle, values)
+        except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
+            considered[name] = {"skipped": failure(e)}
+            failed += f" ({name}: {failure(e)})"
+            continue
+        if gated is not None:
+            found = int8.mixed_of(cand, cut)
+            considered[name] = {"policy": "lowers every node; passes the accuracy gate", "gate": gated,
+                                **({"mixed": _mixed_entry(found)} if found else {})}
+            return cand, "LiteRT int8 lowers every node and passes the accuracy gate", cut
+        considered[name] = {"policy": "lowers every node; agrees with onnxruntime"}
+        return cand, "LiteRT lowers every node" + failed, cut
+    return None, failed, {}
 
 
 def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
@@ -564,225 +497,199 @@ def _untuned(cand: Candidate, segment_models: Callable[[PlanSegment], onnx.Model
         try:
             why = backends.backend(name).untuned(tuple(segment_models(s) for s in segs), target.host, tuning_db)
         except Exception as e:  # noqa: BLE001 -- informational: a segment TVM cannot import fails where it is compiled
-            why = f"could not tell: {_short(e)}"
+            why = f"could not tell: {failure(e)}"
         if why is not None:
             return why
     return None
 
 
-def _measure_span(cands: list[Candidate], skipped: dict[str, str], model, segment_models, target, values: list[dict],
-                  int8: Int8 | None, model_outputs: Sequence[str], work: Path, tuning_db: Path, cache: TimingCache,
-                  host: str, threads: int, log, timer: Timer, boards: backends.Boards | None = None):
-    """Compile, check and time one span's candidates (or replay their times from the cache), here or with
-    `boards` on a board: the span's record, the winner, its measured time, and the segment models the
-    winner cuts anew. The winner is always a candidate checked by this build (`_recheck` where its time
-    was replayed)."""
+@dataclass(frozen=True)
+class _Bench:
+    """What every span's candidates are built, checked and timed with."""
+
+    model: onnx.ModelProto
+    segment_models: Callable[[PlanSegment], onnx.ModelProto]
+    target: Any
+    values: list[dict]  # the reference values the checks compare with (CHECK_SAMPLES samples)
+    int8: Int8 | None
+    model_outputs: Sequence[str]
+    work: Path
+    tuning_db: Path
+    cache: TimingCache
+    host: str
+    threads: int
+    log: Callable[[str], None]
+    timer: Timer
+    runner: Runner
+
+
+@dataclass
+class _Trial:
+    """One span's candidates on their way from check to choice: each one's segment models and timing cache
+    key, the times measured or replayed, the int8 ones' gate figures, and the span's record so far."""
+
+    cands: list[Candidate]
+    entry: dict
+    label: str
+    cut: dict[str, dict[str, onnx.ModelProto]] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
+    gates: dict[str, dict] = field(default_factory=dict)
+    replayed: list[str] = field(default_factory=list)
+    checked: dict[str, tuple[Candidate, Checked]] = field(default_factory=dict)  # built and checked by this build
+
+    def skip(self, name: str, why: str, bench: _Bench, note: str = "") -> None:
+        """A candidate never chosen: why, in the record, the log and the timing cache."""
+        self.entry["candidates"][name] = {"skipped": why}
+        bench.cache.put(self.keys[name], {"skipped": why})
+        bench.log(f"tune: {self.label}: {name} skipped: {why}{note}")
+
+
+def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Bench) -> _Trial:
+    """Each candidate's time replayed from the timing cache, or it built and checked against onnxruntime
+    (an int8 one through the accuracy gate on the held-out samples); one that does not build, run or agree
+    is skipped, with why. A checked candidate's runtime is let go before the next is built: the
+    candidates' weights are never all held at once."""
     ids = [s.id for s in cands[0].segments]
-    label = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
-    entry: dict = {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
-                   "candidates": {name: {"skipped": why} for name, why in skipped.items()}}
-    runnable: dict[str, tuple[Candidate, object]] = {}
-    cut: dict[str, dict[str, onnx.ModelProto]] = {}
-    keys: dict[str, str] = {}
-    times: dict[str, float] = {}
-    gates: dict[str, dict] = {}
-    replayed: list[str] = []
+    trial = _Trial(cands, {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
+                           "candidates": {name: {"skipped": why} for name, why in skipped.items()}},
+                   ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}")
     extracted: dict[tuple, onnx.ModelProto] = {}
 
     def shared(s: PlanSegment) -> onnx.ModelProto:
         """Candidates that cut the same segment share one model (one copy of its weights)."""
         key = (tuple(s.nodes), tuple(s.inputs), tuple(s.outputs))
         if key not in extracted:
-            extracted[key] = _extract(model, s)
+            extracted[key] = _extract(bench.model, s)
         return extracted[key]
 
+    int8 = bench.int8
     for cand in cands:
-        cut[cand.name] = {s.id: segment_models(s) if cand.name == PLANNED else shared(s) for s in cand.segments}
+        cut = trial.cut[cand.name] = {s.id: bench.segment_models(s) if cand.name == PLANNED else shared(s)
+                                      for s in cand.segments}
         quantized = _quantizes(cand)
-        keys[cand.name] = _key(cand, cut[cand.name], tuning_db, host, threads, int8.digest if quantized else "")
-        hit = cache.get(keys[cand.name])
+        key = trial.keys[cand.name] = _key(cand, cut, bench.tuning_db, bench.host, bench.threads,
+                                           int8.digest if quantized else "")
+        hit = bench.cache.get(key)
         if hit is not None:  # measured by an earlier build on this host: replayed, so the bundle is the same bytes
             if "skipped" in hit:
-                entry["candidates"][cand.name] = {"skipped": hit["skipped"]}
+                trial.entry["candidates"][cand.name] = {"skipped": hit["skipped"]}
             else:
-                times[cand.name] = hit["ms"]
+                trial.times[cand.name] = hit["ms"]
                 if "gate" in hit:
-                    gates[cand.name] = hit["gate"]
+                    trial.gates[cand.name] = hit["gate"]
                 if "mixed" in hit:
-                    int8.remember(cand, cut[cand.name], hit["mixed"])
-            replayed.append(cand.name)
+                    int8.remember(cand, cut, hit["mixed"])
+            trial.replayed.append(cand.name)
             continue
         try:
-            bundle = _open(cand, cut[cand.name], target, work / cand.name, tuning_db, int8 if quantized else None,
-                           boards)
-            if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
-                gates[cand.name] = _gated(bundle, int8, cand, cut[cand.name], model_outputs)
-            else:
-                _check(cand, bundle, values)
+            with closing(open_candidate(cand, cut, bench.target, bench.work / cand.name, bench.tuning_db,
+                                        int8 if quantized else None, bench.runner)) as handle:
+                if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
+                    trial.gates[cand.name] = _gated(handle, int8, cand, cut, bench.model_outputs)
+                else:
+                    check(handle, bench.values)
+                trial.checked[cand.name] = cand, Checked(handle.bundle, tuple(handle.inputs))
         except Exception as e:  # a candidate that does not build, run or agree is never chosen
-            entry["candidates"][cand.name] = {"skipped": _short(e)}
-            cache.put(keys[cand.name], {"skipped": _short(e)})
-            log(f"tune: {label}: {cand.name} skipped: {_short(e)}")
-            bundle = None
-            give_back()
-            continue
-        runnable[cand.name] = cand, _released(bundle)
-        bundle = None
+            trial.skip(cand.name, failure(e), bench)
         give_back()  # what its compiler and runtime freed, before the next candidate compiles
-    on_board = None
-    if boards is not None:
-        from .boards import measure
+    return trial
 
-        on_board = partial(measure, boards)
-    measured, failed = _time(runnable, values[0], timer, work, on_board)
-    mixed = {name: found for name, (cand, _) in runnable.items() if name in gates
-             and (found := int8.mixed_of(cand, cut[name]))}
+
+@dataclass(frozen=True)
+class Checked:
+    """A candidate bundle built and checked, its runtime let go: what timing it needs."""
+
+    bundle: Path
+    inputs: tuple
+
+
+def _time(trial: _Trial, bench: _Bench) -> None:
+    """The checked candidates timed (`_rounds`), their times kept in the timing cache; one whose timing run
+    fails is skipped, with why."""
+    measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+    mixed = {name: found for name, (cand, _) in trial.checked.items() if name in trial.gates
+             and (found := bench.int8.mixed_of(cand, trial.cut[name]))}
     for name, ms in measured.items():
-        cache.put(keys[name], {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
-                               **({"mixed": mixed[name]} if name in mixed else {})})
-        times[name] = ms
+        bench.cache.put(trial.keys[name], {"ms": ms, **({"gate": trial.gates[name]} if name in trial.gates else {}),
+                                           **({"mixed": mixed[name]} if name in mixed else {})})
+        trial.times[name] = ms
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
-        entry["candidates"][name] = {"skipped": why}
-        log(f"tune: {label}: {name} skipped: {why}")
-    # the cache replays times, never correctness: the fastest is checked unless this build checked it already,
-    # and one that fails (an entry planted, or measured by a build whose check has since changed) is dropped
+        trial.entry["candidates"][name] = {"skipped": why}
+        bench.log(f"tune: {trial.label}: {name} skipped: {why}")
+
+
+def _choose(trial: _Trial, bench: _Bench) -> tuple[dict, Candidate, float | None, dict[str, onnx.ModelProto]]:
+    """The fastest candidate this build checked: the span's record, the winner, its measured time, and the
+    segment models it cuts anew. The cache replays times, never correctness: the fastest is checked unless
+    this build checked it already (`_recheck`), and one that fails (an entry planted, or measured by a build
+    whose check has since changed) is dropped from the cache for the next fastest."""
+    cands, times, gates, entry = trial.cands, trial.times, trial.gates, trial.entry
     order = [c.name for c in cands]
     best = None
     for name in sorted(times, key=lambda n: (times[n], order.index(n))):
-        if name in runnable:
+        if name in trial.checked:
             best = name
             break
         cand = next(c for c in cands if c.name == name)
         try:
-            checked = _recheck(cand, cut[name], target, work / name, tuning_db, int8 if _quantizes(cand) else None,
-                               boards, values, model_outputs)
+            checked = _recheck(cand, trial.cut[name], bench, bench.work / name)
         except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
             del times[name]
             gates.pop(name, None)
-            entry["candidates"][name] = {"skipped": _short(e)}
-            cache.put(keys[name], {"skipped": _short(e)})
-            log(f"tune: {label}: {name} skipped: {_short(e)} (its time was replayed from the timing cache)")
+            trial.skip(name, failure(e), bench, " (its time was replayed from the timing cache)")
             give_back()
             continue
         if checked is not None and gates.get(name) != checked:  # the gate's figures as measured now
             gates[name] = checked
-            cache.put(keys[name], {**cache.get(keys[name]), "gate": checked})
+            bench.cache.put(trial.keys[name], {**bench.cache.get(trial.keys[name]), "gate": checked})
         best = name
         break
     if best is None:  # nothing could be measured: the plan stays as the cost model made it
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
-        found = int8.mixed_of(next(c for c in cands if c.name == name), cut[name]) if name in gates else None
+        found = bench.int8.mixed_of(next(c for c in cands if c.name == name), trial.cut[name]) if name in gates else None
         entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
                                      **({"mixed": _mixed_entry(found)} if found else {})}
     others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
     entry["chosen"] = best
     entry["why"] = f"fastest measured: {times[best]:.3f} ms" + (f", against {others}" if others else "")
-    log(f"tune: {label} ({entry['nodes']} nodes): {best}, {entry['why']}"
-        + (f" ({', '.join(replayed)} replayed from the timing cache)" if replayed else ""))
+    bench.log(f"tune: {trial.label} ({entry['nodes']} nodes): {best}, {entry['why']}"
+              + (f" ({', '.join(trial.replayed)} replayed from the timing cache)" if trial.replayed else ""))
     winner = next(c for c in cands if c.name == best)
-    return entry, winner, times[best], ({} if best == PLANNED else cut[best])
+    return entry, winner, times[best], ({} if best == PLANNED else trial.cut[best])
 
 
-def _recheck(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-             int8: Int8 | None, boards: backends.Boards | None, values: list[dict],
-             model_outputs: Sequence[str]) -> dict | None:
+def _recheck(cand: Candidate, models: dict[str, onnx.ModelProto], bench: _Bench, work: Path) -> dict | None:
     """A candidate whose time was replayed, built and checked as a measured one is: against onnxruntime
     (None), or an int8 one through the accuracy gate on the held-out samples (its figures). Raises where
     it does not build, run or pass."""
-    bundle = _open(cand, models, target, work, tuning_db, int8, boards)
-    try:
+    int8 = bench.int8 if _quantizes(cand) else None
+    with closing(open_candidate(cand, models, bench.target, work, bench.tuning_db, int8, bench.runner)) as handle:
         if int8 is not None:
-            return _gated(bundle, int8, cand, models, model_outputs)
-        _check(cand, bundle, values)
+            return _gated(handle, int8, cand, models, bench.model_outputs)
+        check(handle, bench.values)
         return None
-    finally:
-        bundle.close()
 
 
-@dataclass(frozen=True)
-class _Checked:
-    """A candidate bundle that was opened and checked: what timing it needs (`_time`)."""
-    bundle: Path
-    inputs: tuple
-
-    def close(self) -> None:
-        pass
-
-
-def _released(bundle):
-    """A checked candidate's runtime let go (each is timed in a process of its own): the candidates'
-    weights are never all held at once."""
-    from ..runtime.executor import BundleModel
-
-    if not isinstance(bundle, BundleModel):  # a board's handle, or a bundle checked apart, holds nothing here
-        return bundle
-    bundle.close()
-    return _Checked(bundle.bundle, tuple(bundle.inputs))
-
-
-def _open(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-          int8: Int8 | None = None, boards: backends.Boards | None = None):
-    """The candidate as a bundle of its own in `work` (`_write`), opened by the runtime's executor, which
-    times what a device runs (past `CHECKED_APART_BYTES` of weights, a handle that runs it in a process
-    of its own, `_Apart`); with `boards`, a handle that runs it on a board (`boards.OnBoard`)."""
-    from ..runtime.executor import BundleModel
-
-    manifest = _write(cand, models, target, work, tuning_db, int8)
-    if boards is not None:
-        from .boards import OnBoard
-
-        return OnBoard(boards, work, manifest)
+def open_candidate(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
+                   int8: Int8 | None = None, runner: Runner | None = None) -> Handle:
+    """The candidate built as a bundle of its own in `work` (`build`) and opened to be checked by `runner`
+    (`timing.FreshProcess` unless given); on this host, one of at most `CHECKED_APART_BYTES` of weights is
+    opened in this process instead, by the runtime's executor, which runs what a device runs."""
+    runner = runner or FreshProcess()
+    build(cand, models, target, work, tuning_db, int8)
+    if not runner.local:
+        return runner.open(work)
     if sum(irm.weight_bytes(m) for m in models.values()) > CHECKED_APART_BYTES:
         give_back()  # what the compilers freed, before the child that runs it loads its weights
-        return _Apart(work, manifest.inputs, manifest.outputs)
-    return BundleModel(work, log=lambda line: None)
+        return runner.open(work)
+    return InProcess().open(work)
 
 
-@dataclass(frozen=True)
-class _Apart:
-    """A candidate bundle never loaded by the build: `run_all` runs it in a process of its own (see
-    `CHECKED_APART_BYTES`), as `measure_alone` times it."""
-    bundle: Path
-    inputs: tuple
-    outputs: tuple
-
-    def run_all(self, feeds: list[dict]) -> list[dict]:
-        with tempfile.TemporaryDirectory(prefix="check-", dir=self.bundle.parent) as tmp:
-            given, got = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
-            np.savez(given, **{f"{i}|{name}": value for i, f in enumerate(feeds) for name, value in f.items()})
-            done = subprocess.run([sys.executable, "-c", _RUN_CHILD, str(self.bundle), str(given), str(got)],
-                                  capture_output=True, text=True, env=_child_env(), timeout=600)
-            if done.returncode != 0:
-                raise RuntimeError(f"its run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-            outputs: list[dict] = [{} for _ in feeds]
-            with np.load(got) as values:
-                for key in values.files:
-                    i, name = key.split("|", 1)
-                    outputs[int(i)][name] = values[key]
-            return outputs
-
-    def close(self) -> None:
-        pass
-
-
-_RUN_CHILD = """
-import sys
-import numpy as np
-from edgesdk.runtime import BundleModel
-model = BundleModel(sys.argv[1], log=lambda s: None)
-feeds = {}
-with np.load(sys.argv[2]) as given:
-    for key in given.files:
-        i, name = key.split("|", 1)
-        feeds.setdefault(int(i), {})[name] = given[key]
-np.savez(sys.argv[3], **{f"{i}|{name}": value for i in sorted(feeds) for name, value in model.run(feeds[i]).items()})
-"""
-
-
-def _write(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-           int8: Int8 | None = None):
+def build(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
+          int8: Int8 | None = None):
     """The candidate's bundle written in `work`: each segment compiled by its backend (one that quantizes
     first quantized, as the compress stage will, on `int8`'s calibration samples), a manifest with its
     parallel steps. Returns the manifest."""
@@ -826,12 +733,12 @@ def _plain_spec(t):
     return TensorSpec(name=t.name, shape=t.shape, dtype=t.dtype)
 
 
-def _check(cand: Candidate, bundle, samples: list[dict], tolerance: float | None = None) -> None:
+def check(handle: Handle, samples: list[dict], tolerance: float | None = None) -> None:
     """Every output the span hands on, within `tolerance` (TOLERANCE) of its scale (its largest magnitude)
     of onnxruntime on the float model; raises ValueError saying which output is off and by how much."""
     tolerance = TOLERANCE if tolerance is None else tolerance
-    for sample, got in zip(samples, _run_all(bundle, samples)):
-        for t in bundle.outputs:
+    for sample, got in zip(samples, _run_all(handle, samples)):
+        for t in handle.outputs:
             want = sample[t.name].astype(np.float64)
             err = float(np.max(np.abs(got[t.name].astype(np.float64) - want))) if want.size else 0.0
             scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
@@ -839,12 +746,12 @@ def _check(cand: Candidate, bundle, samples: list[dict], tolerance: float | None
                 raise ValueError(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})")
 
 
-def _run_all(bundle, samples: list[dict]) -> list[dict]:
+def _run_all(handle: Handle, samples: list[dict]) -> list[dict]:
     """The bundle's outputs on each sample (a candidate on a board runs them all in one session)."""
-    feeds = [{t.name: sample[t.name] for t in bundle.inputs} for sample in samples]
-    if hasattr(bundle, "run_all"):
-        return bundle.run_all(feeds)
-    return [bundle.run(f) for f in feeds]
+    feeds = [{t.name: sample[t.name] for t in handle.inputs} for sample in samples]
+    if hasattr(handle, "run_all"):
+        return handle.run_all(feeds)
+    return [handle.run(f) for f in feeds]  # an opened bundle that runs one sample at a time (BundleModel)
 
 
 def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
@@ -910,65 +817,26 @@ def _quantizes(cand: Candidate) -> bool:
     return cand.name != PLANNED and any(backends.backend(s.backend).quantizes for s in cand.segments)
 
 
-def _time(runnable: dict[str, tuple[Candidate, object]], sample: dict, timer: Timer,
-          work: Path, measure: Callable[..., list[float]] | None = None) -> tuple[dict[str, float], dict[str, str]]:
+def _rounds(checked: dict[str, tuple[Candidate, Checked]], sample: dict, timer: Timer, work: Path,
+            runner: Runner) -> tuple[dict[str, float], dict[str, str]]:
     """Median milliseconds of one inference of each candidate: `ROUNDS` measurements of each, in turn,
-    each in a fresh process that loads the candidate's bundle alone (as on a device: no other runtime's
-    threads spinning on the cores) and runs it `RUNS` times after `WARMUP`; the median of them all.
-    A candidate whose timing run fails is left out, with why. `measure` (bundle, feeds, warmup=, runs=)
-    times one measurement: `measure_alone` here, `boards.measure` on a board."""
-    measure = measure or measure_alone
-    for _, bundle in runnable.values():
-        bundle.close()
+    each by `runner` (in a fresh process that loads the candidate's bundle alone: as on a device, no other
+    runtime's threads spinning on the cores) of `RUNS` inferences after `WARMUP`; the median of them all.
+    A candidate whose timing run fails is left out, with why."""
     feeds = work / "feeds.npz"
-    np.savez(feeds, **{t.name: sample[t.name] for _, b in runnable.values() for t in b.inputs})
-    laps: dict[str, list[float]] = {n: [] for n in runnable}
+    np.savez(feeds, **{t.name: sample[t.name] for _, b in checked.values() for t in b.inputs})
+    laps: dict[str, list[float]] = {n: [] for n in checked}
     failed: dict[str, str] = {}
     for _ in range(ROUNDS):
-        for name, (_, bundle) in runnable.items():
+        for name, (_, bundle) in checked.items():
             if name in failed:
                 continue
             try:
                 laps[name].append(timer(name, lambda b=bundle: statistics.median(
-                    measure(b.bundle, feeds, warmup=WARMUP, runs=RUNS))))
+                    runner.measure(b.bundle, feeds, warmup=WARMUP, runs=RUNS))))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
-                failed[name] = _short(e)
+                failed[name] = failure(e)
     return {n: round(statistics.median(v), 4) for n, v in laps.items() if n not in failed}, failed
-
-
-_CHILD = """
-import json, sys, time
-import numpy as np
-from edgesdk.runtime import BundleModel
-model = BundleModel(sys.argv[1], log=lambda s: None)
-feeds = dict(np.load(sys.argv[2]))
-feeds = {t.name: feeds[t.name] for t in model.inputs}
-laps = []
-for k in range(int(sys.argv[3]) + int(sys.argv[4])):
-    t0 = time.perf_counter()
-    model.run(feeds)
-    if k >= int(sys.argv[3]):
-        laps.append((time.perf_counter() - t0) * 1e3)
-print(json.dumps(laps))
-"""
-
-
-def measure_alone(bundle: Path, feeds: Path, *, warmup: int = WARMUP, runs: int = RUNS) -> list[float]:
-    """One measurement of a bundle in a child process of its own: milliseconds per inference of `runs`
-    inferences after `warmup`, on the inputs in `feeds` (.npz)."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(bundle), str(feeds), str(warmup), str(runs)],
-                          capture_output=True, text=True, env=_child_env(), timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"the timing run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _child_env() -> dict[str, str]:
-    """A candidate's child process: this one's environment (the threads it set for the runners,
-    TVM_NUM_THREADS and EDGESDK_NUM_THREADS), with edgesdk importable."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _reference(model: onnx.ModelProto, samples: list[dict], plan: Plan) -> list[dict]:
@@ -1069,11 +937,6 @@ def _span_ms(plan: Plan, segs: Sequence[PlanSegment]) -> float:
         else:
             total += s.predicted_ms
     return total + sum(steps.values())
-
-
-def _short(e: Exception) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:300]
 
 
 def copy_file(src: Path, dest: Path) -> None:

@@ -72,9 +72,7 @@ def _cpu_compilers(options) -> list[str]:
     cpu = list(registry.model(HOST).backends)
     measured = options.cpu_backends
     if measured != ("planned",):
-        from ..scheduling.selection import CPU_BACKENDS
-
-        cpu += [b for b in CPU_BACKENDS if measured is None or b in measured]
+        cpu += [b for b in backends.cpu_candidates() if measured is None or b in measured]
     return list(dict.fromkeys(cpu))
 
 

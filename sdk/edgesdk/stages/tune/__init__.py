@@ -52,6 +52,7 @@ from ...ir.digest import file_sha256, tree_sha256
 from ...scheduling import boards as on_boards
 from ...scheduling import selection
 from ...scheduling.plan import Plan
+from ...timing import TimingCache
 
 OPTIONS = ("trials", "time_budget", "tuning_db", "seed", "rpc_tracker", "rpc_key", "cpu_backends", "cpu_precision",
            "calib", "calib_samples", "calib_preprocess", "calib_method", "calib_percentile", "input_ranges", "prune",
@@ -222,12 +223,13 @@ def _dense_best(plan: Plan, artifact: Path, dense: onnx.ModelProto, samples: lis
     """The dense model's CPU time as the selection runs it (each span's fastest candidate among the backends
     `--cpu-backends` allows, measured and cached as the selection does) and those backends; None where no
     span had a second candidate to time (`--cpu-backends planned`)."""
-    allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    cpu = backends.cpu_candidates()
+    allowed = [b for b in cpu if b in (ctx.options.cpu_backends or cpu)]
     if not selection.spans(plan) or allowed == [] or ctx.options.cpu_backends == ("planned",):
         return None
     ctx.log("tune: prune plan: timing the dense model as the selection runs it")
     chosen = selection.select(plan, dense, lambda s: irm.read(artifact / s.artifact), ctx.target, samples,
-                              allowed=allowed, tuning_db=db / HOST, cache=selection.TimingCache(db / TIMING_CACHE),
+                              allowed=allowed, tuning_db=db / HOST, cache=TimingCache(db / TIMING_CACHE),
                               measurable=None, host=selection.host_name(),
                               log=lambda line: ctx.log(line.replace("tune: ", "tune: prune plan: dense model: ", 1)))
     spans = chosen.record.get("spans", [])
@@ -318,14 +320,15 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
     """Every CPU span on the backend measured fastest (`scheduling.selection`): on this host, or on
     `boards` where this host cannot run the target's CPU code."""
     # the whole-span candidates; the schedule's own cut is always one (`--cpu-backends planned`: the only one)
-    allowed = [b for b in selection.CPU_BACKENDS if b in (ctx.options.cpu_backends or selection.CPU_BACKENDS)]
+    cpu = backends.cpu_candidates()
+    allowed = [b for b in cpu if b in (ctx.options.cpu_backends or cpu)]
     only = build_memory.LOW_MEMORY_BACKENDS if ctx.options.low_memory else None
     if only:
         allowed = [b for b in allowed if b in only]
     why = selection.unmeasurable(ctx.target)
     # the model and the calibration samples only where a span will be measured, or checked for the policy's
     # LiteRT candidate (an arm_2tpu build on an x86 host with --cpu-backends planned reads nothing again)
-    reads = bool(selection.spans(plan)) and (why is None or boards is not None or selection.POLICY in allowed)
+    reads = bool(selection.spans(plan)) and (why is None or boards is not None or backends.policy_fallback() in allowed)
     layers: list[dict] = []
     if pruned is not None and reads:
         # the candidates are timed on the weights the compress stage will prune; the segments this stage
@@ -352,7 +355,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
             ctx.warn(f"tune: {e.message}; each CPU span's backend is chosen by policy instead. {e.hint}")
     selected = selection.select(
         plan, model, _loader(artifact, pruned), ctx.target, samples, allowed=allowed,
-        tuning_db=db / "cpu", cache=selection.TimingCache(db / TIMING_CACHE), measurable=why,
+        tuning_db=db / "cpu", cache=TimingCache(db / TIMING_CACHE), measurable=why,
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calibration_method(), calib_percentile=ctx.options.calib_percentile,
         int8_dir=ctx.out / "int8",
