@@ -103,7 +103,7 @@ def powf_exponents(library) -> set[float]:
 def test_a_pad_folds_into_its_conv_without_its_weights_serialized(weights_never_handed_over):
     """On x86 a zero Pad before a Conv becomes the Conv's own padding (`_fold_pads_into_convs`); the shape
     inference the rule needs sees the model without its weights, as every shape inference of a segment does."""
-    from edgesdk.backends.tvm.compile import _fold_pads_into_convs
+    from edgesdk.backends.tvm.lowering import _fold_pads_into_convs
 
     rng = np.random.default_rng(3)
     original = model([helper.make_node("Pad", ["x", "pads"], ["p"]), helper.make_node("Conv", ["p", "w"], ["y"])],
@@ -160,7 +160,7 @@ def test_x86_library_with_widened_rows_matches_onnxruntime(tmp_path):
     import tvm
 
     from edgesdk.backends.tvm import compile_onnx
-    from edgesdk.backends.tvm.compile import _lowered
+    from edgesdk.backends.tvm.lowering import _lowered
     from tests.backends.test_tvm import assert_matches_ort
 
     m = prime_width_convs()

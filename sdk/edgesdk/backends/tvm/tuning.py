@@ -33,8 +33,8 @@ import onnx
 
 from ...errors import UserError
 from .builder import _pooled_builder, _remove
-from .compile import _lowered
 from .database import RECORDS, _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
+from .lowering import _lowered
 from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
 from .search import Progress, _interrupt_after_batch, _search, _Watch
