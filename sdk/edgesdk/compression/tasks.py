@@ -45,6 +45,7 @@ import numpy as np
 
 from ..errors import UsageError, UserError
 from ..ir.calibration import MAX_LABELS_BYTES, open_regular_file, read_samples, utf8_text
+from .activations import ACTIVATIONS, activated
 
 TASKS = ("classification", "detection", "ocr", "segmentation", "generic")
 DECODERS = ("yolov8", "yolov5", "ssd")
@@ -341,8 +342,6 @@ def _ssd_outputs(outputs: Mapping[str, np.ndarray]) -> tuple[str, str]:
 
 
 def _activated(scores: np.ndarray, activation: str) -> np.ndarray:
-    from .accuracy import ACTIVATIONS, activated
-
     return activated(scores, activation) if activation in ACTIVATIONS else scores
 
 
