@@ -25,7 +25,7 @@ importing this package (the CLI does, to register the backend) must not import T
 seconds. sparse_pass.py is the exception (its pass and visitors are TVM classes), and is itself
 imported only inside a function.
 
-One lowering (`_lower`) serves both tuning and compilation. MetaSchedule finds tuning
+One lowering (lowering.py's `_lower`) serves both tuning and compilation. MetaSchedule finds tuning
 records by the structural hash of each fused TIR function, so the functions that
 `tune_onnx` measures must be exactly those that `compile_onnx` later looks up.
 

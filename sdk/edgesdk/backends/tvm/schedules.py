@@ -54,7 +54,7 @@ _DEFAULT_NUM_CORES = 4
 # channels (floats): 4 x 8 accumulators fill 4 AVX2 or 8 NEON registers.
 _VECTOR_BLOCK = 8
 _REGISTER_BLOCK = 4
-# Channels-last convolutions (x86, compile.py): the register block is a row of up to this
+# Channels-last convolutions (x86, lowering.py): the register block is a row of up to this
 # many output pixels, each an accumulator vector of `_VECTOR_BLOCK` output channels, all fed
 # by one weight vector. 8 (7 where the row is a multiple of 7, as in most CNNs) x 1 vector
 # measured faster than 4 x 2, 7 x 2 (spills) or 2 x 4 on ResNet50 and MobileNetV2 (AVX2).

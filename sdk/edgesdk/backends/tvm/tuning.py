@@ -1,6 +1,6 @@
 """MetaSchedule tuning of TVM segments: budgeted, resumable, transferable, local or remote.
 
-    tune: the segments' fused TIR functions (`_lower`, the same as compilation's), merged
+    tune: the segments' fused TIR functions (lowering.py's `_lower`, the same as compilation's), merged
           across segments by workload --default schedule measured (the untuned baseline,
           committed as a record)--> XGBoost cost model trained on every record already in
           the database (transfer) --evolutionary search, candidates built here and measured
