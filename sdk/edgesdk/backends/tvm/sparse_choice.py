@@ -31,7 +31,7 @@ def weight_digest(weight: np.ndarray) -> str:
     return hashlib.sha256(str(weight.shape).encode() + np.ascontiguousarray(weight, np.float32).tobytes()).hexdigest()
 
 
-def forced(kernels: dict[str, str], otherwise: Callable[[ConvShape, np.ndarray], dict]) -> Callable:
+def forced(kernels: dict[str, str], otherwise: Choice) -> Choice:
     """A choice that takes the kernel `kernels` forces on a weight (by `weight_digest`: `edgesdk build
     --sparse-kernels sparse|dense`), else asks `otherwise`."""
     def choose(shape: ConvShape, weight: np.ndarray) -> dict:
