@@ -13,7 +13,7 @@ timing every variant `--runs` times in turn after a warm-up), medians:
   - TVM dense, tuned: the same kernel with MetaSchedule's best of `--trials` candidates (a database per
     run under .cache/bench-sparse);
   - sparse, for 2:4, 1:4, magnitude 75 % and 90 %, column combining (groups of 4): the kernel of
-    backends/tvm/sparse.py as the compiler builds it (CHWN with a batch, W-vectorized at batch 1), timed alone.
+    backends/tvm/sparse_kernels.py as the compiler builds it (CHWN with a batch, W-vectorized at batch 1), timed alone.
 Effective GFLOP/s counts the dense layer's FLOPs (2 per multiply-add) over the time. The per-network line sums
 each layer's time times its count in ResNet-18. Each batch measured replaces that batch's tables in
 benchmarks/results/sparse-layers.json (--out; the other batches stay); prints the tables.
@@ -91,9 +91,9 @@ def ort_child(model, x, runs: int):
 
 
 def shape_of(n: int, ci: int, co: int, size: int, k: int, stride: int):
-    from edgesdk.backends.tvm import sparse
+    from edgesdk.backends.tvm.sparse_format import ConvShape
 
-    return sparse.ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
+    return ConvShape(n, ci, size, size, co, k, k, (k // 2,) * 4, (stride, stride))
 
 
 def main() -> None:
@@ -107,9 +107,9 @@ def main() -> None:
     import os
 
     os.environ.setdefault("TVM_NUM_THREADS", str(THREADS))
-    from edgesdk.backends.tvm import compile as tc
-    from edgesdk.backends.tvm import sparse
-    from edgesdk.backends.tvm.targets import host_cpu
+    from edgesdk.backends.tvm.sparse_format import pack
+    from edgesdk.backends.tvm.sparse_measured import dense_runner, sparse_runner
+    from edgesdk.backends.tvm.targets import _resolve_target, host_cpu
     from edgesdk.backends.tvm.tuning import tune_onnx
     from edgesdk.compression import mask, parse_method
 
@@ -131,16 +131,16 @@ def main() -> None:
                 log(f"b{batch} {name}: tuning the dense kernel ({args.trials} trials)")
                 tune_onnx(model, TARGET, db, trials=args.trials, log=lambda s: None)
             ort_alone = ort_child(model, x, args.runs)
-            # the kernels as the backend compiles and times them (backends/tvm/sparse.py)
+            # the kernels as the backend compiles and times them (backends/tvm/sparse_measured.py)
             shape = shape_of(batch, ci, co, size, k, stride)
-            target = tc._resolve_target(TARGET)[0]
-            runners = {"TVM dense untuned": sparse.dense_runner(shape, target)}
+            target = _resolve_target(TARGET)[0]
+            runners = {"TVM dense untuned": dense_runner(shape, target)}
             if args.trials:
-                runners["TVM dense tuned"] = sparse.dense_runner(shape, target, db)
+                runners["TVM dense tuned"] = dense_runner(shape, target, db)
             padding = {}
             for method in METHODS:
-                ell = sparse.pack(dense * mask(dense, parse_method(method)))
-                runners[method], padding[method] = sparse.sparse_runner(shape, ell, target), ell.padding
+                ell = pack(dense * mask(dense, parse_method(method)))
+                runners[method], padding[method] = sparse_runner(shape, ell, target), ell.padding
             times: dict[str, list[float]] = {"onnxruntime dense": [], **{k: [] for k in runners}}
             for fn in runners.values():
                 fn()

@@ -69,7 +69,7 @@ def single_task_graph(target: dict = HOST) -> onnx.ModelProto:
     """Conv + bias + relu: one fused TIR function, so tuning it is one task. Its input and output
     are in the layout `target` computes convolutions in (x86: NHWC; compile.py's
     `_channels_last_convs`), so that no transpose is a function of its own."""
-    from edgesdk.backends.tvm.compile import _channels_last_convs
+    from edgesdk.backends.tvm.lowering import _channels_last_convs
 
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
@@ -397,7 +397,7 @@ def test_x86_convolutions_are_channels_last_with_weights_transposed_at_compile_t
     weights HWIO constants, and no weight is transformed at run time."""
     import tvm
 
-    from edgesdk.backends.tvm.compile import _lowered
+    from edgesdk.backends.tvm.lowering import _lowered
 
     model = padded_conv_graph()
     x86 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"})

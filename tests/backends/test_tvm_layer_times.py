@@ -13,7 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from edgesdk import backends
-from edgesdk.backends.tvm import layer_times, sparse
+from edgesdk.backends.tvm import layer_times, sparse_measured, timing
 from edgesdk.compression import build as pruning
 from edgesdk.compression import parse_method, prunable
 from edgesdk.config import load_target
@@ -68,7 +68,7 @@ def test_each_convolution_is_timed_dense_and_per_method_then_replayed(tmp_path, 
     def no_measuring(run):
         raise AssertionError("measured again instead of replaying the database's times")
 
-    monkeypatch.setattr(sparse, "_median_ms", no_measuring)
+    monkeypatch.setattr(timing, "median_ms", no_measuring)
     assert backends.backend("tvm").time_layers(job) == got
 
 
@@ -86,7 +86,7 @@ def test_a_native_target_is_timed_as_compilation_resolves_it(tmp_path):
     backends.backend("tvm").time_layers(job)
     resolved = _resolve_target(device.codegen)[0]
     assert resolved["mcpu"] != "native"
-    measured = sparse.Measured(resolved, tmp_path / "db" / backends.KERNEL_TIMES)
+    measured = sparse_measured.Measured(resolved, tmp_path / "db" / backends.KERNEL_TIMES)
     before = dict(measured.entries)
     node = next(n for n in model.graph.node if n.output[0] == layer.output)
     shape = layer_times.conv_shape(node, (4, 32, 8, 8), layer.shape)

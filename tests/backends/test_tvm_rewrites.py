@@ -85,8 +85,9 @@ def test_cuda_segment_library_has_no_powf(tmp_path, monkeypatch):
     assert twin.count(b'extern "C" __global__') == 0
 
     from edgesdk.backends.tvm import compile as tvm_compile
+    from edgesdk.backends.tvm import lowering
 
-    monkeypatch.setattr(tvm_compile, "integer_powers_as_products", lambda m: (m, 0))
+    monkeypatch.setattr(lowering, "integer_powers_as_products", lambda m: (m, 0))
     tvm_compile.compile_onnx(layer_norm_as_ops(), CUDA, tmp_path / "unrewritten.so")
     assert powf_exponents(tmp_path / "unrewritten.so") == {0.5, 2.0, 3.0, 4.0}
 
@@ -103,7 +104,7 @@ def powf_exponents(library) -> set[float]:
 def test_a_pad_folds_into_its_conv_without_its_weights_serialized(weights_never_handed_over):
     """On x86 a zero Pad before a Conv becomes the Conv's own padding (`_fold_pads_into_convs`); the shape
     inference the rule needs sees the model without its weights, as every shape inference of a segment does."""
-    from edgesdk.backends.tvm.compile import _fold_pads_into_convs
+    from edgesdk.backends.tvm.lowering import _fold_pads_into_convs
 
     rng = np.random.default_rng(3)
     original = model([helper.make_node("Pad", ["x", "pads"], ["p"]), helper.make_node("Conv", ["p", "w"], ["y"])],
@@ -160,7 +161,7 @@ def test_x86_library_with_widened_rows_matches_onnxruntime(tmp_path):
     import tvm
 
     from edgesdk.backends.tvm import compile_onnx
-    from edgesdk.backends.tvm.compile import _lowered
+    from edgesdk.backends.tvm.lowering import _lowered
     from tests.backends.test_tvm import assert_matches_ort
 
     m = prime_width_convs()

@@ -1,4 +1,4 @@
-"""backends/tvm/sparse.py: pruned convolutions packed with fixed loop lengths (blocked ELL) and computed
+"""backends/tvm/sparse_*.py: pruned convolutions packed with fixed loop lengths (blocked ELL) and computed
 by TIR kernels in CHWN (a batch) or W-vectorized (batch 1), compiled into TVM libraries where a constant
 weight is mostly zeros; each checked against onnxruntime on the pruned dense model."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 from edgesdk.backends.tvm import compile as tvm_compile
-from edgesdk.backends.tvm import sparse
+from edgesdk.backends.tvm import lowering, sparse_format, sparse_measured, sparse_schedules
 from tests.numeric import assert_close
 
 
@@ -43,8 +43,8 @@ def pruned_weights(draw):
 @settings(max_examples=60, deadline=None)
 @given(pruned_weights(), st.sampled_from([1, 4, 16, 64]))
 def test_blocked_ell_decodes_to_the_pruned_weights_exactly(w, block):
-    ell = sparse.pack(w, block)
-    assert np.array_equal(sparse.decode(ell), w)
+    ell = sparse_format.pack(w, block)
+    assert np.array_equal(sparse_format.decode(ell), w)
     assert ell.kept == np.count_nonzero(w)
     assert ell.values.shape[:2] == (w.shape[0], -(-w.shape[1] // block))
     # every padding entry reads a row of its own block
@@ -55,7 +55,7 @@ def test_blocked_ell_decodes_to_the_pruned_weights_exactly(w, block):
 
 def test_n_m_pruning_fills_its_lists_exactly():
     w = nm_pruned(np.random.default_rng(0).standard_normal((8, 32, 3, 3)).astype(np.float32), 2, 4)
-    ell = sparse.pack(w, 16)
+    ell = sparse_format.pack(w, 16)
     assert ell.padding == 0.0
     assert ell.values.shape == (8, 2, 16 // 4 * 2 * 9)
 
@@ -102,7 +102,7 @@ def tvm_run(model: onnx.ModelProto, x: np.ndarray, tmp_path) -> tuple[np.ndarray
     lib = tmp_path / "segment.so"
     result = tvm_compile.compile_onnx(model, {"kind": "llvm", "mcpu": "native"}, lib)
     out = run_library(lib, result, x)
-    lowered = tvm_compile._lowered(model, tvm.target.Target({"kind": "llvm"}))
+    lowered = lowering._lowered(model, tvm.target.Target({"kind": "llvm"}))
     kernels = sum(1 for gv in lowered.functions if gv.name_hint.startswith("sparse_conv2d"))
     return out, kernels
 
@@ -156,11 +156,11 @@ def test_batch_one_rows_that_lanes_do_not_divide_run_the_masked_row_kernel(targe
     lib = tmp_path / "segment.so"
     got = run_library(lib, tvm_compile.compile_onnx(model, target, lib), x)
     assert_close(got, ort_run(model, x), "sparse conv")
-    lowered = tvm_compile._lowered(model, tvm.target.Target(target))
+    lowered = lowering._lowered(model, tvm.target.Target(target))
     kernels = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("sparse_conv2d")]
     assert len(kernels) == 1
     assert bool(kernels[0].attrs.get("tirx.is_scheduled", False)) == masked
-    assert sparse.is_kernel(kernels[0]) != masked  # only `kernel` is a MetaSchedule task
+    assert sparse_schedules.is_kernel(kernels[0]) != masked  # only `kernel` is a MetaSchedule task
 
 
 def test_a_dense_convolution_keeps_the_dense_kernel(tmp_path):
@@ -199,7 +199,9 @@ def permutes(model: onnx.ModelProto) -> int:
     import tvm
     from tvm import relax
 
-    mod = sparse.SparseConvs(channels_last=True, prepare=tvm_compile._ClipAsRelaxOps())(tvm_compile._import(model))
+    from edgesdk.backends.tvm.sparse_pass import SparseConvs
+
+    mod = SparseConvs(channels_last=True, prepare=lowering._ClipAsRelaxOps())(lowering._import(model))
     found = []
 
     @relax.expr_functor.visitor
@@ -233,22 +235,22 @@ def test_the_measured_choice_follows_the_times_it_keeps(tmp_path):
 
     target = tvm_compile._resolve_target({"kind": "llvm", "mcpu": "native"})[0]
     weight = nm_pruned(np.random.default_rng(0).standard_normal((16, 16, 3, 3)).astype(np.float32), 1, 4)
-    shape = sparse.ConvShape(4, 16, 14, 14, 16, 3, 3, (1, 1, 1, 1))
+    shape = sparse_format.ConvShape(4, 16, 14, 14, 16, 3, 3, (1, 1, 1, 1))
     cache = tmp_path / "times.json"
-    first = sparse.Measured(target, cache)(shape, weight)
+    first = sparse_measured.Measured(target, cache)(shape, weight)
     assert first["kernel"] == ("sparse" if first["sparse_ms"] < first["dense_ms"] else "dense")
     (key,) = json.loads(cache.read_text())
     for sparse_ms, dense_ms, want in ((1.0, 2.0, "sparse"), (2.0, 1.0, "dense"), (1.0, 1.0, "dense")):
         cache.write_text(json.dumps({key: {"sparse_ms": sparse_ms, "dense_ms": dense_ms}}))
-        choice = sparse.Measured(target, cache)(shape, weight)
+        choice = sparse_measured.Measured(target, cache)(shape, weight)
         assert (choice["kernel"], choice["sparse_ms"], choice["dense_ms"]) == (want, sparse_ms, dense_ms)
     # the package stage reads the tune stage's copy and adds nothing to it
-    sparse.Measured(target, tmp_path / "read-only.json", keep=False)(shape, weight)
+    sparse_measured.Measured(target, tmp_path / "read-only.json", keep=False)(shape, weight)
     assert not (tmp_path / "read-only.json").exists()
 
 
 def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_record(tmp_path):
-    """The sparse kernel is a task of the tune stage's search (its design space `sparse.design`: the tile
+    """The sparse kernel is a task of the tune stage's search (its design space `sparse_schedules.design`: the tile
     sizes sampled, measured on random offsets that the kernel clamps to its input), and the library
     compiled with the database takes its record and still equals onnxruntime."""
     import tvm
@@ -265,8 +267,8 @@ def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_rec
     assert task["searched"] and task["untuned_ms"] is not None and task["records"] >= 1, task
     resolved, tt = tvm_compile._resolve_target(target)
     with tt:
-        mod = _apply_database(tvm_compile._lowered(model, tt), _open_database(tmp_path / "db", resolved,
-                                                                              must_exist=True))
+        mod = _apply_database(lowering._lowered(model, tt), _open_database(tmp_path / "db", resolved,
+                                                                           must_exist=True))
     kernels = [f for g, f in mod.functions_items() if g.name_hint.startswith("sparse_conv2d")]
     assert kernels and all(f.attrs.get("tirx.is_scheduled", False) for f in kernels)
     result = tvm_compile.compile_onnx(model, target, tmp_path / "tuned.so", tuning_db=tmp_path / "db")

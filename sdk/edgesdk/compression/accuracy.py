@@ -43,6 +43,8 @@ import numpy as np
 import onnx
 
 from ..ir import model as irm
+from . import tasks
+from .activations import ACTIVATIONS, activated
 
 SCORES, VALUES = "scores", "values"
 CONFIDENT = 0.9  # fp32 decides where its best score is at least this: top-1 is taken there
@@ -97,25 +99,10 @@ class View:
         return "values"
 
 
-ACTIVATIONS = ("sigmoid", "softmax")  # what --output-activation may declare
-
-
-def activated(a: np.ndarray, activation: str, axis: int | None = None) -> np.ndarray:
-    """`a` through `activation` (sigmoid; softmax along `axis`, the last where None)."""
-    if activation == "sigmoid":
-        return 1 / (1 + np.exp(-np.clip(a, -100, 100)))
-    if activation == "softmax":
-        e = np.exp(a - a.max(axis=-1 if axis is None else axis, keepdims=True))
-        return e / e.sum(axis=-1 if axis is None else axis, keepdims=True)
-    raise ValueError(f"unknown activation {activation!r}")
-
-
 def declared(options) -> dict[str, str]:
     """The outputs a build's `options` say are logits read through an activation, by name: its
     `output_activations` (--output-activation), and the scores output of an SSD-style decoder whose
     `activation=` is sigmoid or softmax (--task detection --decoder ssd --task-options scores=NAME,...)."""
-    from . import tasks
-
     out = {}
     if getattr(options, "decoder", None) == "ssd" and getattr(options, "task", None) == "detection":
         spec = tasks.parse_options("detection", "ssd", getattr(options, "task_options", None))

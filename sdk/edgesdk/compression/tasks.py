@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import UsageError, UserError
 from ..ir.calibration import MAX_LABELS_BYTES, open_regular_file, read_samples, utf8_text
 from ..options import Decoder, Task, check_choice
+from .activations import ACTIVATIONS, activated
 
 TASKS: tuple[str, ...] = get_args(Task)
 DECODERS: tuple[str, ...] = get_args(Decoder)
@@ -339,8 +340,6 @@ def _ssd_outputs(outputs: Mapping[str, np.ndarray]) -> tuple[str, str]:
 
 
 def _activated(scores: np.ndarray, activation: str) -> np.ndarray:
-    from .accuracy import ACTIVATIONS, activated
-
     return activated(scores, activation) if activation in ACTIVATIONS else scores
 
 

@@ -6,13 +6,26 @@ dicts). The bundle runtime loads the library with `tvm.runtime.load_module`, map
 segment's weights file beside it, and runs its Relax VM function `main` on the inputs and
 the weights (runtime/backends/tvm_runner.py).
 
-    compile.py        compile_onnx: import, lowering, scheduling, build
+    compile.py        compile_onnx: lowering, scheduling, build
+    lowering.py       an ONNX segment rewritten (rewrites.py, fast_math.py), imported, lowered to TIR
     targets.py        target architecture, `mcpu: native` and the host's CPU features, export
     schedules.py      the default schedules of untuned functions (CPU heuristic, GPU dlight)
+    tiling.py         tile arithmetic and the target's vector registers, shared (imports nothing here)
     tensor_intrin.py  a fast import of the tensor intrinsics MetaSchedule needs
     tuning.py         tune_onnx (with search.py, builder.py, runner.py, database.py)
+    sparse_*.py       pruned convolutions: the packed format (sparse_format), the TIR kernels
+                      (sparse_kernels) and their schedules (sparse_schedules), the kernel choice by
+                      policy (sparse_choice) or by timing (sparse_measured, timing.py), the Relax pass
+                      (sparse_pass)
+    layer_times.py    the prune plan's kernel and segment times; segment.py the registry's entry points
 
-One lowering (`_lower`) serves both tuning and compilation. MetaSchedule finds tuning
+The modules import each other in one direction only (pyproject.toml's import-linter contract lists
+them from top to bottom). TVM is imported inside the functions that use it, not at module top:
+importing this package (the CLI does, to register the backend) must not import TVM, which takes
+seconds. sparse_pass.py is the exception (its pass and visitors are TVM classes), and is itself
+imported only inside a function.
+
+One lowering (lowering.py's `_lower`) serves both tuning and compilation. MetaSchedule finds tuning
 records by the structural hash of each fused TIR function, so the functions that
 `tune_onnx` measures must be exactly those that `compile_onnx` later looks up.
 
@@ -37,5 +50,5 @@ from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_feature
 from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: F401
 from .tuning import tune_onnx
 
-__all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "host_cpu",
-           "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]
+__all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "cpuinfo_flags",
+           "host_cpu", "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]

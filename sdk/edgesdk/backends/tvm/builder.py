@@ -4,6 +4,8 @@ the tuning run, cross-linked for a foreign CPU so that a board needs no compiler
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from .schedules import _runs_every_instance
@@ -17,8 +19,6 @@ def _build_job(mod: Any, target: Any, params: Any, compiler: str | None) -> str:
     """Build one candidate into a shared library, linked by `compiler` when the target's CPU is
     not this host's. Runs in a builder worker process; a library, not TVM's default .tar, so
     that a board needs no compiler."""
-    import tempfile
-
     import tvm
     from tvm import s_tir
     from tvm.support import cc
@@ -85,6 +85,4 @@ def _pooled_builder(max_workers: int, compiler: str | None) -> Any:
 
 
 def _remove(path: str) -> None:
-    import shutil
-
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)

@@ -31,8 +31,6 @@ def _open_database(path: Path, target: dict, *, must_exist: bool) -> Any:
     A database that is named but absent is refused too when it must exist (a wrong path
     would otherwise build an untuned library without a word).
     """
-    import json
-
     from tvm.s_tir import meta_schedule as ms
 
     owner = path / "target.json"

@@ -2,11 +2,11 @@
 alone on this host, dense and with each method's pruned weights, and sets of CPU segments timed whole (the
 dense ones, and the fastest plan's: the whole model's saving that the kernels' savings are scaled to).
 
-A layer's times are those `sparse.Measured` takes to choose its kernel when the segment compiles (the
+A layer's times are those `sparse_measured.Measured` takes to choose its kernel when the segment compiles (the
 same cache, `KERNEL_TIMES` in the CPU's tuning database, the same keys), so the plan and the build agree on
 which layers run sparse. The sparse kernel's time depends on the packed format's loop lengths, not on the
 values, and the dense kernel's on the shape alone. A segment's time (compiled as the build compiles it, a
-pruned one with its measured kernel choices) is the median of `sparse.TIMING_RUNS`
+pruned one with its measured kernel choices) is the median of `timing.TIMING_RUNS`
 runs of its library on random inputs after a warm-up, kept in the same cache under the segment's digest.
 Only 2-D convolutions with one group have a sparse kernel; pruned Gemm and MatMul layers run dense and
 are not timed (absent from the result).
@@ -25,15 +25,17 @@ import onnx
 from ...ir.model import infer_shapes, sha256, static_shapes
 from ...runtime.backends.tvm_runner import load_weights
 from ..registry import KERNEL_TIMES, LayerTimesJob
-from . import sparse
+from . import timing
 from .compile import compile_onnx
+from .sparse_format import ConvShape
+from .sparse_measured import REVISION, Measured
 from .targets import _resolve_target, host_cpu
 
 
 def time_layers(job: LayerTimesJob) -> dict:
     target = _resolve_target(job.device.codegen)[0]  # `mcpu: native` resolved, as compilation resolves it
     database = job.tuning_db if (job.tuning_db / "database_workload.json").exists() else None
-    measured = sparse.Measured(target, job.tuning_db / KERNEL_TIMES, database)
+    measured = Measured(target, job.tuning_db / KERNEL_TIMES, database)
     shapes = static_shapes(infer_shapes(job.model, strict=False))
     nodes = {n.output[0]: n for n in job.model.graph.node if n.output}
     layers: dict[str, dict] = {}
@@ -56,7 +58,7 @@ def time_layers(job: LayerTimesJob) -> dict:
         total = 0.0
         for model in models:
             key = "segment:" + hashlib.sha256(json.dumps([sha256(model),
-                                                          target, host_cpu(), sparse.REVISION],
+                                                          target, host_cpu(), REVISION],
                                                          default=str).encode()).hexdigest()
             total += measured.cached(key, lambda m=model: {"ms": _segment_ms(m, target, database, job.tuning_db)})["ms"]
         totals[name] = round(total, 4)
@@ -65,7 +67,7 @@ def time_layers(job: LayerTimesJob) -> dict:
 
 
 def conv_shape(node: onnx.NodeProto, input_shape: tuple[int, ...] | None,
-               weight_shape: tuple[int, ...]) -> sparse.ConvShape | None:
+               weight_shape: tuple[int, ...]) -> ConvShape | None:
     """The ConvShape of a 2-D Conv with one group and a static input, or None."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if input_shape is None or len(input_shape) != 4 or len(weight_shape) != 4 or attrs.get("group", 1) != 1:
@@ -87,7 +89,7 @@ def conv_shape(node: onnx.NodeProto, input_shape: tuple[int, ...] | None,
         top_left_bottom_right = (0, 0, 0, 0)
     else:
         top_left_bottom_right = tuple(attrs.get("pads", (0, 0, 0, 0)))
-    return sparse.ConvShape(n, ci, h, w, weight_shape[0], kh, kw, top_left_bottom_right, stride, dilation)
+    return ConvShape(n, ci, h, w, weight_shape[0], kh, kw, top_left_bottom_right, stride, dilation)
 
 
 def _segment_ms(model: onnx.ModelProto, target: dict, database: Path | None, tuning_db: Path) -> float:
@@ -106,4 +108,4 @@ def _segment_ms(model: onnx.ModelProto, target: dict, database: Path | None, tun
                 for s in sorted(res.inputs, key=lambda s: int(s.key))]
         args += load_weights(lib_path, res.weights, tvm.cpu(0), "timed")
         main = vm["main"]
-        return sparse._median_ms(lambda: main(*args))
+        return timing.median_ms(lambda: main(*args))

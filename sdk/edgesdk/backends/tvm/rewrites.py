@@ -20,7 +20,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ...ir import model as irm
 from ...ir.values import constant
-from .schedules import largest_divisor
+from .tiling import largest_divisor
 
 INTEGER_POWERS = (2, 3, 4)
 

@@ -3,6 +3,7 @@ boards registered with a TVM RPC tracker (`Boards`), one candidate per board at 
 
 from __future__ import annotations
 
+import platform
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ def _session_factory() -> Callable[[Any], Any]:
     """
 
     def create_session(rpc_config):
+        # imported inside: cloudpickle ships this function by value to worker processes
         import socket
 
         from tvm import rpc
@@ -121,8 +123,6 @@ def _measured_on(target: dict, tvm_target: Any, boards: Boards | None) -> str:
 
 def _check_measurable(target: dict, tvm_target: Any) -> None:
     """Tuning measures candidates on this machine: it must be able to run them."""
-    import platform
-
     import tvm
 
     if tvm_target.kind.name == "cuda" and not tvm.cuda(0).exist:

@@ -13,7 +13,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .sparse_schedules import design, is_kernel
 from .tensor_intrin import _tensor_intrin_importer
+from .tiling import largest_divisor
 
 
 def _gpu_default_schedules(mod: Any) -> Any:
@@ -52,7 +54,7 @@ _DEFAULT_NUM_CORES = 4
 # channels (floats): 4 x 8 accumulators fill 4 AVX2 or 8 NEON registers.
 _VECTOR_BLOCK = 8
 _REGISTER_BLOCK = 4
-# Channels-last convolutions (x86, compile.py): the register block is a row of up to this
+# Channels-last convolutions (x86, lowering.py): the register block is a row of up to this
 # many output pixels, each an accumulator vector of `_VECTOR_BLOCK` output channels, all fed
 # by one weight vector. 8 (7 where the row is a multiple of 7, as in most CNNs) x 1 vector
 # measured faster than 4 x 2, 7 x 2 (spills) or 2 x 4 on ResNet50 and MobileNetV2 (AVX2).
@@ -76,7 +78,6 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
     """
     import tvm
     from tvm import tirx
-    from tvm.s_tir import meta_schedule as ms
 
     tvm_target = tvm.target.Target({**target, "num-cores": target.get("num-cores", _DEFAULT_NUM_CORES)})
 
@@ -118,17 +119,15 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
-    from . import sparse
-
     context = ms.TuneContext(
         mod=tvm.IRModule({"main": func}),
         target=tvm_target,
         space_generator=ms.space_generator.PostOrderApply(postprocs=postprocs(), mutator_probs={}),
         rand_state=1,
     )
-    if sparse.is_kernel(func):  # its own design space (sparse.design), its default decisions as they are
+    if is_kernel(func):  # its own design space (sparse_schedules.design), its default decisions as they are
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
-        sparse.design(sch, sch.get_sblock("sparse_conv"))
+        design(sch, sch.get_sblock("sparse_conv"))
         sch.enter_postproc()
         return sch if all(p.apply(sch) for p in context.space_generator.postprocs) else None
     spaces = context.generate_design_space()
@@ -235,11 +234,6 @@ def _tile_roles(trace: Any, channels_last: bool = False) -> list[str]:
             else:
                 roles.append("spatial")
     return roles
-
-
-def largest_divisor(extent: int, limit: int) -> int:
-    """The largest divisor of `extent` up to `limit`: the block `_tile` gives a loop of that extent."""
-    return max(d for d in range(1, min(limit, extent) + 1) if extent % d == 0)
 
 
 def _tile(extent: int, n: int, role: str) -> list[int]:

@@ -4,7 +4,11 @@ batch (progress, failures, the time budget, lost boards, Ctrl-C)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import signal
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +36,6 @@ class Progress:
 
 def _search(ms, todo, tvm_target, log_dir, budget, batch, seed, builder, runner, database, cost_model, watch) -> None:
     """MetaSchedule's gradient-based task scheduler over `todo`, at most `budget` candidates."""
-    import logging
-    import tempfile
-
     # One measured batch must not overshoot a small budget, and MetaSchedule's scheduler first
     # gives every task one batch: batches small enough that each task gets about two of them.
     batch = min(budget, batch or max(1, min(64, max(8, budget // (2 * len(todo))))))
@@ -149,9 +150,6 @@ def _interrupt_after_batch(watch: _Watch, say: Callable[[str], None]):
     """Ctrl-C during the search ends it after the batch in flight, whose records are then in the
     database (a KeyboardInterrupt raised inside MetaSchedule's C++ loop would reach us as a bare
     RuntimeError, with the batch lost); a second Ctrl-C interrupts at once."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -179,8 +177,6 @@ def _drop_unnamed_handlers(logger_name: str) -> None:
     """MetaSchedule rebuilds its loggers with logging.config.dictConfig, naming each handler the
     logger already has; a handler someone else attached without a name (a test harness's, an
     application's) makes that crash with `'NoneType' object has no attribute 'format'`."""
-    import logging
-
     logger = logging.getLogger(logger_name)
     for handler in list(logger.handlers):
         if handler.get_name() is None:

@@ -19,6 +19,7 @@ def _tensor_intrin_importer() -> Callable[[], None]:
     """
 
     def import_tensor_intrin() -> None:
+        # imported inside: cloudpickle ships this function by value to worker processes
         import importlib
         import inspect
         import os

@@ -1,6 +1,6 @@
 """MetaSchedule tuning of TVM segments: budgeted, resumable, transferable, local or remote.
 
-    tune: the segments' fused TIR functions (`_lower`, the same as compilation's), merged
+    tune: the segments' fused TIR functions (lowering.py's `_lower`, the same as compilation's), merged
           across segments by workload --default schedule measured (the untuned baseline,
           committed as a record)--> XGBoost cost model trained on every record already in
           the database (transfer) --evolutionary search, candidates built here and measured
@@ -33,8 +33,8 @@ import onnx
 
 from ...errors import UserError
 from .builder import _pooled_builder, _remove
-from .compile import _lowered
 from .database import RECORDS, _best_ms, _merge, _open_database, _read, _record_counts, _workload_key, repair_database
+from .lowering import _lowered
 from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
 from .search import Progress, _interrupt_after_batch, _search, _Watch
