@@ -13,7 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from edgesdk import backends
-from edgesdk.backends.tvm import layer_times, sparse_measured, timing
+from edgesdk.backends.tvm import kernel_timing, layer_times, sparse_measured
 from edgesdk.compression import build as pruning
 from edgesdk.compression import parse_method, prunable
 from edgesdk.config import load_target
@@ -68,7 +68,7 @@ def test_each_convolution_is_timed_dense_and_per_method_then_replayed(tmp_path, 
     def no_measuring(run):
         raise AssertionError("measured again instead of replaying the database's times")
 
-    monkeypatch.setattr(timing, "median_ms", no_measuring)
+    monkeypatch.setattr(kernel_timing, "median_ms", no_measuring)
     assert backends.backend("tvm").time_layers(job) == got
 
 

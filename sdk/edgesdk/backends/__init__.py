@@ -32,7 +32,7 @@ register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apac
                  # 1: x86 convolutions' prime-width rows computed wider (rewrites.py); 2: exp, sigmoid, tanh, erf
                  # as vectorizable polynomials on CPUs (fast_math.py); 3: pruned convolutions as sparse kernels (sparse.py);
                  # 4: depthwise convolutions inside sparse runs in CHWN, the pixel block fitted to the registers;
-                 # 5: batch-1 sparse convolutions on x86 as sparse.row_kernel (masked tails); 6: strided ones too;
+                 # 5: batch-1 sparse convolutions on x86 as sparse_kernels.row_kernel (masked tails); 6: strided ones too;
                  # 7: row_kernel's output channels in parallel parts; 8: sparse kernels timed as compiled (the
                  # per-layer choice may differ); 9: weights in a file beside the library, mapped by the runner
                  revision=9, **TVM_MEMORY))

@@ -6,7 +6,7 @@ A layer's times are those `sparse_measured.Measured` takes to choose its kernel 
 same cache, `KERNEL_TIMES` in the CPU's tuning database, the same keys), so the plan and the build agree on
 which layers run sparse. The sparse kernel's time depends on the packed format's loop lengths, not on the
 values, and the dense kernel's on the shape alone. A segment's time (compiled as the build compiles it, a
-pruned one with its measured kernel choices) is the median of `timing.TIMING_RUNS`
+pruned one with its measured kernel choices) is the median of `kernel_timing.TIMING_RUNS`
 runs of its library on random inputs after a warm-up, kept in the same cache under the segment's digest.
 Only 2-D convolutions with one group have a sparse kernel; pruned Gemm and MatMul layers run dense and
 are not timed (absent from the result).
@@ -25,7 +25,7 @@ import onnx
 from ...ir.model import infer_shapes, sha256, static_shapes
 from ...runtime.backends.tvm_runner import load_weights
 from ..registry import KERNEL_TIMES, LayerTimesJob
-from . import timing
+from . import kernel_timing
 from .compile import compile_onnx
 from .sparse_format import ConvShape
 from .sparse_measured import REVISION, Measured
@@ -108,4 +108,4 @@ def _segment_ms(model: onnx.ModelProto, target: dict, database: Path | None, tun
                 for s in sorted(res.inputs, key=lambda s: int(s.key))]
         args += load_weights(lib_path, res.weights, tvm.cpu(0), "timed")
         main = vm["main"]
-        return timing.median_ms(lambda: main(*args))
+        return kernel_timing.median_ms(lambda: main(*args))

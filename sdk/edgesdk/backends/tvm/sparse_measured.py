@@ -1,6 +1,6 @@
 """A pruned convolution's kernel chosen by timing both on this host (`Measured`): the sparse kernel
 (`sparse_runner`) and the dense kernel the backend would compile for the same convolution (`dense_runner`),
-each compiled alone and timed by `timing.median_ms`.
+each compiled alone and timed by `kernel_timing.median_ms`.
 
 Times are kept in a JSON cache (`KERNEL_TIMES` in the target's tuning database) so that the tune stage's
 measurement, the prune plan's layer times (layer_times.py) and the package stage's compilation make the same
@@ -21,7 +21,7 @@ import numpy as np
 from onnx import helper, numpy_helper
 
 from ...runtime.files import write_whole
-from . import timing
+from . import kernel_timing
 from .database import _apply_database, _open_database
 from .lowering import _lowered
 from .schedules import _cpu_default_schedules
@@ -53,8 +53,8 @@ class Measured:
         key = hashlib.sha256(json.dumps([dataclasses.asdict(shape), ell.values.shape, self.target, host_cpu(),
                                          REVISION], sort_keys=True, default=str).encode()).hexdigest()
         times = self.cached(key, lambda: {
-            "sparse_ms": timing.median_ms(sparse_runner(shape, ell, self.target, self.database)),
-            "dense_ms": timing.median_ms(dense_runner(shape, self.target, self.database))})
+            "sparse_ms": kernel_timing.median_ms(sparse_runner(shape, ell, self.target, self.database)),
+            "dense_ms": kernel_timing.median_ms(dense_runner(shape, self.target, self.database))})
         faster = times["sparse_ms"] < times["dense_ms"]
         return {"kernel": "sparse" if faster else "dense", **times,
                 "why": "measured " + ("faster" if faster else "not faster") + " than the dense kernel"}
