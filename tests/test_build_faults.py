@@ -1,4 +1,4 @@
-"""Faults injected into builds (issue 21, item 4): a build SIGKILLed at every stage boundary is resumed
+"""Faults injected into builds: a build SIGKILLed at every stage boundary is resumed
 by the next one, which reuses exactly the stages that finished (each killed build's progress lines say
 so) and writes the same bytes as a build never interrupted; a stage cache entry changed on disk is
 detected by its digest and rebuilt, never trusted. A two-node model, the schedule's cut and no tuning,

@@ -1,4 +1,4 @@
-"""`--cpu-precision int8` end to end (issue 17) on a real pretrained model (PP-OCR's text direction
+"""`--cpu-precision int8` end to end on a real pretrained model (PP-OCR's text direction
 classifier) calibrated on text-line images: the tune stage quantizes its int8 candidates on the
 calibration share, gates them on the held-out quarter, and (with a FAKE TIMER that calls int8
 fastest: timings never go into tests) ships the fastest one that passed, quantized again exactly

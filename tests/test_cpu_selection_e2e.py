@@ -1,4 +1,4 @@
-"""A default x86 build measures each CPU span's backends (issue 17), end to end, on a real pretrained
+"""A default x86 build measures each CPU span's backends, end to end, on a real pretrained
 model (PP-OCR's text direction classifier). What is asserted holds whatever the timings were: a
 choice among the candidates that built, the fastest of them by the plan's own record, a bundle that
 agrees with onnxruntime and passes its self-test, and a rebuild that replays the measurements."""

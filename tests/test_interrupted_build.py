@@ -1,6 +1,6 @@
 """A build stopped from outside: Ctrl-C exits 130 with a message and leaves no bundle; a SIGKILL while
-the bundle is being put in place never leaves a bundle/ and a bundle.tar.gz of different builds
-(issue 15, findings 1 and 10). Tiny two-node models, so each build takes seconds."""
+the bundle is being put in place never leaves a bundle/ and a bundle.tar.gz of different builds.
+Tiny two-node models, so each build takes seconds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Builds of models of any size (issue 22): weights kept beside the model as external data through the
+"""Builds of models of any size: weights kept beside the model as external data through the
 stages and into the bundle, `--low-memory`, and the memory estimate that stops a build the machine
 cannot hold right after import. The threshold past which weights go beside the model is lowered here
 (`irm.EXTERNAL_FROM`) so that a small model takes the path a > 2 GB one takes (`tests/ir/test_large_models.py`

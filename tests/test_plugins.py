@@ -1,4 +1,4 @@
-"""One file suffices to add a device kind and a backend (issue 16): this test file alone registers a
+"""One file suffices to add a device kind and a backend: this test file alone registers a
 fake accelerator kind (its target entry, its device model) and a fake backend (its compiler, its
 lowering check), writes a target file that uses the kind, and builds a real model with them: legalize
 asks the kind's model, the schedule places the model's work on it, the package stage has the fake

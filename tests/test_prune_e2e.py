@@ -1,4 +1,4 @@
-"""`edgesdk build --prune` end to end (issue 19): the compress stage prunes the CPU's layers and reports
+"""`edgesdk build --prune` end to end: the compress stage prunes the CPU's layers and reports
 the pruned model's fidelity to the dense one; the package compiles the pruned CPU segments, TVM with
 sparse kernels; the bundle computes the pruned model (onnxruntime on `pruned.onnx`) and passes its
 self-test, on x86 here and on aarch64 under qemu; an Edge TPU's layers stay dense."""
@@ -66,7 +66,7 @@ def cnn(tmp_path_factory):
 @pytest.fixture(scope="module")
 def x86_pruned(tmp_path_factory, cnn):
     out = tmp_path_factory.mktemp("prune-x86")
-    # --cpu-backends planned: the schedule's TVM cut, nothing timed (the choice is issue 17's, tested there)
+    # --cpu-backends planned: the schedule's TVM cut, nothing timed (the measured choice is tested in test_cpu_selection_e2e.py)
     options = BuildOptions(model=cnn, target="x86", out=out / "b", prune="2:4", cpu_backends=("planned",),
                            sparse_kernels="sparse", calib_samples=8, tuning_db=out / "db")
     return options, build(options)

@@ -1,4 +1,4 @@
-"""Per-layer pruning plans end to end (issue 19): `--prune-plan auto --latency-budget MS` measures each layer's
+"""Per-layer pruning plans end to end: `--prune-plan auto --latency-budget MS` measures each layer's
 kernels on this host and chooses by dynamic programming, the compress stage prunes what the tune stage
 planned, a plan file replays it on any host, and `--eval DIR` reports accuracy on labelled data.
 

@@ -1,4 +1,4 @@
-"""Signed bundles end to end (issue 20): `edgesdk keys generate`, `build --sign-key`, `edgesdk sign`,
+"""Signed bundles end to end: `edgesdk keys generate`, `build --sign-key`, `edgesdk sign`,
 and every case `edgesdk verify` and the device's `python -m runtime verify` refuse, on a real bundle (the
 PP-OCR classifier for x86, `x86_ppocr`) with real ed25519 keys; `--check-reproducible` and `make release`
 on a one-convolution model. The device's verifier is a genuine runtime outside the bundle it checks (as

@@ -1,4 +1,4 @@
-"""The stage cache: a stage's key covers the outputs it READS and nothing else (issue 16).
+"""The stage cache: a stage's key covers the outputs it READS and nothing else.
 
 A tiny model whose one segment is an Edge TPU segment on arm_2tpu, so compress really converts it to
 int8 with TensorFlow: when tune's output changes, tune's readers (package) run again, and compress,

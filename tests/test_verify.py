@@ -1,5 +1,5 @@
 """Hostile bundles: what `verify`, `run` and `inspect` refuse, with which exit code, and that nothing
-of a refused bundle ran and nothing was left behind (issue 15, findings 1, 2, 3, 7 and 8).
+of a refused bundle ran and nothing was left behind.
 
 Each attack is built here from the real PP-OCR classifier bundle (`x86_ppocr`): a failing self-test,
 a planted compiled module, a junk signature, paths and links leading out of the bundle (to a native

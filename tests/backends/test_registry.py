@@ -10,7 +10,7 @@ from edgesdk.backends import Backend
 
 def test_the_shipped_backends_and_what_they_do():
     # requirements.txt order; litert is the fp32 CPU candidate the tune stage measures, the int8 ones
-    # its candidates with --cpu-precision int8 (issue 17)
+    # its candidates with --cpu-precision int8
     assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-int8",
                                                      "onnxruntime-int8"]
     assert all(b.lowering for b in backends.backends())  # legalize and the CPU backend choice ask each

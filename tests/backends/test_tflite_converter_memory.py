@@ -1,4 +1,4 @@
-"""What TensorFlow's converter holds while it converts a segment (issue 22): the traced function's
+"""What TensorFlow's converter holds while it converts a segment: the traced function's
 weights are let go before the converter's importer runs, and the converter's steps that rebuild the
 whole FlatBuffer as Python objects (buffer deduplication, the calibrator's intermediate tensors) run
 only where they would change the model. Each check is against TensorFlow's own behaviour."""

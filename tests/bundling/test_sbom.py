@@ -1,4 +1,4 @@
-"""Provenance and SBOM (issue 20, part 4): the manifest says what a bundle was built from, by digest, and
+"""Provenance and SBOM: the manifest says what a bundle was built from, by digest, and
 `sbom.cdx.json` lists what the device installs to run it, a CycloneDX 1.6 document listed (so signed) in
 the manifest's file table. The bundles are the session's PP-OCR classifier builds (conftest.py)."""
 

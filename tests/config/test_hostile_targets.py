@@ -1,4 +1,4 @@
-"""Hostile target files (issue 15, finding 6): each is refused quickly with a usage error (exit 2)
+"""Hostile target files: each is refused quickly with a usage error (exit 2)
 that names the file and the line, before it can hang a build. Each input is built here, small.
 
 The CLI cases run `edgesdk targets validate` in a subprocess whose timeout (30 s) only catches a

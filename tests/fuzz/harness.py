@@ -1,4 +1,4 @@
-"""Fuzzing every loader with generated hostile inputs (issue 21): ONNX, TFLite, Keras and SavedModel
+"""Fuzzing every loader with generated hostile inputs: ONNX, TFLite, Keras and SavedModel
 models (the import stage), target YAML, manifest JSON, bundle archives, the `.npy` inputs of
 `edgesdk run`, and the `--calib` / `--eval` directories of samples and labels.
 

@@ -1,4 +1,4 @@
-"""Models of any size (issue 22): onnx.checker, shape inference, onnxruntime sessions and the stage
+"""Models of any size: onnx.checker, shape inference, onnxruntime sessions and the stage
 files never serialize a model's weights with the rest of it; past protobuf's 2 GB they cannot be."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`edgesdk bench` and the device's `python -B -m runtime bench` (issue 21, item 1) on real bundles: the
+"""`edgesdk bench` and the device's `python -B -m runtime bench` on real bundles: the
 x86 PP-OCR classifier natively and the arm_2tpu recognizer under qemu-user. What is asserted is the
 shape and consistency of the figures, never a time (the hosts are shared and noisy)."""
 

@@ -1,4 +1,4 @@
-"""Load and faults at run time (issue 21, items 3 and 4), the short forms that run in `make test`
+"""Load and faults at run time, the short forms that run in `make test`
 (the long forms are `benchmarks/bench_load.py`):
 
 - 8 concurrent callers on a real model (the x86 PP-OCR classifier), each with its own inputs: every

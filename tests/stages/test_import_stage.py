@@ -158,7 +158,7 @@ def test_frozen_input_errors(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# Declared shapes that contradict the graph (issue 15, finding 9): exporters write them, onnxruntime
+# Declared shapes that contradict the graph: exporters write them, onnxruntime
 # warns and runs the model, the import takes the shape the graph computes and names each one.
 
 def _sequence_model(output_dims, value_info_dims=None, input_dims=(1, 5, 4)):
