@@ -1,4 +1,4 @@
-"""Accuracy of int8 arm_2tpu bundles on real held-out inputs, against the fp32 model (issue 44).
+"""Accuracy of int8 arm_2tpu bundles on real held-out inputs, against the fp32 model.
 
     .venv/bin/python benchmarks/bench_accuracy.py [--models ppocr-rec,yolov8n,...] [--configs synthetic,minmax,best]
         [--best-method percentile] [--no-verify] [--accept] [--work DIR] [--out benchmarks/results/accuracy-arm2tpu.json]

@@ -1,4 +1,4 @@
-"""What TensorFlow's TFLite converter holds converting one segment (issue 22): `convert_float` (LiteRT's
+"""What TensorFlow's TFLite converter holds converting one segment: `convert_float` (LiteRT's
 fp32) and `convert_int8` (the Edge TPU's full int8, 4 calibration samples) of an MLP of MatMul + Relu
 layers, `--width` x `--width` float32 weights each, read from an ONNX file with external data (as the
 stages hand segments on). Each conversion runs in a Python of its own, whose resident memory another

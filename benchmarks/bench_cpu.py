@@ -1,4 +1,4 @@
-"""x86 bundles against onnxruntime, with each CPU span on its measured backend (issue 17).
+"""x86 bundles against onnxruntime, with each CPU span on its measured backend.
 
     .venv/bin/python benchmarks/bench_cpu.py [--models A,B] [--runs 30] [--threads 2] [--no-build]
 

@@ -1,4 +1,4 @@
-"""int8 x86 bundles against onnxruntime fp32 and onnxruntime's own int8 (issue 17, item 3).
+"""int8 x86 bundles against onnxruntime fp32 and onnxruntime's own int8.
 
     .venv/bin/python benchmarks/bench_cpu_int8.py [--models A,B] [--runs 20] [--threads 2] [--calib-method percentile]
 

@@ -1,4 +1,4 @@
-"""What the runtime's input checks (issue 15: names, shapes, dtypes, NaN/inf, index ranges) cost per
+"""What the runtime's input checks (names, shapes, dtypes, NaN/inf, index ranges) cost per
 inference, beside the inference itself, on real bundles.
 
     .venv/bin/python benchmarks/bench_inputs.py [--runs 60]

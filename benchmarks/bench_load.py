@@ -1,4 +1,4 @@
-"""Load and soak on a real model (issue 21, item 3): the long forms of tests/runtime/test_load_faults.py.
+"""Load and soak on a real model: the long forms of tests/runtime/test_load_faults.py.
 
     .venv/bin/python benchmarks/bench_load.py [--calls 1000] [--frames 10000] [--rounds 3] [--soak-minutes 30]
                                              [--out benchmarks/results/load.json]

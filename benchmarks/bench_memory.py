@@ -1,4 +1,4 @@
-"""Build memory against model size (issue 22): `edgesdk build` of Keras applications (`weights=None`)
+"""Build memory against model size: `edgesdk build` of Keras applications (`weights=None`)
 of growing size and of an ONNX model past protobuf's 2 GB (a wide MLP, random weights as external
 data), the resident memory of the whole process tree (the build and its converter and compiler
 children) sampled every 0.2 s, its peak per stage, beside the build's own estimate (`stages/memory.py`).

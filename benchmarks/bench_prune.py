@@ -1,4 +1,4 @@
-"""Whole models pruned (issue 19): the pruned bundle against the dense bundle and onnxruntime, with fidelity.
+"""Whole models pruned: the pruned bundle against the dense bundle and onnxruntime, with fidelity.
 
     .venv/bin/python benchmarks/bench_prune.py [--models ResNet-18,MobileNetV2,ResNet50] [--batches 1,16]
                                                [--methods 1:4,2:4] [--plans 0.5,1] [--runs 10] [--rounds 3]

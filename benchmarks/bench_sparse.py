@@ -1,4 +1,4 @@
-"""ResNet-18's convolutions, dense against pruned (issue 19): time per layer and effective GFLOP/s.
+"""ResNet-18's convolutions, dense against pruned: time per layer and effective GFLOP/s.
 
     .venv/bin/python benchmarks/bench_sparse.py [--batches 16,1] [--trials 48] [--runs 15] [--rounds 3]
 

@@ -1,4 +1,4 @@
-"""Signing, verification, install and rollback times for the demo bundle (issue 20).
+"""Signing, verification, install and rollback times for the demo bundle.
 
     .venv/bin/python benchmarks/bench_trust.py [--runs 15] [--qemu-runs 5] [--install-runs 3] [--out benchmarks/results/trust.json]
 

@@ -1,4 +1,4 @@
-"""The fuzz suite's full run (issue 21, `make fuzz`): 14,000 generated hostile inputs split across every
+"""The fuzz suite's full run (`make fuzz`): 14,000 generated hostile inputs split across every
 loader (ONNX, TFLite, Keras, SavedModel, target YAML, manifest JSON, bundle archives, the .npy inputs of
 `edgesdk run`, --calib and --eval directories), from a fixed seed, in under ten minutes on the 2-core
 build host.
