@@ -29,6 +29,8 @@ from edgesdk.verify import verify
 from tests.model_zoo import PPOCR_CLS_SHAPE, ROOT, ppocr_cls
 from tests.numeric import assert_close
 
+pytestmark = pytest.mark.slow  # real models built for every target, and their self-tests under qemu
+
 
 def ort_run(model_path: Path, feeds: dict[str, np.ndarray], shapes: dict | None = None) -> dict[str, np.ndarray]:
     sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
