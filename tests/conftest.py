@@ -47,16 +47,16 @@ FILE_SECONDS = {
 
 
 # The session fixtures below that build a whole model through the six stages. A test that needs one,
-# directly or through another fixture, is marked `slow`, so `make test-fast` (-m "not slow") leaves it out;
-# a test module names its own such fixtures in a BUILD_FIXTURES tuple.
-BUILD_FIXTURES = ("x86_mobilenet", "arm_mobilenet", "x86_ppocr", "arm_ppocr", "gpu_ppocr", "arm_captioner", "arm_rec")
+# directly or through another fixture, is marked `slow`, and so is one that runs under qemu: `make test-fast`
+# (-m "not slow") leaves them out. A test module names its own such fixtures in a SLOW_FIXTURES tuple.
+SLOW_FIXTURES = ("x86_mobilenet", "arm_mobilenet", "x86_ppocr", "arm_ppocr", "gpu_ppocr", "arm_captioner", "arm_rec")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        builds = {*BUILD_FIXTURES, *getattr(getattr(item, "module", None), "BUILD_FIXTURES", ())}
-        if builds & set(getattr(item, "fixturenames", ())):
+        slow = {*SLOW_FIXTURES, *getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())}
+        if slow & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("qemu"):
             item.add_marker(pytest.mark.slow)
     root = Path(__file__).resolve().parents[1]
 

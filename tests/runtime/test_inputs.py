@@ -45,7 +45,7 @@ def _embedding_model(path: Path) -> Path:
     return path
 
 
-BUILD_FIXTURES = ("embedding",)  # a build measuring its CPU backends: the tests that need it are slow
+SLOW_FIXTURES = ("embedding",)  # a build measuring its CPU backends: the tests that need it are slow
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ class Release:
         return self.work / f"{name}.tar.gz"
 
 
-BUILD_FIXTURES = ("release",)  # a whole build, signed: the tests that need it are slow
+SLOW_FIXTURES = ("release",)  # a whole build, signed: the tests that need it are slow
 
 
 @pytest.fixture(scope="module")
