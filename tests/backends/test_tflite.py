@@ -607,6 +607,7 @@ def test_a_relu_no_calibration_sample_lights_up_still_converts_and_runs(tmp_path
         assert np.abs(got - run_ort(model, feeds[0])["y"]).max() < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mse", "entropy", "auto"])
 def test_each_method_narrows_the_outlier_widened_ranges_and_auto_records_its_choice(method, tmp_path):
     """The PP-OCR classifier on 16 text lines, one with a burst of saturated pixels (as in the percentile
