@@ -19,7 +19,7 @@ export TVM_NUM_THREADS ?= 2
 TEST_JOBS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup system venv models rootfs demo test fuzz release clean
+.PHONY: setup system venv models rootfs demo test test-fast fuzz release clean
 
 setup: system venv models
 
@@ -67,6 +67,12 @@ demo: setup rootfs
 test: setup rootfs
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# the quick loop while developing: the tests that build no whole model, run nothing under qemu and tune
+# nothing (pytest -m "not slow"; conftest.py marks what is slow), in under five minutes on 2 cores
+test-fast: setup
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
 # the fuzz suite's full run: over 10,000 hostile inputs, every loader; figures in benchmarks/results/fuzz.json
 fuzz: setup

@@ -46,7 +46,18 @@ FILE_SECONDS = {
 }
 
 
+# The session fixtures below that build a whole model through the six stages. A test that needs one,
+# directly or through another fixture, is marked `slow`, and so is one that runs under qemu: `make test-fast`
+# (-m "not slow") leaves them out. A test module names its own such fixtures in a SLOW_FIXTURES tuple.
+SLOW_FIXTURES = ("x86_mobilenet", "arm_mobilenet", "x86_ppocr", "arm_ppocr", "gpu_ppocr", "arm_captioner", "arm_rec")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow = {*SLOW_FIXTURES, *getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())}
+        if slow & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("qemu"):
+            item.add_marker(pytest.mark.slow)
     root = Path(__file__).resolve().parents[1]
 
     def seconds(item) -> int:
@@ -73,6 +84,36 @@ def _build(out: Path, model: Path, target: str, *extra: str, tuning_db: Path | N
     return build(options)
 
 
+def _built_once(tmp_path_factory, name: str, make):
+    """`make(out)`, a whole build, run once in a test run however many pytest processes need it, and copied
+    into this process's own temporary directory. With `--dist loadfile` each process would otherwise make
+    every build its files use (x86_ppocr's tests are spread over seven files), each build tens of seconds
+    of both cores; a process that needs a build another is making waits for it on a lock. Each process
+    gets a copy of its own, so a test that rebuilds in place or changes a file touches its process's copy
+    alone, as when each made its own."""
+    import dataclasses
+    import fcntl
+    import pickle
+
+    base = tmp_path_factory.getbasetemp()
+    # a pytest-xdist worker's base is a directory of the run's own, shared by its workers
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    shared.mkdir(exist_ok=True)
+    made, saved = shared / name, shared / f"{name}.pickle"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            shutil.rmtree(made, ignore_errors=True)
+            result = make(made)
+            saved.with_suffix(".tmp").write_bytes(pickle.dumps(result))
+            saved.with_suffix(".tmp").rename(saved)
+    result = pickle.loads(saved.read_bytes())
+    own = tmp_path_factory.mktemp(name)
+    shutil.copytree(made, own, symlinks=True, dirs_exist_ok=True)
+    options = dataclasses.replace(result.options, out=own) if result.options is not None else None
+    return dataclasses.replace(result, out=own, bundle=own / "bundle" if result.bundle else None, options=options)
+
+
 # The shared int8 builds calibrated on synthetic samples (no --calib) are about placement, packaging and the
 # runtime, not accuracy. Those whose int8 misses the accuracy gate on their synthetic held-out samples
 # (arm_mobilenet: its logits, cosine 0.977 < 0.98; arm_captioner: its dense_2, cosine 0.900 < 0.98) publish
@@ -94,25 +135,24 @@ def mobilenet_v2() -> Path:
 
 @pytest.fixture(scope="session")
 def x86_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
-    out = tmp_path_factory.mktemp("x86-mnv2")
     # the schedule's cut, TVM, with no measured choice of CPU backend: the bundle that tests TVM's x86 code
-    return _build(out, mobilenet_v2, "x86", tuning_db=tuning_db, cpu_backends=("planned",))
+    return _built_once(tmp_path_factory, "x86-mnv2",
+                       lambda out: _build(out, mobilenet_v2, "x86", tuning_db=tuning_db, cpu_backends=("planned",)))
 
 
 @pytest.fixture(scope="session")
 def arm_mobilenet(tmp_path_factory, mobilenet_v2, tuning_db):
     """MobileNetV2 for a stream on arm_2tpu: it fits one Edge TPU's cache, so the plan replicates it on
     both TPUs, frames dealt in turn (data parallelism)."""
-    out = tmp_path_factory.mktemp("arm-mnv2")
-    return _build(out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput", **SYNTHETIC_INT8)
+    return _built_once(tmp_path_factory, "arm-mnv2", lambda out: _build(
+        out, mobilenet_v2, "arm_2tpu", tuning_db=tuning_db, mode="throughput", **SYNTHETIC_INT8))
 
 
 @pytest.fixture(scope="session")
 def x86_ppocr(tmp_path_factory, tuning_db):
-    out = tmp_path_factory.mktemp("x86-ppocr")
     # the schedule's cut (TVM), unmeasured: what the tests of TVM segments, the cache and inspect read
-    return _build(out, model_zoo.ppocr_cls(), "x86", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db,
-                  cpu_backends=("planned",))
+    return _built_once(tmp_path_factory, "x86-ppocr", lambda out: _build(
+        out, model_zoo.ppocr_cls(), "x86", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db, cpu_backends=("planned",)))
 
 
 @pytest.fixture(scope="session")
@@ -131,29 +171,29 @@ def text_calib(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def arm_ppocr(tmp_path_factory, tuning_db, text_calib):
-    out = tmp_path_factory.mktemp("arm-ppocr")
-    return _build(out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db,
-                  calib=text_calib, calib_preprocess=model_zoo.PPOCR_CLS_PREPROCESS, calib_method="percentile")
+    return _built_once(tmp_path_factory, "arm-ppocr", lambda out: _build(
+        out, model_zoo.ppocr_cls(), "arm_2tpu", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db, calib=text_calib,
+        calib_preprocess=model_zoo.PPOCR_CLS_PREPROCESS, calib_method="percentile"))
 
 
 @pytest.fixture(scope="session")
 def gpu_ppocr(tmp_path_factory, tuning_db):
-    out = tmp_path_factory.mktemp("gpu-ppocr")
-    return _build(out, model_zoo.ppocr_cls(), "rtx3090", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db)
+    return _built_once(tmp_path_factory, "gpu-ppocr", lambda out: _build(
+        out, model_zoo.ppocr_cls(), "rtx3090", model_zoo.PPOCR_CLS_SHAPE, tuning_db=tuning_db))
 
 
 @pytest.fixture(scope="session")
 def arm_captioner(tmp_path_factory, tuning_db):
     """The DenseNet-LSTM video captioner edgesdk was designed around, at CI sizes, for arm_2tpu."""
-    out = tmp_path_factory.mktemp("arm-captioner")
-    return _build(out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8)
+    return _built_once(tmp_path_factory, "arm-captioner", lambda out: _build(
+        out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8))
 
 
 @pytest.fixture(scope="session")
 def arm_rec(tmp_path_factory, tuning_db):
     """PP-OCRv4's recognizer for arm_2tpu: Edge TPU and aarch64 CPU segments interleaved."""
-    out = tmp_path_factory.mktemp("arm-rec")
-    return _build(out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db)
+    return _built_once(tmp_path_factory, "arm-rec", lambda out: _build(
+        out, model_zoo.ppocr_rec(), "arm_2tpu", model_zoo.PPOCR_REC_SHAPE, tuning_db=tuning_db))
 
 
 @pytest.fixture

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests import yolo_head
 from tests.test_cli import assert_user_facing, edgesdk
+
+pytestmark = pytest.mark.slow  # whole builds planned again by the accuracy remedy
 
 SCORES = "output0[:, 4:6]"
 

@@ -13,10 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from edgesdk.ir.digest import file_sha256
 from edgesdk.pipeline import CRASH_ENV, PHASE_NAMES, stage_dir
 from tests.model_zoo import ROOT
 from tests.test_interrupted_build import tiny_model
+
+pytestmark = pytest.mark.slow  # a dozen whole builds, each in a process of its own
 
 
 def _limit_files(limit: int) -> None:

@@ -23,6 +23,8 @@ from edgesdk.scheduling import selection
 from edgesdk.verify import verify
 from tests import model_zoo
 
+pytestmark = pytest.mark.slow  # a real model built and its int8 candidates measured
+
 INT8 = set(backends.cpu_candidates("int8"))
 SHAPE = {"x": (1, 3, 48, 192)}
 

@@ -19,6 +19,8 @@ from edgesdk.verify import verify
 from tests import model_zoo
 from tests.numeric import assert_close
 
+pytestmark = pytest.mark.slow  # a real model built and its CPU backends measured
+
 SHAPE = {"x": (1, 3, 48, 192)}
 
 

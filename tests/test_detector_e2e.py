@@ -18,6 +18,8 @@ from edgesdk.runtime import BundleModel
 from tests import model_zoo, yolo_head
 from tests.test_cli import assert_user_facing, constants_only, edgesdk
 
+pytestmark = pytest.mark.slow  # YOLOv8 detectors built for arm_2tpu
+
 
 def _parts(got: np.ndarray, want: np.ndarray) -> dict[str, dict[str, float]]:
     """Per part of a [4 + classes, anchors] output (the boxes in pixels, the class scores in [0, 1]): the

@@ -22,6 +22,8 @@ from edgesdk.runtime.manifest import Manifest
 from tests import model_zoo
 from tests.test_cli import ROOT, assert_user_facing, edgesdk
 
+pytestmark = pytest.mark.slow  # real models built with --eval
+
 
 def renderer():
     spec = importlib.util.spec_from_file_location("render_text_lines", ROOT / "packaging" / "render_text_lines.py")

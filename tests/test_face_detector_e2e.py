@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from edgesdk.runtime.manifest import Manifest
 from tests import model_zoo
 from tests.test_cli import edgesdk
+
+pytestmark = pytest.mark.slow  # a real face detector built and calibrated
 
 SSD = "boxes=regressors,scores=classificators,anchors=8:16:16:16,size=128,activation=sigmoid,score=0.5,iou=0.3"
 

@@ -138,6 +138,7 @@ def _sentences(n: int, seed: int, *, vocab: int = 286_720, seq: int = 128) -> li
     return feeds
 
 
+@pytest.mark.slow
 def test_an_arm_2tpu_build_past_64_mib_rewrites_its_matmuls_for_the_edge_tpu(tmp_path, weights_never_handed_over):
     """Legalize rewrites the MatMuls of a model whose weights stay in a `.data` file (checking the rewritten
     graph without its weights), the Edge TPU runs them int8, the CPU the 70 MiB embedding, and the bundle

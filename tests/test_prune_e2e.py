@@ -23,6 +23,8 @@ from tests.model_zoo import ROOT
 from tests.numeric import assert_close
 from tests.test_cli import assert_user_facing, edgesdk
 
+pytestmark = pytest.mark.slow  # pruned models built, self-tested under qemu too
+
 SHAPE = (4, 8, 16, 16)
 
 

@@ -21,6 +21,8 @@ from edgesdk.runtime.manifest import Manifest
 from tests.test_cli import assert_user_facing, edgesdk
 from tests.test_prune_e2e import small_cnn
 
+pytestmark = pytest.mark.slow  # pruning plans measured on whole builds
+
 
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):

@@ -23,6 +23,8 @@ from tests import model_zoo
 from tests.conftest import _build
 from tests.test_cli import assert_user_facing, edgesdk
 
+pytestmark = pytest.mark.slow  # a real detector built for arm_2tpu and self-tested under qemu
+
 PPOCR_DET = model_zoo.CACHE / "ch_PP-OCRv4_det_infer.onnx"
 # PP-OCR's detector preprocessing: BGR, ImageNet's mean and deviation
 PPOCR_DET_PREPROCESS = "scale=1/255,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,color=BGR"

@@ -20,6 +20,8 @@ from edgesdk.verify import verify
 from tests import model_zoo
 from tests.edgetpu_double import install_co_compiling_double
 
+pytestmark = pytest.mark.slow  # a per-frame CNN built for arm_2tpu and run under qemu
+
 
 @pytest.fixture(scope="module")
 def frames_bundle(tmp_path_factory, tuning_db):

@@ -30,6 +30,8 @@ from edgesdk.bundling.archive import write_tarball
 from edgesdk.runtime import trust
 from tests.test_cli import assert_user_facing, edgesdk
 
+pytestmark = pytest.mark.slow  # real bundles, signed and verified, some under qemu
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.ir.calibration import load_calibration
 from edgesdk.pipeline import BuildOptions, build
 from edgesdk.report.text import calibration_summary
 from edgesdk.runtime import BundleModel, Manifest
+
+pytestmark = pytest.mark.slow  # whole builds calibrated and judged on real photographs
 
 SIZE = 32
 

@@ -40,6 +40,9 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
+SLOW_FIXTURES = ("rootfs",)  # made with debootstrap where it is missing: the tests that need it are slow
+
+
 @pytest.fixture(scope="session")
 def rootfs() -> Path:
     found = qemu.find_rootfs()

@@ -388,6 +388,7 @@ REAL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_model_fp32_lowering_matches_onnxruntime(name, tmp_path):
     model = REAL[name]()
@@ -435,6 +436,9 @@ def text_line(rng: np.random.Generator) -> np.ndarray:
         img = img[::-1, ::-1]
     img = gaussian_filter(img, 0.7) + rng.normal(0, 0.03, img.shape)
     return np.repeat(((np.clip(img, 0, 1) - 0.5) / 0.5)[None, None], 3, axis=1).astype(np.float32)
+
+
+SLOW_FIXTURES = ("ppocr_int8",)  # a real model converted to int8: the tests that need it are slow
 
 
 @pytest.fixture(scope="module")
@@ -530,6 +534,7 @@ def _quant_and_buffers(path: Path) -> tuple[list, list[bytes]]:
     return quant, buffers
 
 
+@pytest.mark.slow
 def test_minmax_is_the_converters_own_one_step_conversion(tmp_path):
     """convert_int8 calibrates and quantizes in two steps (so that percentile can narrow ranges in
     between); with min-max the quantization parameters and every weight buffer equal the
@@ -607,6 +612,7 @@ def test_a_relu_no_calibration_sample_lights_up_still_converts_and_runs(tmp_path
         assert np.abs(got - run_ort(model, feeds[0])["y"]).max() < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mse", "entropy", "auto"])
 def test_each_method_narrows_the_outlier_widened_ranges_and_auto_records_its_choice(method, tmp_path):
     """The PP-OCR classifier on 16 text lines, one with a burst of saturated pixels (as in the percentile

@@ -454,6 +454,7 @@ def test_x86_transposed_convolution_beside_nhwc_convolutions_matches_onnxruntime
         assert out.is_file()
 
 
+@pytest.mark.slow
 def test_silero_vads_front_end_compiles_for_x86_and_answers_as_onnxruntime(tmp_path):
     """TVM 0.27's ConvertLayout dies (std::bad_alloc) on silero-vad's STFT front end (a reflect Pad,
     a 1-D convolution, strided slices), which has no 2-D convolution to make channels-last: the
@@ -478,6 +479,7 @@ def test_silero_vads_front_end_compiles_for_x86_and_answers_as_onnxruntime(tmp_p
         assert_close(got[name], value)
 
 
+@pytest.mark.slow
 def test_pp_ocrv4_det_on_x86_tvm_answers_as_onnxruntime(tmp_path):
     """The pretrained PP-OCRv4 detector (197 nodes: depthwise blocks, SE blocks, an FPN with nearest
     resizes, a transposed-convolution head) as one channels-last TVM segment. With the weights in

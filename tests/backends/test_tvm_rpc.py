@@ -24,6 +24,8 @@ from edgesdk.errors import UserError
 from tests.backends.test_qemu import rootfs  # noqa: F401 -- the session fixture
 from tests.backends.test_tvm import AARCH64, elf_machine, single_task_graph
 
+pytestmark = pytest.mark.slow  # MetaSchedule searches measured on an emulated board under qemu
+
 HERE = Path(__file__).resolve().parent
 SDK = HERE.parents[1] / "sdk"
 EXTRA = "opt/edgesdk-site/tvm/lib/libtvm_runtime_extra.so"

@@ -249,6 +249,7 @@ def test_the_measured_choice_follows_the_times_it_keeps(tmp_path):
     assert not (tmp_path / "read-only.json").exists()
 
 
+@pytest.mark.slow
 def test_metaschedule_searches_the_sparse_kernel_and_compilation_applies_its_record(tmp_path):
     """The sparse kernel is a task of the tune stage's search (its design space `sparse_schedules.design`: the tile
     sizes sampled, measured on random offsets that the kernel clamps to its input), and the library

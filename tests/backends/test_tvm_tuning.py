@@ -20,6 +20,8 @@ from edgesdk.backends.tvm import builder, targets, tuning
 from edgesdk.errors import UserError
 from tests.backends.test_tvm import AARCH64, HOST, assert_matches_ort, conv_graph, single_task_graph
 
+pytestmark = pytest.mark.slow  # MetaSchedule searches
+
 RECORDS = "database_tuning_record.json"
 
 

@@ -104,12 +104,14 @@ def test_damaged_onnx(onnx_file, how):
     _load_damaged(onnx_file, how)
 
 
+@pytest.mark.slow
 @_fuzz_settings(TF_EXAMPLES)
 @given(how=damage)
 def test_damaged_keras(conv_net_files, how):
     _load_damaged(conv_net_files["keras"], how)
 
 
+@pytest.mark.slow
 @_fuzz_settings(TF_EXAMPLES // 2)
 @given(how=damage, member=st.sampled_from(["config.json", "model.weights.h5"]))
 def test_damaged_keras_member(conv_net_files, how, member):
@@ -117,18 +119,21 @@ def test_damaged_keras_member(conv_net_files, how, member):
     _load_damaged(conv_net_files["keras"], how, member=member)
 
 
+@pytest.mark.slow
 @_fuzz_settings(TF_EXAMPLES)
 @given(how=damage)
 def test_damaged_h5(conv_net_files, how):
     _load_damaged(conv_net_files["h5"], how)
 
 
+@pytest.mark.slow
 @_fuzz_settings(TF_EXAMPLES)
 @given(how=damage)
 def test_damaged_tflite(conv_net_files, how):
     _load_damaged(conv_net_files["int8-per-channel"], how)
 
 
+@pytest.mark.slow
 @_fuzz_settings(TF_EXAMPLES)
 @given(how=damage)
 def test_damaged_savedmodel(conv_net_files, how):

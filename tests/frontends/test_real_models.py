@@ -21,6 +21,8 @@ from tests import model_zoo
 from tests.frontends import tf_models
 from tests.frontends.conftest import relative_error, run_onnx
 
+pytestmark = pytest.mark.slow  # real TFLite models through the converter
+
 
 def _cached(name: str):
     path = model_zoo.CACHE / name

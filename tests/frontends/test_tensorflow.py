@@ -73,6 +73,7 @@ def _float64_copy(model):
     return wide
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_keras_matches_keras(mobilenet_keras, tmp_path):
     """Against Keras in float64: over MobileNetV2's 50-odd layers, float32 Keras and float32
     onnxruntime each drift 5e-6..8e-6 from the float64 answer, so they differ from each other by

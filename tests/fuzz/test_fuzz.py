@@ -17,6 +17,8 @@ import pytest
 
 from tests.fuzz.harness import LOADERS, TF_LOADERS, Session
 
+pytestmark = pytest.mark.slow  # the fuzz suite's short run, about two minutes
+
 SEED = 21
 COUNTS = {"onnx": 250, "tflite": 6, "keras": 6, "savedmodel": 5, "target": 150, "manifest": 250, "bundle": 100,
           "npy": 150, "calib": 100}

@@ -112,6 +112,7 @@ def test_a_large_model_is_saved_with_its_weights_beside_it_aligned(tmp_path, mon
     assert not data.exists()
 
 
+@pytest.mark.slow
 def test_a_model_past_protobufs_2gb_is_checked_inferred_hashed_saved_and_run(tmp_path):
     """Two 1 GiB weights: a model that protobuf cannot serialize whole (its limit is 2 GiB - 1)."""
     n = 16384

@@ -45,6 +45,9 @@ def _embedding_model(path: Path) -> Path:
     return path
 
 
+SLOW_FIXTURES = ("embedding",)  # a build measuring its CPU backends: the tests that need it are slow
+
+
 @pytest.fixture(scope="module")
 def embedding(tmp_path_factory, tuning_db):
     from tests.conftest import _build

@@ -84,6 +84,9 @@ class Release:
         return self.work / f"{name}.tar.gz"
 
 
+SLOW_FIXTURES = ("release",)  # a whole build, signed: the tests that need it are slow
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, tuning_db) -> Release:
     from tests.conftest import _build

@@ -19,6 +19,8 @@ from edgesdk.runtime import BundleModel, Manifest
 from tests.test_cli import assert_user_facing, edgesdk
 from tests.numeric import assert_close
 
+pytestmark = pytest.mark.slow  # builds that tune
+
 
 def _conv_model(path):
     rng = np.random.default_rng(0)
