@@ -60,13 +60,12 @@ def build(model: Path, target: Path, out: Path, **kw) -> dict:
 def dispatch_us(cores: int, runs: int) -> float:
     """A parallel step of `cores` trivial TVM segments on the runtime's workers, minus one inline."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper
 
     from edgesdk.backends import tvm as tvm_backend
     from edgesdk.runtime.backends.tvm_runner import TvmRunner
     from edgesdk.runtime.executor import _call
-    from edgesdk.runtime.manifest import Segment, TensorSpec
+    from edgesdk.runtime.manifest import Segment
 
     import concurrent.futures
 

@@ -49,7 +49,6 @@ def log(line: str) -> None:
 
 
 def conv_model(n: int, ci: int, co: int, size: int, k: int, stride: int, weight: np.ndarray):
-    import onnx
     from onnx import helper, numpy_helper
 
     node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[k // 2] * 4, strides=[stride] * 2)

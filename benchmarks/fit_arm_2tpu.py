@@ -40,7 +40,6 @@ cache), and its Problem comes from `scheduling.graph.build_problem`, the schedul
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

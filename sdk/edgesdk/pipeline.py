@@ -573,7 +573,6 @@ def check(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None)
     import dataclasses
     import tempfile
 
-    import onnx
 
     from .legalization.legalize import analyze
 
@@ -603,7 +602,6 @@ def calibrate(target_name: str, models: list[tuple[Path, dict]], holdout: list[t
     import platform
     import tempfile
 
-    import onnx
 
     from .config import CpuBackendFigures
     from .devices import calibrate as cal
