@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from edgesdk.runtime import BundleModel
-from edgesdk.timing.runner import laps
+from edgesdk.timing.clock import laps
 
 
 def measure(bundle: str, feeds_file: str, warmup: int, runs: int) -> list[float]:

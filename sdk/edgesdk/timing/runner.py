@@ -20,13 +20,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from .clock import laps
 
 RUNS = 10  # inferences per measurement, after WARMUP
 WARMUP = 3
@@ -59,18 +60,6 @@ def failure(e: BaseException) -> str:
     """One line of why a bundle did not build, run or agree: what a record keeps of the error."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text[:300]
-
-
-def laps(run: Callable[[], object], warmup: int, runs: int) -> list[float]:
-    """Milliseconds of each of `runs` calls of `run` after `warmup` untimed ones, in this process."""
-    out = []
-    for k in range(warmup + runs):
-        t0 = time.perf_counter()
-        run()
-        if k >= warmup:
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
 
 
 class Loaded:

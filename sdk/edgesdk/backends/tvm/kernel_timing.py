@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from ...timing import laps
+from ...timing.clock import laps
 
 TIMING_RUNS = 7  # a kernel's time: the median of this many runs after one warm-up
 
