@@ -21,7 +21,9 @@ from edgesdk.runtime import BundleModel
 from tests.runtime.test_stream import bundle  # noqa: F401  (the four-segment onnxruntime bundle, a fixture)
 from tests.test_interrupted_build import tiny_model
 
-CALLERS, CALLS, STREAM_FRAMES = 8, 100, 1000
+# 8 x 30 calls interleave the callers hundreds of times over (each call is milliseconds); the
+# long forms (thousands of calls, a 30-minute soak) are bench_load.py's
+CALLERS, CALLS, STREAM_FRAMES = 8, 30, 1000
 
 
 def _inputs(model: BundleModel, count: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
