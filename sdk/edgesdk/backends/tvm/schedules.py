@@ -86,8 +86,6 @@ def _cpu_default_schedules(mod: Any, target: dict) -> tuple[Any, int]:
         for gvar, func in mod.functions_items()
         if isinstance(func, tirx.PrimFunc) and not func.attrs.get("tirx.is_scheduled", False)
     ]
-    if todo:
-        _tensor_intrin_importer()()  # the default rules import it; this way costs ~4 s, not 20
     scheduled = 0
     for gvar, func in todo:
         try:
@@ -119,6 +117,7 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
+    _tensor_intrin_importer()()  # TuneContext imports it too, the slow way, where it is not imported yet
     context = ms.TuneContext(
         mod=tvm.IRModule({"main": func}),
         target=tvm_target,

@@ -39,6 +39,7 @@ from .runner import Boards, _measured_on, _runner
 from .schedules import _cpu_default_postprocs, _cpu_default_schedule, _gpu_default_schedules
 from .search import Progress, _interrupt_after_batch, _search, _Watch
 from .targets import _cross_compiler, _resolve_target
+from .tensor_intrin import _tensor_intrin_importer
 
 
 def tune_onnx(
@@ -314,6 +315,7 @@ def _pretrain(cost_model: Any, database: Any, tvm_target: Any, cores: int) -> di
     """
     from tvm.s_tir import meta_schedule as ms
 
+    _tensor_intrin_importer()()  # before TuneContext does it the slow way
     groups: dict[str, tuple[Any, list]] = {}
     for record in database.get_all_tuning_records():
         key = _workload_key(record.workload.mod)
