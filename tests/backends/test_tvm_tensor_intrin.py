@@ -1,5 +1,6 @@
-"""The fast import of TVM's tensor intrinsics (backends/tvm/tensor_intrin.py): the intrinsics registered,
-`inspect` left as it was, and the same answers from it meanwhile. In a fresh process: a pytest worker may
+"""The fast import of TVM's tensor intrinsics (backends/tvm/tensor_intrin.py): a target kind's intrinsics
+registered, the others only when asked for, MetaSchedule's own import of the package a no-op after it,
+`inspect` left as it was and giving the same answers meanwhile. In a fresh process: a pytest worker may
 have imported the intrinsics already."""
 
 from __future__ import annotations
@@ -44,10 +45,21 @@ CHILD = textwrap.dedent("""
     exec(compile("look()", "<ast>", "exec"), {"look": look})
     assert seen[0] == seen[1] == seen[2], seen
 
-    # the intrinsics MetaSchedule's rules look up for the targets edgesdk builds for
-    from tvm.s_tir import TensorIntrin
-    for name in ("dot_16x4_vnni", "dot_16x4_avx512", "dot_4x4_i8i8s32_neon", "wmma_sync_16x16x16_f16f16f32"):
+    # the intrinsics MetaSchedule's CPU rules look up, on x86 and on ARM
+    import tvm
+    from tvm.s_tir import TensorIntrin, meta_schedule as ms
+    for name in ("dot_16x4_vnni", "dot_16x4_avx512", "dot_4x4_i8i8s32_neon"):
         TensorIntrin.get(name)
+    # a tuning context imports the package: after the CPU families, that costs nothing and adds none
+    ms.TuneContext(target=tvm.target.Target({"kind": "llvm", "num-cores": 2}))
+    assert "tvm.s_tir.tensor_intrin.cuda" not in sys.modules
+    try:
+        TensorIntrin.get("wmma_sync_16x16x16_f16f16f32")
+        raise AssertionError("CUDA's intrinsics registered for a CPU target")
+    except ValueError:
+        pass
+    _tensor_intrin_importer("cuda")()  # a CUDA target's, when one is tuned
+    TensorIntrin.get("wmma_sync_16x16x16_f16f16f32")
     print("ok")
     """)
 

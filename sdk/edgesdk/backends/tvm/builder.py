@@ -43,9 +43,9 @@ def _build_jobs(build_inputs: list) -> list[tuple]:
     return [(b.mod, b.target, None) for b in build_inputs]
 
 
-def _pooled_builder(max_workers: int, compiler: str | None) -> Any:
+def _pooled_builder(max_workers: int, compiler: str | None, kind: str = "llvm") -> Any:
     """A MetaSchedule builder whose worker processes live as long as the tuning run; libraries
-    are linked by `compiler` (`_cross_compiler`; None: this host's).
+    are linked by `compiler` (`_cross_compiler`; None: this host's); `kind`: the TVM target kind.
 
     TVM's LocalBuilder starts fresh workers for every measured batch, and each worker's
     first build imports `tvm.s_tir.tensor_intrin` (see `_tensor_intrin_importer`). These
@@ -61,7 +61,7 @@ def _pooled_builder(max_workers: int, compiler: str | None) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.pool = PopenPoolExecutor(
-                max_workers=max_workers, timeout=_BUILD_TIMEOUT_S, initializer=_tensor_intrin_importer()
+                max_workers=max_workers, timeout=_BUILD_TIMEOUT_S, initializer=_tensor_intrin_importer(kind)
             )
             for _ in range(max_workers):  # start the workers now: their import overlaps ours
                 self.pool.submit(int)

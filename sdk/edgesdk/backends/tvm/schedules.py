@@ -117,7 +117,7 @@ def _cpu_default_schedule(func: Any, tvm_target: Any, postprocs: Callable[[], li
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
-    _tensor_intrin_importer()()  # TuneContext imports it too, the slow way, where it is not imported yet
+    _tensor_intrin_importer(tvm_target.kind.name)()  # before TuneContext does it the slow way
     context = ms.TuneContext(
         mod=tvm.IRModule({"main": func}),
         target=tvm_target,

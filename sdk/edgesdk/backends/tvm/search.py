@@ -42,7 +42,7 @@ def _search(ms, todo, tvm_target, log_dir, budget, batch, seed, builder, runner,
     # The population the cost model ranks to pick each batch: 16 candidates per slot keeps the
     # batch diverse; TVM's fixed 512 costs seconds per round on small budgets.
     strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(64, 16 * batch)))
-    _tensor_intrin_importer()()  # before TuneContext does it the slow way
+    _tensor_intrin_importer(tvm_target.kind.name)()  # before TuneContext does it the slow way
     _drop_unnamed_handlers("tvm.s_tir.meta_schedule")
     # MetaSchedule's console handler takes the logger's level (DEBUG when unset) and writes
     # to stdout, where `edgesdk build --json` prints its summary: warnings only, progress is ours.

@@ -214,7 +214,8 @@ def _tune_tasks(todo, remaining, trials, target, tvm_target, cores, path, databa
     deadline = start + time_budget_s if time_budget_s else math.inf
     stop = {"why": "budget"}
     runner = _runner(ms, boards)
-    builder = _pooled_builder(max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)), _cross_compiler(target))
+    builder = _pooled_builder(max(1, min(ms.utils.cpu_count(logical=False), remaining // 8)), _cross_compiler(target),
+                              tvm_target.kind.name)
     try:
         # the untuned baseline: each new task's default schedule measured (on CPU, a record too)
         remaining -= _measure_baseline(todo, baseline, path, tvm_target, builder, runner, database, say)
@@ -315,7 +316,7 @@ def _pretrain(cost_model: Any, database: Any, tvm_target: Any, cores: int) -> di
     """
     from tvm.s_tir import meta_schedule as ms
 
-    _tensor_intrin_importer()()  # before TuneContext does it the slow way
+    _tensor_intrin_importer(tvm_target.kind.name)()  # before TuneContext does it the slow way
     groups: dict[str, tuple[Any, list]] = {}
     for record in database.get_all_tuning_records():
         key = _workload_key(record.workload.mod)
