@@ -40,7 +40,7 @@ system: .cache/.stamp-system
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,torch]'
 	@touch $@
 
 # the embedded default model (PP-OCRv4's text recognizer) and the other real models the tests

@@ -47,18 +47,19 @@ def test_every_flag_is_declared_once_with_a_stage_panel():
 def test_the_build_command_takes_every_flagged_field_and_parses_each_spelling():
     import typer.main
 
-    from edgesdk.cli import _SPELLINGS, app
+    from edgesdk.cli import app
+    from edgesdk.options import SPELLINGS
 
     build = typer.main.get_command(app).commands["build"]
     params = {p.name for p in build.params}
     assert set(flagged()) <= params
     assert {"sign_key", "bundle_version", "check_reproducible", "quiet", "as_json"} <= params
     spelled = {n for n in flagged() if flag_of(n).spelled is not None}
-    assert spelled <= set(_SPELLINGS) <= set(flagged())
+    assert spelled <= set(SPELLINGS) <= set(flagged())
 
 
 def test_the_defaults_on_the_command_line_are_the_fields_defaults(tmp_path):
-    from edgesdk.cli import _build_options
+    from edgesdk.options import from_given
 
     given = {}
     for f in dataclasses.fields(BuildOptions):
@@ -67,7 +68,7 @@ def test_the_defaults_on_the_command_line_are_the_fields_defaults(tmp_path):
             given[f.name] = (False if flag.negated else [] if flag.spelled == list[str] else
                              None if f.default is dataclasses.MISSING else f.default)
     given.update(model=tmp_path / "m.onnx", target="x86", out=tmp_path / "o")
-    assert _build_options(given) == BuildOptions(model=tmp_path / "m.onnx", target="x86", out=tmp_path / "o")
+    assert from_given(given) == BuildOptions(model=tmp_path / "m.onnx", target="x86", out=tmp_path / "o")
 
 
 @pytest.mark.parametrize("name, value, code, message, hint", [

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -23,8 +22,11 @@ from typing import Any, List, Optional, get_origin
 import typer
 from typer.core import TyperCommand
 
+from .api import VERSION_0_WARNING as api_warning
+from .api import check_timeout, reproducible, stamper, trusted_keys
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
-from .options import GENERAL, PANELS, BuildOptions, check_choice, default_of, field_type, flag_of, flagged
+from .options import (GENERAL, PANELS, _parse_shapes, check_choice, checked_together, default_of, field_type, flag_of,
+                      flagged, from_given)
 
 app = typer.Typer(
     name="edgesdk",
@@ -87,43 +89,7 @@ def _progress_line():
     return show
 
 
-def _parse_duration(text: str | None, flag: str) -> float | None:
-    """90, 90s, 20m, 1.5h -> seconds."""
-    if text is None:
-        return None
-    units = {"s": 1, "m": 60, "h": 3600}
-    t = text.strip().lower()
-    scale = units.get(t[-1:], None)
-    number = t[:-1] if scale else t
-    try:
-        seconds = float(number) * (scale or 1)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise UsageError("cli.bad-duration", f"{flag} {text}: not a duration", "e.g. 90s, 20m, 1.5h, or seconds")
-    return seconds
-
-
-def _check_timeout(seconds: float, flag: str) -> None:
-    from .runtime.process import MAX_TIMEOUT_S
-
-    if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
-        raise UsageError("cli.bad-timeout", f"{flag} {seconds:g}: not a number of seconds above 0 and at most "
-                         f"{MAX_TIMEOUT_S:g} (a week)", f"e.g. {flag} 1800")
-
-
-def _check_bundle_version(version: int | None, flag: str = "--bundle-version") -> None:
-    """A version the manifest's schema accepts, refused here before anything is built or written."""
-    from .runtime.manifest import MAX_BUNDLE_VERSION
-
-    if version is not None and not 0 <= version <= MAX_BUNDLE_VERSION:
-        raise UsageError("cli.bad-bundle-version", f"{flag} {version}: outside the versions a manifest holds, 0 to "
-                         f"{MAX_BUNDLE_VERSION} (2^63 - 1, manifest.bundle_version)",
-                         "give a version in that range, e.g. the release's commit time in seconds")
-
-
-VERSION_0_WARNING = ("warning: bundle version 0: devices cannot tell this bundle from an older one; "
-                     "give --bundle-version")
+VERSION_0_WARNING = f"warning: {api_warning}"
 
 
 @contextlib.contextmanager
@@ -174,167 +140,6 @@ def _error_json(e: Exception) -> dict:
             "exit_code": EXIT_INTERNAL}
 
 
-def _check_prune_options(prune: str | None, plan: str | None, budget: float | None,
-                         layers: str | None, correct: bool, kernels: str) -> str | None:
-    """The pruning options refused where they do not go together (exit 2, before anything runs); `--prune`
-    in its canonical spelling (a list with `--prune-plan auto`)."""
-    from .compression import parse_method
-    from .compression.plan import parse_candidates
-
-    if plan is None and budget is not None:
-        raise UsageError("cli.prune-options", "--latency-budget needs --prune-plan auto",
-                         "e.g. --prune-plan auto --latency-budget 40 --prune 2:4,1:4")
-    if plan == "auto":
-        if budget is None or budget <= 0:
-            raise UsageError("cli.prune-options", "--prune-plan auto needs --latency-budget MS (above 0)",
-                             "the model's CPU time per inference on this host that the plan must fit, e.g. "
-                             "--latency-budget 40")
-        if prune is not None:
-            prune = ",".join(m.text for m in parse_candidates(prune))
-    elif plan is not None:
-        if not Path(plan).is_file():
-            raise UsageError("prune.plan-unreadable", f"--prune-plan {plan}: no such file",
-                             "give 'auto' or a plan file written by an earlier build (its OUT/.build/4-tune/prune_plan.json)")
-        if prune is not None or layers is not None:
-            raise UsageError("cli.prune-options", "--prune-plan FILE names each layer's method: --prune and "
-                             "--prune-layers do not go with it", "edit the plan file instead")
-    elif prune is not None:
-        if "," in prune:
-            raise UsageError("cli.prune-options", f"--prune {prune}: a list of methods needs --prune-plan auto",
-                             "one method prunes every chosen layer alike, e.g. --prune 2:4")
-        prune = parse_method(prune).text
-    elif layers is not None or correct or kernels != "measured":
-        raise UsageError("cli.prune-options",
-                         "--prune-layers, --prune-correct and --sparse-kernels need --prune or --prune-plan",
-                         "e.g. --prune 2:4 --prune-layers 'conv2*,conv3*'")
-    return prune
-
-
-def _check_eval_options(eval_data: Path | None, task: str | None, decoder: str | None, options: str | None) -> None:
-    """`--eval` and the task it measures, refused where they do not go together (exit 2, before anything runs)."""
-    if eval_data is None:
-        if task is not None or decoder is not None or options is not None:
-            raise UsageError("cli.task-options", "--task, --decoder and --task-options need --eval DIR",
-                             "the task is measured on held-out samples, e.g. --eval heldout/ --task ocr")
-        return
-    if not Path(eval_data).is_dir():
-        raise UsageError("cli.eval-not-found", f"--eval {eval_data}: not a directory",
-                         "give a directory of held-out samples: .npy/.npz files or images, and labels.txt where "
-                         "you have labels")
-    from .compression.tasks import parse_options
-
-    if task is None and (decoder is not None or options is not None):
-        raise UsageError("cli.task-options", "--decoder and --task-options need --task",
-                         "e.g. --task detection --decoder yolov8 --task-options score=0.25")
-    if task is not None:
-        parse_options(task, decoder, options)
-
-
-def _parse_cpu_backends(value: str | None) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    from .backends import cpu_candidates
-    from .scheduling.selection import PLANNED
-    known = cpu_candidates()
-
-    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
-    unknown = [n for n in names if n not in (PLANNED, *known)]
-    if unknown or not names:
-        raise UsageError("cli.bad-cpu-backends", f"--cpu-backends {value!r}: " + (
-            f"unknown backend {', '.join(repr(n) for n in unknown)}" if unknown else "names no backend"),
-            f"choose among {','.join(known)}, or {PLANNED} alone for the schedule's own cut, unmeasured")
-    return names
-
-
-def _parse_shapes(values: list[str]) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for v in values:
-        name, sep, dims = v.rpartition("=")
-        try:
-            shape = tuple(int(d) for d in dims.lower().split("x"))
-            if not sep or not name or any(d <= 0 for d in shape):
-                raise ValueError
-        except ValueError:
-            raise UsageError("cli.bad-shape", f"--input-shape {v}: expected NAME=DIMS like x=1x3x224x224",
-                             "dimensions are positive integers joined by 'x'") from None
-        shapes[name] = shape
-    return shapes
-
-
-def _parse_values(values: list[str]) -> dict[str, tuple[float, ...]]:
-    frozen = {}
-    for v in values:
-        name, sep, numbers = v.partition("=")
-        try:
-            parsed = tuple(float(x) for x in numbers.split(","))
-            if not sep or not name:
-                raise ValueError
-        except ValueError:
-            raise UsageError("cli.bad-value", f"--input-value {v}: expected NAME=VALUE like sr=16000 or NAME=1,2,3",
-                             "values are numbers joined by ','") from None
-        frozen[name] = parsed
-    return frozen
-
-
-def _parse_ranges(values: list[str]) -> dict[str, tuple[float, float]]:
-    """--input-range NAME=LOW,HIGH (repeatable): finite numbers, LOW < HIGH, each input once."""
-    ranges: dict[str, tuple[float, float]] = {}
-    for v in values:
-        name, sep, numbers = v.partition("=")
-        try:
-            low, high = (float(x) for x in numbers.split(","))
-            if not sep or not name or not (math.isfinite(low) and math.isfinite(high)):
-                raise ValueError
-        except ValueError:
-            raise UsageError("cli.bad-input-range", f"--input-range {v}: expected NAME=LOW,HIGH like x=0,1",
-                             "LOW and HIGH are finite numbers; give the option once per input") from None
-        if not low < high:
-            raise UsageError("cli.bad-input-range", f"--input-range {v}: LOW must be less than HIGH",
-                             f"e.g. --input-range {name}=0,1 for images in [0, 1], {name}=0,255 for 8-bit pixels")
-        if name in ranges:
-            raise UsageError("cli.bad-input-range", f"--input-range names '{name}' twice", "give each input one range")
-        ranges[name] = (low, high)
-    return ranges
-
-
-def _parse_activations(values: list[str]) -> dict[str, str]:
-    """--output-activation NAME=sigmoid|softmax (repeatable): each output once."""
-    from .compression.accuracy import ACTIVATIONS
-
-    declared: dict[str, str] = {}
-    for v in values:
-        name, sep, activation = (s.strip() for s in v.partition("="))
-        if not sep or not name or activation not in ACTIVATIONS:
-            raise UsageError("cli.bad-output-activation", f"--output-activation {v}: expected NAME=ACTIVATION with "
-                             f"ACTIVATION one of {', '.join(ACTIVATIONS)}",
-                             "e.g. --output-activation classificators=sigmoid for a detector's class logits")
-        if name in declared:
-            raise UsageError("cli.bad-output-activation", f"--output-activation names '{name}' twice",
-                             "give each output one activation")
-        declared[name] = activation
-    return declared
-
-
-def _node_names(values: list[str]) -> tuple[str, ...]:
-    """--keep-on-cpu NODE,... (repeatable): each name once, in the order given."""
-    return tuple(dict.fromkeys(n.strip() for v in values for n in v.split(",") if n.strip()))
-
-
-# How a field's command-line spelling (options.py `Flag.spelled`) becomes its value; a bound of 0 is none
-# given (the target's), as it always was on the command line.
-_SPELLINGS = {
-    "input_shapes": _parse_shapes,
-    "input_values": _parse_values,
-    "time_budget": functools.partial(_parse_duration, flag="--time-budget"),
-    "input_ranges": _parse_ranges,
-    "max_abs_error": lambda bound: bound or None,
-    "max_error_lsb": lambda bound: bound or None,
-    "cpu_backends": _parse_cpu_backends,
-    "output_activations": _parse_activations,
-    "keep_on_cpu": _node_names,
-}
-
-
 def _typer_parameter(name: str, help: str | None, panels: bool) -> Parameter:
     """The typer parameter of BuildOptions field `name`, as its `Flag` declares it."""
     f = flag_of(name)
@@ -371,20 +176,6 @@ def _with_options(*names: str, help: dict[str, str] | None = None, panels: bool 
     return add
 
 
-def _build_options(given: dict[str, Any], **fixed: Any) -> BuildOptions:
-    """BuildOptions from a command's `**given` (`_with_options`): each spelled field parsed, each negated
-    flag inverted; `fixed`: fields the command sets itself."""
-    values = {}
-    for name in (n for n in flagged() if n in given):
-        value = given[name]
-        if flag_of(name).negated:
-            value = not value
-        elif name in _SPELLINGS:
-            value = _SPELLINGS[name](value)
-        values[name] = value
-    return BuildOptions(**values, **fixed)
-
-
 class _RefusalsAsJson(TyperCommand):
     """A command (with `_failure_as_json`) whose `--json` also covers a value refused while the command line
     is read, before the command runs (a choice, options.py `Refusal`); `--json` is eager, read first, so
@@ -397,21 +188,6 @@ class _RefusalsAsJson(TyperCommand):
             if ctx.params.get("as_json"):
                 print(json.dumps({"error": _error_json(e)}, indent=2, default=str), flush=True)
             raise
-
-
-def _checked_together(given: dict[str, Any]) -> dict[str, Any]:
-    """The build's options refused where a value is out of range or values do not go together (exit 2,
-    before anything runs); `--prune` in its canonical spelling."""
-    if not 50.0 < given["calib_percentile"] <= 100.0:
-        raise UsageError("cli.bad-calib-percentile", f"--calib-percentile {given['calib_percentile']}: outside "
-                         "(50, 100]", "99.99 keeps all but one value in 10,000 per tail")
-    if bool(given["rpc_tracker"]) != bool(given["rpc_key"]):
-        raise UsageError("cli.rpc", "--rpc-tracker and --rpc-key go together",
-                         "--rpc-tracker HOST:PORT --rpc-key KEY: the tracker and the key the boards registered with")
-    prune = _check_prune_options(given["prune"], given["prune_plan"], given["latency_budget"], given["prune_layers"],
-                                 given["prune_correct"], given["sparse_kernels"])
-    _check_eval_options(given["eval_data"], given["task"], given["decoder"], given["task_options"])
-    return {**given, "prune": prune}
 
 
 @app.command(cls=_RefusalsAsJson)
@@ -429,8 +205,8 @@ def build(
     if check_reproducible and given["until"] is not None:
         raise UsageError("cli.reproducible-until", "--check-reproducible compares whole bundles: --until does not go "
                          "with it", "drop --until")
-    stamp = _stamper(sign_key, bundle_version)
-    options = _build_options(_checked_together(given))
+    stamp = stamper(sign_key, bundle_version, warn=lambda s: _err(f"warning: {s}"))
+    options = from_given(checked_together(given))
     from .pipeline import build as run_build
 
     log = (lambda s: None) if quiet else (lambda s: _err(f"    {s}"))
@@ -502,18 +278,6 @@ def _report_build(result, out: Path, seconds: float) -> None:
     _err(f"built in {seconds:.1f} s" + (f": {result.bundle} and {out / 'bundle.tar.gz'}" if result.bundle else ""))
 
 
-def _stamper(sign_key: Path | None, version: int | None):
-    """The bundle's version and signature, applied as the build publishes it; the key is read and the
-    version checked now, so a wrong one fails before the build and not after it."""
-    _check_bundle_version(version)
-    if sign_key is None and version is None:
-        return None
-    from .bundling import signing
-
-    key = signing.load_private_key(sign_key, warn=lambda s: _err(f"warning: {s}")) if sign_key else None
-    return lambda bundle, tarball: signing.stamp(bundle, version=version, key=key, tarball=tarball)
-
-
 def _stamped(bundle: Path, quiet: bool) -> str | None:
     from .runtime.manifest import Manifest
 
@@ -528,26 +292,9 @@ def _stamped(bundle: Path, quiet: bool) -> str | None:
 
 
 def _check_reproducible(options, result, stamp, quiet: bool, log, on_stage) -> dict:
-    from .pipeline import check_reproducible
-
-    if not quiet:
-        _err("reproducibility: building again in a fresh directory (the tune stage's measurements replayed)")
     with _native_stderr_silenced(quiet):
-        report = check_reproducible(options, result, log=log, on_stage=on_stage, stamp=stamp)
-    if not report["identical"]:
-        where = (f"; the first stage whose output differs: {report['stages_differing'][0]}"
-                 if report["stages_differing"] else "")
-        raise UserError("build.not-reproducible",
-                        f"the rebuild in a fresh directory differs from {result.bundle}: "
-                        f"{len(report['differences'])} file(s)"
-                        + ("" if report["tarball_identical"] else " and bundle.tar.gz") + where,
-                        "an input the build reads changed between the builds (a tuning database being written, "
-                        "the SDK's code), or a stage is not deterministic: report it with the differences",
-                        notes=report["differences"][:20])
-    if not quiet:
-        _err(f"reproducible: the rebuild is byte-identical ({report['files']} files and bundle.tar.gz; stages "
-             f"rebuilt: {', '.join(report['stages_rebuilt'])})")
-    return report
+        return reproducible(options, result, stamp, say=(lambda line: None) if quiet else _err, log=log,
+                            on_stage=on_stage)
 
 
 @app.command()
@@ -557,28 +304,11 @@ def sign(
     bundle_version: Optional[int] = typer.Option(None, "--bundle-version", help="Set the bundle's version as it is signed, 0 to 2^63 - 1 \\[default: keep the manifest's]."),
 ) -> None:
     """Sign a bundle built earlier: manifest.sig over manifest.json, with its key id and version."""
-    import tempfile
+    from .api import sign as sign_bundle
 
-    from .bundling import signing
-    from .verify import opened_bundle
-
-    _check_bundle_version(bundle_version)
-    signer = signing.load_private_key(key, warn=lambda s: _err(f"warning: {s}"))
-    if bundle.is_dir():  # in place; an edgesdk build's DIR/bundle.tar.gz beside it is written again
-        tarball = bundle.parent / "bundle.tar.gz" if bundle.name == "bundle" else None
-        tarball = tarball if tarball is not None and tarball.exists() else None
-        with opened_bundle(bundle) as root:
-            manifest = signing.stamp(root, version=bundle_version, key=signer, tarball=tarball)
-        written = [bundle] + ([tarball] if tarball else [])
-    else:  # unpacked safely, signed, packed again beside the archive, then renamed over it
-        with opened_bundle(bundle) as root, tempfile.TemporaryDirectory(dir=bundle.parent, prefix=".sign-") as tmp:
-            staged = Path(tmp) / bundle.name
-            manifest = signing.stamp(root, version=bundle_version, key=signer, tarball=staged)
-            staged.replace(bundle)
-        written = [bundle]
-    print(f"signed {', '.join(map(str, written))}: key {signer.key_id}, bundle version {manifest.bundle_version}")
-    if manifest.bundle_version == 0:
-        _err(VERSION_0_WARNING)
+    written, manifest = sign_bundle(bundle, key, bundle_version=bundle_version, log=_err)
+    print(f"signed {', '.join(map(str, written))}: key {manifest.signing['key_id']}, bundle version "
+          f"{manifest.bundle_version}")
 
 
 @keys_app.command("generate")
@@ -618,32 +348,12 @@ def keys_verify(
     """Check detached signatures (FILE.sig) of release files."""
     from .bundling import signing
 
-    keys = _trusted_keys(public_key, trust_dir, None, required=True)
+    keys = trusted_keys(public_key, trust_dir, None, required=True)
     for f in files:
         if not f.is_file():
             raise UsageError("keys.no-file", f"{f}: no such file", "give the signed files, e.g. dist/SHA256SUMS")
         k = signing.verify_file(f, keys)
         print(f"{f}: signed by key {k.key_id} ({k.path.name})")
-
-
-def _trusted_keys(public_key: Path | None, trust_dir: Path | None, root: Path | None, *, required: bool = False):
-    """The keys given (--public-key, --trust or ROOT/trust), or None when none is given."""
-    from .runtime import trust
-
-    given = [x for x in (public_key, trust_dir) if x is not None]
-    if len(given) > 1:
-        raise UsageError("verify.keys", "--public-key and --trust do not go together",
-                         "a trust directory holds every key a device accepts: put the key there")
-    source = given[0] if given else (root / "trust" if root is not None else None)
-    if source is None:
-        if required:
-            raise UsageError("verify.no-key", "no key to check with", "give --public-key PUB or --trust DIR")
-        return None
-    try:
-        return trust.load_trust(source)
-    except trust.KeyFileError as e:
-        raise UsageError("verify.bad-key", str(e), "give the NAME.pub that `edgesdk keys generate` wrote, or a "
-                         "directory of them") from None
 
 
 @app.command(cls=_RefusalsAsJson)
@@ -663,7 +373,7 @@ def check(
     accelerator coverage by ops and FLOPs, CPU<->accelerator transitions, what legalize would rewrite."""
     from .pipeline import check as run_check
 
-    options = _build_options(given, out=Path("."))
+    options = from_given(given, out=Path("."))
     report = run_check(options, log=lambda s: None if as_json else _err(f"    {s}"))
     if as_json:
         print(json.dumps(report, indent=2, default=float))
@@ -834,8 +544,8 @@ def verify(
     code, then run the golden self-test on the bundle's own architecture."""
     from .verify import verify as run_verify
 
-    _check_timeout(selftest_timeout, "--selftest-timeout")
-    keys = _trusted_keys(public_key, trust_dir, root)
+    check_timeout(selftest_timeout, "--selftest-timeout")
+    keys = trusted_keys(public_key, trust_dir, root)
     if root is not None and installed_version is None:
         from .runtime.install import InstallError, version_floor
 
@@ -895,45 +605,17 @@ def bench(
     """How fast a bundle runs here: load time, latency percentiles, concurrent callers, the pipelined
     stream, each segment against the plan's prediction, peak memory. An aarch64 bundle runs under
     qemu-user, and its figures are marked emulated. On a board: python -B -m runtime bench."""
-    import subprocess
-
+    from .api import bench as run_bench
     from .runtime.bench import report
-    from .verify import check_bundle, opened_bundle, runtime_process, where_it_runs
+    from .verify import check_bundle, opened_bundle
 
-    _check_timeout(timeout, "--timeout")
-    for flag, value in (("--callers", callers), ("--depth", depth)):
-        if value is not None and not all(x.strip().isdigit() and int(x) > 0 for x in value.split(",")):
-            raise UsageError("bench.bad-counts", f"{flag} {value}: expected positive integers joined by ','",
-                             "e.g. --callers 1,2,4,8 --depth 1,3")
     with opened_bundle(bundle) as root:
         manifest = check_bundle(root, bundle)
-        how, why_not = where_it_runs(manifest)
-        if how is None:
-            raise UserError("bench.cannot-run", f"{bundle} cannot run on this host: {why_not}",
-                            "run `python -B -m runtime bench` on the device the bundle was built for")
-        args = ["bench", str(root.resolve()), "--json", "--runs", str(runs), "--warmup", str(warmup),
-                "--callers", callers, *(["--depth", depth] if depth else []),
-                *(["--frames", str(frames)] if frames else [])]
-        # the runtime's progress goes straight to this terminal; its result comes back on stdout
-        try:
-            proc = runtime_process(root, manifest, args, timeout=timeout, stdout=subprocess.PIPE, text=True,
-                                   errors="replace")
-        except subprocess.TimeoutExpired:
-            raise UserError("bench.timeout", f"{bundle}: the bench ({how}) did not finish in {timeout:g} s; it was "
-                            "stopped with every process it started",
-                            "give it longer with --timeout SECONDS, or fewer --runs; if it never finishes, run "
-                            "`edgesdk verify` on the bundle: its self-test shows whether it hangs") from None
-        out = proc.stdout
-    try:
-        result = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        if proc.returncode == 2:  # the bundle's own runtime refused the invocation
-            raise UserError("bench.old-runtime", f"{bundle}: its runtime ({manifest.min_runtime_version}) has no bench "
-                            "command", "rebuild the bundle with this edgesdk") from None
-        raise UserError("bench.failed", f"the runtime's bench of {bundle} ended with exit code {proc.returncode} and "
-                        "no result", "run `edgesdk verify` on the bundle: its self-test shows what fails") from None
+        result = run_bench(root, manifest, bundle, runs=runs, warmup=warmup, callers=callers, depth=depth,
+                           frames=frames, timeout=timeout)
+    failed = result.pop("exit_code", 0)
     print(json.dumps(result, indent=2) if as_json else report(result))
-    if proc.returncode != 0:
+    if failed:
         raise typer.Exit(1)
 
 

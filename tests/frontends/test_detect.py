@@ -32,6 +32,10 @@ def files(tmp_path):
     paths["savedmodel"] = tmp_path / "saved"
     paths["savedmodel"].mkdir()
     (paths["savedmodel"] / "saved_model.pb").write_bytes(b"\x08\x01")
+    paths["pt2"] = tmp_path / "m.pt2"
+    with zipfile.ZipFile(paths["pt2"], "w", zipfile.ZIP_STORED) as z:  # as torch.export.save writes it
+        z.writestr("m/archive_format", "pt2")
+        z.writestr("m/models/model.json", "{}" * 20)
     return paths
 
 
@@ -96,6 +100,8 @@ def test_valid_containers_pass(files):
     ("root", "tflite", "truncated: the root table sits at byte"),
     ("empty", "onnx", "the file is empty"),
     ("empty", "savedmodel", "saved_model.pb is empty"),
+    ("truncate", "pt2", "not a readable zip archive"),
+    ("empty", "pt2", "not a readable zip archive"),
 ])
 def test_damaged_containers_are_refused_without_a_converter(files, damage, fmt, says):
     path = files[fmt]

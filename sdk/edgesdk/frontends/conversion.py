@@ -41,7 +41,8 @@ POLL_S = 0.25
 PROGRESS_EVERY_S = 10.0
 # Available memory (MiB) under which the converter is stopped; EDGESDK_MEMORY_FLOOR_MB overrides it
 MEMORY_FLOOR_MB = 256
-CONVERTER_NAMES = {"savedmodel": "SavedModel", "keras": "Keras", "h5": "Keras .h5", "tflite": "TFLite"}
+CONVERTER_NAMES = {"savedmodel": "SavedModel", "keras": "Keras", "h5": "Keras .h5", "tflite": "TFLite",
+                   "pt2": "PyTorch"}
 
 
 def convert(path: Path, fmt: str, work: Path, *, batch: int, input_shapes: dict[str, tuple[int, ...]],
@@ -199,6 +200,8 @@ _UNSUPPORTED_HINT = {
                   "ONNX yourself",
 }
 _UNSUPPORTED_HINT["keras"] = _UNSUPPORTED_HINT["h5"] = _UNSUPPORTED_HINT["savedmodel"]
+_UNSUPPORTED_HINT["pt2"] = ("replace these ops in the model by ones torch.onnx translates to standard ONNX, or export "
+                            "the model to ONNX yourself")
 
 
 def _describe(site: OpSite, fmt: str, result: dict) -> str:

@@ -1,4 +1,5 @@
-"""The converter process: one TensorFlow-format model to ONNX with tf2onnx.
+"""The converter process: one TensorFlow-format model to ONNX with tf2onnx, or a PyTorch .pt2 program with
+torch.onnx (`torch_export`).
 
     python -m edgesdk.frontends.converter_child REQUEST.json
 
@@ -21,11 +22,11 @@ import sys
 from pathlib import Path
 
 from ..errors import EdgeSDKError, UsageError
-from . import keras_file, savedmodel, tflite_file
+from . import keras_file, savedmodel, tflite_file, torch_export
 from .tf2onnx_steps import first_line
 
 READERS = {"keras": keras_file.convert, "h5": keras_file.convert, "savedmodel": savedmodel.convert,
-           "tflite": tflite_file.convert}
+           "tflite": tflite_file.convert, "pt2": torch_export.convert}
 
 
 def main(argv: list[str]) -> int:
@@ -37,10 +38,16 @@ def main(argv: list[str]) -> int:
         result = {"ok": False, "kind": "usage" if isinstance(e, UsageError) else "user", "code": e.code,
                   "message": e.message, "hint": e.hint, "notes": e.notes}
     except BaseException as e:  # noqa: BLE001 - whatever it is, the parent reports it
-        result = {"ok": False, "kind": "user", "code": "import.convert-failed",
-                  "message": f"tf2onnx failed to convert it: {first_line(e)}",
-                  "hint": "the file may be damaged, or hold a construct tf2onnx 1.17 cannot convert; "
-                          "`python -m tf2onnx.convert` on it shows the full error"}
+        if request["format"] == "pt2":
+            result = {"ok": False, "kind": "user", "code": "import.convert-failed",
+                      "message": f"PyTorch failed to export it: {first_line(e)}",
+                      "hint": "torch.onnx.export(torch.export.load(FILE), (), dynamo=True, report=True) shows the full "
+                              "error"}
+        else:
+            result = {"ok": False, "kind": "user", "code": "import.convert-failed",
+                      "message": f"tf2onnx failed to convert it: {first_line(e)}",
+                      "hint": "the file may be damaged, or hold a construct tf2onnx 1.17 cannot convert; "
+                              "`python -m tf2onnx.convert` on it shows the full error"}
     out = Path(request["result"])
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

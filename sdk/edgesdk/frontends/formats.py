@@ -13,18 +13,19 @@ from pathlib import Path
 
 from ..errors import UsageError, UserError
 
-FORMATS = ("onnx", "savedmodel", "keras", "h5", "tflite")
+FORMATS = ("onnx", "savedmodel", "keras", "h5", "tflite", "pt2")
 
-SUFFIXES = {".onnx": "onnx", ".keras": "keras", ".h5": "h5", ".hdf5": "h5", ".tflite": "tflite"}
+SUFFIXES = {".onnx": "onnx", ".keras": "keras", ".h5": "h5", ".hdf5": "h5", ".tflite": "tflite", ".pt2": "pt2"}
 DESCRIPTIONS = {
     "onnx": "an ONNX model",
     "savedmodel": "a TensorFlow SavedModel",
     "keras": "a Keras 3 .keras archive",
     "h5": "a Keras HDF5 (.h5) model",
     "tflite": "a TFLite flatbuffer",
+    "pt2": "a PyTorch torch.export program (.pt2)",
 }
 READABLE = ("ONNX (.onnx), TensorFlow SavedModel (a directory holding saved_model.pb), "
-            "Keras (.keras, .h5) and TFLite (.tflite)")
+            "Keras (.keras, .h5), TFLite (.tflite) and PyTorch torch.export programs (.pt2, torch.export.save)")
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 TFLITE_IDENTIFIER = b"TFL3"  # flatbuffer file identifier, bytes 4..8
@@ -148,4 +149,16 @@ def _tflite(path: Path) -> str | None:
     return None
 
 
-CONTAINER_CHECKS = {"onnx": _onnx, "savedmodel": _savedmodel, "keras": _keras, "h5": _h5, "tflite": _tflite}
+def _pt2(path: Path) -> str | None:
+    """torch.export.save writes a zip archive (PyTorch's PT2 archive); torch reads what is inside."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            if not z.namelist():
+                return "the archive is empty"
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        return f"not a readable zip archive ({str(e)[:80] or type(e).__name__})"
+    return None
+
+
+CONTAINER_CHECKS = {"onnx": _onnx, "savedmodel": _savedmodel, "keras": _keras, "h5": _h5, "tflite": _tflite,
+                    "pt2": _pt2}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from .problem import Problem
@@ -154,7 +155,7 @@ def _io(problem: Problem, i: int, j: int) -> tuple[list[int], list[int]]:
     return ins, outs
 
 
-def gantt(timeline: Timeline, path, title: str = "") -> "Path":
+def gantt(timeline: Timeline, path, title: str = "") -> Path:
     """A PNG Gantt chart of `timeline`: one row per device and link, one bar per task (computations
     coloured by segment, transfers hatched), and each resource's utilization on its label."""
     from pathlib import Path
