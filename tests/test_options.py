@@ -48,7 +48,7 @@ def test_the_build_command_takes_every_flagged_field_and_parses_each_spelling():
     import typer.main
 
     from edgesdk.cli import app
-    from edgesdk.options import SPELLINGS
+    from edgesdk.option_values import SPELLINGS
 
     build = typer.main.get_command(app).commands["build"]
     params = {p.name for p in build.params}
@@ -59,7 +59,7 @@ def test_the_build_command_takes_every_flagged_field_and_parses_each_spelling():
 
 
 def test_the_defaults_on_the_command_line_are_the_fields_defaults(tmp_path):
-    from edgesdk.options import from_given
+    from edgesdk.option_values import from_given
 
     given = {}
     for f in dataclasses.fields(BuildOptions):

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError, UserError
-from .options import BuildOptions, checked_together, flagged
+from .option_values import checked_together
+from .options import BuildOptions, flagged
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,7 +67,8 @@ def options(model: Any, target: str | os.PathLike, out: str | os.PathLike, **giv
     or, for those the command line spells as text, as that text: `input_shapes={"x": (1, 3, 224, 224)}` or
     `input_shapes=["x=1x3x224x224"]`, `time_budget=1200.0` or `"20m"`, `cpu_backends=("tvm", "litert")` or
     `"tvm,litert"`. Checked as the command line checks them, with the same errors (UsageError)."""
-    from .options import SPELLINGS, check_choice, flag_of
+    from .option_values import SPELLINGS
+    from .options import check_choice, flag_of
 
     known = set(flagged()) - {"model", "target", "out"}
     unknown = sorted(set(given) - known)

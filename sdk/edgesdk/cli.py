@@ -25,8 +25,8 @@ from typer.core import TyperCommand
 from .api import VERSION_0_WARNING as api_warning
 from .api import check_timeout, reproducible, stamper, trusted_keys
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
-from .options import (GENERAL, PANELS, _parse_shapes, check_choice, checked_together, default_of, field_type, flag_of,
-                      flagged, from_given)
+from .option_values import _parse_shapes, checked_together, from_given
+from .options import GENERAL, PANELS, check_choice, default_of, field_type, flag_of, flagged
 
 app = typer.Typer(
     name="edgesdk",
