@@ -216,3 +216,28 @@ def test_a_bundle_is_signed_and_verified_with_the_key(built, tmp_path):
         assert report.signature.startswith("verified") and key_id in report.signature, report.signature
         with pytest.raises(UserError):
             bundle.verify(public_key=public, installed_version=8, selftest=False)
+
+
+@pytest.mark.slow
+def test_a_keras_model_and_tflite_bytes_in_memory_build_as_their_files_do(tmp_path):
+    """A Keras model object (saved as .keras under OUT/.build/source) and the bytes TFLiteConverter returns
+    (written as .tflite): each bundle answers as Keras does, on photo crops."""
+    import tensorflow as tf
+
+    from tests import model_zoo
+    from tests.frontends.tf_models import IMAGE, conv_net
+
+    model = conv_net()
+    rng = np.random.default_rng(0)
+    photo = model_zoo.photos()[0].astype(np.float32) / 255.0
+    xs = [photo[y:y + IMAGE[0], x:x + IMAGE[1]][None] for y, x in rng.integers(0, 200, size=(4, 2))]
+    want = [model(x, training=False).numpy() for x in xs]
+    flat = tf.lite.TFLiteConverter.from_keras_model(model).convert()
+    for given, name, suffix in ((model, None, ".keras"), (flat, "net", ".tflite")):
+        build = edgesdk.build(given, "x86", tmp_path / suffix[1:], name=name, cpu_backends="planned",
+                              log=lambda s: None)
+        assert len(list((tmp_path / suffix[1:] / ".build" / "source").glob(f"*{suffix}"))) == 1
+        with edgesdk.Bundle.open(build.bundle.path) as bundle:
+            (inp,) = bundle.inputs
+            for x, w in zip(xs, want):
+                assert_close(next(iter(bundle.run({inp: x}).values())), w)

@@ -191,22 +191,26 @@ def test_a_model_trained_here_keeps_its_answers_in_the_bundle_and_stays_in_train
     assert (got.argmax(1) == want.argmax(1)).all()
 
 
-def test_a_saved_program_builds_from_the_command_line(trained, tmp_path):
+def test_a_saved_program_builds_from_the_command_line_its_dynamic_batch_fixed_by_input_shape(trained, tmp_path):
     model = trained["model"].eval()
-    program = torch.export.export(model, (torch.from_numpy(trained["x"][:1]),))
+    batch = torch.export.Dim("batch", max=64)  # exported for any batch: the build fixes it
+    program = torch.export.export(model, (torch.from_numpy(trained["x"][:2]),), dynamic_shapes={"x": {0: batch}})
     torch.export.save(program, str(tmp_path / "small.pt2"))
     trained["model"].train()
-    proc = subprocess.run([sys.executable, "-m", "edgesdk", "build", str(tmp_path / "small.pt2"), "--target", "x86",
-                           "-o", str(tmp_path / "out"), "--cpu-backends", "planned"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
+    command = [sys.executable, "-m", "edgesdk", "build", str(tmp_path / "small.pt2"), "--target", "x86", "-o",
+               str(tmp_path / "out"), "--cpu-backends", "planned"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "dynamic" in proc.stderr and "--input-shape" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([*command, "--input-shape", "x=1x3x32x32"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "import: pt2 converted by torch" in proc.stderr
     with edgesdk.Bundle.open(tmp_path / "out" / "bundle") as bundle:
         (name,) = bundle.inputs
         x = trained["x"][:8]
         got = np.concatenate([list(bundle.run({name: x[i:i + 1]}).values())[0] for i in range(len(x))])
-    with torch.no_grad():  # the program's shapes are its example's: one image at a time
-        want = np.concatenate([program.module()(torch.from_numpy(x[i:i + 1])).numpy() for i in range(len(x))])
+    with torch.no_grad():
+        want = program.module()(torch.from_numpy(x)).numpy()
     assert_close(got, want)
 
 
@@ -246,6 +250,31 @@ def test_an_export_that_cannot_be_captured_names_the_module_and_the_line(tmp_pat
     assert "test_torch.py" in err.message and "keep = int((x > 0).sum())" in err.message, err.message
     assert "data-dependent" in err.hint or "depends on a tensor's values" in err.hint
     assert not (tmp_path / "out" / ".build" / "source" / "datadependent.onnx").exists()
+
+
+class Histogram(torch.nn.Module):
+    def forward(self, x):
+        return torch.histc(x, bins=4)  # torch.onnx translates histc only with a range given
+
+
+class Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 1)
+        self.head = Histogram()
+
+    def forward(self, x):
+        return self.head(self.stem(x))
+
+
+def test_an_op_torch_onnx_cannot_translate_names_the_module_and_the_op(tmp_path):
+    with pytest.raises(UserError) as e:
+        edgesdk.build(Counted(), "x86", tmp_path / "out", example_inputs=(torch.randn(1, 3, 8, 8),))
+    err = e.value
+    assert err.code == "import.torch-unsupported", err
+    assert "module 'head'" in err.message and "aten.histc" in err.message, err.message
+    assert "is not supported" in err.message and "\x1b" not in err.message, err.message
+    assert "aten.histc" in err.hint and "export the model to ONNX yourself" in err.hint
 
 
 def test_a_module_without_example_inputs_is_refused(tmp_path):

@@ -176,11 +176,14 @@ def _capture_error(e: Exception, trail: list[str], shown: str) -> UserError:
 
 def _translation_error(e: Exception, program: Any, shown: str) -> UserError:
     """The exporter has no ONNX translation for an op of the captured program (or it failed): which op, in
-    which module."""
-    text = str(e)
+    which module, and why (the innermost cause the exporter chained)."""
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    text = "\n".join(str(c) for c in chain)
     op = _op_of(text)
     module = ""
-    node = re.search(r"node\s+[`'%]*%?([\w.]+)", text)
+    node = re.search(r"translating node\s+%?([\w.]+)", text) or re.search(r"node\s+[`'%]*%?([\w.]+)", text)
     if node is not None:
         for n in program.graph.nodes:
             if n.name == node.group(1):
@@ -189,10 +192,11 @@ def _translation_error(e: Exception, program: Any, shown: str) -> UserError:
                     module = list(stack.values())[-1][0]
                 op = op or str(n.target)
                 break
+    why = _first_line(chain[-1])
     where = _module_words(module) if module else "the model"
     return UserError("import.torch-unsupported",
                      f"{shown}: torch.onnx (opset {TORCH_OPSET}) cannot translate {where}"
-                     + (f": {op} has no ONNX translation" if op else "") + f" ({_first_line(e)})",
+                     + (f" at {op}" if op else "") + f": {type(chain[-1]).__name__}: {why}",
                      _report_hint(op))
 
 
@@ -230,5 +234,5 @@ def _user_line(e: BaseException) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()  # torch colours its messages
     return (text[0] if text else type(e).__name__)[:300]
