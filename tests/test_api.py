@@ -93,6 +93,14 @@ def test_typed_values_and_the_command_lines_text_give_the_same_options():
     assert typed.model == Path("m.onnx") and typed.out == Path("out")
 
 
+def test_check_analyses_an_object_in_memory_without_writing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    report = edgesdk.check(tiny(), "arm_2tpu", log=lambda s: None)
+    assert report["model"] == "tiny.onnx (in memory)" and report["target"] == "arm_2tpu"
+    assert report["before"]["coverage"], report["before"]  # the Edge TPU's share of the ops
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_objects_that_are_no_model_are_refused(tmp_path):
     with pytest.raises(UsageError) as e:
         edgesdk.build({"not": "a model"}, "x86", tmp_path / "out")

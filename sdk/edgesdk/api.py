@@ -268,7 +268,10 @@ def check(model: Any, target: str | os.PathLike, *, example_inputs: Any = None, 
     opts = options(model if kind(model) == "path" else "<in memory>", target, Path("."), **options_)
     with tempfile.TemporaryDirectory(prefix="edgesdk-check-") as tmp:
         path = model_file(model, Path(tmp), example_inputs=example_inputs, name=name, log=say)
-        return run_check(dataclasses.replace(opts, model=path), log=say)
+        report = run_check(dataclasses.replace(opts, model=path), log=say)
+    if kind(model) != "path":  # the temporary file is gone: the object's name, as a build would write it
+        report["model"] = f"{path.name} (in memory)"
+    return report
 
 
 class Bundle:
