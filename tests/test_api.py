@@ -242,7 +242,7 @@ def test_a_keras_model_and_tflite_bytes_in_memory_build_as_their_files_do(tmp_pa
     want = [model(x, training=False).numpy() for x in xs]
     flat = tf.lite.TFLiteConverter.from_keras_model(model).convert()
     for given, name, suffix in ((model, None, ".keras"), (flat, "net", ".tflite")):
-        build = edgesdk.build(given, "x86", tmp_path / suffix[1:], name=name, cpu_backends="planned",
+        build = edgesdk.build(given, "x86", tmp_path / suffix[1:], name=name, low_memory=True,
                               log=lambda s: None)
         assert len(list((tmp_path / suffix[1:] / ".build" / "source").glob(f"*{suffix}"))) == 1
         with edgesdk.Bundle.open(build.bundle.path) as bundle:

@@ -46,6 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends.tvm_import import install
+
+install()  # TVM without the torch import of its FFI library (backends/tvm_import.py)
+
 # Arm's CPU part numbers (/proc/cpuinfo's "CPU part" on aarch64, which has no model name)
 ARM_PARTS = {"0xd03": "Cortex-A53", "0xd04": "Cortex-A35", "0xd05": "Cortex-A55", "0xd07": "Cortex-A57",
              "0xd08": "Cortex-A72", "0xd09": "Cortex-A73", "0xd0a": "Cortex-A75", "0xd0b": "Cortex-A76",

@@ -25,6 +25,9 @@ importing this package (the CLI does, to register the backend) must not import T
 seconds. sparse_pass.py is the exception (its pass and visitors are TVM classes), and is itself
 imported only inside a function.
 
+TVM's FFI library would import torch wherever it is installed (seconds per process): the package installs
+the runtime's hook against that before any of its modules imports TVM (runtime/backends/tvm_import.py).
+
 One lowering (lowering.py's `_lower`) serves both tuning and compilation. MetaSchedule finds tuning
 records by the structural hash of each fused TIR function, so the functions that
 `tune_onnx` measures must be exactly those that `compile_onnx` later looks up.
@@ -41,14 +44,18 @@ records by the structural hash of each fused TIR function, so the functions that
 
 from __future__ import annotations
 
-from .compile import TvmResult, compile_onnx, importer_ops
-from .database import repair_database
-from .runner import Boards, check_boards
-from .search import Progress
-from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch
+from ...runtime.backends.tvm_import import install
+
+install()  # before any module here imports TVM
+
+from .compile import TvmResult, compile_onnx, importer_ops  # noqa: E402
+from .database import repair_database  # noqa: E402
+from .runner import Boards, check_boards  # noqa: E402
+from .search import Progress  # noqa: E402
+from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch  # noqa: E402
 # private names that tests/backends/test_tvm.py and test_tvm_tuning.py call
-from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: F401
-from .tuning import tune_onnx
+from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: E402, F401
+from .tuning import tune_onnx  # noqa: E402
 
 __all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "cpuinfo_flags",
            "host_cpu", "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]

@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from ..manifest import ManifestError, Segment, TensorSpec
+from .tvm_import import install
+
+install()  # TVM without the torch import of its FFI library (tvm_import.py)
 
 
 class TvmRunner:
