@@ -163,6 +163,15 @@ QUESTIONS: dict[str, Question] = {
         "What do signing, verifying and installing a bundle into an A/B slot cost, on the host and on the "
         "device's runtime?",
         "medians of 15 runs (5 under qemu-user, 3 installs) on the demo model's bundles."),
+    "pytorch-in": Question(
+        "PyTorch models in: export and build time, and the bundle against eager PyTorch",
+        "bench_pytorch.py", f"{PY} benchmarks/bench_pytorch.py",
+        "How long do a ResNet, a MobileNet and a small transformer take to export (torch.export, torch.onnx) and "
+        "build for x86 and arm_2tpu from Python, and does each bundle answer as eager PyTorch does?",
+        "transformers' ResNet-18, MobileNetV2 1.0 and a DeiT-Tiny-sized ViT with random weights, each (model, "
+        "target) in a fresh process; x86 with the schedule's TVM cut, untuned (--cpu-backends planned); 16 held-out "
+        "crops of scikit-image's photographs; arm_2tpu calibrated on 32 others, judged by its --eval with eager "
+        "PyTorch's top-1 as the labels."),
     "fuzz": Question(
         "Fuzzing every loader",
         "fuzz.py", f"{PY} benchmarks/fuzz.py --seed 21",
