@@ -50,10 +50,27 @@ def test_where_torch_is_imported_first_tvm_imports_as_it_always_did():
 
 
 def test_without_the_hook_tvm_would_import_torch():
-    """What the hook is for: the pinned TVM imports torch where it is installed (if it stops, drop the hook)."""
+    """What the hook is for: the pinned TVM imports torch where it is installed (if it stops, drop the hook
+    and popen_worker.py)."""
     assert _run("""
         import sys
         import tvm
         from tvm import relax
         print("torch" in sys.modules)
         """) == "True"
+
+
+def test_tvms_worker_processes_start_without_torch():
+    """MetaSchedule's builders and runners are TVM's PopenWorker processes: started by the backend's
+    popen_worker module, they run TVM's worker loop with the hook (and still run what they are given)."""
+    assert _run("""
+        import sys
+        from edgesdk.backends.tvm import popen_worker
+        popen_worker.use()
+        from tvm.support.popen_pool import PopenPoolExecutor
+        pool = PopenPoolExecutor(max_workers=1)
+        def probe():
+            import sys, tvm
+            return "torch" in sys.modules, float(tvm.runtime.tensor([1.0, 2.0]).numpy().sum())
+        print(pool.submit(probe).result())
+        """) == "(False, 3.0)"

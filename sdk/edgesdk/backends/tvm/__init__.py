@@ -12,6 +12,7 @@ the weights (runtime/backends/tvm_runner.py).
     schedules.py      the default schedules of untuned functions (CPU heuristic, GPU dlight)
     tiling.py         tile arithmetic and the target's vector registers, shared (imports nothing here)
     tensor_intrin.py  a fast import of the tensor intrinsics MetaSchedule needs
+    popen_worker.py   TVM's worker processes started without torch
     tuning.py         tune_onnx (with search.py, builder.py, runner.py, database.py)
     sparse_*.py       pruned convolutions: the packed format (sparse_format), the TIR kernels
                       (sparse_kernels) and their schedules (sparse_schedules), the kernel choice by

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from . import popen_worker
 from .schedules import _runs_every_instance
 from .tensor_intrin import _tensor_intrin_importer
 
@@ -55,6 +56,8 @@ def _pooled_builder(max_workers: int, compiler: str | None, kind: str = "llvm") 
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
     from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    popen_worker.use()  # the builder workers without torch
 
     @derived_object
     class _PooledBuilder(PyBuilder):

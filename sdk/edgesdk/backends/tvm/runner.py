@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import UserError
 from ..registry import Boards
+from . import popen_worker
 from .targets import _ARCHES, missing_host_features, target_arch
 
 
@@ -19,6 +20,7 @@ def _evaluator(ms) -> Any:
 
 
 def _runner(ms, boards: Boards | None) -> Any:
+    popen_worker.use()  # TVM's runner workers without torch
     if boards is None:
         return ms.runner.LocalRunner(timeout_sec=30, evaluator_config=_evaluator(ms))
     from tvm.support.popen_pool import PopenPoolExecutor
