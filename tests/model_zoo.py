@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGESDK_MODEL_CACHE", ROOT / ".cache" / "models"))
@@ -85,6 +89,24 @@ def _with_bn_statistics_as_onnx(model, size: int, batch: int, path: Path) -> Pat
     tmp.write_bytes(proto.SerializeToString())
     tmp.rename(path)
     return path
+
+
+def with_torch_bn_statistics(module, images: np.ndarray):
+    """`module` (PyTorch, random weights) with its BatchNorm statistics those of `images` (NCHW float32), in
+    eval mode. As with Keras above: a library's initialization leaves every BatchNorm at mean 0 / variance 1,
+    and transformers' MobileNetV2 draws its convolutions' weights at a deviation of 0.02, so its logits are
+    some 1e-22 and the same for every image; one training-mode pass with cumulative statistics (momentum
+    None) sets those a trained network would have on such inputs, the weights stay random."""
+    import torch
+
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    module.train()
+    with torch.no_grad():
+        module(torch.from_numpy(images))
+    return module.eval()
 
 
 def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:

@@ -612,6 +612,90 @@ def test_a_relu_no_calibration_sample_lights_up_still_converts_and_runs(tmp_path
         assert np.abs(got - run_ort(model, feeds[0])["y"]).max() < 1e-6
 
 
+def _vanishing(rng: np.random.Generator) -> onnx.ModelProto:
+    """Activations that vanish (weights drawn at too small a deviation, as a MobileNetV2's are by its library's
+    default initialization): a convolution's some 4e-6 wide, then two ReLUs in a row (a convolution's, a
+    depthwise one's) under 1e-6 wide, then a convolution of the second at 2e-6."""
+    w1 = (rng.standard_normal((8, 3, 3, 3)) * 2e-7).astype(np.float32)
+    w2 = (rng.standard_normal((8, 8, 1, 1)) * 0.05).astype(np.float32)
+    w3 = (rng.standard_normal((8, 1, 3, 3)) * 0.3).astype(np.float32)
+    w4 = (rng.standard_normal((8, 8, 1, 1)) * 3.0).astype(np.float32)
+    return make_model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Conv", ["c1", "w2"], ["c2"]),
+                       N("Relu", ["c2"], ["r1"]), N("Conv", ["r1", "w3"], ["c3"], pads=[1, 1, 1, 1], group=8),
+                       N("Relu", ["c3"], ["r2"]), N("Conv", ["r2", "w4"], ["y"])], {"x": (1, 3, 8, 8)}, ["y"],
+                      {"w1": w1, "w2": w2, "w3": w3, "w4": w4})
+
+
+def test_a_chain_of_constant_relus_after_vanishing_activations_converts_and_runs(tmp_path):
+    """Two (about) constant ReLUs in a row: the second's input was itself widened, and the arbitrary width it
+    took (1.0, an int8 step 1e6 times its input's) made the next convolution's requantization too large for
+    XNNPACK ("failed to prepare", an internal error of the build, on transformers' MobileNetV2 with its own
+    initialization). Each takes the width its input was given, and the model runs, within 15% of the output's
+    largest value from onnxruntime (the widened ranges are some 13 times the ReLUs' values: about 20 int8
+    steps hold them)."""
+    model = _vanishing(np.random.default_rng(3))
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(-1, 1, (1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    for method in ("minmax", "auto"):
+        result = tflite.convert_int8(model, feeds, tmp_path / f"{method}.tflite", method=method)
+        assert [n.split(";")[0] for n in result.ranges["widened"][:2]] == ["n2.r1/Relu", "n4.r2/Relu"], result.ranges
+        want = run_ort(model, feeds[0])["y"]
+        got = run_tflite(tmp_path / f"{method}.tflite", result, feeds[0])["y"]
+        assert np.abs(got - want).max() <= 0.15 * np.abs(want).max(), (got, want)
+        assert "refused" not in result.ranges.get("auto", {})
+
+
+def test_a_segment_input_that_vanished_takes_the_width_of_what_it_makes(tmp_path):
+    """A segment's input whose values are some 5e-7 wide (an earlier segment's activations vanished) is
+    widened: to the width of the output of the op it feeds, not an arbitrary 1.0 (an input step 2,000
+    times the convolution's output step: XNNPACK refused it)."""
+    rng = np.random.default_rng(4)
+    model = make_model([N("Conv", ["x", "w"], ["y"])], {"x": (1, 16, 8, 8)}, ["y"],
+                       {"w": rng.uniform(-1, 1, (8, 16, 1, 1)).astype(np.float32)})
+    feeds = [{"x": rng.uniform(-2.5e-7, 2.5e-7, (1, 16, 8, 8)).astype(np.float32)} for _ in range(4)]
+    result = tflite.convert_int8(model, feeds, tmp_path / "m.tflite", method="minmax")
+    want, got = run_ort(model, feeds[0])["y"], run_tflite(tmp_path / "m.tflite", result, feeds[0])["y"]
+    assert result.ranges["widened"] and np.abs(got - want).max() <= 0.05 * np.abs(want).max(), (got, want)
+    assert result.inputs[0].quant.scale < 1e-7  # not 1 / 255
+
+
+def test_an_int8_model_the_kernels_refuse_is_a_user_error_and_a_candidate_auto_does_not_choose(tmp_path,
+                                                                                              monkeypatch):
+    """Were a model's ranges still such that LiteRT's XNNPACK refuses it (here: every (about) constant ReLU
+    given the width 1.0, as the second of a chain was before each took its input's), a min-max build stops
+    with a typed error naming the op and the activation whose int8 steps the kernels cannot requantize, not
+    an internal error, and leaves no model behind. Auto weighs every candidate: the min-max one is refused
+    and recorded so, and it chooses one the kernels take (the other methods narrow the ReLUs' ranges to their
+    values), which runs."""
+    from edgesdk.backends.tflite import narrowing
+
+    def one_wide(calibrated):
+        ranges = narrowing.Ranges(calibrated)
+        tensors = ranges._model.subgraphs[0].tensors
+        narrow = {i: ("minmax", (-0.5, 0.5)) for i, t in enumerate(tensors) if t.quantization is not None
+                  and t.quantization.min is not None and len(t.quantization.min) == 1
+                  and t.quantization.max[0] - t.quantization.min[0] < narrowing.DEGENERATE_SPAN}
+        return ranges.model(narrow), [str(i) for i in narrow]
+
+    monkeypatch.setattr(narrowing, "widen_degenerate", one_wide)
+    model = _vanishing(np.random.default_rng(3))
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(-1, 1, (1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    with pytest.raises(UserError) as err:
+        tflite.convert_int8(model, feeds, tmp_path / "m.tflite", method="minmax")
+    e = err.value
+    assert e.code == "compress.int8-refused" and "failed to prepare" in e.message, e.message
+    assert "CONV_2D of n4.r2/Relu step 0.00392 into" in e.message and "--calib" in e.hint, e.message
+    assert not (tmp_path / "m.tflite").exists()
+
+    result = tflite.convert_int8(model, feeds, tmp_path / "auto.tflite", method="auto")
+    auto = result.ranges["auto"]
+    assert "minmax" in auto["refused"] and auto["chosen"] not in auto["refused"], auto
+    assert set(auto["output_error"]) == {"per tensor", "minmax", "percentile", "mse", "entropy"} - set(auto["refused"])
+    # it runs (how near float is not the question: the ranges are this test's own, and bad)
+    assert run_tflite(tmp_path / "auto.tflite", result, feeds[0])["y"].shape == (1, 8, 8, 8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["mse", "entropy", "auto"])
 def test_each_method_narrows_the_outlier_widened_ranges_and_auto_records_its_choice(method, tmp_path):

@@ -113,6 +113,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
             log or (lambda line: None))
     else:
         model_bytes = quantize(())
+        if "auto" not in ranges:  # auto ran it; else a model LiteRT refuses is the user's error here, not the bundle's
+            _quiet(_outputs, lowered, model_bytes, samples[:1])
     result = _finish(lowered, model_bytes, Path(out_path))
     written: dict[int, tuple[Path, TfliteResult]] = {}
     alternatives = {}
@@ -282,6 +284,8 @@ def _quiet(call: Any, *args: Any) -> Any:
     with _native_stderr_captured() as captured:
         try:
             return call(*args)
+        except Refused:  # its message holds what the kernels said
+            raise
         except Exception:
             sys.stderr.write(captured())
             raise
@@ -382,23 +386,47 @@ def _auto(found: narrowing.Measured, calibrated: bytes, lowered: _Lowered, sampl
                   **{m: {**narrowing.assign(found, m), **(clips or {})} for m in METHODS}}
     writer = narrowing.Ranges(calibrated)
     figures: dict[str, float] = {}
+    refused: dict[str, str] = {}
     done: dict[tuple, str] = {}
     for label, assigned in candidates.items():
         key = tuple(sorted((i, r) for i, (_, r) in assigned.items()))
         if key in done:  # the same ranges: the same model
             figures[label] = figures[done[key]]
-            if alternatives is not None:
+            if done[key] in refused:
+                refused[label] = refused[done[key]]
+            elif alternatives is not None:
                 alternatives[label] = alternatives[done[key]]
             continue
         done[key] = label
         model = _quantizer(writer.model(assigned), per_channel_off)(())
-        figures[label] = calibrators.output_error(_outputs(lowered, model, shown), reference)
+        try:
+            figures[label] = calibrators.output_error(_outputs(lowered, model, shown), reference)
+        except Refused as e:
+            refused[label], figures[label] = e.message, float("inf")
+            continue
         if alternatives is not None:
             alternatives[label] = model
-    order = list(candidates)
+    order = [k for k in candidates if k not in refused]
+    if not order:
+        raise _refused_all(refused)
     chosen = min(order, key=lambda k: (figures[k], order.index(k)))
-    return candidates[chosen], {"chosen": chosen, "output_error": {k: float(f"{v:.6g}") for k, v in figures.items()},
-                                "samples": len(shown), "measure": calibrators.OUTPUT_ERROR}
+    record = {"chosen": chosen, "output_error": {k: float(f"{v:.6g}") for k, v in figures.items() if k not in refused},
+              "samples": len(shown), "measure": calibrators.OUTPUT_ERROR}
+    if refused:
+        record["refused"] = refused
+    return candidates[chosen], record
+
+
+def _tensor_name(tensor: dict[str, Any]) -> str:
+    """A converted tensor's name as the error shows it: the ONNX node it came of first (the converter names a
+    fused op's tensor by all its ops, `n4.r2/Relu;n3.c3/BiasAdd;...`)."""
+    return narrowing._name(tensor["name"]).split(";")[0]  # pylint: disable=protected-access
+
+
+def _refused_all(refused: dict[str, str]) -> Refused:
+    first = next(iter(refused.values()))
+    return Refused("compress.int8-refused", f"{first}; with every calibration candidate ({', '.join(refused)})",
+                   REFUSED_HINT)
 
 
 def describe_auto(ranges: dict[str, Any]) -> str:
@@ -421,14 +449,66 @@ def _outputs(lowered: _Lowered, model: bytes, samples: list[list[np.ndarray]]) -
     runner = Interpreter(model_content=model, num_threads=threads).get_signature_runner()
     ins, outs = runner.get_input_details(), runner.get_output_details()
     got = []
-    for sample in samples:
-        raw = runner(**{spec.key: quantized(ins[spec.key], x) for spec, x in zip(lowered.inputs, sample)})
+    for k, sample in enumerate(samples):
+        feeds = {spec.key: quantized(ins[spec.key], x) for spec, x in zip(lowered.inputs, sample)}
+        try:
+            raw = runner(**feeds)
+        except RuntimeError as e:
+            if k or "failed to prepare" not in str(e):
+                raise
+            raise _refused(model, str(e)) from None
         values = {}
         for spec in lowered.outputs:
             y = dequantized(outs[spec.key], raw[spec.key])
             values[spec.name] = np.transpose(y, spec.perm) if spec.perm else y
         got.append(values)
     return got
+
+
+# XNNPACK's int8 convolutions and fully connected ops take a requantization (the input's step, times the weights'
+# step, over the output's step) below 256; creating its runtime fails on one above. Ops without weights whose
+# steps it cannot take (an add of inputs 1e5 apart) it leaves to LiteRT's own kernels instead
+REQUANTIZE_MAX = 256.0
+WEIGHTED_OPS = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "TRANSPOSE_CONV")
+
+
+REFUSED_HINT = ("an int8 step far finer or coarser than its input's comes of activations that (nearly) vanish on the "
+                "calibration samples: calibrate on inputs like the deployed ones (--calib DIR); activations that "
+                "vanish on real inputs in float too are the model's own (weights drawn at too small a deviation, "
+                "batch norm statistics never computed)")
+
+
+class Refused(UserError):
+    """LiteRT's CPU kernels refuse an int8 model (XNNPACK "failed to prepare")."""
+
+
+def _refused(model: bytes, message: str) -> Refused:
+    """The error for an int8 `model` LiteRT's CPU kernels refused with `message`, naming the ops whose
+    requantization (their input's int8 step, times their weights', over their output's) is outside what the
+    kernels take: activations that (nearly) vanish on the calibration samples, whose steps are 1e-8 and less."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    interpreter = Interpreter(model_content=model,
+                              experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+
+    def step(i: int) -> float | None:
+        scales = tensors[i]["quantization_parameters"]["scales"] if i >= 0 else []
+        return float(np.max(scales)) if len(scales) else None
+
+    odd = []
+    for op in interpreter._get_ops_details():  # pylint: disable=protected-access
+        ins = [i for i in op["inputs"] if i >= 0 and tensors[i]["dtype"] in (np.int8, np.uint8) and step(i)]
+        out = [o for o in op["outputs"] if step(o)]
+        if op["op_name"] not in WEIGHTED_OPS or len(ins) < 2 or not out:
+            continue
+        if step(ins[0]) * step(ins[1]) / step(out[0]) >= REQUANTIZE_MAX:
+            odd.append(f"{op['op_name']} of {_tensor_name(tensors[ins[0]])} step {step(ins[0]):.3g} into "
+                       f"{_tensor_name(tensors[out[0]])} step {step(out[0]):.3g}")
+    where = f": {'; '.join(odd[:3])}{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}" if odd else ""
+    said = message.strip().rstrip(".").replace("runtimeNode", "runtime: node")
+    return Refused("compress.int8-refused", f"LiteRT's int8 kernels refuse the quantized segment ({said}){where}",
+                   REFUSED_HINT)
 
 
 @contextlib.contextmanager

@@ -181,9 +181,12 @@ DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor consta
 
 def widen_degenerate(calibrated: bytes) -> tuple[bytes, list[str]]:
     """The calibrated model with every activation whose range is (about) one value on the calibration samples
-    (a ReLU no sample lights up) given a range as wide as its producing op's first calibrated input, about
-    its value and holding 0 (the int8 step it had, about 1e-8, made the kernels refuse the model: XNNPACK
-    takes no output step that much finer than its input's); and the tensors widened, by name."""
+    (a ReLU no sample lights up) given a range as wide as its producing op's first calibrated input (a graph
+    input: its first consumer's output), about its value and holding 0 (the int8 step it had, about 1e-8, made the kernels refuse the model: XNNPACK
+    takes no output step that much finer than its input's); and the tensors widened, by name. The ops are
+    visited in the order they run, so a chain of such activations (a network whose activations vanish,
+    as a MobileNet's do with its weights drawn at a small deviation) takes the width each one's input was
+    given, not an arbitrary one: an output step some 1e8 times its input's is refused as well."""
     from tensorflow.lite.python import schema_py_generated as schema
 
     graph = schema.Model.GetRootAsModel(calibrated, 0).Subgraphs(0)
@@ -192,24 +195,34 @@ def widen_degenerate(calibrated: bytes) -> tuple[bytes, list[str]]:
         q = graph.Tensors(i).Quantization()
         return None if q is None or q.MinLength() != 1 else float(q.Max(0) - q.Min(0))
 
-    narrow = [i for i in range(graph.TensorsLength()) if (span(i) is not None and span(i) < DEGENERATE_SPAN)]
-    if not narrow:
+    spans = {i: s for i in range(graph.TensorsLength()) if (s := span(i)) is not None}
+    if all(s >= DEGENERATE_SPAN for s in spans.values()):
         return calibrated, []
     from tensorflow.lite.tools import flatbuffer_utils
 
     model = flatbuffer_utils.convert_bytearray_to_object(calibrated)
     g = model.subgraphs[0]
-    producer = {int(o): op for op in g.operators for o in (op.outputs if op.outputs is not None else [])}
     widened = []
-    for i in narrow:
-        inputs = [int(t) for t in (producer[i].inputs if i in producer and producer[i].inputs is not None else [])
-                  if t >= 0 and span(int(t)) is not None and span(int(t)) >= DEGENERATE_SPAN]
-        width = span(inputs[0]) if inputs else 1.0
+
+    def widen(i: int, inputs: list[int]) -> None:
+        wide = [spans[t] for t in inputs if t in spans and spans[t] >= DEGENERATE_SPAN]
+        width = wide[0] if wide else 1.0
         q = g.tensors[i].quantization
         value = float(q.min[0])
         lo, hi = calibrators.with_zero(value - width / 2, value + width / 2)
         q.min, q.max = [lo], [hi]
+        spans[i] = hi - lo
         widened.append(_name(g.tensors[i].name))
+
+    for op in g.operators:  # in the order they run: an op's inputs are widened before its outputs
+        inputs = [int(t) for t in (op.inputs if op.inputs is not None else []) if t >= 0]
+        for o in (op.outputs if op.outputs is not None else []):
+            if spans.get(int(o), DEGENERATE_SPAN) < DEGENERATE_SPAN:
+                widen(int(o), inputs)
+    for i in sorted(i for i, s in spans.items() if s < DEGENERATE_SPAN):  # no op makes it: a graph input (a
+        # segment's input where an earlier segment's activations vanished) takes the width of what it makes
+        widen(i, [int(o) for op in g.operators if op.inputs is not None and i in op.inputs
+                  for o in (op.outputs if op.outputs is not None else [])])
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), widened
 
 

@@ -37,7 +37,9 @@ def choose(plan, scheduled: Path, out: Path, entries: dict[str, dict], samples: 
     weighed = [e for e in entries.values() if "alternatives" in e and not e.get("same_as")]
     if not weighed:
         return None
-    labels = [PER_SEGMENT, *weighed[0]["alternatives"]]
+    # every segment's candidates (one the kernels refused is missing from its segment's: _candidate and _apply
+    # keep that segment's own choice under it)
+    labels = [PER_SEGMENT, *dict.fromkeys(label for e in weighed for label in e["alternatives"])]
     shown = samples[:SAMPLES]
     figures = {}
     want = by_part(reference[:len(shown)], parts or {})
@@ -80,8 +82,10 @@ def _apply(entries: dict[str, dict], chosen: str, out: Path) -> None:
             continue
         alternatives = entry.pop("alternatives")
         entry["ranges"].setdefault("auto", {})["whole_model"] = chosen
-        if chosen != PER_SEGMENT:
-            pick = alternatives[chosen]
+        # a segment whose kernels refused the chosen candidate (ranges.auto.refused) keeps its own choice, as it
+        # did while the candidates were run end to end (_candidate)
+        pick = alternatives.get(chosen) if chosen != PER_SEGMENT else None
+        if pick is not None:
             os.replace(out / pick["artifact"], out / entry["artifact"])
             entry.update(inputs=pick["inputs"], outputs=pick["outputs"], accuracy_vs_float=pick["accuracy_vs_float"])
             _relabel(entry["ranges"], chosen)
