@@ -105,6 +105,35 @@ def test_native_outputs_pass_to_the_next_call_without_numpy(bundle):
         runner.run({"x": tvm.runtime.tensor(np.zeros((1, 3, 4, 4), np.float32)), "bias": feeds["bias"]})
 
 
+def test_a_library_compiled_again_to_the_same_path_in_the_same_process_is_the_new_one(tmp_path):
+    """A build's accuracy remedy compiles a segment again, to the same file name, in the same process, and
+    runs it: the dynamic loader handed back the library it had loaded under that path (its old code, taking
+    one weight, met the new weights file holding two: an internal error, on a MobileNetV2 for arm_2tpu). The
+    second segment's answers are its own."""
+    rng = np.random.default_rng(4)
+    first = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "m"], ["y"])], "first",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 320))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 2))],
+        initializer=[numpy_helper.from_array(rng.standard_normal((320, 2)).astype(np.float32), "m")]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    second = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "m"], ["h"]), helper.make_node("MatMul", ["h", "n"], ["y"])], "second",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 320))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 2))],
+        initializer=[numpy_helper.from_array(rng.standard_normal((320, 320)).astype(np.float32), "m"),
+                     numpy_helper.from_array(rng.standard_normal((320, 2)).astype(np.float32), "n")]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    x = {"x": rng.standard_normal((1, 320)).astype(np.float32)}
+    (tmp_path / "segments").mkdir()
+    for model in (first, second, first):
+        model.ir_version = 8
+        result = tvm_backend.compile_onnx(model, {"kind": "llvm"}, tmp_path / "segments" / "s1.so")
+        segment = mf.Segment("s1", "cpu", "tvm", "segments/s1.so", result.inputs, result.outputs)
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], x)[0]
+        close_to_scale(open_runner(tmp_path, segment, None).run(x)["y"], want, model.graph.name)
+
+
 def test_concurrent_runs_stay_correct(bundle):
     root, segment, model = bundle
     runner = open_runner(root, segment, None)

@@ -48,10 +48,10 @@ class TvmRunner:
             with _CUDA_LOAD:
                 _CUDA_ARCH[0] = "sm_" + self._device.compute_version.replace(".", "")
                 _register_cuda_compiler()
-                library_module = tvm.runtime.load_module(str(library))
+                library_module = load_library(library)
         else:
             self._device = tvm.cpu(0)
-            library_module = tvm.runtime.load_module(str(library))
+            library_module = load_library(library)
         self._vm = VirtualMachine(library_module, self._device)
         self._main = self._vm["main"]
         arity = self._vm._get_function_arity("main")
@@ -121,6 +121,35 @@ ALIGNMENT = 64
 def _aligned(n: int) -> int:
     """`n` rounded up to ALIGNMENT."""
     return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+_LOADED: dict[str, tuple[int, int, int, int]] = {}  # a library's real path -> its file's identity when loaded
+_LOADED_LOCK = threading.Lock()
+
+
+def load_library(library: Path):
+    """`tvm.runtime.load_module(library)`, the file as it is now. The dynamic loader hands back the library it
+    loaded before under the same path, even where the file was replaced since (a build's accuracy remedy
+    compiles a segment again to the same name, in the same process): its old code then met the new weights
+    file (`holds 2 weights; the library takes 1`). A path loaded before whose file changed is loaded from a
+    copy under a name of its own."""
+    import tempfile
+
+    import tvm
+
+    real = os.path.realpath(library)
+    st = os.stat(real)
+    identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    with _LOADED_LOCK:
+        first = _LOADED.setdefault(real, identity)
+    if first == identity:
+        return tvm.runtime.load_module(str(library))
+    with tempfile.TemporaryDirectory(prefix="edgesdk-library-") as tmp:
+        copy = Path(tmp) / Path(real).name
+        with open(real, "rb") as src, open(copy, "wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+        return tvm.runtime.load_module(str(copy))  # mapped by then: the copy may go
 
 
 def weights_path(library: Path) -> Path:
