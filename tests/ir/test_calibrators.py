@@ -110,3 +110,22 @@ def test_auto_takes_the_method_of_least_error_of_the_values_themselves():
     tied = c.Errors({"minmax": (0.0, 1.0), "percentile": (0.0, 1.0)})
     tied.add(np.linspace(0, 1, 100, dtype=np.float32))
     assert tied.least() == "minmax"
+
+
+def test_a_tensor_that_barely_moves_away_from_zero_is_binned_or_kept_at_its_min_max_range():
+    """A float32 tensor whose values span some 1e-7 of their magnitude (an activation that barely moves, as in
+    transformers' EfficientNet-B0 with random weights) made numpy's histogram fail in float32 ("Too many bins
+    for data range": an internal error of the build). In float64 it is binned, and every method's range lies
+    within its min-max one; narrower than float64 can split into bins, it keeps its min-max range."""
+    rng = np.random.default_rng(0)
+    values = (10.0 + rng.uniform(0, 1e-5, 4096)).astype(np.float32)
+    h = c.Histogram(float(values.min()), float(values.max()))
+    h.add(values)
+    assert h.counts.sum() == values.size
+    r = c.ranges(h)
+    for lo, hi in r.values():
+        assert 0.0 <= lo and hi <= float(values.max()) + 1e-12, r
+    tight = c.Histogram(10.0, 10.0 + 1e-14)
+    tight.add(np.full(16, 10.0, np.float32))
+    assert not tight.resolved and tight.counts.sum() == 0
+    assert set(c.ranges(tight).values()) == {c.with_zero(10.0, 10.0 + 1e-14)}

@@ -71,8 +71,17 @@ class Histogram:
     counts: np.ndarray = field(default_factory=lambda: np.zeros(HISTOGRAM_BINS, np.int64))
 
     def add(self, values: np.ndarray) -> None:
-        if self.hi > self.lo:
-            self.counts += np.histogram(values, HISTOGRAM_BINS, (self.lo, self.hi))[0]
+        # in float64: numpy makes the bins in the values' own type, and a float32 range some 1e-7 of its
+        # magnitude wide (a tensor that barely moves, away from 0) holds fewer than HISTOGRAM_BINS distinct
+        # edges there ("Too many bins for data range"); narrower still, even float64's, and such a tensor
+        # keeps its min-max range (`ranges`: no values counted)
+        if self.hi > self.lo and self.resolved:
+            self.counts += np.histogram(np.asarray(values, np.float64), HISTOGRAM_BINS, (self.lo, self.hi))[0]
+
+    @property
+    def resolved(self) -> bool:
+        """Whether float64 holds HISTOGRAM_BINS distinct bins over [lo, hi]."""
+        return bool(np.all(np.diff(self.edges) > 0))
 
     @property
     def edges(self) -> np.ndarray:
@@ -142,9 +151,12 @@ def entropy_range(h: Histogram) -> Range:
     edges = h.edges
     width = (h.hi - h.lo) / HISTOGRAM_BINS
     z = _zero_edge(h)
-    # threshold k (k = 1..steps) is t = k bin widths from 0; its window's first and last edges
-    steps = int(np.ceil(max(-h.lo, h.hi) / width))
-    t = np.arange(1, steps + 1) * width
+    # threshold k is t = k bin widths from 0; its window's first and last edges. Below the range's nearest
+    # end to 0 (a range away from 0) every window is empty: the thresholds start there, else a range 1e-7
+    # of its magnitude wide made some 1e9 of them
+    near = 0.0 if h.lo <= 0.0 <= h.hi else min(abs(h.lo), abs(h.hi))
+    t = np.arange(max(int(np.floor(near / width)), 1), int(np.ceil(max(-h.lo, h.hi) / width)) + 1) * width
+    steps = len(t)
     starts = np.clip(np.floor((np.maximum(h.lo, -t) - h.lo) / width + 1e-9), 0, z).astype(int)
     ends = np.clip(np.ceil((np.minimum(h.hi, t) - h.lo) / width - 1e-9), z, HISTOGRAM_BINS).astype(int)
     wide = np.flatnonzero(ends - starts >= LEVELS)  # a window spans at least LEVELS bins
