@@ -101,8 +101,8 @@ def with_torch_bn_statistics(module, images: np.ndarray):
 
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for m in norms:
-        m.reset_running_stats()
-        m.momentum = None
+        m.reset_parameters()  # statistics, and scale 1 / shift 0 as PyTorch makes them (transformers draws
+        m.momentum = None     # EfficientNet's scales at a deviation of 0.02: 1e-28 logits even with statistics)
     module.train()
     with torch.no_grad():
         module(torch.from_numpy(images))

@@ -454,3 +454,25 @@ def test_keras_weights_stay_out_of_tensorflows_graph(conv_net_files, tmp_path):
     names = {t.name for t in model.graph.initializer}
     assert {"wide/kernel", "wide/bias"} <= names, names
     assert (tmp_path / "wide" / "keras-converted.onnx.data").stat().st_size == weight_bytes
+
+
+def test_tensors_a_layer_made_when_built_are_constants_not_inputs(tmp_path):
+    """keras.applications' EfficientNets normalize their input with `Normalization(mean=..., variance=...)`,
+    whose mean and variance are tensors the layer made when built, not variables: the traced graph captured
+    them, and tf2onnx left each a graph input ('normalization_1/Sub/y:0'), so the model asked its user to
+    feed ImageNet's statistics (every build refused: no calibration array for them). They are constants,
+    the model has its one image input, and answers as Keras does."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    image = keras.Input((16, 16, 3), name="image", batch_size=1)
+    x = keras.layers.Normalization(mean=[0.485, 0.456, 0.406], variance=[0.052, 0.050, 0.051])(image)
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)
+    net = keras.Model(image, keras.layers.GlobalAveragePooling2D()(x))
+    path = tmp_path / "normalized.keras"
+    net.save(path)
+    model, _ = frontends.load(path, tmp_path / "out")
+    assert [i.name for i in model.graph.input] == ["image"]
+    x = np.random.default_rng(0).uniform(0, 1, (1, 16, 16, 3)).astype(np.float32)
+    want = keras.models.load_model(path, compile=False)(x).numpy()
+    assert relative_error(run_onnx(model, {"image": x})[0], want) <= RTOL

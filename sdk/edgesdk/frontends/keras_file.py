@@ -92,9 +92,16 @@ def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
             if getattr(variable, "_value", None) is not None:  # Keras 3's handle on the tf.Variable
                 variable._value = None
 
+    function = tf.function(serve, input_signature=signature)
+    # tensors the layers made when built (a Normalization layer's mean and variance, in keras.applications'
+    # EfficientNets) are captured by the traced graph, not passed in: tf2onnx leaves each a graph input,
+    # which the model's user was asked to feed. They become constants with the weights
+    for outside, inside in function.get_concrete_function().graph.captures:
+        if outside.dtype != tf.resource and hasattr(outside, "numpy"):
+            values[inside.name] = outside.numpy()
     with tf2onnx_patches.weights_stored() as stored:
         proto = tf2onnx_patches.lean_first(tf2onnx, lambda: tf2onnx.convert.from_function(
-            tf.function(serve, input_signature=signature), input_signature=signature, opset=request["opset"])[0],
+            function, input_signature=signature, opset=request["opset"])[0],
             before=lambda graph: weights_in(graph, values), after=let_go)
     storage = stored[-1]
     by_name = {o.name: o for o in proto.graph.output}  # in the model's order (a dict's come sorted by key)
