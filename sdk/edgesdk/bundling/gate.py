@@ -213,7 +213,17 @@ def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto
         return []
     samples = samples[:CULPRIT_SAMPLES]
     wanted = sorted({t for x in segments for t in x.segment.inputs})
-    acts = ort_backend.run_many(reference, samples, wanted)
+    # a segment may start at a tensor legalize made (a rewrite's, an approximation's), which the imported fp32
+    # model does not have: then its inputs come from the planned fp32 model, which computes them as the
+    # bundle's float parts do
+    known = {*(i.name for i in reference.graph.input), *(o for n in reference.graph.node for o in n.output)}
+    source = reference if set(wanted) <= known else irm.read(scheduled / "model.onnx")
+    try:
+        acts = ort_backend.run_many(source, samples, wanted)
+    except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not hide the gate's verdict
+        log(f"package: culprit search: the segments' inputs could not be computed in float ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        return []
     parts = {**measures.declared_chain(reference, declared), **measures.views(reference, declared)}
     found = []
     for x in segments:
