@@ -86,6 +86,13 @@ fuzz: setup
 bench: setup
 	$(PY) benchmarks/report.py --run $(or $(Q),all)
 
+# every zoo model (benchmarks/zoo_models.py) built for every target and verified: benchmarks/results/zoo.json,
+# then RESULTS.md (hours on 2 cores). M=a,b: those models; F=keras,wheel: those families; T=x86: those targets
+.PHONY: zoo
+zoo: setup models rootfs
+	$(PY) benchmarks/bench_zoo.py $(if $(M),--models $(M)) $(if $(F),--families $(F)) $(if $(T),--targets $(T))
+	$(PY) benchmarks/report.py
+
 # benchmarks/RESULTS.md and its plot from benchmarks/results/*.json alone
 results:
 	$(PY) benchmarks/report.py

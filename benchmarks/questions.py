@@ -172,6 +172,14 @@ QUESTIONS: dict[str, Question] = {
         "target) in a fresh process; x86 with the schedule's TVM cut, untuned (--cpu-backends planned); 16 held-out "
         "crops of scikit-image's photographs; arm_2tpu calibrated on 32 others, judged by its --eval with eager "
         "PyTorch's top-1 as the labels."),
+    "zoo": Question(
+        "The zoo: real architectures users bring, built for every target",
+        "bench_zoo.py", f"{PY} benchmarks/bench_zoo.py",
+        "What share of real architectures (pretrained models from wheels; transformers, keras.applications and "
+        "TFLite forms with random weights) build, verify and stay accurate on each target, and how does each fail?",
+        "each model made once (benchmarks/zoo_models.py) with 32 real calibration samples and 8 held-out ones; each "
+        "(model, target) in a fresh process runs `edgesdk build --json` then `edgesdk verify` (qemu for aarch64); "
+        "x86 against onnxruntime on the imported fp32 model, arm_2tpu by the build's own int8 report."),
     "fuzz": Question(
         "Fuzzing every loader",
         "fuzz.py", f"{PY} benchmarks/fuzz.py --seed 21",

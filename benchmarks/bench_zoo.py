@@ -1,0 +1,372 @@
+"""The zoo matrix: every zoo model (benchmarks/zoo_models.py) built for every target, as a user builds it.
+
+    .venv/bin/python benchmarks/bench_zoo.py [--models a,b | --families keras,wheel] [--targets x86,arm_2tpu,rtx3090]
+    make zoo
+
+Each model is made once (its own fresh process: PyTorch's exporter, TensorFlow's converter) with 32 real
+calibration samples and 8 held-out ones written beside it; then each (model, target) cell in a fresh process
+runs the command line a user runs, `edgesdk build MODEL --target targets/T.yaml -o OUT --calib DIR --json`,
+then `edgesdk verify OUT/bundle` (the self-test; under qemu for aarch64; a CUDA bundle's self-test only where a
+GPU is present, else it is recorded as not run). Each cell records:
+
+- the outcome: built and verified, or the typed error's code and message, or an internal error (exit 3);
+- the build's wall time and peak memory (the largest process the build ran, `ru_maxrss`);
+- Edge TPU op and FLOP coverage before and after legalize; the plan's predicted latency and throughput against
+  Coral's default partition, `--num_segments 2` and replication (arm_2tpu; simulated: no Edge TPU here);
+- agreement with the fp32 model: x86, the bundle run on this host against onnxruntime on the imported fp32
+  ONNX, on the 8 held-out samples (each output's cosine and largest error relative to its scale; top-1 where
+  the output is a classifier's); arm_2tpu, the build's own accuracy report (int8 against fp32 on samples it
+  held out of the calibration set, per output), and whether the target's accuracy gate passed.
+
+The x86 bundle's time against onnxruntime is `x86-latency`'s question (interleaved fresh processes); the
+zoo does not time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
+import _results  # noqa: E402
+import zoo_models  # noqa: E402
+
+WORK = ROOT / ".cache" / "zoo-runs"
+TARGETS = ("x86", "arm_2tpu", "rtx3090")
+CALIB, HELD_OUT = 32, 8
+BUILD_TIMEOUT = int(os.environ.get("ZOO_BUILD_TIMEOUT", 1200))
+EDGESDK = [sys.executable, "-m", "edgesdk"]
+
+
+def prepare(name: str) -> dict:
+    """Make the model's file and write its samples (.npz, by input name): calib/ and held-out/."""
+    import numpy as np
+
+    model = zoo_models.MODELS[name]
+    t0 = time.perf_counter()
+    path = model.make()
+    work = WORK / name
+    for sub, n, seed in (("calib", CALIB, 1), ("held-out", HELD_OUT, 2)):
+        d = work / sub
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for k, feed in enumerate(model.feeds(n, seed)):
+            np.savez(d / f"{k:03d}.npz", **feed)
+    made = {"file": str(path), "bytes": path.stat().st_size, "sha256": zoo_models.sha256(path),
+            "make_s": round(time.perf_counter() - t0, 1)}
+    if path.suffix == ".onnx":
+        made.update(_fp32_spread(path, work / "held-out"))
+    return made
+
+
+def _fp32_spread(path: Path, held: Path) -> dict:
+    """The fp32 model's outputs on the held-out samples: their largest magnitude and how much they differ from
+    sample to sample, relative to it. Random weights can leave a network whose activations vanish (logits of
+    1e-28, the same for every input): agreement with such a model proves nothing, and the table says so."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    if not names <= set(np.load(next(held.glob("*.npz"))).files):  # an input the build freezes (a sample rate)
+        return {}
+    outs = [session.run(None, {k: v for k, v in dict(np.load(f)).items() if k in names})
+            for f in sorted(held.glob("*.npz"))]
+    first = np.stack([np.asarray(o[0], np.float64) for o in outs])
+    scale = float(np.abs(first).max())
+    spread = float(first.std(axis=0).max() / scale) if scale > 0 else 0.0
+    return {"fp32_scale": float(f"{scale:.3g}"), "fp32_spread": float(f"{spread:.3g}"),
+            "degenerate": scale < 1e-6 or spread < 1e-3}
+
+
+def cell(name: str, target: str) -> dict:
+    model = zoo_models.MODELS[name]
+    path = model.make()
+    work = WORK / name
+    out = work / f"out-{target}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [*EDGESDK, "build", str(path), "--target", str(ROOT / "targets" / f"{target}.yaml"), "-o", str(out),
+           "--calib", str(work / "calib"), "--json", "--quiet", *model.args]
+    row: dict = {"model": name, "family": model.family, "target": target}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {**row, "outcome": "timeout", "build_s": BUILD_TIMEOUT}
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    row["peak_mib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+    row["exit"] = proc.returncode
+    try:
+        summary = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        summary = {}
+    if proc.returncode != 0:
+        error = summary.get("error") or {}
+        tail = proc.stderr.strip().splitlines()[-3:]
+        outcome = "internal error" if proc.returncode == 3 else "refused" if proc.returncode in (1, 2) else \
+            f"crashed (signal {-proc.returncode})" if proc.returncode < 0 else f"exit {proc.returncode}"
+        return {**row, "outcome": outcome, "code": error.get("code"),
+                "message": (error.get("message") or " ".join(tail))[:400]}
+    records = {s["name"]: s.get("record") or {} for s in summary.get("stages", [])}
+    row.update({**_coverage(records), **_plan(records)})
+    verify = subprocess.run([*EDGESDK, "verify", str(out / "bundle")], capture_output=True, text=True, timeout=1200)
+    said = (verify.stdout + verify.stderr).strip().splitlines()
+    if target == "rtx3090" and not _gpu():
+        row["verified"] = "not run (no GPU)" if verify.returncode != 0 else True
+    else:
+        row["verified"] = verify.returncode == 0
+        if verify.returncode != 0:
+            row["verify_error"] = " ".join(said[-2:])[:300]
+    if target == "x86":
+        row["agreement"] = _x86_agreement(out, work / "held-out")
+    else:
+        row["agreement"] = _reported_accuracy(records)
+    row["outcome"] = "ok" if row["verified"] is not False else "verify failed"
+    return row
+
+
+def _gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi"], capture_output=True).returncode == 0
+
+
+def _coverage(records: dict) -> dict:
+    legalize = records.get("legalize", {})
+    got = {}
+    for when in ("before", "after"):
+        tpu = (legalize.get(when) or {}).get("coverage", {}).get("edgetpu")
+        if tpu:
+            got[f"tpu_ops_{when}"] = round(tpu["ops_fraction"], 4)
+            got[f"tpu_flops_{when}"] = round(tpu["flops_fraction"], 4)
+    return got
+
+
+def _plan(records: dict) -> dict:
+    schedule = records.get("schedule", {})
+    predicted = schedule.get("predicted") or {}
+    base = schedule.get("baselines") or {}
+    pick = {label: v for label, v in base.items() if "as imported" in label}
+
+    def first(prefix):
+        return next((v for k, v in pick.items() if k.startswith(prefix)), None)
+    got = {"latency_ms": predicted.get("latency_ms"), "throughput_fps": predicted.get("throughput_fps"),
+           "placement": (schedule.get("placement") or {}).get("by_device")
+           if isinstance(schedule.get("placement"), dict) and "by_device" in schedule["placement"]
+           else schedule.get("placement")}
+    for key, prefix in (("coral_default", "coral default"), ("coral_segments2", "coral --num_segments 2"),
+                        ("coral_replication", "coral replication")):
+        v = first(prefix)
+        if v:
+            got[f"{key}_ms"], got[f"{key}_fps"] = v.get("latency_ms"), v.get("throughput_fps")
+    return got
+
+
+def _reported_accuracy(records: dict) -> dict:
+    """The build's own accuracy report: each output's figures (int8 against fp32 on samples held out of the
+    calibration set), and what the accuracy remedy kept in float on the CPU to meet the gate."""
+    acc = records.get("package", {}).get("accuracy") or {}
+    outputs = {name: {k: o[k] for k in ("cosine", "mean_error", "max_error", "top1") if o.get(k) is not None}
+               for name, o in (acc.get("parts") or {}).items()}
+    got = {"samples": (next(iter((acc.get("parts") or {}).values()), {}) or {}).get("samples"), "outputs": outputs}
+    remedy = acc.get("remedy")
+    if remedy:
+        first = (remedy.get("rounds") or [{}])[0]
+        got["remedy"] = {"rounds": len(remedy.get("rounds") or []), "kept_on_cpu": len(remedy.get("segments") or []),
+                         "passed": (remedy.get("after") or {}).get("passed"),
+                         "all_int8": {name: {k: o[k] for k in ("cosine", "mean_error") if k in o}
+                                      for name, o in (first.get("parts_before") or {}).items()}}
+    return got
+
+
+def _x86_agreement(out: Path, held: Path) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    import edgesdk
+
+    reference = ort.InferenceSession(str(out / ".build" / "1-import" / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in reference.get_inputs()]
+    got_all, want_all = {}, {}
+    with edgesdk.Bundle.open(out / "bundle") as bundle:
+        for f in sorted(held.glob("*.npz")):
+            feed = dict(np.load(f))
+            got = bundle.run({k: v for k, v in feed.items() if k in bundle.inputs})
+            want = dict(zip([o.name for o in reference.get_outputs()],
+                            reference.run(None, {k: v for k, v in feed.items() if k in names})))
+            for k, w in want.items():
+                if k in got:
+                    got_all.setdefault(k, []).append(np.asarray(got[k], np.float64).ravel())
+                    want_all.setdefault(k, []).append(np.asarray(w, np.float64).ravel())
+    outputs = {}
+    for k in want_all:
+        g, w = np.stack(got_all[k]), np.stack(want_all[k])
+        cos = float(np.dot(g.ravel(), w.ravel()) / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30))
+        o = {"cosine": round(cos, 6), "max_rel_error": float(f"{np.abs(g - w).max() / max(np.abs(w).max(), 1e-30):.3g}")}
+        if w.shape[1] > 1 and w.shape[1] <= 10000:
+            o["top1"] = float(np.mean(g.argmax(1) == w.argmax(1)))
+        outputs[k] = o
+    return {"samples": len(list(held.glob("*.npz"))), "outputs": outputs}
+
+
+def _child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=BUILD_TIMEOUT + 1800)
+    if proc.returncode != 0:
+        return {"harness_error": (proc.stderr.strip().splitlines() or ["?"])[-1][:400]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="")
+    p.add_argument("--families", default=",".join(zoo_models.FAMILIES))
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--prepare", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--cell", nargs=2, metavar=("MODEL", "TARGET"), help=argparse.SUPPRESS)
+    p.add_argument("--render", action="store_true", help="write results/zoo.json's table again from its data")
+    args = p.parse_args()
+    if args.render:
+        old = _results.load("zoo")
+        data = old["data"]
+        for name, m in data["models"].items():  # made before the spread was measured
+            if str(m.get("file", "")).endswith(".onnx") and "fp32_spread" not in m and Path(m["file"]).exists():
+                m.update(_fp32_spread(Path(m["file"]), WORK / name / "held-out"))
+        _write({(r["model"], r["target"]): r for r in data["rows"]}, data["models"], data["wall_s"], old["command"])
+        return 0
+    if args.prepare:
+        print(json.dumps(prepare(args.prepare)))
+        return 0
+    if args.cell:
+        print(json.dumps(cell(*args.cell), default=str))
+        return 0
+    families = args.families.split(",")
+    names = args.models.split(",") if args.models else [m.name for m in zoo_models.MODELS.values()
+                                                          if m.family in families]
+    old = _results.load("zoo")
+    rows = {(r["model"], r["target"]): r for r in (old or {}).get("data", {}).get("rows", [])}
+    made = (old or {}).get("data", {}).get("models", {})
+    t_all = time.perf_counter()
+    for name in names:
+        print(f"{name}: making ...", file=sys.stderr, flush=True)
+        made[name] = {**_child(["--prepare", name]), "family": zoo_models.MODELS[name].family}
+        if "harness_error" in made[name]:
+            print(f"  could not make it: {made[name]['harness_error']}", file=sys.stderr, flush=True)
+            for target in args.targets.split(","):
+                rows[(name, target)] = {"model": name, "family": made[name]["family"], "target": target,
+                                        "outcome": "not made", "message": made[name]["harness_error"]}
+            continue
+        for target in args.targets.split(","):
+            row = _child(["--cell", name, target])
+            row = {"model": name, "family": zoo_models.MODELS[name].family, "target": target, **row,
+                   "commit": _results.commit()[:12]}
+            if "harness_error" in row:
+                row["outcome"] = "harness error"
+            rows[(name, target)] = row
+            print(f"  {target}: {row.get('outcome')} {row.get('build_s', '')} s {row.get('code') or ''} "
+                  f"{(row.get('message') or '')[:160]}", file=sys.stderr, flush=True)
+        _write(rows, made, time.perf_counter() - t_all)  # after each model: a long run stopped keeps what it measured
+    _write(rows, made, time.perf_counter() - t_all)
+    return 0
+
+
+def _write(rows: dict, made: dict, wall_s: float, command: str | None = None) -> None:
+    every = sorted(rows.values(), key=lambda r: (zoo_models.FAMILIES.index(r["family"]) if r["family"] in
+                                                zoo_models.FAMILIES else 9, r["model"], r["target"]))
+    _results.write("zoo", {"rows": every, "models": made, "wall_s": round(wall_s)}, table(every, made),
+                   notes=rates(every) + NOTES, command=command)
+
+
+NOTES = ["arm_2tpu: Edge TPU figures are the cost model's predictions (no Edge TPU here; simulated), int8 "
+         "numerics real (LiteRT's CPU interpreter runs the Edge TPU segments); the aarch64 self-test runs under "
+         "qemu-user",
+         "rtx3090: the CUDA code is compiled here; no GPU was lent, so its self-test is recorded as not run",
+         "agreement: x86, the bundle against onnxruntime on the imported fp32 model; arm_2tpu, the build's own "
+         "int8-against-fp32 report on samples held out of the calibration set"]
+
+
+CLASSIFIER_TASKS = ("logits", "text direction")
+
+
+def _mark(r: dict) -> str:
+    outcome = r.get("outcome")
+    if outcome == "ok":
+        return "✔"
+    if outcome in ("refused", "internal error"):
+        return f"✘ `{r.get('code') or 'exit ' + str(r.get('exit'))}`"
+    return f"✘ {outcome}"
+
+
+def _agree(r: dict) -> str:
+    outputs = (r.get("agreement") or {}).get("outputs") or {}
+    if not outputs:
+        return ""
+    worst = min(outputs.values(), key=lambda o: o.get("cosine", 1.0))
+    text = f"cos {worst.get('cosine', float('nan')):.4f}"
+    model = zoo_models.MODELS.get(r["model"])
+    # top-1 where the output is a classifier's (x86's figure is taken for every output; the build's own report
+    # gives it where its accuracy views say the output is one)
+    if "top1" in worst and (r["target"] != "x86" or (model is not None and model.task in CLASSIFIER_TASKS)):
+        text += f", top-1 {100 * worst['top1']:.0f} %"
+    remedy = (r.get("agreement") or {}).get("remedy")
+    if remedy:
+        int8 = min((o.get("cosine", 1.0) for o in remedy["all_int8"].values()), default=float("nan"))
+        text += f"; all int8: cos {int8:.3f}, {remedy['kept_on_cpu']} nodes kept in float on the cpu"
+    return text
+
+
+def rates(rows: list[dict]) -> list[str]:
+    """The share built and verified, per target and per family in each target: the lines under the table."""
+    lines = []
+    for t in TARGETS:
+        cells = [r for r in rows if r["target"] == t]
+        if not cells:
+            continue
+        ok = sum(r.get("outcome") == "ok" for r in cells)
+        refused = sum(r.get("outcome") == "refused" for r in cells)
+        internal = sum(r.get("outcome") == "internal error" for r in cells)
+        families = sorted({r["family"] for r in cells}, key=lambda f: zoo_models.FAMILIES.index(f)
+                          if f in zoo_models.FAMILIES else 9)
+        by_family = ", ".join(f"{f} {sum(r.get('outcome') == 'ok' for r in cells if r['family'] == f)}/"
+                              f"{sum(r['family'] == f for r in cells)}" for f in families)
+        lines.append(f"{t}: {ok}/{len(cells)} built and verified ({100 * ok / len(cells):.0f} %), {refused} refused "
+                     f"with a typed error, {internal} internal errors, {len(cells) - ok - refused - internal} other; "
+                     f"by family: {by_family}")
+    return lines
+
+
+def _ms(v) -> str:
+    return "?" if v is None else f"{v:.3g}"
+
+
+def table(rows: list[dict], made: dict | None = None) -> str:
+    by_model: dict[str, dict] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], {"family": r["family"]})[r["target"]] = r
+    targets = [t for t in TARGETS if any(t in v for v in by_model.values())]
+    lines = ["| family | model | " + " | ".join(targets) + " | arm_2tpu: TPU ops before → after legalize; "
+             "predicted ms (Coral default) |", "|---|---|" + "---|" * len(targets) + "---|"]
+    for name, v in by_model.items():
+        if (made or {}).get(name, {}).get("degenerate"):
+            name = f"{name} (degenerate: fp32 outputs {made[name]['fp32_scale']:.2g}, alike for every input)"
+        cells = []
+        for t in targets:
+            r = v.get(t)
+            cells.append("" if r is None else f"{_mark(r)} {r.get('build_s', '')} s {_agree(r)}".strip())
+        arm = v.get("arm_2tpu") or {}
+        tpu = ""
+        if "tpu_ops_before" in arm:
+            tpu = (f"{100 * arm['tpu_ops_before']:.0f} % → {100 * arm.get('tpu_ops_after', 0):.0f} %; "
+                   f"{_ms(arm.get('latency_ms'))} ({_ms(arm.get('coral_default_ms'))})")
+        lines.append(f"| {v['family']} | {name} | " + " | ".join(cells) + f" | {tpu} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
