@@ -236,8 +236,8 @@ def main() -> int:
         old = _results.load("zoo")
         data = old["data"]
         for name, m in data["models"].items():  # made before the spread was measured
-            if str(m.get("file", "")).endswith(".onnx") and "fp32_spread" not in m and Path(m["file"]).exists():
-                m.update(_fp32_spread(Path(m["file"]), WORK / name / "held-out"))
+            if str(m.get("file", "")).endswith(".onnx") and "fp32_spread" not in m and (ROOT / m["file"]).exists():
+                m.update(_fp32_spread(ROOT / m["file"], WORK / name / "held-out"))
         _write({(r["model"], r["target"]): r for r in data["rows"]}, data["models"], data["wall_s"], old["command"])
         return 0
     if args.prepare:
@@ -277,6 +277,11 @@ def main() -> int:
 
 
 def _write(rows: dict, made: dict, wall_s: float, command: str | None = None) -> None:
+    # paths as the repository's own (`.cache/zoo/...`): a results file names no machine's directories
+    rows = json.loads(json.dumps(rows if isinstance(rows, list) else list(rows.values()), default=str)
+                      .replace(str(ROOT) + "/", ""))
+    made = json.loads(json.dumps(made, default=str).replace(str(ROOT) + "/", ""))
+    rows = {(r["model"], r["target"]): r for r in rows}
     every = sorted(rows.values(), key=lambda r: (zoo_models.FAMILIES.index(r["family"]) if r["family"] in
                                                 zoo_models.FAMILIES else 9, r["model"], r["target"]))
     _results.write("zoo", {"rows": every, "models": made, "wall_s": round(wall_s)}, table(every, made),
