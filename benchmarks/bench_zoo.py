@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
 import _results  # noqa: E402
 import zoo_models  # noqa: E402
+from edgesdk.ir.digest import file_sha256  # noqa: E402
 
 WORK = ROOT / ".cache" / "zoo-runs"
 TARGETS = ("x86", "arm_2tpu", "rtx3090")
@@ -60,7 +61,7 @@ def prepare(name: str) -> dict:
         d.mkdir(parents=True)
         for k, feed in enumerate(model.feeds(n, seed)):
             np.savez(d / f"{k:03d}.npz", **feed)
-    made = {"file": str(path), "bytes": path.stat().st_size, "sha256": zoo_models.sha256(path),
+    made = {"file": str(path), "bytes": path.stat().st_size, "sha256": file_sha256(path),
             "make_s": round(time.perf_counter() - t0, 1)}
     if path.suffix == ".onnx":
         made.update(_fp32_spread(path, work / "held-out"))

@@ -56,14 +56,6 @@ class Model:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------- inputs
 
 def photo_crops(n: int, seed: int, size: int, *, layout: str = "nchw", norm: str = "imagenet") -> np.ndarray:

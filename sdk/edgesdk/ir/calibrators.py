@@ -31,6 +31,7 @@ order: the same values give the same ranges, bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,7 +79,7 @@ class Histogram:
         if self.hi > self.lo and self.resolved:
             self.counts += np.histogram(np.asarray(values, np.float64), HISTOGRAM_BINS, (self.lo, self.hi))[0]
 
-    @property
+    @functools.cached_property  # lo and hi never change: not once per sample
     def resolved(self) -> bool:
         """Whether float64 holds HISTOGRAM_BINS distinct bins over [lo, hi]."""
         return bool(np.all(np.diff(self.edges) > 0))

@@ -182,8 +182,9 @@ DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor consta
 def widen_degenerate(calibrated: bytes) -> tuple[bytes, list[str]]:
     """The calibrated model with every activation whose range is (about) one value on the calibration samples
     (a ReLU no sample lights up) given a range as wide as its producing op's first calibrated input (a graph
-    input: its first consumer's output), about its value and holding 0 (the int8 step it had, about 1e-8, made the kernels refuse the model: XNNPACK
-    takes no output step that much finer than its input's); and the tensors widened, by name. The ops are
+    input: its first consumer's output), about its value and holding 0 (the int8 step it had, about 1e-8,
+    made the kernels refuse the model: XNNPACK takes no output step that much finer than its input's); and
+    the tensors widened, by name. The ops are
     visited in the order they run, so a chain of such activations (a network whose activations vanish,
     as a MobileNet's do with its weights drawn at a small deviation) takes the width each one's input was
     given, not an arbitrary one: an output step some 1e8 times its input's is refused as well."""

@@ -133,6 +133,7 @@ def load_library(library: Path):
     compiles a segment again to the same name, in the same process): its old code then met the new weights
     file (`holds 2 weights; the library takes 1`). A path loaded before whose file changed is loaded from a
     copy under a name of its own."""
+    import shutil
     import tempfile
 
     import tvm
@@ -145,10 +146,7 @@ def load_library(library: Path):
     if first == identity:
         return tvm.runtime.load_module(str(library))
     with tempfile.TemporaryDirectory(prefix="edgesdk-library-") as tmp:
-        copy = Path(tmp) / Path(real).name
-        with open(real, "rb") as src, open(copy, "wb") as dst:
-            while block := src.read(1 << 20):
-                dst.write(block)
+        copy = shutil.copyfile(real, Path(tmp) / Path(real).name)
         return tvm.runtime.load_module(str(copy))  # mapped by then: the copy may go
 
 
