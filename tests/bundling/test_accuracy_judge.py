@@ -109,6 +109,27 @@ def test_a_bundle_within_the_gate_passes_and_synthetic_calibration_is_said_to_be
     assert "--calib DIR" in err.value.hint and "--calib-method minmax" in err.value.hint
 
 
+def test_a_classifier_the_gate_cannot_judge_is_said_so_not_passed_silently():
+    """fp32 unsure of every held-out sample (best score 0.006 of a 1000-way softmax): the bundle is
+    published (fp32 decided nothing to keep), but the log says NOT JUDGED, the verdict records why and the
+    user is warned that its decisions went unchecked."""
+    accuracy = {"reference": "onnxruntime on the imported fp32 model", "samples": 8, "held_out": True,
+                "tensors": _tensors(0.41, 0.005, 0.006),
+                "parts": {"predictions": {"output": "predictions", "kind": "scores", "activation": "softmax",
+                                          "cosine": 0.41, "decides": False, "max_error": 0.011,
+                                          "mean_error": 0.0039, "top1": None, "range": [0.0, 0.0062],
+                                          "samples": 8}}}
+    out, lines, warnings, searched = _judged(accuracy, _plan(("edgetpu:0", "tflite")))
+    assert out["gate"]["passed"] is True and searched == []
+    assert "best score 0.0062 < 0.5" in out["gate"]["unjudged"]["predictions"]
+    assert lines[-1].endswith(": NOT JUDGED") and "passes" not in lines[-1]
+    assert len(warnings) == 1 and warnings[0].startswith("the accuracy gate cannot judge predictions: fp32 decides "
+                                                         "nothing") and "--calib" in warnings[0]
+    decided = {**accuracy, "parts": {"predictions": {**accuracy["parts"]["predictions"], "top1": 1.0}}}
+    out, lines, warnings, _ = _judged(decided, _plan(("edgetpu:0", "tflite")))
+    assert "unjudged" not in out["gate"] and lines[-1].endswith(": passes") and warnings == []
+
+
 def test_percentile_calibration_that_clips_the_culprits_is_told_to_keep_more_of_each_tail():
     """The demo's recognizer at --calib-percentile 99.99: the culprits are clipped by their calibrated
     ranges, and the hint names the percentile that keeps ten times less of each tail out."""

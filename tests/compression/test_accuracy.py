@@ -198,6 +198,30 @@ def test_scores_that_decide_nothing_are_not_judged_by_their_cosine():
     assert [set(f.missed) for f in judge(measure([lit], [noise], part), GATE)] == [{"cosine"}]
 
 
+def test_a_classifier_unsure_of_every_sample_is_said_to_be_unjudged_not_passed():
+    """A 1000-way softmax whose fp32 best score is ~0.006 on every sample (a random-weight classifier, or
+    held-out inputs of none of its classes): int8 answering another class everywhere stays within a fraction
+    of a percent of fp32 by every measure the gate holds, so the gate must say it judged nothing."""
+    from edgesdk.compression.accuracy import unjudged
+
+    rng = np.random.default_rng(1)
+    part = {"p": [View("p", SCORES, activation="softmax", class_axis=1)]}
+
+    def softmax(x):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+    logits = rng.standard_normal((8, 1, 1000)) * 0.5
+    fp32 = [{"p": softmax(x)} for x in logits]
+    other = [{"p": softmax(x[:, ::-1].copy())} for x in logits]  # another class everywhere
+    got = measure(fp32, other, part)
+    assert got["p"]["decides"] is False and got["p"]["top1"] is None and not judge(got, GATE)
+    assert set(unjudged(got)) == {"p"} and "best score 0.00" in unjudged(got)["p"]
+    sure = [{"p": softmax(x * 12)} for x in logits]  # the same classifier, confident: judged, and it fails
+    got = measure(sure, [{"p": softmax(x[:, ::-1].copy() * 12)} for x in logits], part)
+    assert not unjudged(got) and got["p"]["top1"] == 0.0 and judge(got, GATE)
+
+
 def test_the_tensors_that_only_move_into_a_declared_output_are_judged_as_it():
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Reshape", ["c", "s"], ["r"]),
              helper.make_node("Concat", ["r", "r"], ["logits"], axis=1)]

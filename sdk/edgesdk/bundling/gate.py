@@ -49,9 +49,16 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
     accuracy = {**accuracy, "gate": {"thresholds": gate.to_json(), "passed": not failures,
                                      "calibration": "synthetic" if synthetic else "real"}}
     failed = {f.part: f for f in failures}
+    blind = measures.unjudged(accuracy["parts"])
+    if blind:
+        accuracy["gate"]["unjudged"] = blind
     for part, m in accuracy["parts"].items():
-        verdict = f"BELOW THE GATE ({failed[part].describe().split(': ', 1)[1]})" if part in failed else "passes"
+        verdict = (f"BELOW THE GATE ({failed[part].describe().split(': ', 1)[1]})" if part in failed
+                   else "NOT JUDGED" if part in blind else "passes")
         log(f"package: accuracy of {part} ({_kind(m)}) vs fp32 on {on}: {figures(m)}: {verdict}")
+    for part, why in blind.items():
+        warn(f"the accuracy gate cannot judge {part}: {why}; what int8 keeps of its decisions is unchecked: hold "
+             "out samples the model decides on (real inputs of its classes, in --calib)")
     unknown = ("its int8 ranges come from synthetic samples (no --calib), and so do the held-out samples the "
                "gate measured on: its accuracy on real data is unknown" if synthetic else "")
     if not failures:

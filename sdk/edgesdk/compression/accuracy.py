@@ -360,6 +360,21 @@ class Failure:
                 "missed": {m: {"value": v, "threshold": t} for m, (v, t) in self.missed.items()}}
 
 
+def unjudged(measures: Mapping[str, dict]) -> dict[str, str]:
+    """The scores parts the gate has no say on, part -> why: fp32 decides nothing on the samples (no score
+    reaches DECIDES: no cosine) and at no position is it CONFIDENT (no top-1), so only their error is
+    held, as a share of at least DECIDES. A 1000-way softmax of a classifier unsure of every sample (each
+    class near 0.001) is one: int8 may pick any class and stay within 0.5% of that. Not a failure (fp32
+    itself chose nothing to keep), but nothing the user reads was checked, and the build must say so."""
+    out = {}
+    for part, m in measures.items():
+        if m["kind"] == SCORES and m.get("decides") is False and m.get("top1") is None:
+            best = m["range"][1] if m.get("range") else float("nan")
+            out[part] = (f"fp32 decides nothing on these samples (its best score {best:.3g} < {DECIDES:g}), so "
+                         "neither its cosine nor its top-1 is judged")
+    return out
+
+
 def judge(measures: Mapping[str, dict], gate: Gate) -> list[Failure]:
     """The parts whose measures miss the gate's thresholds, in the order of `measures` (a NaN misses
     every one; a top-1 of None is not taken)."""
