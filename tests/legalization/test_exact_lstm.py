@@ -45,6 +45,26 @@ def test_gather_of_a_constant_index_becomes_slice(shape, axis, index, start, squ
     assert (starts, ends, axes) == ([start], [start + 1], [axis % len(shape)])
 
 
+@pytest.mark.parametrize("shape, axis, index, start", [
+    ([1280], 0, np.arange(1280).reshape(1, 1280, 1, 1), 0),  # PyTorch's as_strided view before a classifier
+    ([2, 12, 3], 1, np.arange(4, 10).reshape(2, 3), 4),  # a run from 4, shaped
+    ([6, 2], 0, np.arange(-6, -3), 0),  # negative indices, taken modulo the axis
+])
+def test_gather_of_a_constant_run_of_indices_becomes_slice_and_reshape(shape, axis, index, start):
+    m = model([node("Gather", ["x", "i"], ["y"], axis=axis)], {"x": shape}, ["y"], {"i": index.astype(np.int64)})
+    out = check_fires(m, "gather-constant-run-to-reshape", gone=("Gather",), tolerance=BITWISE)
+    assert ops(out) == {"Slice": 1, "Reshape": 1}
+    sliced = next(n for n in out.graph.node if n.op_type == "Slice")
+    starts, ends, axes = (_inits(out)[name].tolist() for name in sliced.input[1:4])
+    assert (starts, ends, axes) == ([start], [start + index.size], [axis])
+
+
+@pytest.mark.parametrize("index", [np.array([0, 2, 3]), np.array([3, 2, 1]), np.array([[0, 1], [1, 2]])])
+def test_gather_of_indices_that_are_no_run_stays(index):
+    m = model([node("Gather", ["x", "i"], ["y"], axis=0)], {"x": [5, 2]}, ["y"], {"i": index.astype(np.int64)})
+    check_does_not_fire(m, "gather-constant-run-to-reshape")
+
+
 def test_every_step_of_a_tensor_list_is_read_by_its_own_slice():
     # T reads of one [T, B, F] tensor, as an unrolled loop makes them: one firing each, shared constants.
     nodes = [node("Gather", ["x", f"i{t}"], [f"y{t}"], axis=0) for t in range(3)]

@@ -24,6 +24,8 @@ Each rule carries its exactness:
     reduce-mean-to-average-pool ReduceMean(x, axes=[2, 3])  -> GlobalAveragePool(x) (+ Reshape for keepdims=0)
     gather-constant-index-to-slice Gather(x, k, axis=a), k a constant scalar -> Squeeze(Slice(x, [k], [k+1], [a]), [a])
                                (k of shape [1]: the Slice alone; negative k taken modulo x's static dim)
+    gather-constant-run-to-reshape Gather(x, constant k..k+n-1 in any shape, axis=a)
+                               -> Reshape(Slice(x, [k], [k+n], [a]), x's shape with the indices' at a)
 
 What the TFLite lowering (`backends.tflite`, int8 via the TFLite converter) makes of the results,
 checked by converting them (TF 2.21): Clip(0, 6) -> RELU6, Clip(-1, 1) -> RELU_N1_TO_1 (our
@@ -694,6 +696,50 @@ class GatherConstantIndexToSlice(pattern.RewriteRuleClassBase):
         return op.Squeeze(sliced, c.shape(op, f"axis_{axis}", [axis])) if self._scalar else sliced
 
 
+class GatherConstantRunToReshape(pattern.RewriteRuleClassBase):
+    """Gather of constant indices that are one contiguous run k, k+1, ..., in any shape, is a slice of the
+    run, reshaped: how PyTorch's exporter writes a `view` of a flattened tensor (`as_strided`: a [1280] vector
+    gathered by arange(1280) shaped [1, 1280, 1, 1] before a MobileNet's classifier), which left a Gather
+    (no Edge TPU op) in front of every such layer."""
+
+    def pattern(self, op, x, indices):
+        return op.Gather(x, indices, _outputs=["y"])
+
+    def check(self, context, x, indices, y):
+        result = pattern.MatchResult()
+        if reason := _not_float(x):
+            return result.fail(reason)
+        index = constant(indices)
+        if index is None:
+            return result.fail(f"indices {indices.name} are not a constant")
+        if index.size < 2 or index.ndim < 1:
+            return result.fail(f"indices {indices.name} {list(index.shape)} are not a run (one index: a slice)")
+        if constant(x) is not None:
+            return result.fail(f"{x.name} is a constant (constant folding's job)")
+        shape = static_shape(x)
+        if shape is None:
+            return result.fail(f"the shape of {x.name} is not static")
+        axis = y.producer().attributes.get_int("axis", 0)
+        if not -len(shape) <= axis < len(shape):
+            return result.fail(f"axis {axis} is out of range for {x.name} {list(shape)}")
+        axis %= len(shape)
+        flat = index.astype(np.int64).ravel()
+        if flat.min() < -shape[axis] or flat.max() >= shape[axis]:
+            return result.fail(f"an index is out of range for axis {axis} of {x.name} {list(shape)}")
+        flat = flat % shape[axis]
+        if not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
+            return result.fail(f"indices {indices.name} are not one contiguous run")
+        self._axis, self._start, self._size = axis, int(flat[0]), int(flat.size)
+        self._shape = [*shape[:axis], *index.shape, *shape[axis + 1:]]
+        return result
+
+    def rewrite(self, op, x, indices, y):
+        c, axis, start, end = self._new, self._axis, self._start, self._start + self._size
+        sliced = op.Slice(x, c.shape(op, f"slice_start_{start}", [start]), c.shape(op, f"slice_end_{end}", [end]),
+                          c.shape(op, f"axis_{axis}", [axis]))
+        return op.Reshape(sliced, c.shape(op, "shape_" + "x".join(map(str, self._shape)), self._shape))
+
+
 # --- the table ------------------------------------------------------------------------------------
 
 
@@ -761,6 +807,10 @@ RULES: tuple[ExactRule, ...] = (
     ExactRule("gather-constant-index-to-slice",
               from_patterns("gather-constant-index-to-slice", _rule(GatherConstantIndexToSlice)), EXACT,
               ("Gather",), "Gather(x, constant index k, axis a) -> Squeeze(Slice(x, [k], [k+1], [a]), [a])"),
+    ExactRule("gather-constant-run-to-reshape",
+              from_patterns("gather-constant-run-to-reshape", _rule(GatherConstantRunToReshape)), EXACT,
+              ("Gather",), "Gather(x, constant indices k..k+n-1 in any shape, axis a) -> Reshape(Slice(x, [k], [k+n], "
+              "[a]), x's shape with the indices' shape at a)"),
     ExactRule("reduce-mean-to-average-pool",
               from_patterns("reduce-mean-to-average-pool", _rule(ReduceMeanToAveragePool)),
               _rounding("summation order: ~H*W*2^-24 of mean |x|"),
