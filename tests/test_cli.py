@@ -363,3 +363,23 @@ def test_tensorflow_load_noise_stays_off_the_terminal(tmp_path):
     assert [s.backend for s in Manifest.load(tmp_path / "o" / "bundle").segments] == ["tflite"]
     for noise in ("absl::InitializeLog", "oneDNN custom operations are on", "port.cc:"):
         assert noise not in proc.stderr, proc.stderr
+
+
+def test_a_native_crash_under_held_back_stderr_still_says_where_it_happened(tmp_path):
+    """A converter's segfault while a stage holds back what native code writes to fd 2 (as the int8
+    conversion does) killed a build with nothing said; the CLI's crash report goes to a copy of the real
+    stderr, naming the Python frames it died under."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import ctypes, os, sys\n"
+        "from edgesdk import cli\n"
+        "cli._report_native_crashes()\n"
+        f"held = os.open({str(tmp_path / 'held')!r}, os.O_WRONLY | os.O_CREAT)\n"
+        "os.dup2(held, 2)  # what the stages do while native code runs\n"
+        "def converting():\n"
+        "    ctypes.string_at(0)\n"
+        "converting()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "sdk"), "PYTHONFAULTHANDLER": ""})
+    assert done.returncode < 0
+    assert "Segmentation fault" in done.stderr and "in converting" in done.stderr, done.stderr
