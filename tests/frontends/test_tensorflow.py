@@ -212,6 +212,31 @@ def test_tflite_int8_within_one_step_of_the_interpreter(conv_net_files, tmp_path
     assert (steps == 0).mean() >= 0.99, f"exact {(steps == 0).mean():.4f} of {steps.size} outputs"
 
 
+def test_a_full_int8_tflite_legalized_for_the_edge_tpu_is_float_between_its_int8_input_and_output(
+        conv_net_files, tmp_path):
+    """Coral's own format, through tf2onnx: every weight an int8 constant behind a DequantizeLinear (which
+    kept every Conv off the Edge TPU: its weight was no constant) and every activation a Q/DQ pair. After
+    float-of-quantized only the input's DequantizeLinear and the output's QuantizeLinear are left, every
+    Conv has a float weight, and the int8 output stays within a few steps of the interpreter's (the
+    dropped roundings, half a step each, add up through the layers; measured at most 3)."""
+    from edgesdk.legalization import exact
+
+    model, _ = frontends.load(conv_net_files["int8-per-channel"], tmp_path)
+    out, counts = exact.apply(model, only=["float-of-quantized"])
+    assert counts["float-of-quantized"] > 0
+    quant = Counter(n.op_type for n in out.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
+    assert quant == {"DequantizeLinear": 1, "QuantizeLinear": 1}, quant
+    inits = {i.name for i in out.graph.initializer}
+    assert all(n.input[1] in inits for n in out.graph.node if n.op_type == "Conv")
+    rng = np.random.default_rng(4)
+    scale, zero = _interpreter(conv_net_files["int8-per-channel"]).get_input_details()[0]["quantization"]
+    inputs = [np.clip(np.round(rng.uniform(-1, 1, (1,) + tf_models.IMAGE) / scale) + zero, -128, 127)
+              .astype(np.int8) for _ in range(50)]
+    expected = np.stack(_interpreter_outputs(conv_net_files["int8-per-channel"], inputs)).astype(np.int32)
+    got = np.stack([run_onnx(out, {"image": x})[0] for x in inputs]).astype(np.int32)
+    assert np.abs(got - expected).max() <= 4, np.abs(got - expected).max()
+
+
 def test_conversion_is_deterministic(conv_net_files, tmp_path):
     """Same file, same bytes. Without `tf2onnx_patches._number_nodes`, tf2onnx merged duplicate Q/DQ
     constants and nodes in address order: 3 runs of this file gave 3 different graphs."""

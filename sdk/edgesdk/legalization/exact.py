@@ -22,6 +22,8 @@ Each rule carries its exactness:
     matmul-to-fully-connected  MatMul(A [..., K], B [K, N]) -> Reshape(Gemm(Reshape(A, [-1, K]), B^T; transB=1))
     fold-rank-for-elementwise  op(x [>3 dims > 1], ...)     -> Reshape(op(Reshape(x, rank 3), ...), x's shape)
     reduce-mean-to-average-pool ReduceMean(x, axes=[2, 3])  -> GlobalAveragePool(x) (+ Reshape for keepdims=0)
+    float-of-quantized         DequantizeLinear(int8 constant) -> float constant; Q -> DQ pair of one grid -> x
+                               (legalization/quantized.py: weights exact, activations within half a step each)
     gather-constant-index-to-slice Gather(x, k, axis=a), k a constant scalar -> Squeeze(Slice(x, [k], [k+1], [a]), [a])
                                (k of shape [1]: the Slice alone; negative k taken modulo x's static dim)
     gather-constant-run-to-reshape Gather(x, constant k..k+n-1 in any shape, axis=a)
@@ -99,6 +101,7 @@ from onnxscript.rewriter import pattern
 from ..ir import model as irm
 from ..passes.rule import Rule, fixed_point, from_patterns
 from ..passes.values import FLOAT_TYPES, broadcast, constant, static_shape
+from . import quantized
 
 EXACT = "exact"
 # a pseudo op type among a device's refusals: it refuses a tensor's rank, not an op (edgetpu.rank)
@@ -756,6 +759,10 @@ def _rule(cls, *args) -> pattern.RewriteRule:
     return type(cls.__name__, (_WithInitializers, cls), {}).rule(*args)
 
 
+# a quantized model's int8 rounding of its activations, dropped where the compress stage quantizes again
+QUANTIZED = "weights exact; each activation's int8 rounding dropped (at most half its step) until compress quantizes again"
+
+
 def _rounding(bound: str) -> str:
     return f"exact up to float rounding ({bound})"
 
@@ -811,6 +818,9 @@ RULES: tuple[ExactRule, ...] = (
               from_patterns("gather-constant-run-to-reshape", _rule(GatherConstantRunToReshape)), EXACT,
               ("Gather",), "Gather(x, constant indices k..k+n-1 in any shape, axis a) -> Reshape(Slice(x, [k], [k+n], "
               "[a]), x's shape with the indices' shape at a)"),
+    ExactRule("float-of-quantized", quantized.RULE, QUANTIZED, ("DequantizeLinear", "QuantizeLinear"),
+              "DequantizeLinear(constant) -> its float constant; DequantizeLinear(QuantizeLinear(x)) of one grid "
+              "-> x (legalization/quantized.py)"),
     ExactRule("reduce-mean-to-average-pool",
               from_patterns("reduce-mean-to-average-pool", _rule(ReduceMeanToAveragePool)),
               _rounding("summation order: ~H*W*2^-24 of mean |x|"),
