@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ..ir import model as irm
 from . import tasks
@@ -71,6 +72,10 @@ class View:
     activation: str | None = None
     class_axis: int | None = None
     applies: bool = False  # the output is the activation's input (logits): `of` applies it
+    # the output is the part quantized (a QuantizeLinear's, scale and zero point): `of` dequantizes it first,
+    # so that a full-int8 model's softmax is judged as the probabilities it stands for, not as int8 codes
+    # whose constant zero point (-128 for every class but the best) makes any two cosines near 1
+    dequantize: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -81,7 +86,10 @@ class View:
 
     def of(self, a: np.ndarray, batched: bool = True) -> np.ndarray:
         """This part of `a` (the output's values; `batched`: samples stacked on a new first axis), after
-        the activation where the view `applies` it."""
+        the activation where the view `applies` it (a quantized output dequantized first)."""
+        if self.dequantize is not None:
+            scale, zero = self.dequantize
+            a = (np.asarray(a, np.float64) - zero) * scale
         if self.applies:
             a = activated(np.asarray(a, np.float64), self.activation,
                           None if self.class_axis is None else self.class_axis + batched)
@@ -136,6 +144,9 @@ def views(model: onnx.ModelProto, declared: Mapping[str, str] | None = None) -> 
     shell, _ = irm.weightless(model)
     shapes = irm.static_shapes(onnx.shape_inference.infer_shapes(shell))
     producer = {o: n for n in model.graph.node for o in n.output if o}
+    constants = {i.name: i for i in model.graph.initializer}
+    constants.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
+                      for a in n.attribute if a.name == "value"})
     memo: dict[str, _Whole | _Split] = {}
 
     def walk(name: str, depth: int = 0) -> _Whole | _Split:
@@ -152,15 +163,31 @@ def views(model: onnx.ModelProto, declared: Mapping[str, str] | None = None) -> 
             out[o.name] = [View(o.name, SCORES, activation=declared[o.name], applies=True,
                                 class_axis=rank - 1 if softmax else None)]
             continue
-        d = walk(o.name)
+        grid = _quantized(producer.get(o.name), constants)
+        d = walk(producer[o.name].input[0] if grid else o.name)
         if isinstance(d, _Whole):
-            out[o.name] = [View(o.name, d.kind, activation=d.activation, class_axis=d.class_axis)]
+            out[o.name] = [View(o.name, d.kind, activation=d.activation, class_axis=d.class_axis, dequantize=grid)]
         else:
             out[o.name] = [View(o.name, w.kind, d.axis, a, b, w.activation,
                                 w.class_axis if w.class_axis is not None else (d.axis if w.kind == SCORES and b - a > 1
-                                                                                else None))
+                                                                                else None), dequantize=grid)
                            for a, b, w in d.parts]
     return out
+
+
+def _quantized(node: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto]) -> tuple[float, float] | None:
+    """(scale, zero point) of an output a QuantizeLinear of one scale makes (a full-int8 model's), else None."""
+    if node is None or node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        return None
+    scale = constants.get(node.input[1])
+    zero = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if scale is None or (len(node.input) > 2 and node.input[2] and zero is None):
+        return None
+    scale = numpy_helper.to_array(scale)
+    zero = numpy_helper.to_array(zero) if zero is not None else np.zeros(())
+    if scale.size != 1 or zero.size != 1:
+        return None
+    return float(scale.reshape(())), float(zero.reshape(()))
 
 
 def declared_chain(model: onnx.ModelProto, declared: Mapping[str, str] | None) -> dict[str, list[View]]:
