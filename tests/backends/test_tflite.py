@@ -142,6 +142,13 @@ CASES = [
                                    pads=[1, 1, 1, 1], count_include_pad=1)], X4, ["y"], {}, 13),
     ("averagepool-ceil-mode", [N("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)],
      X4, ["y"], {}, 13),
+    # PyTorch's AvgPool2d(1280, ceil_mode=True) of a 7x7 map (transformers' EfficientNet): one window, past the
+    # input; it was a PAD to 1280x1280 the TFLite runtime refused ("Pad output size overflowed")
+    ("averagepool-window-past-the-input", [N("AveragePool", ["x"], ["y"], kernel_shape=[1280, 1280], strides=[1280, 1280],
+                                            ceil_mode=1)],
+     X4, ["y"], {}, 13),
+    ("averagepool-window-past-the-pads", [N("AveragePool", ["x"], ["y"], kernel_shape=[64, 64], strides=[64, 64], ceil_mode=1,
+                                            pads=[1, 2, 1, 0], count_include_pad=1)], X4, ["y"], {}, 13),
     ("globalaveragepool", [N("GlobalAveragePool", ["x"], ["y"])], X4, ["y"], {}, 13),
     ("globalmaxpool", [N("GlobalMaxPool", ["x"], ["y"])], X4, ["y"], {}, 13),
     ("reducemean-hw-no-keepdims", [N("Conv", ["x", "w"], ["c"]), N("ReduceMean", ["c"], ["y"], axes=[2, 3],
@@ -223,6 +230,26 @@ def test_nchw_input_is_taken_in_nhwc(tmp_path):
     result = check_fp32(model, tmp_path)
     assert result.inputs[0].perm == (0, 3, 1, 2)  # reached Conv through the elementwise Mul
     assert "TRANSPOSE" not in result.op_counts
+
+
+def test_an_average_pool_window_past_the_input_pads_nothing(tmp_path):
+    """One window past the input (transformers' EfficientNet: AvgPool2d(1280, ceil_mode=True) of 7x7 maps)
+    ends where the input does: padded to the window, its 2560 channels made a 1x1280x1280x2560 PAD the TFLite
+    runtime refused, and the int8 calibrator then crashed the build writing into the unallocated tensors."""
+    case = next(c for c in CASES if c[0] == "averagepool-window-past-the-input")
+    result = check_fp32(make_model(*case[1:]), tmp_path)
+    assert "PAD" not in result.op_counts and result.op_counts.get("AVERAGE_POOL_2D") == 1, result.op_counts
+
+
+def test_a_tensor_tflite_cannot_size_is_refused_when_traced_not_left_to_crash_the_converter(tmp_path):
+    """A lowering that makes a tensor of more than 2^31 - 1 elements (TFLite's sizes are int32): the converter's
+    calibrator wrote its samples through the unallocated tensors and the build died of SIGSEGV."""
+    from edgesdk.backends.tflite import trace
+
+    model = make_model([N("Pad", ["x", "p"], ["y"])], X4, ["y"],
+                       {"p": np.array([0, 0, 0, 0, 0, 0, 30000, 30000], np.int64)}, 13)
+    with pytest.raises(RuntimeError, match=r"shape \[1, 4, 30009, 30010\] \(Pad .*more elements than TFLite sizes"):
+        trace._lower(model)
 
 
 def test_hardswish_never_becomes_hard_swish(tmp_path):

@@ -573,6 +573,7 @@ def _average_pool(cx: _Ctx, node: onnx.NodeProto) -> None:
     declared = _spatial(node, (h, wd), kernel)[2]
     strides, dilations, pads = _spatial(node, (h, wd), kernel, ceil=bool(_attr(node, "ceil_mode", 0)))
     include_pad = bool(_attr(node, "count_include_pad", 0))
+    kernel, pads = _clipped_windows((h, wd), kernel, strides, pads, declared)
     t = cx.layout(x, NHWC)
     padding = _tf_padding((h, wd), kernel, strides, dilations, pads)
     if padding == "VALID" or (padding == "SAME" and not include_pad):  # TF's SAME excludes pads
@@ -591,6 +592,19 @@ def _average_pool(cx: _Ctx, node: onnx.NodeProto) -> None:
     if not np.allclose(scale, 1.0):
         y = y * scale.astype(np.float32)[None, :, :, None]
     cx.set(node.output[0], _Value(y, NHWC, x.nonneg))
+
+
+def _clipped_windows(in_hw, kernel, strides, pads, declared):
+    """(kernel, pads) with an axis of one window that reaches past the input and its declared pads cut
+    to end there: the cells past them count for nothing, and padding up to the window cost its whole
+    size. PyTorch's AvgPool2d(1280, ceil_mode=True), which transformers' EfficientNet pools its 7x7
+    features with, became a PAD to 1x1280x1280xC (TFLite: "Pad output size overflowed"; its calibrator
+    then crashed the build)."""
+    kernel, pads = list(kernel), list(pads)
+    for i, (size, k, s, (b, e), (_, de)) in enumerate(zip(in_hw, kernel, strides, pads, declared)):
+        if (size + b + e - k) // s + 1 == 1 and k > b + size + de:
+            kernel[i], pads[i] = b + size + de, (b, de)
+    return tuple(kernel), pads
 
 
 def _global_pool(fn_name: str):

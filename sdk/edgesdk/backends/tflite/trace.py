@@ -7,6 +7,7 @@ outputs keep their `p`, reported in `TensorSpec.perm` (the runtime transposes on
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -208,9 +209,26 @@ def _lower(model: onnx.ModelProto, *, cpu: bool = False) -> _Lowered:
     lowered.function = tf.function(body, input_signature=signature, autograph=False)
     lowered.module = tf.Module()
     lowered.module.f = lowered.function
-    lowered.function.get_concrete_function()  # trace now: lowering errors surface here
+    _check_sizes(lowered.function.get_concrete_function())  # trace now: lowering errors surface here
     lowered.module.weights = list(weights._store)  # tracked by the module: saved with the function
     return lowered
+
+
+# TFLite sizes a tensor with an int32 element count: a larger one fails to prepare, and the converter's int8
+# calibrator, which does not check that its interpreter prepared, then writes its samples through
+# unallocated tensors (a segmentation fault that ended a build with nothing said)
+MAX_TENSOR_ELEMENTS = 2**31 - 1
+
+
+def _check_sizes(function: Any) -> None:
+    """Refuse a traced segment with a tensor TFLite cannot size: a lowering's own mistake (an internal
+    error naming the op), never a crash of the converter later."""
+    for op in function.graph.get_operations():
+        for out in op.outputs:
+            dims = out.shape.as_list() if out.shape.rank is not None else []
+            if dims and all(d is not None for d in dims) and math.prod(dims) > MAX_TENSOR_ELEMENTS:
+                raise RuntimeError(f"the TFLite lowering made a tensor of shape {dims} ({op.type} {op.name}), more "
+                                   f"elements than TFLite sizes ({MAX_TENSOR_ELEMENTS})")
 
 
 WEIGHT_BYTES = 64 << 10  # arrays from this size on are weights held as variables
