@@ -114,6 +114,19 @@ def test_a_layer_clipped_by_its_range_is_named_and_what_follows_is_not():
     assert culprits.rank(model, _simulated(model, feeds, clip_to=None), feeds, segment="s0") == []
 
 
+def test_where_no_layer_adds_enough_the_ones_adding_the_most_are_ranked_when_asked():
+    """A loss spread over many layers, none adding MIN_ADDED of its range, is no culprit by default; asked
+    with `least=0` (the accuracy remedy, when the gate failed and nothing else is named), rank gives those
+    that add the most, in order."""
+    model = _model(CONV_RELU_CONV, "y", 4)
+    feeds = photo_crops(3, seed=5)
+    int8 = _simulated(model, feeds, clip_to=None)
+    assert culprits.rank(model, int8, feeds, segment="s0") == []
+    spread = culprits.rank(model, int8, feeds, segment="s0", least=0.0)
+    assert spread and all(0 < c.added_error < culprits.MIN_ADDED for c in spread), spread
+    assert [c.added_error for c in spread] == sorted((c.added_error for c in spread), reverse=True)
+
+
 def test_an_approximations_nodes_are_named_by_the_node_it_replaced():
     model = _model([helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="approx0/shift", pads=[1, 1, 1, 1]),
                     helper.make_node("Relu", ["a"], ["r"], name="stem/relu"),

@@ -91,12 +91,13 @@ class Culprit:
 
 def rank(model: onnx.ModelProto, int8: Mapping[str, dict], feeds: Sequence[Mapping[str, np.ndarray]], *,
          segment: str, parts: Mapping[str, Sequence[View]] | None = None,
-         approximations: Sequence[dict] = (), top: int = TOP) -> list[Culprit]:
+         approximations: Sequence[dict] = (), top: int = TOP, least: float = MIN_ADDED) -> list[Culprit]:
     """The `top` layers of the segment `model` that lose the most here (module docstring), from `int8`
-    (its backend's `int8_layers` on `feeds`) against onnxruntime on `feeds`. `parts`: how a model output
-    among the tensors is judged (`accuracy.views`); `approximations`: legalize's record of its ReLU sums."""
+    (its backend's `int8_layers` on `feeds`) against onnxruntime on `feeds`, each adding at least `least` of
+    its range. `parts`: how a model output among the tensors is judged (`accuracy.views`); `approximations`:
+    legalize's record of its ReLU sums."""
     layers = compare(model, int8, feeds, segment=segment, parts=parts or {}, approximations=approximations)
-    return sorted((c for c in layers if c.added_error >= MIN_ADDED),
+    return sorted((c for c in layers if c.added_error >= least and c.added_error > 0),
                   key=lambda c: (-c.added_error, c.added_snr_db, c.node))[:top]
 
 
