@@ -176,6 +176,8 @@ def _reported_accuracy(records: dict) -> dict:
     outputs = {name: {k: o[k] for k in ("cosine", "mean_error", "max_error", "top1") if o.get(k) is not None}
                for name, o in (acc.get("parts") or {}).items()}
     got = {"samples": (next(iter((acc.get("parts") or {}).values()), {}) or {}).get("samples"), "outputs": outputs}
+    if (acc.get("gate") or {}).get("unjudged"):  # parts fp32 decides nothing on: the gate had no say
+        got["unjudged"] = sorted(acc["gate"]["unjudged"])
     remedy = acc.get("remedy")
     if remedy:
         first = (remedy.get("rounds") or [{}])[0]
@@ -294,7 +296,12 @@ NOTES = ["arm_2tpu: Edge TPU figures are the cost model's predictions (no Edge T
          "qemu-user",
          "rtx3090: the CUDA code is compiled here; no GPU was lent, so its self-test is recorded as not run",
          "agreement: x86, the bundle against onnxruntime on the imported fp32 model; arm_2tpu, the build's own "
-         "int8-against-fp32 report on samples held out of the calibration set"]
+         "int8-against-fp32 report on samples held out of the calibration set",
+         "random weights: keras classifiers' softmax heads are scaled until fp32 is sure of most photo crops "
+         "(zoo_models._sharpen): unscaled, every class is near 0.001 and the accuracy gate has nothing to judge "
+         "(it says NOT JUDGED)",
+         "a full-int8 TFLite's Coral default is our partition of the model as imported (its Q/DQ nodes on the "
+         "CPU); Coral's own compiler takes such a file whole, as float-of-quantized lets edgesdk do"]
 
 
 CLASSIFIER_TASKS = ("logits", "text direction")
@@ -320,6 +327,8 @@ def _agree(r: dict) -> str:
     # gives it where its accuracy views say the output is one)
     if "top1" in worst and (r["target"] != "x86" or (model is not None and model.task in CLASSIFIER_TASKS)):
         text += f", top-1 {100 * worst['top1']:.0f} %"
+    if (r.get("agreement") or {}).get("unjudged"):
+        text += f"; NOT JUDGED: {', '.join(r['agreement']['unjudged'])} (fp32 decides nothing)"
     remedy = (r.get("agreement") or {}).get("remedy")
     if remedy:
         int8 = min((o.get("cosine", 1.0) for o in remedy["all_int8"].values()), default=float("nan"))

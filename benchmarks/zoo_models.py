@@ -9,8 +9,9 @@ Families, not one of each, so that the share that builds means something:
   weights downloaded), random weights (seed 0; BatchNorm statistics from photo crops where the model has
   BatchNorm, as tests/model_zoo.py says why), exported by PyTorch's own ONNX exporter
   (`edgesdk.frontends.torch_export`, as `edgesdk.build(module, ...)` exports them).
-- `keras`: `keras.applications` with `weights=None` (BatchNorm statistics from photo crops), as `.keras`
-  files, which edgesdk imports itself.
+- `keras`: `keras.applications` with `weights=None` (BatchNorm statistics from photo crops, the softmax
+  head's logits scaled until fp32 is sure of most crops: `_sharpen`), as `.keras` files, which edgesdk
+  imports itself.
 - `tflite`: Keras models converted by TensorFlow's own converter, float, float16 weights and full int8.
 
 torchvision and timm are not here: their PyPI wheels need a CUDA build of torch (torchvision's compiled ops
@@ -271,13 +272,32 @@ def _keras(name: str, app: str, size: int, norm: str, **kw) -> Model:
         for layer in model.layers:
             if isinstance(layer, tf.keras.layers.BatchNormalization):
                 layer.momentum = 0.0
-        model(photo_crops(16, 3, size, layout="nhwc", norm=norm), training=True)
+        crops = photo_crops(16, 3, size, layout="nhwc", norm=norm)
+        model(crops, training=True)
+        _sharpen(model, crops)
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.stem + ".tmp.keras")
         model.save(tmp)
         os.replace(tmp, path)
         return path
     return Model(name, "keras", make, _keras_feeds(make, size, norm), task="logits")
+
+
+def _sharpen(model, crops: np.ndarray, sure: float = 0.9) -> None:
+    """Scale the classifier head of `model` (the last layer with a kernel: the Dense or 1x1 Conv before the
+    softmax) until fp32 is sure of most of `crops` (median best score at least `sure`). With random weights
+    a 1000-way softmax is near uniform (best score ~0.006 on every image): fp32 decides nothing, and the
+    accuracy gate has nothing to judge int8 by (it says so). Scaling the logits changes no ranking and no
+    relative int8 error of the head; it makes the softmax's arg max something a reduced-precision model
+    can be seen to keep or lose, as a trained classifier's is."""
+    layer = next(layer for layer in reversed(model.layers) if getattr(layer, "kernel", None) is not None)
+    for _ in range(24):
+        if float(np.median(np.max(np.asarray(model(crops, training=False)), axis=-1))) >= sure:
+            return
+        layer.kernel.assign(layer.kernel * 2.0)
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.assign(layer.bias * 2.0)
+    raise RuntimeError(f"{model.name}: its head's softmax stays unsure after scaling its logits by 2^24")
 
 
 def _keras_feeds(make: Callable[[], Path], size: int, norm: str):
@@ -341,8 +361,12 @@ def _tflite(name: str, source: Model, size: int, norm: str, form: str) -> Model:
 
         # by its signature's name ('input_layer'), as edgesdk names a TFLite model's inputs, not the tensor's
         # ('serving_default_input_layer:0')
-        (name,) = Interpreter(model_path=str(make())).get_signature_runner().get_input_details()
-        return [{name: photo_crops(1, seed * 1000 + k, size, layout="nhwc", norm=norm)} for k in range(n)]
+        ((name, detail),) = Interpreter(model_path=str(make())).get_signature_runner().get_input_details().items()
+        crops = [photo_crops(1, seed * 1000 + k, size, layout="nhwc", norm=norm) for k in range(n)]
+        if detail["dtype"] == np.int8:  # a full-int8 model takes its input quantized, as its user's code gives it
+            scale, zero = detail["quantization"]
+            crops = [np.clip(np.round(c / scale + zero), -128, 127).astype(np.int8) for c in crops]
+        return [{name: c} for c in crops]
     return Model(name, "tflite", make, feeds, task="logits")
 
 
