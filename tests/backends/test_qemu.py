@@ -230,3 +230,31 @@ def test_litert_int8_is_bit_exact_under_emulation(rootfs, int8_tflite):
     assert got.dtype == expected.dtype == np.int8 and got.shape == expected.shape == (1, 16, 16, 8)
     assert len(np.unique(expected)) > 32  # not a saturated output that any kernel would match
     np.testing.assert_array_equal(got, expected)
+
+
+# -- onnxruntime: what an aarch64 bundle runs on the CPU where TVM does not lower a node ------------
+
+
+def test_onnxruntime_runs_a_quantized_segment_as_the_host_does(rootfs, tmp_path):
+    """A full-int8 model's input DequantizeLinear and output QuantizeLinear run on onnxruntime on an ARM CPU:
+    the emulated system lacked onnxruntime, and such a bundle's self-test failed ('No module named
+    onnxruntime'). Integer in, integer out: the guest's answer is the host's, to the bit."""
+    import onnxruntime as ort
+
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"), numpy_helper.from_array(np.array(-3, np.int8), "z")]
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["x", "s", "z"], ["f"]), helper.make_node("Relu", ["f"], ["r"]),
+         helper.make_node("QuantizeLinear", ["r", "s", "z"], ["y"])], "qdq",
+        [helper.make_tensor_value_info("x", TensorProto.INT8, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.INT8, [1, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.save(model, tmp_path / "qdq.onnx")
+    x = np.arange(-128, 128, 4, dtype=np.int8).reshape(1, 64)
+    np.save(tmp_path / "x.npy", x)
+    out = guest(rootfs, """
+import numpy as np, onnxruntime as ort
+y = ort.InferenceSession("qdq.onnx", providers=["CPUExecutionProvider"]).run(None, {"x": np.load("x.npy")})[0]
+print(",".join(map(str, y.ravel().tolist())))
+""", tmp_path)
+    want = ort.InferenceSession(str(tmp_path / "qdq.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert out.strip().splitlines()[-1] == ",".join(map(str, want.ravel().tolist()))

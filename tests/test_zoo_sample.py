@@ -1,0 +1,63 @@
+"""A sample of the zoo (benchmarks/zoo_models.py) in the suite: for each class of failure the zoo's matrix
+found, one model, built for the target where it failed, exactly as `make zoo` builds it (bench_zoo.cell: the
+command line a user runs, `edgesdk build MODEL --target T --calib DIR`, then `edgesdk verify`, under qemu
+for aarch64), and held to what the fix made true. The full matrix is `make zoo`, run before a stage changes
+lands (benchmarks/RESULTS.md, question `zoo`).
+
+The models are made as the zoo makes them (random weights, real inputs: photo crops, English token ids) and
+cached under .cache/zoo; their samples and bundles go to a temporary directory."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.model_zoo import ROOT
+
+sys.path[:0] = [str(ROOT / "benchmarks")]
+import bench_zoo  # noqa: E402  (after the path above)
+
+pytestmark = pytest.mark.slow
+
+# (model, target) -> the failure class it stands for, and the least share of its FLOPs on the Edge TPU. The
+# suite's time keeps it to these; the zoo's other classes are tested on smaller models where they are fixed:
+# a full-int8 TFLite (tests/legalization/test_quantized.py, tests/frontends/test_tensorflow.py; its quantized
+# softmax judged as probabilities, tests/compression/test_accuracy.py; onnxruntime under qemu,
+# tests/backends/test_qemu.py), EfficientNet's pool (tests/backends/test_tflite.py), a loss spread over many
+# layers (tests/bundling/test_culprit_search.py), a ViT's segment inputs (the same file).
+SAMPLE = {
+    ("keras-mobilenet-v3-small", "arm_2tpu"):
+        ("HardSwish; a 1000-way softmax the accuracy gate let pass unjudged (fp32 decided nothing)", 1.0),
+    # the embeddings' Gather and the attention mask's arithmetic stay on the CPU: 2 % of the FLOPs
+    ("hf-bert-mini", "arm_2tpu"): ("attention, token ids and a mask; dynamic input shapes fixed at build", 0.97),
+}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    bench_zoo.WORK = tmp_path_factory.mktemp("zoo-runs")
+    return bench_zoo.WORK
+
+
+@pytest.mark.parametrize("name, target", list(SAMPLE), ids=[f"{n}-{t}" for n, t in SAMPLE])
+def test_a_zoo_model_builds_verifies_and_keeps_fp32s_answers(work, name, target):
+    if not (work / name / "calib").exists():
+        bench_zoo.prepare(name)
+    row = bench_zoo.cell(name, target)
+    assert row["outcome"] == "ok", row
+    agreement = row["agreement"]
+    assert agreement["outputs"] and not agreement.get("unjudged"), agreement  # the gate judged every part
+    assert row["tpu_flops_after"] >= SAMPLE[name, target][1], row
+    assert row["latency_ms"] <= row["coral_default_ms"] * 1.001, row  # never worse than Coral's own plan
+
+
+def test_a_model_the_target_cannot_take_is_refused_with_a_typed_error(work):
+    """Silero VAD on arm_2tpu: a function of its LSTM that no sum of ReLUs approximates within the bound on
+    its range is a typed refusal (exit 1, `legalize.approximation-bound`), not an internal error."""
+    name = "silero-vad"
+    if not (work / name / "calib").exists():
+        bench_zoo.prepare(name)
+    row = bench_zoo.cell(name, "arm_2tpu")
+    assert row["outcome"] == "refused" and row["exit"] == 1, row
+    assert row["code"] == "legalize.approximation-bound" and "cannot be approximated" in row["message"], row
