@@ -24,6 +24,7 @@ from typer.core import TyperCommand
 
 from .api import VERSION_0_WARNING as api_warning
 from .api import check_timeout, reproducible, stamper, trusted_keys
+from .crashes import report_native_crashes
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeSDKError, UsageError, UserError
 from .option_values import _parse_shapes, checked_together, from_given
 from .options import GENERAL, PANELS, check_choice, default_of, field_type, flag_of, flagged
@@ -689,27 +690,8 @@ def targets_schema(output: Optional[Path] = typer.Option(None, "--output", "-o",
         print(text, end="")
 
 
-_CRASH_REPORT = None
-
-
-def _report_native_crashes() -> None:
-    """On a fatal signal in native code (a converter's, a kernel library's), print the Python frames it
-    happened under to the real stderr: the stages hold back what native code writes to fd 2 while it runs
-    (`backends.tflite.convert._quiet`), where faulthandler's own report would vanish with it."""
-    global _CRASH_REPORT
-    import faulthandler
-
-    if _CRASH_REPORT is not None or faulthandler.is_enabled():  # enabled already (pytest's, on a copy of fd 2)
-        return
-    try:
-        _CRASH_REPORT = os.fdopen(os.dup(2), "w")
-    except OSError:  # no stderr to report to
-        return
-    faulthandler.enable(file=_CRASH_REPORT)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _report_native_crashes()
+    report_native_crashes()
     try:  # typer >= 0.20 carries its own copy of click
         from typer._click import exceptions as click_exc
     except ImportError:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import onnx
 
+from ...crashes import report_native_crashes
 from ...errors import UserError
 from ...ir import calibrators
 from ...ir.calibrators import METHODS
@@ -280,7 +281,8 @@ def _convert(lowered: _Lowered, samples: list[list[np.ndarray]] | None) -> bytes
 
 def _quiet(call: Any, *args: Any) -> Any:
     """`call(*args)` with what native code writes to fd 2 held back, unless it fails: the converter's
-    own diagnostics belong with its error."""
+    own diagnostics belong with its error. A crash in it is still reported (`crashes`)."""
+    report_native_crashes()  # importing TVM put its own handler on the signal
     with _native_stderr_captured() as captured:
         try:
             return call(*args)
