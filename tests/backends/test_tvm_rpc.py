@@ -205,8 +205,8 @@ def _sine_model(path: Path) -> None:
 def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_path):
     """`edgesdk build --target arm_2tpu --rpc-tracker ... --rpc-key ...` (no search: --trials 0): the
     CPU span's candidates are built here, run and timed on the emulated board, checked against
-    onnxruntime; one the board cannot run (it has no onnxruntime) is skipped with the board's reason;
-    the fastest measured is chosen and recorded with the board's CPU."""
+    onnxruntime (onnxruntime's too: the device image has it, as an aarch64 bundle with a segment on it
+    needs); the fastest measured is chosen and recorded with the board's CPU."""
     import json as json_
 
     from edgesdk.runtime import Manifest
@@ -221,9 +221,8 @@ def test_cpu_candidates_are_checked_and_timed_on_the_board(board, tracker, tmp_p
     assert "aarch64" in record["measured_on"] and f"via 127.0.0.1:{tracker}" in record["measured_on"]
     (span,) = record["spans"]
     cands = span["candidates"]
-    assert "onnxruntime" in cands["onnxruntime"]["skipped"], cands  # the board's own error, named
     timed = {name: c["ms"] for name, c in cands.items() if "ms" in c}
-    assert "planned" in timed and all(ms > 0 for ms in timed.values()), cands
+    assert {"planned", "onnxruntime"} <= set(timed) and all(ms > 0 for ms in timed.values()), cands
     assert span["chosen"] == min(timed, key=timed.get)
     m = Manifest.load(tmp_path / "out" / "bundle")
     assert m.tuning["cpu_selection"]["measured_on"] == record["measured_on"]
