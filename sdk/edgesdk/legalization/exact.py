@@ -660,37 +660,55 @@ class ReduceMeanToAveragePool(pattern.RewriteRuleClassBase):
 # --- indexing -----------------------------------------------------------------------------------
 
 
-class GatherConstantIndexToSlice(pattern.RewriteRuleClassBase):
-    """Gather of one constant index (an unrolled loop's TensorList read) is a slice one wide:
-    STRIDED_SLICE, then a RESHAPE dropping the axis for a scalar index."""
+class _ConstantGather(pattern.RewriteRuleClassBase):
+    """A Gather of constant indices from a computed float tensor of static shape: what both Gather rules
+    take (`_operands`)."""
 
     def pattern(self, op, x, indices):
         return op.Gather(x, indices, _outputs=["y"])
 
-    def check(self, context, x, indices, y):
-        result = pattern.MatchResult()
+    @staticmethod
+    def _operands(x, indices, y) -> tuple[np.ndarray, list[int], int] | str:
+        """(the indices, x's shape, the axis in [0, rank)), or why the Gather is not one of these."""
         if reason := _not_float(x):
-            return result.fail(reason)
+            return reason
         index = constant(indices)
         if index is None:
-            return result.fail(f"indices {indices.name} are not a constant")
-        if index.size != 1 or index.ndim > 1:
-            return result.fail(f"indices {indices.name} {list(index.shape)} are not one scalar or one-element vector")
+            return f"indices {indices.name} are not a constant"
         if constant(x) is not None:
-            return result.fail(f"{x.name} is a constant (constant folding's job)")
+            return f"{x.name} is a constant (constant folding's job)"
         shape = static_shape(x)
         if shape is None:
-            return result.fail(f"the shape of {x.name} is not static")
+            return f"the shape of {x.name} is not static"
         axis = y.producer().attributes.get_int("axis", 0)
         if not -len(shape) <= axis < len(shape):
-            return result.fail(f"axis {axis} is out of range for {x.name} {list(shape)}")
-        axis %= len(shape)
+            return f"axis {axis} is out of range for {x.name} {list(shape)}"
+        return index, list(shape), axis % len(shape)
+
+    def check(self, context, x, indices, y):
+        result = pattern.MatchResult()
+        got = self._operands(x, indices, y)
+        reason = got if isinstance(got, str) else self._fits(x, indices, *got)
+        return result.fail(reason) if reason else result
+
+    def _fits(self, x, indices, index: np.ndarray, shape: list[int], axis: int) -> str | None:
+        """Why these operands are not this rule's (None: they are, and the rewrite's fields are set)."""
+        raise NotImplementedError
+
+
+class GatherConstantIndexToSlice(_ConstantGather):
+    """Gather of one constant index (an unrolled loop's TensorList read) is a slice one wide:
+    STRIDED_SLICE, then a RESHAPE dropping the axis for a scalar index."""
+
+    def _fits(self, x, indices, index, shape, axis):
+        if index.size != 1 or index.ndim > 1:
+            return f"indices {indices.name} {list(index.shape)} are not one scalar or one-element vector"
         k = int(index.reshape(()))
         if not -shape[axis] <= k < shape[axis]:
             # Gather fails there; a Slice would clamp and return something.
-            return result.fail(f"index {k} is out of range for axis {axis} of {x.name} {list(shape)}")
+            return f"index {k} is out of range for axis {axis} of {x.name} {list(shape)}"
         self._axis, self._k, self._scalar = axis, k % shape[axis], index.ndim == 0
-        return result
+        return None
 
     def rewrite(self, op, x, indices, y):
         c, axis, k = self._new, self._axis, self._k
@@ -699,42 +717,24 @@ class GatherConstantIndexToSlice(pattern.RewriteRuleClassBase):
         return op.Squeeze(sliced, c.shape(op, f"axis_{axis}", [axis])) if self._scalar else sliced
 
 
-class GatherConstantRunToReshape(pattern.RewriteRuleClassBase):
+class GatherConstantRunToReshape(_ConstantGather):
     """Gather of constant indices that are one contiguous run k, k+1, ..., in any shape, is a slice of the
     run, reshaped: how PyTorch's exporter writes a `view` of a flattened tensor (`as_strided`: a [1280] vector
     gathered by arange(1280) shaped [1, 1280, 1, 1] before a MobileNet's classifier), which left a Gather
     (no Edge TPU op) in front of every such layer."""
 
-    def pattern(self, op, x, indices):
-        return op.Gather(x, indices, _outputs=["y"])
-
-    def check(self, context, x, indices, y):
-        result = pattern.MatchResult()
-        if reason := _not_float(x):
-            return result.fail(reason)
-        index = constant(indices)
-        if index is None:
-            return result.fail(f"indices {indices.name} are not a constant")
+    def _fits(self, x, indices, index, shape, axis):
         if index.size < 2 or index.ndim < 1:
-            return result.fail(f"indices {indices.name} {list(index.shape)} are not a run (one index: a slice)")
-        if constant(x) is not None:
-            return result.fail(f"{x.name} is a constant (constant folding's job)")
-        shape = static_shape(x)
-        if shape is None:
-            return result.fail(f"the shape of {x.name} is not static")
-        axis = y.producer().attributes.get_int("axis", 0)
-        if not -len(shape) <= axis < len(shape):
-            return result.fail(f"axis {axis} is out of range for {x.name} {list(shape)}")
-        axis %= len(shape)
+            return f"indices {indices.name} {list(index.shape)} are not a run (one index: a slice)"
         flat = index.astype(np.int64).ravel()
         if flat.min() < -shape[axis] or flat.max() >= shape[axis]:
-            return result.fail(f"an index is out of range for axis {axis} of {x.name} {list(shape)}")
+            return f"an index is out of range for axis {axis} of {x.name} {list(shape)}"
         flat = flat % shape[axis]
         if not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
-            return result.fail(f"indices {indices.name} are not one contiguous run")
+            return f"indices {indices.name} are not one contiguous run"
         self._axis, self._start, self._size = axis, int(flat[0]), int(flat.size)
         self._shape = [*shape[:axis], *index.shape, *shape[axis + 1:]]
-        return result
+        return None
 
     def rewrite(self, op, x, indices, y):
         c, axis, start, end = self._new, self._axis, self._start, self._start + self._size
