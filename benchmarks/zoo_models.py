@@ -327,7 +327,9 @@ KERAS = [
     _keras("keras-xception", "Xception", 299, "signed"),
     _keras("keras-nasnet-mobile", "NASNetMobile", 224, "signed"),
     _keras("keras-convnext-tiny", "ConvNeXtTiny", 224, "raw"),
-    _keras("keras-regnetx-002", "RegNetX002", 224, "raw"),
+    _keras("keras-inception-resnet-v2", "InceptionResNetV2", 299, "signed"),
+    _keras("keras-densenet169", "DenseNet169", 224, "raw"),
+    _keras("keras-resnet101", "ResNet101", 224, "raw"),
 ]
 
 
@@ -374,6 +376,8 @@ _by_name = {m.name: m for m in KERAS}
 TFLITE = [_tflite(f"tflite-mobilenet-v2-{form}", _by_name["keras-mobilenet-v2"], 224, "signed", form)
           for form in ("float", "fp16", "int8")] + \
          [_tflite(f"tflite-efficientnet-b0-{form}", _by_name["keras-efficientnet-b0"], 224, "raw", form)
+          for form in ("float", "int8")] + \
+         [_tflite(f"tflite-mobilenet-v3-small-{form}", _by_name["keras-mobilenet-v3-small"], 224, "raw", form)
           for form in ("float", "int8")]
 
 
