@@ -36,8 +36,9 @@ SAMPLE = {
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    bench_zoo.WORK = tmp_path_factory.mktemp("zoo-runs")
-    return bench_zoo.WORK
+    with pytest.MonkeyPatch.context() as patch:  # the samples and bundles go here, not to .cache/zoo-runs
+        patch.setattr(bench_zoo, "WORK", tmp_path_factory.mktemp("zoo-runs"))
+        yield bench_zoo.WORK
 
 
 @pytest.mark.parametrize("name, target", list(SAMPLE), ids=[f"{n}-{t}" for n, t in SAMPLE])

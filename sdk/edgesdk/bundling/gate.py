@@ -232,7 +232,7 @@ def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto
             f"{str(e).splitlines()[0][:200] if str(e) else ''})")
         return []
     parts = {**measures.declared_chain(reference, declared), **measures.views(reference, declared)}
-    found, spread = [], []
+    every = []  # each segment's layers that add the most, whatever they add
     for x in segments:
         seg = x.segment
         log(f"package: culprit search: {seg.id}'s {len(seg.nodes)} nodes, int8 against float, layer by layer on "
@@ -241,19 +241,20 @@ def search(segments: list[Searched], scheduled: Path, reference: onnx.ModelProto
         model = irm.read(scheduled / seg.artifact)
         try:
             values = backends.backend(seg.backend).int8_layers(backends.LayersJob(model, x.artifact, x.record, feeds))
-            found += layers.rank(model, values, feeds, segment=seg.id, parts=parts, approximations=approximations)
-            spread += layers.rank(model, values, feeds, segment=seg.id, parts=parts, approximations=approximations,
-                                  least=0.0)
+            every += layers.rank(model, values, feeds, segment=seg.id, parts=parts, approximations=approximations,
+                                 least=0.0)
         except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not hide the gate's verdict
             log(f"package: culprit search: {seg.id} could not be compared layer by layer ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''})")
-    if not found and spread:
+    # ranked by what they add, those adding MIN_ADDED come first: the culprits of each segment
+    found = [c for c in every if c.added_error >= layers.MIN_ADDED]
+    if not found and every:
         # the loss is spread: each layer adds little, together they miss the gate (a MobileNetV2's 102 layers,
         # none adding 2 % of its range, ended at cosine 0.973 < 0.98 with nothing for the remedy to keep in
         # float); those that add the most are the culprits still
         log(f"package: culprit search: no layer adds {layers.MIN_ADDED:.0%} of its range: the loss is spread over "
-            f"many; the {min(len(spread), layers.TOP)} that add the most are named")
-        found = spread
+            f"many; the {min(len(every), layers.TOP)} that add the most are named")
+        found = every
     return sorted(found, key=lambda c: (-c.added_error, c.added_snr_db, c.node))[:layers.TOP]
 
 

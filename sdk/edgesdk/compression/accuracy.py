@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..ir import model as irm
 from . import tasks
@@ -183,8 +182,8 @@ def _quantized(node: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorP
     zero = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     if scale is None or (len(node.input) > 2 and node.input[2] and zero is None):
         return None
-    scale = numpy_helper.to_array(scale)
-    zero = numpy_helper.to_array(zero) if zero is not None else np.zeros(())
+    scale = irm.array(scale)
+    zero = irm.array(zero) if zero is not None else np.zeros(())
     if scale.size != 1 or zero.size != 1:
         return None
     return float(scale.reshape(())), float(zero.reshape(()))

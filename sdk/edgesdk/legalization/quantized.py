@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ..ir.values import constant
 from ..passes.rule import Rule
 
 STANDARD = ("", "ai.onnx")
@@ -52,7 +53,7 @@ def float_of_quantized(model: ir.Model) -> int:
             continue
         moves, q = _moved(node)
         if moves:  # DQ(move(Q(x))) of one per-tensor grid: move(x), the move now of float values
-            if not _same_grid(q, node) or _constant(node.inputs[1]).size != 1:
+            if not _same_grid(q, node) or constant(node.inputs[1]).size != 1:
                 continue
             ir.convenience.replace_all_uses_with(node.outputs[0], moves[0].outputs[0])
             moves[-1].replace_input_with(0, q.inputs[0])
@@ -93,18 +94,12 @@ def _moved(dq: ir.Node) -> tuple[list[ir.Node], ir.Node | None]:
     return [], None
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.const_value is None or value.is_graph_input():
-        return None
-    return value.const_value.numpy()
-
-
 def _dequantized(node: ir.Node) -> np.ndarray | None:
     """What a DequantizeLinear of constants computes, as float32; None where an input is not a constant or
     the node is one this does not evaluate (blocked quantization, a float8 or int4 type)."""
-    q = _constant(node.inputs[0])
-    scale = _constant(node.inputs[1]) if len(node.inputs) > 1 else None
-    zero = _constant(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros((), np.int32)
+    q = constant(node.inputs[0])
+    scale = constant(node.inputs[1]) if len(node.inputs) > 1 else None
+    zero = constant(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros((), np.int32)
     if q is None or scale is None or zero is None or q.dtype not in (np.int8, np.uint8, np.int32) \
             or node.attributes.get_int("block_size", 0):
         return None
@@ -122,8 +117,8 @@ def _same_grid(q: ir.Node, dq: ir.Node) -> bool:
     if q.attributes.get_int("axis", 1) != dq.attributes.get_int("axis", 1):
         return False
     for i in (1, 2):
-        a = _constant(q.inputs[i]) if len(q.inputs) > i and q.inputs[i] is not None else None
-        b = _constant(dq.inputs[i]) if len(dq.inputs) > i and dq.inputs[i] is not None else None
+        a = constant(q.inputs[i]) if len(q.inputs) > i and q.inputs[i] is not None else None
+        b = constant(dq.inputs[i]) if len(dq.inputs) > i and dq.inputs[i] is not None else None
         if i == 1 and (a is None or b is None):
             return False
         if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
