@@ -844,3 +844,23 @@ def test_the_models_own_inputs_keep_their_min_max_range_whatever_the_method(tmp_
         (spec,) = result.inputs
         ranges[label] = (-128 - spec.quant.zero_point) * spec.quant.scale
     assert ranges["method"] > -2.05 and ranges["pinned"] == pytest.approx(-2.1, abs=0.01), ranges
+
+
+def test_a_grid_given_as_a_range_comes_back_as_the_same_float32_scale():
+    """The converter computes a tensor's scale from its float32 min and max as (max - min) / 255 in float32:
+    the range of a model's own grid, each end rounded alone, gave a scale one ulp off on one grid in a few
+    (and a convolution's output then one step off here and there). `exact_grid` finds ends that give it back,
+    for grids a converter made (scales of that formula: not every float32 is one)."""
+    from edgesdk.backends.tflite.narrowing import exact_grid
+
+    rng = np.random.default_rng(0)
+    off = 0
+    for lo0, hi0 in zip(-rng.uniform(0, 60, 500).astype(np.float32), rng.uniform(0.01, 60, 500).astype(np.float32)):
+        s = (hi0 - lo0) / np.float32(255)  # the grid a converter made from the range it saw
+        z = int(np.round(-128 - lo0 / s))
+        lo, hi = float(s) * (-128 - z), float(s) * (127 - z)  # the grid's range, as a Q/DQ pair gives it
+        off += (np.float32(hi) - np.float32(lo)) / np.float32(255) != s
+        a, b = exact_grid(lo, hi)
+        assert (np.float32(b) - np.float32(a)) / np.float32(255) == s
+        assert round(-128 - a / float(s)) == z  # the zero point stays
+    assert off > 0, "every naive range gave its scale back: the case the function exists for did not occur"

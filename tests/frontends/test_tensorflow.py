@@ -237,6 +237,76 @@ def test_a_full_int8_tflite_legalized_for_the_edge_tpu_is_float_between_its_int8
     assert np.abs(got - expected).max() <= 4, np.abs(got - expected).max()
 
 
+@pytest.mark.parametrize("own_grids", [True, False])
+def test_a_full_int8_tflite_quantized_again_on_its_own_grids_answers_as_it_does(conv_net_files, tmp_path, own_grids):
+    """float-of-quantized keeps each removed pair's grid (and the int8 input's and output's), and the
+    compress stage's converter given them writes int8 that answers as the original file does, bit for bit:
+    every activation on the model's own scale and zero point (weights are per-channel max-abs in both). Without
+    them the ranges are calibrated again on the samples, and the answers move (a deep model's by much: a
+    MobileNetV2 read another class on 3 of 8 photos)."""
+    from edgesdk.backends.tflite.convert import convert_int8
+    from edgesdk.legalization import exact
+    from edgesdk.legalization.quantized import grids
+    from edgesdk.runtime.backends import tflite_runner
+    from edgesdk.runtime.manifest import Segment
+
+    source = conv_net_files["int8-per-channel"]
+    model, _ = frontends.load(source, tmp_path)
+    out, _ = exact.apply(model, only=["float-of-quantized"])
+    kept = grids(out)
+    dq = next(n for n in out.graph.node if n.op_type == "DequantizeLinear")
+    q = next(n for n in out.graph.node if n.op_type == "QuantizeLinear")
+    assert {dq.output[0], q.input[0]} <= set(kept) and len(kept) >= 4, sorted(kept)
+    onnx.save(out, tmp_path / "legalized.onnx")
+    onnx.utils.extract_model(str(tmp_path / "legalized.onnx"), str(tmp_path / "front.onnx"), ["image"], [dq.output[0]])
+    onnx.utils.extract_model(str(tmp_path / "legalized.onnx"), str(tmp_path / "float.onnx"), [dq.output[0]], [q.input[0]])
+    scale, zero = _interpreter(source).get_input_details()[0]["quantization"]
+    rng = np.random.default_rng(5)
+    inputs = [np.clip(np.round(rng.uniform(-1, 1, (1,) + tf_models.IMAGE) / scale) + zero, -128, 127)
+              .astype(np.int8) for _ in range(24)]
+    front = onnx.load(tmp_path / "front.onnx")
+    feeds = [{dq.output[0]: run_onnx(front, {"image": x})[0]} for x in inputs]
+    segment = onnx.load(tmp_path / "float.onnx")
+    for d, n in zip(segment.graph.input[0].type.tensor_type.shape.dim, feeds[0][dq.output[0]].shape):
+        d.dim_value = n  # static, as the schedule stage's segments are
+    result = convert_int8(segment, feeds[:16], tmp_path / "s.tflite", method="minmax",
+                          grids=kept if own_grids else None)
+    runner = tflite_runner.open_runner(tmp_path, Segment(id="s", device="cpu", backend="tflite", artifact="s.tflite",
+                                                         fallback_artifact="s.tflite", inputs=result.inputs,
+                                                         outputs=result.outputs), None)
+    (o_scale, o_zero) = _interpreter(source).get_output_details()[0]["quantization"]
+    expected = (np.stack(_interpreter_outputs(source, inputs)).astype(np.float64) - o_zero) * o_scale
+    got = np.stack([runner.run(f)[q.input[0]] for f in feeds]).astype(np.float64)
+    steps = np.abs(got - expected) / o_scale
+    if own_grids:
+        assert result.ranges["model_grids"]["tensors"] >= 4
+        assert steps.max() < 1e-3, f"{(steps > 1e-3).sum()} of {steps.size} outputs off, at most {steps.max():.2f} steps"
+    else:
+        assert "model_grids" not in result.ranges
+        assert steps.max() >= 1, "re-calibrated ranges happened to be the model's own: the test shows nothing"
+
+
+def test_a_quantized_tflite_is_judged_against_litert_running_the_file(conv_net_files, tmp_path):
+    """The accuracy gate's reference for a quantized TFLite model is LiteRT running the file, by its signature
+    (onnxruntime's kernels for the converted QDQ graph round differently: a MobileNetV2's answer moved by a
+    cosine of 0.16 on one photo); a sample its signature does not take (an input reshaped at import) falls
+    back to onnxruntime (None here)."""
+    from edgesdk.bundling.golden import litert_outputs
+
+    source = conv_net_files["int8-per-channel"]
+    scale, zero = _interpreter(source).get_input_details()[0]["quantization"]
+    rng = np.random.default_rng(6)
+    inputs = [np.clip(np.round(rng.uniform(-1, 1, (1,) + tf_models.IMAGE) / scale) + zero, -128, 127)
+              .astype(np.int8) for _ in range(4)]
+    got = litert_outputs(source, [{"image": x} for x in inputs], ["output_0"])
+    assert got is not None
+    for g, want in zip(got, _interpreter_outputs(source, inputs)):
+        assert g["output_0"].dtype == np.int8 and np.array_equal(g["output_0"], want)
+    assert litert_outputs(source, [{"image": inputs[0].astype(np.float32)}], ["output_0"]) is None
+    assert litert_outputs(source, [{"image": inputs[0][:, :-1]}], ["output_0"]) is None
+    assert litert_outputs(source, [{"image": inputs[0]}], ["not_an_output"]) is None
+
+
 def test_conversion_is_deterministic(conv_net_files, tmp_path):
     """Same file, same bytes. Without `tf2onnx_patches._number_nodes`, tf2onnx merged duplicate Q/DQ
     constants and nodes in address order: 3 runs of this file gave 3 different graphs."""

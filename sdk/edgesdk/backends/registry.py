@@ -154,6 +154,9 @@ class QuantizeJob:
     activations: Mapping[str, str] = field(default_factory=dict)
     # the segment's inputs that are the model's own: their range is every value the samples hold (min-max)
     model_inputs: tuple[str, ...] = ()
+    # tensors (by name) the imported model had quantized itself, with its grid's float range
+    # (legalization/quantized.py): a backend that can rounds them on that grid, as the model did
+    grids: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..compression import accuracy as accuracy_views
 from ..compression import build as pruning
 from ..config import HOST
 from ..errors import UserError
+from ..frontends import OWN_TFLITE
 from ..ir import index_ranges
 from ..ir import model as irm
 from ..ir.calibration import load_calibration
@@ -97,7 +98,11 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     held_out = held is not calibrated  # a single sample is both
     held = held[:golden.ACCURACY_SAMPLES]
     declared = accuracy_views.declared(options)  # outputs the user's code reads through an activation
-    accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out, declared=declared)
+    own = src.imported / OWN_TFLITE  # a quantized TFLite model: judged against LiteRT running it
+    own = own if own.is_file() and not pruned else None
+    if own is not None:
+        name = f"the imported {imported['source']['format']} file (its own int8 arithmetic)"
+    accuracy = golden.accuracy(host_model, reference, held, name, held_out=held_out, declared=declared, own=own)
     del host_model  # released by `accuracy`
     try:
         accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,

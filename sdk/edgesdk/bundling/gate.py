@@ -46,6 +46,8 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
     n = accuracy["samples"]
     on = f"{n} held-out sample(s)" if accuracy.get("held_out", True) else "the calibration sample (none held out)"
     synthetic = bool(calibration.get("synthetic"))
+    # the model as imported: fp32, or a quantized TFLite model's own int8 (golden.accuracy's `own`)
+    against = "the model's own int8 (LiteRT)" if accuracy.get("reference", "").startswith("LiteRT") else "fp32"
     accuracy = {**accuracy, "gate": {"thresholds": gate.to_json(), "passed": not failures,
                                      "calibration": "synthetic" if synthetic else "real"}}
     failed = {f.part: f for f in failures}
@@ -55,7 +57,7 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
     for part, m in accuracy["parts"].items():
         verdict = (f"BELOW THE GATE ({failed[part].describe().split(': ', 1)[1]})" if part in failed
                    else "NOT JUDGED" if part in blind else "passes")
-        log(f"package: accuracy of {part} ({_kind(m)}) vs fp32 on {on}: {figures(m)}: {verdict}")
+        log(f"package: accuracy of {part} ({_kind(m)}) vs {against} on {on}: {figures(m)}: {verdict}")
     for part, why in blind.items():
         warn(f"the accuracy gate cannot judge {part}: {why}; what int8 keeps of its decisions is unchecked: hold "
              "out samples the model decides on (real inputs of its classes, in --calib)")
@@ -74,7 +76,7 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
     if synthetic:
         notes.append(f"calibration: {unknown}")
     if not getattr(options, "accept_accuracy_loss", False):
-        raise GateFailure(f"the bundle misses the target's accuracy gate against fp32 on {on}: "
+        raise GateFailure(f"the bundle misses the target's accuracy gate against {against} on {on}: "
                           + "; ".join(f.describe() for f in failures),
                           _remedies(plan, options, calibration, found), notes, accuracy)
     accuracy["accepted_loss"] = True

@@ -105,11 +105,14 @@ def tolerances(host_model: BundleModel, manifest: mf.Manifest, golden: dict[str,
 
 def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], samples: list[dict],
              reference_name: str = "the imported fp32 model", *, held_out: bool = True,
-             declared: dict[str, str] | None = None) -> dict:
+             declared: dict[str, str] | None = None, own: Path | None = None) -> dict:
     """The bundle against the fp32 model (a pruned build's: the pruned one) on `samples` (the held-out
     ones, `held_out`): per output (`tensors`: cosine, max abs error, as before) and per part of an output
     as its meaning cuts it (`parts`: compression/accuracy.py, after the output's own sigmoid or softmax, or the
     one `declared` says the user's code applies).
+    `own`: a quantized TFLite model as the user gave it, run by LiteRT for the reference outputs where its
+    one signature takes the samples as they are (its int8 arithmetic is the model's; onnxruntime's kernels
+    for the converted QDQ graph round differently); else onnxruntime runs `reference()`.
     `host_model` is released once it has run the samples, before `reference()` reads the float model:
     the two are never held at once."""
     from ..compression import accuracy as measures
@@ -119,11 +122,39 @@ def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], 
     host_model.release()
     give_back()
     model = reference()
-    ref = ort_backend.run_many(model, samples, names)  # one session: each holds the weights again
+    ref = litert_outputs(own, samples, names) if own is not None else None
+    runtime = "LiteRT" if ref is not None else "onnxruntime"
+    if ref is None:
+        ref = ort_backend.run_many(model, samples, names)  # one session: each holds the weights again
     tensors = {n: compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])) for n in names}
     parts = measures.views(model, declared)
-    return {"reference": f"onnxruntime on {reference_name}", "samples": len(samples), "held_out": held_out,
+    return {"reference": f"{runtime} on {reference_name}", "samples": len(samples), "held_out": held_out,
             "tensors": tensors, "parts": measures.measure(ref, got, {n: parts[n] for n in names if n in parts})}
+
+
+def litert_outputs(path: Path, samples: list[dict], names: list[str]) -> list[dict] | None:
+    """`names`' values of the TFLite model at `path` on each sample, by its one signature; None where it has
+    no single signature, or its keys, shapes or types are not the samples' and `names` (an input frozen or
+    reshaped at import)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path))
+    signatures = interpreter.get_signature_list()
+    if len(signatures) != 1:
+        return None
+    runner = interpreter.get_signature_runner(next(iter(signatures)))
+    inputs, outputs = runner.get_input_details(), runner.get_output_details()
+    if not set(names) <= set(outputs):
+        return None
+    out = []
+    for sample in samples:
+        feed = {k: sample.get(k) for k in inputs}
+        if any(v is None or np.shape(v) != tuple(inputs[k]["shape"]) or np.asarray(v).dtype != inputs[k]["dtype"]
+               for k, v in feed.items()):
+            return None
+        got = runner(**feed)
+        out.append({n: np.array(got[n]) for n in names})
+    return out
 
 
 def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:

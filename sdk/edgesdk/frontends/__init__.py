@@ -59,6 +59,10 @@ def load(path: Path, work: Path, *, batch: int = 1, input_shapes: dict[str, tupl
     return model, info
 
 
+# the import stage's copy of a quantized TFLite file as given: the accuracy gate's reference runs it
+OWN_TFLITE = "source.tflite"
+
+
 @dataclass(frozen=True)
 class Imported:
     """A model read into the canonical graph (not yet optimized), and what the import knows of its source."""

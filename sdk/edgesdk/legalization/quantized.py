@@ -12,7 +12,9 @@ int8 tensor is not one the Edge TPU's converter takes), so each convolution sat 
     DequantizeLinear(move(QuantizeLinear(x, s, z)), s, z) -> move(x)   (a Squeeze, Reshape, Transpose of
                                                                          int8 values, s one scale)
 
-and the compress stage quantizes the result again, calibrated, as any float model. The first is exact
+and the compress stage quantizes the result again as any float model, each tensor a removed pair rounded
+on the pair's own grid (`GRIDS`), the rest calibrated: the model's int8 tensors keep the steps they were
+quantized to, so its int8 bundle answers as the model did, not as a re-calibration would. The first is exact
 (the value the node computes, per tensor or per axis). The second drops the pair's rounding to the grid,
 at most half a step s/2 per element, and its clipping to [s (-128 - z), s (127 - z)] (for uint8, [0, 255]);
 legalize measures the outputs' deviation end to end. A pair whose two nodes disagree on scale or zero
@@ -21,6 +23,8 @@ DequantizeLinear of a graph input (a model taking int8 data) and a QuantizeLinea
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx_ir as ir
@@ -31,6 +35,10 @@ from ..passes.rule import Rule
 STANDARD = ("", "ai.onnx")
 # ops that move int8 elements without computing: a pair around them is the pair before them
 MOVES = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Flatten", "Transpose"})
+# the model's metadata entry that keeps, by tensor name, the float range [lo, hi] of the int8 grid each
+# removed pair rounded the tensor to: s (qmin - z) to s (qmax - z), the min and max a converter given
+# them quantizes to scale s and zero point z again
+GRIDS = "edgesdk.quantized_grids"
 
 
 def float_of_quantized(model: ir.Model) -> int:
@@ -39,6 +47,8 @@ def float_of_quantized(model: ir.Model) -> int:
     outputs = set(graph.outputs)
     fired = 0
     removed: set[ir.Node] = set()
+    kept = grids(model)
+    _keep_ends(graph, kept)
     for node in list(graph):
         if node in removed or node.domain not in STANDARD or node.op_type != "DequantizeLinear" or node.outputs[0] in outputs:
             continue
@@ -59,6 +69,7 @@ def float_of_quantized(model: ir.Model) -> int:
             moves[-1].replace_input_with(0, q.inputs[0])
             for m in moves:
                 m.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+            _keep(kept, q, [q.inputs[0], *(m.outputs[0] for m in moves)])
             graph.remove(node, safe=True)
             graph.remove(q, safe=True)
             fired += 2
@@ -70,13 +81,74 @@ def float_of_quantized(model: ir.Model) -> int:
                    and r.outputs[0] not in outputs for r in readers):
             continue
         x = q.inputs[0]
+        _keep(kept, q, [x])
         for r in readers:
             ir.convenience.replace_all_uses_with(r.outputs[0], x)
             graph.remove(r, safe=True)
         graph.remove(q, safe=True)
         removed.update(readers)
         fired += 1 + len(readers)
+    if kept:
+        model.metadata_props[GRIDS] = json.dumps(kept, sort_keys=True)
     return fired
+
+
+def grids(model) -> dict[str, tuple[float, float]]:
+    """The ranges `float_of_quantized` kept (`GRIDS`), by tensor name, of an ir.Model or an onnx.ModelProto;
+    {} for a model it did not rewrite."""
+    if isinstance(model, ir.Model):
+        text = model.metadata_props.get(GRIDS)
+    else:
+        text = next((p.value for p in model.metadata_props if p.key == GRIDS), None)
+    return {k: (float(lo), float(hi)) for k, (lo, hi) in json.loads(text).items()} if text else {}
+
+
+def _keep_ends(graph: ir.Graph, kept: dict) -> None:
+    """Record the grids of the model's own int8 ends, which stay: a DequantizeLinear of an int8 input (or of
+    its moves) gives
+    values on its grid (and so do the moves after it), a QuantizeLinear of an output rounds its input (and
+    the moves before it) to its own."""
+    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    for node in graph:
+        if node.domain not in STANDARD:
+            continue
+        if node.op_type == "DequantizeLinear" and _source(node.inputs[0]) in inputs:
+            values, v = [node.outputs[0]], node.outputs[0]
+            while len(v.uses()) == 1 and (reader := v.uses()[0].node).op_type in MOVES and reader.domain in STANDARD:
+                v = reader.outputs[0]
+                values.append(v)
+            _keep(kept, node, values)
+        elif node.op_type == "QuantizeLinear" and node.outputs[0] in outputs:
+            values, v = [node.inputs[0]], node.inputs[0]
+            while (p := v.producer()) is not None and p.op_type in MOVES and p.domain in STANDARD \
+                    and len(v.uses()) == 1 and p.inputs[0] is not None:
+                v = p.inputs[0]
+                values.append(v)
+            _keep(kept, node, values)
+
+
+def _source(value: ir.Value | None) -> ir.Value | None:
+    """The value `value` moves (through MOVES, as tf2onnx transposes an int8 input), or itself."""
+    while value is not None and (p := value.producer()) is not None and p.op_type in MOVES and p.domain in STANDARD:
+        value = p.inputs[0]
+    return value
+
+
+def _keep(kept: dict, q: ir.Node, values: list[ir.Value]) -> None:
+    """Record the per-tensor grid of QuantizeLinear (or DequantizeLinear) `q` as the range of `values` (a per-axis grid, which
+    no activation's range can hold, is not kept)."""
+    scale = constant(q.inputs[1])
+    zero = constant(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] is not None else None
+    if scale is None or scale.size != 1 or (zero is not None and zero.size != 1):
+        return
+    # a QuantizeLinear without a zero point quantizes to uint8 (the spec's default)
+    dtype = np.dtype(zero.dtype) if zero is not None else np.dtype(np.uint8)
+    if dtype not in (np.dtype(np.int8), np.dtype(np.uint8)):
+        return
+    s, z, info = float(scale.reshape(())), int(zero.reshape(())) if zero is not None else 0, np.iinfo(dtype)
+    for v in values:
+        if v.name:
+            kept[v.name] = [s * (info.min - z), s * (info.max - z)]
 
 
 def _moved(dq: ir.Node) -> tuple[list[ir.Node], ir.Node | None]:

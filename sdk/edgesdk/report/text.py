@@ -211,6 +211,8 @@ def accuracy_lines(accuracy: dict[str, Any], reference: str = "fp32") -> list[st
     """The package stage's accuracy record (the manifest's `accuracy`) as lines: the verdict first, loud
     where the bundle is below its gate or its calibration was synthetic; [] for a record without parts."""
     parts = accuracy.get("parts") or {}
+    if reference == "fp32" and str(accuracy.get("reference", "")).startswith("LiteRT"):
+        reference = "the model's own int8 (LiteRT)"  # a quantized TFLite model, run as given
     if not parts:
         return []
     gate = accuracy.get("gate") or {}

@@ -57,6 +57,7 @@ from ..config import HOST
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back
+from ..legalization.quantized import grids as quantized_grids
 from ..timing import RUNS, WARMUP, FreshProcess, Handle, InProcess, Runner, TimingCache, failure
 from .plan import Plan, PlanSegment
 
@@ -106,6 +107,7 @@ class Int8:
     model_outputs: tuple[str, ...] = ()  # the gate's class-score outputs are among these
     log: Callable[[str], None] = lambda line: None
     mixed: dict[str, dict] = field(default_factory=dict)  # by backend and segment graph: the quantizer's "mixed" record
+    grids: dict[str, tuple[float, float]] = field(default_factory=dict)  # a quantized model's own (legalization/quantized.py)
 
     def quantize(self, s: PlanSegment, model: onnx.ModelProto, out_dir: Path) -> dict:
         """`s` quantized by its backend into `out_dir`: the quantizer's record."""
@@ -115,7 +117,7 @@ class Int8:
             segment=s, model=model, samples=[{k: v[k] for k in (*s.inputs, *s.outputs)} for v in self.calibration],
             out_dir=out_dir, method=self.method, percentile=self.percentile, log=self.log,
             target=backends.AccuracyTarget(GATE_COSINE, GATE_TOP1, tuple(o for o in s.outputs if o in self.model_outputs)),
-            keep_float=tuple(known["float_ops"]) if known else None))
+            keep_float=tuple(known["float_ops"]) if known else None, grids=self.grids))
         if "mixed" in record and not known:
             self.mixed[key] = record["mixed"]
         return record
@@ -316,7 +318,8 @@ def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowe
         return None
     calib, held = held_out_split(samples)
     int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
-                _samples_digest(samples, calib_method, calib_percentile), tuple(plan.outputs), log)
+                _samples_digest(samples, calib_method, calib_percentile), tuple(plan.outputs), log,
+                grids=quantized_grids(model))
     record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
                       "held_out_samples": len(held) if held is not calib else 0}
     return int8

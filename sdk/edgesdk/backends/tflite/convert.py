@@ -33,6 +33,7 @@ from .limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONV
                      FLATBUFFER_LIMIT)
 from . import mixed as mixed_precision
 from .flatbuffer import op_counts
+from .layers import tensors_of_nodes
 from . import narrowing
 from .trace import _Lowered, _lower, _to_tf_layout
 
@@ -58,7 +59,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
                  method: str = "minmax", percentile: float = 99.99, target: Any = None,
                  keep_float: tuple[str, ...] | None = None, reference: list[dict[str, np.ndarray]] | None = None,
                  log: Any = None, cpu: bool = False, alternatives_dir: Path | None = None,
-                 activations: dict[str, str] | None = None, model_inputs: tuple[str, ...] = ()) -> TfliteResult:
+                 activations: dict[str, str] | None = None, model_inputs: tuple[str, ...] = (),
+                 grids: dict[str, tuple[float, float]] | None = None) -> TfliteResult:
     """Write a full-int8 .tflite of `model` to `out_path` (atomically: a temporary file, then a
     rename). `model` is a segment with static shapes and float32 inputs; `calibration` yields
     feeds keyed by ONNX input names, in ONNX layout, that the activation ranges are taken from.
@@ -82,6 +84,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
     whatever the method. `model_inputs`: the segment's inputs that are the model's own, whose range stays
     the min-max one whatever the method: every value of an input the preprocessing makes is real data (a
     percentile cut the black of PP-OCR's text, (0 - 0.485) / 0.229, off its detector's normalized pages).
+    `grids`: tensors (by ONNX name) the imported model had quantized itself, with the range of its grid
+    (legalization/quantized.py): each keeps that range whatever the method, so it rounds as the model did.
     Raises UserError naming every node that cannot be lowered, or a feed that does not fit."""
     if method not in CALIBRATION_METHODS:
         raise UserError("compress.calib-method", f"calibration method '{method}' is not known",
@@ -99,7 +103,8 @@ def convert_int8(model: onnx.ModelProto, calibration: Iterable[dict[str, np.ndar
         else None
     saturate = {spec.key: a for spec in lowered.outputs if (a := (activations or {}).get(spec.name))}
     pinned = {spec.key for spec in lowered.inputs if spec.name in model_inputs}
-    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed, saturate, pinned)
+    calibrated, ranges, quantize = _quiet(_calibrate, lowered, samples, method, percentile, weighed, saturate, pinned,
+                                          (model, grids) if grids else None)
     if log is not None and "auto" in ranges:
         log(describe_auto(ranges))
     found = None
@@ -295,7 +300,8 @@ def _quiet(call: Any, *args: Any) -> Any:
 
 def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, percentile: float,
                alternatives: dict[str, bytes] | None = None, saturate: dict[str, str] | None = None,
-               pinned: set[str] | None = None) -> tuple[bytes, dict[str, Any], Any]:
+               pinned: set[str] | None = None, grids: tuple[onnx.ModelProto, dict] | None = None
+               ) -> tuple[bytes, dict[str, Any], Any]:
     """The converter's first int8 step: a float model whose activation tensors carry the range each
     is quantized over (min-max, or the method's: narrowing.py), how the ranges were chosen, and the
     second step as a function of the ops to keep float: `quantize(())` is full int8, and with "minmax"
@@ -304,7 +310,8 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     every candidate's full-int8 model, by label. `saturate` (signature output key -> activation): outputs
     whose range, and that of the tensors sharing its quantization, is where the activation moves
     (narrowing.saturating), in every candidate; `pinned` (signature input keys): inputs that keep their
-    min-max range in every candidate."""
+    min-max range in every candidate; `grids` (the segment, and ranges by ONNX tensor name): tensors that keep
+    the given range in every candidate, over all of these (`_grid_tensors`)."""
     with _converter(lowered, samples) as converter:
         converter._experimental_calibrate_only = True  # pylint: disable=protected-access
         calibrated = converter.convert()
@@ -319,6 +326,11 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
                                "why": "read through a sigmoid by the user's code: its int8 range is where the sigmoid "
                                       f"moves, from its least value seen (at least -{narrowing.SIGMOID_LOGITS:g}) to "
                                       f"{narrowing.SIGMOID_LOGITS:g}"}
+    if grids:
+        own = _grid_tensors(calibrated, lowered, *grids)
+        clips.update(own)
+        ranges["model_grids"] = {"tensors": len(own), "why": "the imported model quantized these tensors itself: "
+                                                             "each keeps its grid's range, rounding as the model did"}
     if method == "minmax":
         count = _calibrated_tensors(calibrated)
         ranges.update(tensors=count, methods={"minmax": count})
@@ -337,6 +349,25 @@ def _calibrate(lowered: _Lowered, samples: list[list[np.ndarray]], method: str, 
     if widened:
         ranges["widened"] = widened
     return calibrated, ranges, _quantizer(calibrated, per_channel_off)
+
+
+GRID = "model"  # the label of a range the imported model's own grid gave (convert_int8's `grids`)
+
+
+def _grid_tensors(calibrated: bytes, lowered: _Lowered, model: onnx.ModelProto,
+                  grids: dict[str, tuple[float, float]]) -> dict[int, tuple[str, Any]]:
+    """The calibrated model's tensors that hold one of `grids`' ONNX tensors (a signature input or output
+    by its key, else the node's tensor: layers.tensors_of_nodes), each with its range, by tensor index;
+    those the converter folded into another op's tensor, or that carry no calibrated range, left out."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interp = Interpreter(model_content=calibrated)
+    details = {d["index"]: d for d in interp.get_tensor_details()}
+    found = {name: index for name, (index, _) in
+             tensors_of_nodes(model, interp._get_ops_details(), details).items()}  # pylint: disable=protected-access
+    found.update(narrowing.signature_tensors(calibrated, {s.key: s.name for s in (*lowered.inputs, *lowered.outputs)}))
+    ranged = narrowing.ranged_tensors(calibrated)
+    return {found[name]: (GRID, narrowing.exact_grid(*r)) for name, r in grids.items() if found.get(name) in ranged}
 
 
 def _calibrated_tensors(model: bytes) -> int:

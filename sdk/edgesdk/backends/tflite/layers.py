@@ -60,7 +60,7 @@ def _layers(job, *, cpu: bool) -> dict[str, dict]:
     ins, outs = runner.get_input_details(), runner.get_output_details()
     specs = {t["key"]: t for t in (*job.record["inputs"], *job.record["outputs"])}
 
-    found = _tensors_of_nodes(model, ops, details)
+    found = tensors_of_nodes(model, ops, details)
     found.update({specs[key]["name"]: (int(d["index"]), _producer(ops, int(d["index"]))) for key, d in outs.items()})
     found.update({specs[key]["name"]: (int(d["index"]), "") for key, d in ins.items()})
     layouts.update({t["name"]: tuple(t["perm"]) if t.get("perm") else tuple(range(len(t["shape"])))
@@ -94,7 +94,7 @@ def _layers(job, *, cpu: bool) -> dict[str, dict]:
     return out
 
 
-def _tensors_of_nodes(model, ops: list[dict], details: dict[int, dict]) -> dict[str, tuple[int, str]]:
+def tensors_of_nodes(model, ops: list[dict], details: dict[int, dict]) -> dict[str, tuple[int, str]]:
     """Per ONNX tensor, the TFLite tensor that holds it and the op that computes it (module docstring)."""
     last: dict[int, dict] = {}  # node index -> the last op whose outputs name it as their latest node
     for op in ops:

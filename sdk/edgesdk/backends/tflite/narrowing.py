@@ -176,6 +176,52 @@ def signature_inputs(calibrated: bytes, keys: set[str]) -> list[int]:
             if _name(signature.Inputs(j).Name()) in keys]
 
 
+def exact_grid(lo: float, hi: float, levels: int = 255) -> Range:
+    """The float32 min and max (a flatbuffer holds float32) from which the converter computes the grid of
+    [lo, hi] again to the bit: its scale, (max - min) / 255 in float32 arithmetic, is the grid's float32
+    scale (max and min rounded alone to float32 give one ulp of the scale more or less one time in a few:
+    a convolution's output then differs by one step in a few elements of a hundred thousand)."""
+    want = np.float32((hi - lo) / levels)
+    ends = [(np.float32(lo), -1), (np.float32(hi), 1)]
+    steps = sorted(((a, b) for a in range(-4, 5) for b in range(-4, 5)), key=lambda ab: (abs(ab[0]) + abs(ab[1]), ab))
+    for a, b in steps:  # the nearest float32 ends, moved by a few ulps each, whose scale is the grid's
+        low = _ulps(ends[0][0], a)
+        high = _ulps(ends[1][0], b)
+        if (high - low) / np.float32(levels) == want:
+            return float(low), float(high)
+    return float(np.float32(lo)), float(np.float32(hi))
+
+
+def _ulps(x: np.float32, n: int) -> np.float32:
+    """`x` moved by `n` float32 ulps."""
+    for _ in range(abs(n)):
+        x = np.nextafter(x, np.float32(np.inf) if n > 0 else np.float32(-np.inf))
+    return x
+
+
+def signature_tensors(calibrated: bytes, keys: dict[str, str]) -> dict[str, int]:
+    """The tensor indices of the signature inputs and outputs whose keys are in `keys` (key -> a name),
+    by that name."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    m = schema.Model.GetRootAs(calibrated, 0)
+    if not m.SignatureDefsLength():
+        return {}
+    signature = m.SignatureDefs(0)
+    ends = [signature.Inputs(j) for j in range(signature.InputsLength())] + \
+        [signature.Outputs(j) for j in range(signature.OutputsLength())]
+    return {keys[key]: t.TensorIndex() for t in ends if (key := _name(t.Name())) in keys}
+
+
+def ranged_tensors(calibrated: bytes) -> set[int]:
+    """The tensors of the main subgraph that carry a calibrated range (one min and max)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    graph = schema.Model.GetRootAs(calibrated, 0).Subgraphs(0)
+    return {i for i in range(graph.TensorsLength())
+            if (q := graph.Tensors(i).Quantization()) is not None and q.MinLength() == 1}
+
+
 DEGENERATE_SPAN = 1e-6  # a calibrated range narrower than this (a tensor constant on every sample) is widened
 
 

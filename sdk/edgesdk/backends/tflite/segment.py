@@ -38,7 +38,8 @@ def quantize_segment(job: QuantizeJob, *, cpu: bool = False) -> dict:
                           target=job.target, keep_float=job.keep_float, reference=reference,
                           log=lambda line: job.log(f"{stage}: {seg.id}: {line}"), cpu=cpu,
                           alternatives_dir=job.out_dir if job.alternatives else None,
-                          activations=dict(job.activations), model_inputs=tuple(job.model_inputs))
+                          activations=dict(job.activations), model_inputs=tuple(job.model_inputs),
+                          grids=dict(job.grids))
     want = job.samples[:ACCURACY_SAMPLES]
 
     measured: dict[str, dict] = {}

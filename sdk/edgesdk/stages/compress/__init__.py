@@ -64,6 +64,7 @@ from ...ir import model as irm
 from ...ir.calibration import LABELS, load_calibration, load_labelled, synthetic_warnings
 from ...ir.digest import tree_sha256
 from ...ir.memory import give_back
+from ...legalization.quantized import grids as quantized_grids
 from ...runtime.backends import open_runner
 from ...runtime.manifest import Segment, tensor_from_dict
 from ...scheduling.plan import Plan
@@ -123,6 +124,9 @@ def run(artifact: Path, ctx) -> dict:
     wanted = sorted({t for s in quantized for t in s.inputs + s.outputs} | set(plan.outputs))
     ctx.log(f"compress: running the float model on {len(samples)} calibration samples")
     acts = ort_backend.run_many(full, samples, wanted)  # one session: each holds the weights once more
+    grids = quantized_grids(full)  # the tensors a quantized model had rounded itself: they keep its grids
+    if grids:
+        record["calibration"]["model_grids"] = len(grids)
     del full  # each segment is read from its own file: the whole model is not held while TensorFlow converts
     give_back()  # and what the session freed goes back before the converter runs
     inputs = samples  # the model's: `samples` is each segment's own below
@@ -150,7 +154,7 @@ def run(artifact: Path, ctx) -> dict:
             segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
             method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto",
             activations={o: declared[o] for o in seg.outputs if o in declared},
-            model_inputs=tuple(i for i in seg.inputs if i in plan.inputs)))
+            model_inputs=tuple(i for i in seg.inputs if i in plan.inputs), grids=grids))
         record["segments"][seg.id] = entry
         for u in uses[1:]:
             rename = dict(zip(names, u.inputs + u.outputs))

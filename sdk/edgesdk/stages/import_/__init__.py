@@ -8,7 +8,8 @@ to --batch, other dynamic dimensions from --input-shape), the graph-level optimi
 declared output or value_info shape that contradicts the graph replaced, with a warning), IR
 version readable by onnxruntime. `import.json` names the inputs and outputs; the record counts nodes
 by op type before and after optimization and how often each rule fired. Converted formats also leave
-the converter's own output as `converted.onnx`, to compare in Netron.
+the converter's own output as `converted.onnx`, to compare in Netron; a quantized TFLite file itself as
+`source.tflite`, the reference its bundle's accuracy is judged against (LiteRT's int8 arithmetic).
 
 Steps: `frontends.import_model` (read or convert the file; fix the input shapes, freeze the
 --input-value inputs, upgrade the opset, infer shapes: `frontends.canonical`), `passes.optimize`,
@@ -18,6 +19,7 @@ Steps: `frontends.import_model` (read or convert the file; fix the input shapes,
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from ... import frontends, passes
 from ...errors import UserError
 from ...frontends.canonical import opset
 from ...ir import model as irm
+from ...ir.digest import file_sha256
 
 OPTIONS = ("input_shapes", "input_values", "batch")
 READS = ()  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -50,9 +53,21 @@ def run(model_path: Path, ctx) -> dict:
                         "an output cut at a shape computation (onnx.utils.extract_model at a Shape/Concat, say) "
                         "folds to a constant: choose outputs that depend on the input values")
     irm.save(model, ctx.out / "model.onnx")
+    _keep_quantized_tflite(model_path, imported, io["source"]["sha256"], ctx.out)
     (ctx.out / "import.json").write_text(json.dumps(io, indent=2) + "\n")
     ctx.log(_summary(optimized))
     return _record(imported, model, optimized, io, optimize_s=time.perf_counter() - t0 - imported.convert_s)
+
+
+def _keep_quantized_tflite(model_path: Path, imported, sha256: str, out: Path) -> None:
+    """A quantized TFLite model's file, kept as `frontends.OWN_TFLITE` where it is still the file imported (`sha256`): its own int8 arithmetic is LiteRT's, which onnxruntime's kernels for the
+    converted QDQ graph round differently, and the bundle is judged against what the model computes."""
+    quantized = {"QuantizeLinear", "DequantizeLinear"} & set(imported.nodes_source)
+    if imported.source["format"] != "tflite" or not quantized or not Path(model_path).is_file():
+        return
+    shutil.copyfile(model_path, out / frontends.OWN_TFLITE)
+    if file_sha256(out / frontends.OWN_TFLITE) != sha256:  # changed since it was read: not the model imported
+        (out / frontends.OWN_TFLITE).unlink()
 
 
 def _summary(optimized: dict) -> str:
