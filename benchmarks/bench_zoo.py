@@ -18,8 +18,10 @@ GPU is present, else it is recorded as not run). Each cell records:
   the output is a classifier's); arm_2tpu, the build's own accuracy report (int8 against fp32 on samples it
   held out of the calibration set, per output), and whether the target's accuracy gate passed.
 
-The x86 bundle's time against onnxruntime is `x86-latency`'s question (interleaved fresh processes); the
-zoo does not time.
+- x86: the bundle's time against onnxruntime, as benchmarks/bench_cpu.py times them (each alone in a fresh
+  process, in turn, 3 rounds of 20 inferences after 5, 2 threads, the median; ZOO_TIME_ROUNDS=0 skips it):
+  onnxruntime on the user's ONNX file, or on the import's ONNX for a Keras or TFLite model. Timings on a
+  shared 2-core host: run the zoo alone.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ TARGETS = ("x86", "arm_2tpu", "rtx3090")
 CALIB, HELD_OUT = 32, 8
 BUILD_TIMEOUT = int(os.environ.get("ZOO_BUILD_TIMEOUT", 1200))
 EDGESDK = [sys.executable, "-m", "edgesdk"]
+# the x86 bundle against onnxruntime (ZOO_TIME_ROUNDS=0: not timed)
+TIME_ROUNDS = int(os.environ.get("ZOO_TIME_ROUNDS", 3))
+TIME_RUNS, WARMUP, TIME_THREADS = 20, 5, 2
 
 
 def prepare(name: str) -> dict:
@@ -128,6 +133,8 @@ def cell(name: str, target: str) -> dict:
             row["verify_error"] = " ".join(said[-2:])[:300]
     if target == "x86":
         row["agreement"] = _x86_agreement(out, work / "held-out")
+        if row["verified"] is True and TIME_ROUNDS:
+            row["timing"] = _x86_timing(out, path, work / "held-out")
     else:
         row["agreement"] = _reported_accuracy(records)
     row["outcome"] = "ok" if row["verified"] is not False else "verify failed"
@@ -216,6 +223,75 @@ def _x86_agreement(out: Path, held: Path) -> dict:
             o["top1"] = float(np.mean(g.argmax(1) == w.argmax(1)))
         outputs[k] = o
     return {"samples": len(list(held.glob("*.npz"))), "outputs": outputs}
+
+
+ORT_CHILD = """
+import json, sys, time
+import numpy as np
+import onnxruntime as ort
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = int(sys.argv[3])
+opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+session = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
+feeds = dict(np.load(sys.argv[2]))
+feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+laps = []
+for k in range(WARMUP + int(sys.argv[4])):
+    t0 = time.perf_counter()
+    session.run(None, feeds)
+    if k >= WARMUP:
+        laps.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(laps))
+"""
+
+
+def _x86_timing(out: Path, source: Path, held: Path) -> dict:
+    """The bundle against onnxruntime as benchmarks/bench_cpu.py times them: each alone in a fresh process of
+    its own, in turn, TIME_ROUNDS rounds of TIME_RUNS inferences after WARMUP, on a held-out sample; 2 threads
+    each; the median of every inference. onnxruntime runs the user's file where it is an ONNX file that takes
+    the sample, else the import's ONNX (a Keras or TFLite model converted by tf2onnx, or an input frozen)."""
+    import statistics
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgesdk.runtime.manifest import Manifest
+    from edgesdk.timing import measure_alone
+
+    feed = dict(np.load(sorted(held.glob("*.npz"))[0]))
+    reference = out / ".build" / "1-import" / "model.onnx"
+    if source.suffix == ".onnx":
+        names = {i.name for i in ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).get_inputs()}
+        reference = source if names <= set(feed) else reference
+    bundle = out / "bundle"
+    wanted = {t.name for t in Manifest.load(bundle).inputs}
+    feeds = out / "timing-feeds.npz"
+    np.savez(feeds, **feed)
+    bundle_feeds = out / "timing-bundle-feeds.npz"
+    np.savez(bundle_feeds, **{k: v for k, v in feed.items() if k in wanted})
+    env = {**os.environ, "EDGESDK_NUM_THREADS": str(TIME_THREADS), "TVM_NUM_THREADS": str(TIME_THREADS)}
+    os.environ.update(EDGESDK_NUM_THREADS=str(TIME_THREADS), TVM_NUM_THREADS=str(TIME_THREADS))
+
+    def ort_alone() -> list[float]:
+        done = subprocess.run([sys.executable, "-c", ORT_CHILD.replace("WARMUP", str(WARMUP)), str(reference),
+                               str(feeds), str(TIME_THREADS), str(TIME_RUNS)],
+                              capture_output=True, text=True, check=True, env=env)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    calls = {"onnxruntime": ort_alone,
+             "bundle": lambda: measure_alone(bundle, bundle_feeds, warmup=WARMUP, runs=TIME_RUNS)}
+    laps: dict[str, list[float]] = {k: [] for k in calls}
+    try:
+        for _ in range(TIME_ROUNDS):
+            for label, call in calls.items():
+                laps[label] += call()
+    except (subprocess.CalledProcessError, RuntimeError) as e:
+        return {"error": (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1][:300]}
+    med = {k: statistics.median(v) for k, v in laps.items()}
+    return {"bundle_ms": round(med["bundle"], 3), "onnxruntime_ms": round(med["onnxruntime"], 3),
+            "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
+            "onnxruntime_on": "the model file" if reference == source else "the imported ONNX",
+            "runs": TIME_RUNS * TIME_ROUNDS, "threads": TIME_THREADS}
 
 
 def _child(args: list[str]) -> dict:
@@ -353,6 +429,12 @@ def rates(rows: list[dict]) -> list[str]:
         lines.append(f"{t}: {ok}/{len(cells)} built and verified ({100 * ok / len(cells):.0f} %), {refused} refused "
                      f"with a typed error, {internal} internal errors, {len(cells) - ok - refused - internal} other; "
                      f"by family: {by_family}")
+    timed = [r["timing"] for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
+    if timed:
+        ratios = sorted(t["bundle_over_ort"] for t in timed)
+        lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime median "
+                     f"{ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; slower by more than "
+                     f"10 %: {sum(x > 1.1 for x in ratios)}")
     return lines
 
 
@@ -365,8 +447,8 @@ def table(rows: list[dict], made: dict | None = None) -> str:
     for r in rows:
         by_model.setdefault(r["model"], {"family": r["family"]})[r["target"]] = r
     targets = [t for t in TARGETS if any(t in v for v in by_model.values())]
-    lines = ["| family | model | " + " | ".join(targets) + " | arm_2tpu: TPU ops before → after legalize; "
-             "predicted ms (Coral default) |", "|---|---|" + "---|" * len(targets) + "---|"]
+    lines = ["| family | model | " + " | ".join(targets) + " | x86 bundle / onnxruntime (ms) | arm_2tpu: TPU ops "
+             "before → after legalize; predicted ms (Coral default) |", "|---|---|" + "---|" * len(targets) + "---|---|"]
     for name, v in by_model.items():
         if (made or {}).get(name, {}).get("degenerate"):
             name = f"{name} (degenerate: fp32 outputs {made[name]['fp32_scale']:.2g}, alike for every input)"
@@ -379,7 +461,10 @@ def table(rows: list[dict], made: dict | None = None) -> str:
         if "tpu_ops_before" in arm:
             tpu = (f"{100 * arm['tpu_ops_before']:.0f} % → {100 * arm.get('tpu_ops_after', 0):.0f} %; "
                    f"{_ms(arm.get('latency_ms'))} ({_ms(arm.get('coral_default_ms'))})")
-        lines.append(f"| {v['family']} | {name} | " + " | ".join(cells) + f" | {tpu} |")
+        timing = (v.get("x86") or {}).get("timing") or {}
+        timed = ("" if not timing else f"timing failed: {timing['error']}" if "error" in timing else
+                 f"**{timing['bundle_over_ort']:.2f}** ({_ms(timing['bundle_ms'])} / {_ms(timing['onnxruntime_ms'])})")
+        lines.append(f"| {v['family']} | {name} | " + " | ".join(cells) + f" | {timed} | {tpu} |")
     return "\n".join(lines)
 
 
