@@ -225,24 +225,6 @@ def _x86_agreement(out: Path, held: Path) -> dict:
     return {"samples": len(list(held.glob("*.npz"))), "outputs": outputs}
 
 
-ORT_CHILD = """
-import json, sys, time
-import numpy as np
-import onnxruntime as ort
-opts = ort.SessionOptions()
-opts.intra_op_num_threads = int(sys.argv[3])
-opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-session = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
-feeds = dict(np.load(sys.argv[2]))
-feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
-laps = []
-for k in range(WARMUP + int(sys.argv[4])):
-    t0 = time.perf_counter()
-    session.run(None, feeds)
-    if k >= WARMUP:
-        laps.append((time.perf_counter() - t0) * 1e3)
-print(json.dumps(laps))
-"""
 
 
 def _x86_timing(out: Path, source: Path, held: Path) -> dict:
@@ -255,6 +237,7 @@ def _x86_timing(out: Path, source: Path, held: Path) -> dict:
     import numpy as np
     import onnxruntime as ort
 
+    from bench_cpu import ORT_CHILD  # the same onnxruntime child: 5 warm-up runs, then the timed ones
     from edgesdk.runtime.manifest import Manifest
     from edgesdk.timing import measure_alone
 
@@ -273,7 +256,7 @@ def _x86_timing(out: Path, source: Path, held: Path) -> dict:
     os.environ.update(EDGESDK_NUM_THREADS=str(TIME_THREADS), TVM_NUM_THREADS=str(TIME_THREADS))
 
     def ort_alone() -> list[float]:
-        done = subprocess.run([sys.executable, "-c", ORT_CHILD.replace("WARMUP", str(WARMUP)), str(reference),
+        done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(reference),
                                str(feeds), str(TIME_THREADS), str(TIME_RUNS)],
                               capture_output=True, text=True, check=True, env=env)
         return json.loads(done.stdout.strip().splitlines()[-1])
