@@ -412,6 +412,17 @@ def rates(rows: list[dict]) -> list[str]:
         lines.append(f"{t}: {ok}/{len(cells)} built and verified ({100 * ok / len(cells):.0f} %), {refused} refused "
                      f"with a typed error, {internal} internal errors, {len(cells) - ok - refused - internal} other; "
                      f"by family: {by_family}")
+    arm = [r for r in rows if r["target"] == "arm_2tpu" and r.get("outcome") == "ok"]
+    capable = [r for r in arm if r.get("tpu_ops_after", 0) >= 0.999]
+    idle = [r["model"] for r in capable if not any(k.startswith("edgetpu") for k in (r.get("placement") or {}))]
+    worse = [r["model"] for r in arm if r.get("latency_ms") and r.get("coral_default_ms")
+             and r["latency_ms"] > r["coral_default_ms"] * 1.0001]
+    if arm:
+        lines.append(f"arm_2tpu goals: of {len(capable)} built models whose every op the Edge TPU runs after legalize, "
+                     f"{len(capable) - len(idle)} land on an Edge TPU" + (f" ({', '.join(idle)}: the accuracy remedy "
+                                                                        "kept every node in float on the CPU)" if idle else "")
+                     + f"; predicted latency worse than Coral's default on the model as imported: {len(worse)}"
+                     + (f" ({', '.join(worse)})" if worse else ""))
     timed = [r["timing"] for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
     if timed:
         ratios = sorted(t["bundle_over_ort"] for t in timed)
