@@ -180,3 +180,17 @@ def test_a_probe_round_is_said_once_not_node_by_node():
     assert first == ("kept in float on the cpu: a (round 1: saturation, 20.0% of its range lost there on edgetpu:0); "
                      "5 node(s) (b, c, d, e, ...; round 2, end to end: with s2 (5 nodes) in float and every other "
                      "segment int8, the gate: within the gate)")
+
+
+def test_a_remedy_that_left_nothing_on_an_accelerator_says_so(tmp_path):
+    """Kept in float everywhere by the remedy, a bundle passes the gate as the CPU's model: the build warns, naming
+    the rounds and what to do; a plan that still uses an accelerator says nothing."""
+    from edgesdk.pipeline import _warn_all_on_cpu
+
+    said = []
+    for devices in (["cpu", "cpu"], ["cpu", "edgetpu:0"]):
+        (tmp_path / "plan.json").write_text(json.dumps({"segments": [{"device": d} for d in devices]}))
+        _warn_all_on_cpu(tmp_path, 3, said.append)
+    assert len(said) == 1 and said[0].startswith("warning: the accuracy remedy kept every node in float on the CPU "
+                                                 "(3 round(s)): no accelerator runs any of this model")
+    assert "--accept-accuracy-loss" in said[0] and "--calib" in said[0]

@@ -193,12 +193,26 @@ def build(options: BuildOptions, *, log: Callable[[str], None] = lambda s: None,
     while True:
         try:
             result = _build(options, log=once, on_stage=on_stage, progress=progress, stamp=stamp, replay=replay)
+            if options.remedy and result.bundle is not None:
+                _warn_all_on_cpu(result.bundle, len(options.remedy), once)
             return dataclasses.replace(result, options=options)
         except GateFailure as e:
             remedied = _remedy(options, e, once)
             if remedied is None:
                 raise
             options = remedied
+
+
+def _warn_all_on_cpu(bundle: Path, rounds: int, log: Callable[[str], None]) -> None:
+    """A bundle the accuracy remedy left with no node on an accelerator is said to be one, loudly: it passes
+    the gate only as the CPU's float model (a random-weight MobileNetV3-large lost so much in int8 anywhere
+    that three rounds moved all 219 nodes)."""
+    plan = json.loads((bundle / "plan.json").read_text())
+    if all(seg["device"] == "cpu" for seg in plan["segments"]):
+        log(f"warning: the accuracy remedy kept every node in float on the CPU ({rounds} round(s)): no accelerator "
+            "runs any of this model, the bundle is the CPU's alone; int8 missed the accuracy gate wherever it ran: "
+            "calibrate on more inputs like the deployed ones (--calib), or publish the int8 plan with "
+            "--accept-accuracy-loss (--no-accuracy-remedy keeps the first plan)")
 
 
 def _remedy(options: BuildOptions, failure, log: Callable[[str], None]) -> BuildOptions | None:
