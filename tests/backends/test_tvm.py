@@ -337,6 +337,37 @@ def test_cuda_compiles_without_a_gpu(tmp_path):
     assert library.read_bytes().count(b'extern "C" __global__') >= result.tasks
 
 
+def test_cuda_kernels_keep_within_a_blocks_static_shared_memory(tmp_path):
+    """A MobileNetV3 stem: a convolution whose output HardSwish reads twice (x * clip(x + 3, 0, 6) / 6), then the
+    Pad before a depthwise convolution, all one fused function. dlight's GeneralReduction staged the whole
+    convolution output, 16 x 112 x 112 floats (784 KiB), in shared memory, and ptxas refused the library
+    (48 KiB is every CUDA architecture's static limit): the next rule schedules such a function. Read from the
+    kernels' CUDA source the library carries, so it holds where nvcc is not installed."""
+    import re
+
+    rng = np.random.default_rng(1)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[0, 0, 1, 1], strides=[2, 2]),
+         helper.make_node("Add", ["conv", "three"], ["shifted"]),
+         helper.make_node("Clip", ["shifted", "zero", "six"], ["clipped"]),
+         helper.make_node("Mul", ["clipped", "sixth"], ["gate"]),
+         helper.make_node("Mul", ["conv", "gate"], ["act"]),
+         helper.make_node("Pad", ["act", "pads"], ["padded"]),
+         helper.make_node("Conv", ["padded", "dw", "db"], ["y"], strides=[2, 2], group=16)],
+        {"x": (1, 3, 224, 224)}, ["y"],
+        {"w": rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32),
+         "dw": rng.standard_normal((16, 1, 3, 3)).astype(np.float32), "db": rng.standard_normal(16).astype(np.float32),
+         "three": np.full((1, 1, 1, 1), 3, np.float32), "zero": np.array(0, np.float32),
+         "six": np.array(6, np.float32), "sixth": np.array(1 / 6, np.float32)})
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), "pads"))
+    tvm_backend.compile_onnx(model, CUDA, tmp_path / "k.so")
+    source = (tmp_path / "k.so").read_bytes().decode("latin-1")
+    sizes = {"float": 4, "half": 2, "int": 4, "char": 1, "signed char": 1}
+    shared = [sizes.get(t, 8) * int(n) for t, n in re.findall(r"__shared__ (?:__align__\(\d+\) )?([a-z ]+?) \w+\[(\d+)\]", source)]
+    assert source.count('extern "C" __global__') >= 1
+    assert max(shared, default=0) <= 48 * 1024, sorted(shared)[-3:]
+
+
 def test_dynamic_input_is_a_user_error(tmp_path):
     model = conv_graph()
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"

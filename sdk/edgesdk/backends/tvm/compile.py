@@ -11,6 +11,7 @@ aarch64 library did not link.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
@@ -240,7 +241,11 @@ def _check_cuda_kernels(executable: Any, arch: str) -> None:
             command = [nvcc, "--cubin", "-O3", f"-arch=sm_{sm}", "-o", str(cu.with_suffix(".cubin")), str(cu)]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                raise RuntimeError(f"nvcc rejects TVM's CUDA kernels for sm_{sm}:\n{done.stderr[-2000:]}")
+                # nvcc's errors, each with the lines after it, not its warnings (thousands, of unused variables)
+                lines = done.stderr.splitlines()
+                errors = ["\n".join(lines[k:k + 3]) for k, line in enumerate(lines) if re.search(r"\berror\b", line)]
+                raise RuntimeError(f"nvcc rejects TVM's CUDA kernels for sm_{sm}:\n"
+                                   + ("\n".join(errors[:5]) or done.stderr[-2000:]))
 
 
 def _module_tree(module: Any):

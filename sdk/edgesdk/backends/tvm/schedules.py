@@ -24,14 +24,17 @@ def _gpu_default_schedules(mod: Any) -> Any:
     A GPU kernel without thread bindings does not compile, so nothing may stay
     unscheduled. Rules are tried per function, most specific first: a rule whose pattern
     matches may still fail to schedule a fused function (dlight's Matmul asserts on a
-    conv2d fused with a clip, as in MobileNetV2), and then the next rule gets it;
-    `Fallback` schedules any function.
+    conv2d fused with a clip, as in MobileNetV2), and then the next rule gets it, as it does
+    where a rule's blocks allocate more static shared memory than the target's block may
+    (`_shared_bytes`); `Fallback` schedules any function, with none.
     """
     import tvm
     from tvm import tirx
     from tvm.s_tir import dlight as dl
 
     rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    limit = int(tvm.target.Target.current().attrs.get("max_shared_memory_per_block", 49152)) \
+        if tvm.target.Target.current() is not None else 49152
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", False):
             continue
@@ -40,10 +43,37 @@ def _gpu_default_schedules(mod: Any) -> Any:
                 scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({gvar: func}))[gvar]
             except Exception:  # noqa: BLE001 -- dlight asserts where a rule does not fit
                 continue
-            if scheduled.attrs.get("tirx.is_scheduled", False):
-                mod[gvar] = scheduled
-                break
+            if not scheduled.attrs.get("tirx.is_scheduled", False):
+                continue
+            if _shared_bytes(scheduled.body) > limit:  # ptxas refuses the kernel: the next rule gets it
+                continue
+            mod[gvar] = scheduled
+            break
     return mod
+
+
+def _shared_bytes(stmt: Any) -> int:
+    """The static shared memory a scheduled function's blocks allocate, in bytes. dlight's GeneralReduction
+    stages a reduction's whole output in shared memory where the function goes on past it: a convolution
+    fused with the Pad after it (a MobileNetV3's) took 16 x 112 x 112 floats, 784 KiB, and ptxas refused
+    the library (48 KiB is the static limit of every CUDA architecture)."""
+    if stmt is None:
+        return 0
+    if isinstance(stmt, (list, tuple)) or type(stmt).__name__ == "Array":
+        return sum(_shared_bytes(s) for s in stmt)
+    total = 0
+    for buffer in getattr(stmt, "alloc_buffers", None) or ():
+        if buffer.scope().startswith("shared"):
+            total += math.prod(int(d) for d in buffer.shape) * ((_bits(buffer.dtype) + 7) // 8)
+    for field in ("body", "seq", "block", "init", "then_case", "else_case"):
+        total += _shared_bytes(getattr(stmt, field, None))
+    return total
+
+
+def _bits(dtype: Any) -> int:
+    import tvm
+
+    return tvm.runtime.DataType(str(dtype)).bits
 
 
 # MetaSchedule sizes parallel loops by the target's core count (16 jobs per core at most).
