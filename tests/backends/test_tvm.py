@@ -368,6 +368,22 @@ def test_cuda_kernels_keep_within_a_blocks_static_shared_memory(tmp_path):
     assert max(shared, default=0) <= 48 * 1024, sorted(shared)[-3:]
 
 
+def test_cuda_kernels_take_names_with_slashes(tmp_path):
+    """tf2onnx names tensors after TensorFlow's ops ("model/block_3/convolution;.../sub"), and a segment input's name
+    became a CUDA kernel's parameter as it was: nvcc refused `float* model/block/w_ptr`. While TVM imports, every
+    name is a C identifier; afterwards the model has its own names again."""
+    model = _model([helper.make_node("Conv", ["in/x;0", "net/block_3/w:0"], ["net/conv;relu"], name="net/conv", pads=[1, 1, 1, 1]),
+                    helper.make_node("Relu", ["net/conv;relu"], ["out/y"], name="net/relu")],
+                   {"in/x;0": (1, 3, 16, 16), "net/block_3/w:0": (8, 3, 3, 3)}, ["out/y"], {})
+    before = model.SerializeToString()
+    result = tvm_backend.compile_onnx(model, CUDA, tmp_path / "k.so")  # nvcc, where installed, accepts it
+    assert model.SerializeToString() == before
+    assert [t.name for t in result.inputs] == ["in/x;0", "net/block_3/w:0"] and [t.name for t in result.outputs] == ["out/y"]
+    source = (tmp_path / "k.so").read_bytes().decode("latin-1")
+    kernels = [line for line in source.splitlines() if '__global__' in line]
+    assert kernels and not any("/" in line for line in kernels) and "net_block_3_w_0_ptr" in source, kernels[:2]
+
+
 def test_dynamic_input_is_a_user_error(tmp_path):
     model = conv_graph()
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"

@@ -233,3 +233,24 @@ def test_a_missed_task_goal_is_not_published_and_names_the_culprits_unless_accep
     met = {**accuracy, "task": _ocr_task(met=True)}
     assert judge_task(met, plan, options, SYNTHETIC, search=lambda failures: pytest.fail("searched"),
                       warn=warnings.append) is met
+
+
+def test_a_model_quantized_itself_is_held_to_the_gate_wherever_it_runs():
+    """A full-int8 TFLite model on a GPU or CPU plan runs its own Q/DQ graph: TVM's QuantizeLinear rounds a tie
+    otherwise than onnxruntime's, and an int8 step moved early moves a deep network's answer far past the float
+    tolerance (a MobileNetV2 by 0.97 of its largest magnitude, its top-1 the same): judged by the gate, not
+    refused as a wrong kernel."""
+    plan = _plan(("gpu:0", "tvm"))
+    with pytest.raises(UserError) as err:
+        _judged(_detector(0.99), plan)  # the float plan of a float model: a wrong kernel
+    assert err.value.code == "package.float-mismatch"
+    lines, warnings = [], []
+    out = _judge(_detector(0.99), plan, lines.append, target=TARGET, calibration=REAL, warn=warnings.append,
+                 options=SimpleNamespace(accept_accuracy_loss=False, calib_method="minmax", calib_percentile=99.99),
+                 search=lambda failures: [], int8_model=True)
+    assert out["gate"]["passed"] is True
+    with pytest.raises(UserError) as err:
+        _judge(_detector(0.5), plan, lines.append, target=TARGET, calibration=REAL, warn=warnings.append,
+               options=SimpleNamespace(accept_accuracy_loss=False, calib_method="minmax", calib_percentile=99.99),
+               search=lambda failures: [], int8_model=True)
+    assert err.value.code == "accuracy.gate"

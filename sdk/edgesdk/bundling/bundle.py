@@ -98,7 +98,13 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     held_out = held is not calibrated  # a single sample is both
     held = held[:golden.ACCURACY_SAMPLES]
     declared = accuracy_views.declared(options)  # outputs the user's code reads through an activation
-    own = src.imported / OWN_TFLITE  # a quantized TFLite model: judged against LiteRT running it
+    # a quantized model (Q/DQ nodes: a full-int8 TFLite file, an onnxruntime-quantized ONNX) computes in int8
+    # wherever it runs: its bundle is held to the accuracy gate, not to float's tolerance (TVM's QuantizeLinear
+    # rounds a tie otherwise than onnxruntime's, and a step moved early in a deep network moves its answer), and
+    # a TFLite file's reference is LiteRT running it
+    int8_model = bool(json.loads((src.imported / "record.json").read_text()).get("nodes_after", {})
+                      .get("QuantizeLinear"))
+    own = src.imported / OWN_TFLITE
     own = own if own.is_file() and not pruned else None
     if own is not None:
         name = f"the imported {imported['source']['format']} file (its own int8 arithmetic)"
@@ -106,6 +112,7 @@ def package(src: Sources, target, options, out: Path, *, log: Callable[[str], No
     del host_model  # released by `accuracy`
     try:
         accuracy = _judge(accuracy, shipped.plan, log, target=target, options=options, calibration=calibration,
+                          int8_model=int8_model,
                           warn=warn, search=lambda failures: _culprits(src, reference, held, log, declared))
         if shipped.plan.keep_on_cpu:  # nodes kept in float on the CPU: what moved which figure, at what latency
             accuracy = {**accuracy, "remedy": gate.remedy(shipped.plan.keep_on_cpu, accuracy)}
@@ -409,12 +416,13 @@ def _cpu_int8(src: Sources) -> dict:
 
 
 def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibration: dict | None = None,
-           warn=None, search=None) -> dict:
+           warn=None, search=None, int8_model: bool = False) -> dict:
     """Log the bundle's accuracy against the fp32 model, and refuse a bundle that is off it where nothing
     excuses it (no bundle is published then); returns the accuracy record with the verdict:
 
-    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU), every output part must
-      reach the target's accuracy gate (bundling/gate.py), or the user accepts the loss;
+    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU, or a model quantized itself:
+      `int8_model`), every output part must reach the target's accuracy gate (bundling/gate.py), or the user
+      accepts the loss;
     - with none, every output must agree within the tolerance the tune stage's check of float candidates
       allows (`selection.TOLERANCE` of its largest magnitude): a float plan that does not has a wrong
       kernel or a wrong tuning record."""
@@ -422,7 +430,7 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
 
     quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
     n = accuracy["samples"]
-    if quantized:  # judged by part: one cosine over a whole output hides its scores behind its boxes
+    if quantized or int8_model:  # judged by part: one cosine over a whole output hides its scores behind its boxes
         return gate.judge(accuracy, plan, target, options, calibration or {}, search=search or (lambda f: []),
                           log=log, warn=warn or log)
     for name, a in accuracy["tensors"].items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import re
 import warnings
 from typing import Any
 
@@ -108,7 +109,7 @@ def _import(model: onnx.ModelProto) -> Any:
             hint="fix the input shapes at import, e.g. --input-shape x=1x3x224x224",
         )
     try:
-        with warnings.catch_warnings(), _importer_reads_weights_in_place():
+        with warnings.catch_warnings(), _importer_reads_weights_in_place(), _c_names(model):
             # the importer warns once per tensor name with a dot in it ("Renaming name ..."): noise
             warnings.filterwarnings("ignore", message="Renaming name")
             return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
@@ -120,6 +121,51 @@ def _import(model: onnx.ModelProto) -> Any:
             f"tvm's onnx importer cannot convert this segment: {exc}",
             hint="place these ops on the onnxruntime backend",
         ) from exc
+
+
+@contextlib.contextmanager
+def _c_names(model: onnx.ModelProto):
+    """While TVM imports `model`, its nodes and tensors are named as C identifiers: the importer renames a name
+    with a dot, but not one with a slash, and a segment input's name becomes a CUDA kernel's parameter as it is
+    (`.../convolution_dequant_ptr`: nvcc refused an int8 TFLite model's kernels). The names are given back
+    afterwards (the segment's interface is read from them, by position)."""
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        yield  # a subgraph reads outer names: they stay as they are
+        return
+    names = {n for node in graph.node for n in (*node.input, *node.output) if n} | {t.name for t in graph.initializer} \
+        | {v.name for v in (*graph.input, *graph.output)}
+    taken = set(names)
+    renamed: dict[str, str] = {}
+    for name in sorted(names):
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            continue
+        new = base = re.sub(r"[^A-Za-z0-9_]", "_", name if name[:1].isalpha() else f"t_{name}")
+        k = 1
+        while new in taken:
+            new, k = f"{base}_{k}", k + 1
+        taken.add(new)
+        renamed[name] = new
+
+    def rename(mapping: dict[str, str]) -> None:
+        for node in graph.node:
+            node.input[:] = [mapping.get(n, n) for n in node.input]
+            node.output[:] = [mapping.get(n, n) for n in node.output]
+        for t in graph.initializer:
+            t.name = mapping.get(t.name, t.name)
+        for v in (*graph.value_info, *graph.input, *graph.output):
+            v.name = mapping.get(v.name, v.name)
+
+    rename(renamed)
+    node_names = [node.name for node in graph.node]
+    for node in graph.node:  # the importer names values it makes after their node
+        node.name = re.sub(r"[^A-Za-z0-9_]", "_", node.name) if node.name else node.name
+    try:
+        yield
+    finally:
+        rename({new: old for old, new in renamed.items()})
+        for node, name in zip(graph.node, node_names):
+            node.name = name
 
 
 @contextlib.contextmanager
