@@ -42,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "sdk"), str(ROOT / "benchmarks")]
 import _results  # noqa: E402
 import zoo_models  # noqa: E402
 from edgesdk.ir.digest import file_sha256  # noqa: E402
+from edgesdk.runtime.backends.ort_runner import WRONG_FUSIONS  # noqa: E402
 
 WORK = ROOT / ".cache" / "zoo-runs"
 TARGETS = ("x86", "arm_2tpu", "rtx3090")
@@ -81,7 +82,7 @@ def _fp32_spread(path: Path, held: Path) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"], disabled_optimizers=WRONG_FUSIONS)
     names = {i.name for i in session.get_inputs()}
     if not names <= set(np.load(next(held.glob("*.npz"))).files):  # an input the build freezes (a sample rate)
         return {}
@@ -202,7 +203,8 @@ def _x86_agreement(out: Path, held: Path) -> dict:
 
     import edgesdk
 
-    reference = ort.InferenceSession(str(out / ".build" / "1-import" / "model.onnx"), providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(str(out / ".build" / "1-import" / "model.onnx"), providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=WRONG_FUSIONS)  # the model's own answer
     names = [i.name for i in reference.get_inputs()]
     got_all, want_all = {}, {}
     with edgesdk.Bundle.open(out / "bundle") as bundle:

@@ -159,7 +159,10 @@ def onnxruntime_session(model: onnx.ModelProto, opts=None, *, outputs: list[onnx
     arrays = [array(t) for t in weights]  # a mapped weight: a view of its file, which onnxruntime reads in place
     if weights:
         opts.add_external_initializers([t.name for t in weights], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
-    session = ort.InferenceSession(shell.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    from ..runtime.backends.ort_runner import WRONG_FUSIONS
+
+    session = ort.InferenceSession(shell.SerializeToString(), opts, providers=["CPUExecutionProvider"],
+                                   disabled_optimizers=WRONG_FUSIONS)
     session.edgesdk_weights = arrays  # onnxruntime reads them in place
     return session
 

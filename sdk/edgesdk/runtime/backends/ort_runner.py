@@ -11,6 +11,13 @@ import numpy as np
 
 from ..manifest import ManifestError, Segment
 
+# onnxruntime's rewrite rules that change what a model computes, switched off in every session edgesdk opens:
+# Pad_Fusion folds a Pad into the MaxPool after it as the pool's own padding, which MaxPool fills with -inf,
+# not with the Pad's 0, so a window whose values are all negative reads 0 as itself (ResNet50V2's stem, a
+# zero Pad before its MaxPool on pre-activation values: off by 0.78 at the borders, with every optimization
+# level but none). The fusion saves a copy; without it a Pad runs as its own op.
+WRONG_FUSIONS = ["Pad_Fusion"]
+
 
 class OrtRunner:
     def __init__(self, bundle: Path, segment: Segment, threads: int = 0, *, spinning: bool = False):
@@ -25,7 +32,8 @@ class OrtRunner:
         if not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(bundle / segment.artifact), opts, providers=["CPUExecutionProvider"],
+                                                disabled_optimizers=WRONG_FUSIONS)
         except Exception as e:  # onnxruntime's own exception types: the artifact is not a model it loads
             said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ManifestError(f"segment {segment.id}: {segment.artifact} is not a model onnxruntime loads "
