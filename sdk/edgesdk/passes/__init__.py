@@ -9,7 +9,8 @@ inferred again.
 The rule families run in this order, each rule over the whole model (subgraphs included), and the
 sequence repeats until a round fires nothing (at most `MAX_ROUNDS`):
 
-1. no-op elimination             (`identity`: x*1, x+0, Dropout, no-op Reshape/Transpose/Cast/Expand, Identity)
+1. no-op elimination             (`identity`: x*1, x+0, Dropout, no-op Reshape/Transpose/Cast/Expand, Identity;
+                                  `pooling`: a pool's window cut to the padded input it reads)
 2. constant folding              (`constant_folding`: onnxscript's folder, constants lifted)
 3. loop unrolling                (`loops`: Loop with a small constant trip count -> copies of its body)
 4. BatchNormalization folding    (`batchnorm`: into Conv, ConvTranspose, Gemm; inference mode only)
@@ -33,7 +34,7 @@ import logging
 import onnx
 import onnx_ir as ir
 
-from . import (batchnorm, constant_folding, conv_bias_activation, elementwise, identity, loops, redundancy, reshape,
+from . import (batchnorm, constant_folding, conv_bias_activation, elementwise, identity, loops, pooling, redundancy, reshape,
                transpose)
 from ..ir import model as irm
 from ..ir.model import op_counts
@@ -42,6 +43,7 @@ from .rule import MAX_ROUNDS, Rule, fixed_point  # noqa: F401 (MAX_ROUNDS: part 
 
 RULES: tuple[Rule, ...] = (
     *identity.RULES,
+    *pooling.RULES,
     *constant_folding.RULES,
     *loops.RULES,
     *batchnorm.RULES,
