@@ -238,8 +238,8 @@ HF_VISION = [
     _vision("hf-cvt-13", _c("CvtConfig"), "CvtForImageClassification", 224, bn=True),
     _vision("hf-focalnet-tiny", _c("FocalNetConfig"), "FocalNetForImageClassification", 224),
     _vision("hf-bit-50", _c("BitConfig"), "BitForImageClassification", 224),
-    _vision("hf-efficientformer-l1", _c("EfficientFormerConfig"), "EfficientFormerForImageClassification", 224,
-            bn=True),
+    # transformers 5 has no EfficientFormer: SwiftFormer, its successor (efficient additive attention, BatchNorm)
+    _vision("hf-swiftformer-xs", _c("SwiftFormerConfig"), "SwiftFormerForImageClassification", 224, bn=True),
     _vision("hf-glpn-depth", _c("GLPNConfig"), "GLPNForDepthEstimation", 256, outputs=("predicted_depth",)),
 ]
 

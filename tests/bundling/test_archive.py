@@ -56,3 +56,11 @@ def test_small_weights_are_compressed_with_the_rest(tmp_path):
     weights = (bundle / "segments" / "s0.onnx.data").read_bytes()
     assert weights[4096:8192] not in dest.read_bytes()
     assert _members(dest)["bundle/segments/s0.onnx.data"] == weights
+
+
+def test_a_scalar_is_saved_as_a_scalar(tmp_path):
+    """A model's 0-d output (a golden value, a sample): np.ascontiguousarray made it shape (1,), and the self-test
+    would then compare a scalar with a vector."""
+    archive.savez(tmp_path / "g.npz", {"s": np.array(2.5, np.float32), "v": np.arange(3, dtype=np.float32)})
+    loaded = np.load(tmp_path / "g.npz")
+    assert loaded["s"].shape == () and float(loaded["s"]) == 2.5 and loaded["v"].shape == (3,)

@@ -244,3 +244,15 @@ print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "relax": "tvm.relax" 
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["runtime_only"] is True and facts["relax"] is False and facts["edgesdk"] is False
     assert_close(dict(np.load(tmp_path / "out.npz")), reference(model, feeds))
+
+
+def test_a_scalar_input_stays_a_scalar():
+    """A scalar that another segment computed (a DequantizeLinear of a scalar constant, on onnxruntime) reaches a
+    TVM segment as a 0-d array: np.ascontiguousarray made it 1-d and the runner refused it as shape (1,)."""
+    import numpy as np
+
+    from edgesdk.runtime.backends.tvm_runner import _checked
+    from edgesdk.runtime.manifest import TensorSpec
+
+    value = _checked({"s": np.array(0.5, np.float32)}, TensorSpec(name="s", shape=(), dtype="float32"), "s1")
+    assert value.shape == () and value.flags.c_contiguous

@@ -21,7 +21,7 @@ def savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         for name in sorted(arrays):
             buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+            np.lib.format.write_array(buf, np.asarray(arrays[name], order="C"), allow_pickle=False)  # 0-d stays 0-d
             z.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
 
 

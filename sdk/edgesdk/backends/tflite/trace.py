@@ -297,5 +297,5 @@ def _to_tf_layout(lowered: _Lowered, feed: dict[str, np.ndarray]) -> list[np.nda
             raise UserError("compress.calibration-shape",
                             f"calibration input {spec.name} has shape {x.shape}, the segment wants {spec.shape}",
                             "give calibration inputs in the model's own layout and shape")
-        sample.append(np.ascontiguousarray(np.transpose(x, _inv(spec.perm)) if spec.perm else x))
+        sample.append(np.asarray(np.transpose(x, _inv(spec.perm)) if spec.perm else x, order="C"))
     return sample

@@ -171,7 +171,7 @@ class TfliteRunner:
             y = dequantized(self._shared.outputs[spec.key], y)
         if spec.perm:
             y = np.transpose(y, spec.perm)
-        return np.ascontiguousarray(y)
+        return np.asarray(y, order="C")  # ascontiguousarray would make a 0-d output 1-d
 
 
 def quantized(detail: dict, x: np.ndarray) -> np.ndarray:
@@ -182,7 +182,7 @@ def quantized(detail: dict, x: np.ndarray) -> np.ndarray:
         scale, zero = detail["quantization"]
         info = np.iinfo(dtype)
         x = np.clip(np.round(x / scale + zero), info.min, info.max)
-    return np.ascontiguousarray(x, dtype)
+    return np.asarray(x, dtype, order="C")
 
 
 def dequantized(detail: dict, y: np.ndarray) -> np.ndarray:

@@ -336,7 +336,9 @@ def _load_cuda_plugin() -> None:
 def _checked(feeds: dict[str, np.ndarray], spec: TensorSpec, segment_id: str) -> np.ndarray:
     if spec.name not in feeds:
         raise KeyError(f"segment {segment_id} needs input {spec.name!r}, got {sorted(feeds)}")
-    value = np.ascontiguousarray(feeds[spec.name], dtype=spec.dtype)
+    # np.asarray, not np.ascontiguousarray, which makes a 0-d array 1-d: a scalar that another segment computed
+    # (a DequantizeLinear of a scalar constant) was refused as shape (1,)
+    value = np.asarray(feeds[spec.name], dtype=spec.dtype, order="C")
     if tuple(value.shape) != tuple(spec.shape):
         raise ValueError(
             f"segment {segment_id} input {spec.name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}"
