@@ -164,3 +164,28 @@ def test_pretrained_recognizer_compiles_with_fewer_reorders_and_the_same_answer(
     for xi in x:
         got, want = run(shipped, {"x": xi}, optimized=True)[0], run(m, {"x": xi}, optimized=True)[0]
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_a_convolutions_output_asked_for_before_the_add_it_feeds():
+    from onnx import TensorProto, numpy_helper
+
+    """onnxruntime's NCHWc layout transformer (ORT_ENABLE_ALL, x86) fuses a Conv with the Add after it even
+    where the Conv's output is asked for, and the session fails (NASNetMobile's tune stage: an internal
+    error); the build's reference runs ask for such tensors (every CPU segment's inputs and outputs). This small
+    pair of branches does not make onnxruntime 1.31 fuse so (NASNetMobile's own graph did: checked by its build);
+    it holds the reference runs to the values asked for."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    v = rng.standard_normal((16, 16, 1, 1)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Conv", ["x", "v"], ["d"]),
+         helper.make_node("Add", ["c", "d"], ["y"]), helper.make_node("Relu", ["y"], ["z"])], "two branches",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 16, 16, 16))],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, (1, 16, 16, 16))],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+    got = ort_backend.run_many(model, [{"x": x}], ["c", "d", "z"])[0]
+    assert got["c"].shape == (1, 16, 16, 16)
+    np.testing.assert_allclose(np.maximum(got["c"] + got["d"], 0), got["z"], rtol=1e-5, atol=1e-5)

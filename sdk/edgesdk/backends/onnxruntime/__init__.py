@@ -23,6 +23,12 @@ def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.Valu
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+    if outputs is not None:
+        # the NCHWc layout transformer (ORT_ENABLE_ALL) fuses a Conv with the Add after it even where the Conv's
+        # output is asked for: the session then fails ("Failed to find node output ... producing output",
+        # NASNetMobile's tune stage), and onnxruntime's retry loses the weights handed over. The values asked for
+        # are float either way; the layout only changes speed.
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     return irm.onnxruntime_session(model, opts, outputs=outputs)
 
 
