@@ -384,6 +384,25 @@ def test_cuda_kernels_take_names_with_slashes(tmp_path):
     assert kernels and not any("/" in line for line in kernels) and "net_block_3_w_0_ptr" in source, kernels[:2]
 
 
+def test_a_pool_window_past_its_input_runs_once_imported(tmp_path):
+    """transformers' EfficientNet pools its 7x7 features with AvgPool2d(2560, ceil_mode=True): TVM's CPU kernels
+    padded to the window (and with the window cut, to its stride) and died with std::bad_alloc. The import's
+    `clip-pool-window` gives TVM the window and stride the pool reads: the mean of the 49 cells."""
+    from edgesdk import passes
+
+    model = _model([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2560, 2560], strides=[2560, 2560],
+                                     ceil_mode=1, count_include_pad=1)], {"x": (1, 64, 7, 7)}, ["y"], {})
+    model = onnx.shape_inference.infer_shapes(model)
+    optimized, record = passes.optimize(model)
+    assert record["rules"]["clip-pool-window"] == 1
+    result = tvm_backend.compile_onnx(optimized, HOST, tmp_path / "pool.so")
+    segment = Segment(id="s0", device="cpu", backend="tvm", artifact="pool.so", inputs=result.inputs,
+                      outputs=result.outputs)
+    x = np.random.default_rng(3).standard_normal((1, 64, 7, 7)).astype(np.float32)
+    y = open_runner(tmp_path, segment, None).run({"x": x})["y"]
+    np.testing.assert_allclose(y.reshape(64), x.mean(axis=(2, 3)).reshape(64), rtol=1e-5, atol=1e-6)
+
+
 def test_dynamic_input_is_a_user_error(tmp_path):
     model = conv_graph()
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"

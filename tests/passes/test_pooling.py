@@ -19,6 +19,7 @@ def test_a_window_larger_than_the_input_reads_the_input(op, extra):
     out = check_fires(m, "clip-pool-window")
     pool = next(n for n in out.graph.node if n.op_type == op)
     assert list(next(a.ints for a in pool.attribute if a.name == "kernel_shape")) == [7, 7]
+    assert list(next(a.ints for a in pool.attribute if a.name == "strides")) == [1, 1]
 
 
 def test_declared_pads_stay_inside_the_window():

@@ -6,7 +6,7 @@ input: ONNX counts only the cells inside the input and its declared pads (`count
 the answer is the mean of the 7x7 cells, but a backend that pads to the window first pads to k x k: TVM's
 CPU kernels then allocated 2560 x 2560 per channel and died with std::bad_alloc, and TFLite's Pad overflowed.
 `clip-pool-window` gives such an axis the window it reads: along an axis with one output window, a kernel
-longer than the padded input becomes the padded input's length. The same cells are read and counted, so the
+longer than the padded input becomes the padded input's length, and its stride 1. The same cells are read and counted, so the
 rewrite is exact (MaxPool too: cells past the input never take part).
 
 Needs: the input's static shape; dilations of 1; `auto_pad` NOTSET. Guarantees: the same output shape.
@@ -38,15 +38,18 @@ def clip_pool_windows(model: ir.Model) -> int:
         strides = list(attrs.get_ints("strides", [1] * n))
         pads = list(attrs.get_ints("pads", [0] * 2 * n))
         ceil = attrs.get_int("ceil_mode", 0)
-        clipped = list(kernel)
+        clipped, steps = list(kernel), list(strides)
         for i, (size, k, s) in enumerate(zip(shape[-n:], kernel, strides)):
             padded = size + pads[i] + pads[i + n]
             span = padded - k
             windows = (-(-span // s) if ceil else span // s) + 1
             if windows == 1 and k > padded:
-                clipped[i] = padded
+                # the one window's stride moves it nowhere: 1, or TVM's ceil_mode padding still takes
+                # stride - 1 cells past the input (2559 for EfficientNet's, std::bad_alloc again)
+                clipped[i], steps[i] = padded, 1
         if clipped != kernel:
             attrs["kernel_shape"] = ir.AttrInt64s("kernel_shape", clipped)
+            attrs["strides"] = ir.AttrInt64s("strides", steps)
             fired += 1
     return fired
 
