@@ -246,7 +246,7 @@ def test_a_full_int8_tflite_quantized_again_on_its_own_grids_answers_as_it_does(
     MobileNetV2 read another class on 3 of 8 photos)."""
     from edgesdk.backends.tflite.convert import convert_int8
     from edgesdk.legalization import exact
-    from edgesdk.legalization.quantized import grids
+    from edgesdk.ir.grids import grids
     from edgesdk.runtime.backends import tflite_runner
     from edgesdk.runtime.manifest import Segment
 

@@ -13,7 +13,7 @@ int8 tensor is not one the Edge TPU's converter takes), so each convolution sat 
                                                                          int8 values, s one scale)
 
 and the compress stage quantizes the result again as any float model, each tensor a removed pair rounded
-on the pair's own grid (`GRIDS`), the rest calibrated: the model's int8 tensors keep the steps they were
+on the pair's own grid (`ir.grids`), the rest calibrated: the model's int8 tensors keep the steps they were
 quantized to, so its int8 bundle answers as the model did, not as a re-calibration would. The first is exact
 (the value the node computes, per tensor or per axis). The second drops the pair's rounding to the grid,
 at most half a step s/2 per element, and its clipping to [s (-128 - z), s (127 - z)] (for uint8, [0, 255]);
@@ -29,16 +29,13 @@ import json
 import numpy as np
 import onnx_ir as ir
 
+from ..ir.grids import GRIDS, grids
 from ..ir.values import constant
 from ..passes.rule import Rule
 
 STANDARD = ("", "ai.onnx")
 # ops that move int8 elements without computing: a pair around them is the pair before them
 MOVES = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Flatten", "Transpose"})
-# the model's metadata entry that keeps, by tensor name, the float range [lo, hi] of the int8 grid each
-# removed pair rounded the tensor to: s (qmin - z) to s (qmax - z), the min and max a converter given
-# them quantizes to scale s and zero point z again
-GRIDS = "edgesdk.quantized_grids"
 
 
 def float_of_quantized(model: ir.Model) -> int:
@@ -91,16 +88,6 @@ def float_of_quantized(model: ir.Model) -> int:
     if kept:
         model.metadata_props[GRIDS] = json.dumps(kept, sort_keys=True)
     return fired
-
-
-def grids(model) -> dict[str, tuple[float, float]]:
-    """The ranges `float_of_quantized` kept (`GRIDS`), by tensor name, of an ir.Model or an onnx.ModelProto;
-    {} for a model it did not rewrite."""
-    if isinstance(model, ir.Model):
-        text = model.metadata_props.get(GRIDS)
-    else:
-        text = next((p.value for p in model.metadata_props if p.key == GRIDS), None)
-    return {k: (float(lo), float(hi)) for k, (lo, hi) in json.loads(text).items()} if text else {}
 
 
 def _keep_ends(graph: ir.Graph, kept: dict) -> None:

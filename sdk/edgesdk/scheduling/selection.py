@@ -57,7 +57,7 @@ from ..config import HOST
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back
-from ..legalization.quantized import grids as quantized_grids
+from ..ir.grids import grids as quantized_grids
 from ..timing import RUNS, WARMUP, FreshProcess, Handle, InProcess, Runner, TimingCache, failure
 from .plan import Plan, PlanSegment
 

@@ -64,7 +64,7 @@ from ...ir import model as irm
 from ...ir.calibration import LABELS, load_calibration, load_labelled, synthetic_warnings
 from ...ir.digest import tree_sha256
 from ...ir.memory import give_back
-from ...legalization.quantized import grids as quantized_grids
+from ...ir.grids import grids as quantized_grids
 from ...runtime.backends import open_runner
 from ...runtime.manifest import Segment, tensor_from_dict
 from ...scheduling.plan import Plan
