@@ -64,3 +64,14 @@ def test_a_scalar_is_saved_as_a_scalar(tmp_path):
     archive.savez(tmp_path / "g.npz", {"s": np.array(2.5, np.float32), "v": np.arange(3, dtype=np.float32)})
     loaded = np.load(tmp_path / "g.npz")
     assert loaded["s"].shape == () and float(loaded["s"]) == 2.5 and loaded["v"].shape == (3,)
+
+
+def test_a_scalar_moved_within_its_tolerance_stays_an_array():
+    """The golden run's spread moves each tensor a later segment reads within its tolerance: a 0-d one came back
+    a numpy scalar, which onnxruntime refuses ("Unable to handle object of type numpy.float32"), an internal
+    error of an int8 TFLite model on rtx3090."""
+    from edgesdk.bundling.golden import _moved
+
+    for tolerance in ({"abs": 0.01}, {"lsb": 1, "scale": 0.5}):
+        moved = _moved(np.array(2.0, np.float32), tolerance, np.random.default_rng(0))
+        assert isinstance(moved, np.ndarray) and moved.shape == () and moved.dtype == np.float32

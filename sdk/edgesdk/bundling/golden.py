@@ -216,4 +216,4 @@ def _moved(value: np.ndarray, tolerance: dict, rng: np.random.Generator) -> np.n
         step = rng.integers(-1, 2, value.shape) * tolerance["scale"]
     else:
         step = rng.uniform(-1.0, 1.0, value.shape) * tolerance["abs"]
-    return (value + step).astype(value.dtype)
+    return np.asarray(value + step).astype(value.dtype)  # a 0-d value's sum is a numpy scalar: an array again
