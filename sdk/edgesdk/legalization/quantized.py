@@ -92,9 +92,8 @@ def float_of_quantized(model: ir.Model) -> int:
 
 def _keep_ends(graph: ir.Graph, kept: dict) -> None:
     """Record the grids of the model's own int8 ends, which stay: a DequantizeLinear of an int8 input (or of
-    its moves) gives
-    values on its grid (and so do the moves after it), a QuantizeLinear of an output rounds its input (and
-    the moves before it) to its own."""
+    its moves) gives values on its grid (and so do the moves after it), a QuantizeLinear of an output rounds
+    its input (and the moves before it) to its own."""
     inputs, outputs = set(graph.inputs), set(graph.outputs)
     for node in graph:
         if node.domain not in STANDARD:
@@ -122,8 +121,8 @@ def _source(value: ir.Value | None) -> ir.Value | None:
 
 
 def _keep(kept: dict, q: ir.Node, values: list[ir.Value]) -> None:
-    """Record the per-tensor grid of QuantizeLinear (or DequantizeLinear) `q` as the range of `values` (a per-axis grid, which
-    no activation's range can hold, is not kept)."""
+    """Record the per-tensor grid of QuantizeLinear (or DequantizeLinear) `q` as the range of `values` (a
+    per-axis grid, which no activation's range can hold, is not kept)."""
     scale = constant(q.inputs[1])
     zero = constant(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] is not None else None
     if scale is None or scale.size != 1 or (zero is not None and zero.size != 1):

@@ -182,14 +182,12 @@ def exact_grid(lo: float, hi: float, levels: int = 255) -> Range:
     scale (max and min rounded alone to float32 give one ulp of the scale more or less one time in a few:
     a convolution's output then differs by one step in a few elements of a hundred thousand)."""
     want = np.float32((hi - lo) / levels)
-    ends = [(np.float32(lo), -1), (np.float32(hi), 1)]
-    steps = sorted(((a, b) for a in range(-4, 5) for b in range(-4, 5)), key=lambda ab: (abs(ab[0]) + abs(ab[1]), ab))
-    for a, b in steps:  # the nearest float32 ends, moved by a few ulps each, whose scale is the grid's
-        low = _ulps(ends[0][0], a)
-        high = _ulps(ends[1][0], b)
-        if (high - low) / np.float32(levels) == want:
-            return float(low), float(high)
-    return float(np.float32(lo)), float(np.float32(hi))
+    low, high = np.float32(lo), np.float32(hi)
+    moves = sorted(((a, b) for a in range(-4, 5) for b in range(-4, 5)), key=lambda ab: (abs(ab[0]) + abs(ab[1]), ab))
+    for a, b in moves:  # the nearest float32 ends, moved by a few ulps each, whose scale is the grid's
+        if (_ulps(high, b) - _ulps(low, a)) / np.float32(levels) == want:
+            return float(_ulps(low, a)), float(_ulps(high, b))
+    return float(low), float(high)
 
 
 def _ulps(x: np.float32, n: int) -> np.float32:

@@ -33,8 +33,8 @@ def _gpu_default_schedules(mod: Any) -> Any:
     from tvm.s_tir import dlight as dl
 
     rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    limit = int(tvm.target.Target.current().attrs.get("max_shared_memory_per_block", 49152)) \
-        if tvm.target.Target.current() is not None else 49152
+    current = tvm.target.Target.current()  # targets.py gives every CUDA target its limit
+    limit = int(current.attrs.get("max_shared_memory_per_block", 49152)) if current is not None else 49152
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", False):
             continue

@@ -18,8 +18,8 @@ Steps: `frontends.import_model` (read or convert the file; fix the input shapes,
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -27,7 +27,9 @@ from ... import frontends, passes
 from ...errors import UserError
 from ...frontends.canonical import opset
 from ...ir import model as irm
-from ...ir.digest import file_sha256
+from ...runtime.files import NotRegularFile, open_regular, write_whole
+
+FLATBUFFER_BYTES = 2**31  # a TFLite flatbuffer's largest size
 
 OPTIONS = ("input_shapes", "input_values", "batch")
 READS = ()  # the earlier stages whose outputs it reads (its cache key covers them)
@@ -60,13 +62,25 @@ def run(model_path: Path, ctx) -> dict:
 
 
 def _keep_quantized_tflite(model_path: Path, imported, sha256: str, out: Path) -> None:
-    """A quantized TFLite model's file, kept as `frontends.OWN_TFLITE` where it is still the file imported (`sha256`): its own int8 arithmetic is LiteRT's, which onnxruntime's kernels for the
-    converted QDQ graph round differently, and the bundle is judged against what the model computes."""
+    """A quantized TFLite model's file, kept as `frontends.OWN_TFLITE` where it is still the file imported
+    (`sha256`): its own int8 arithmetic is LiteRT's, which onnxruntime's kernels for the converted QDQ graph
+    round differently, and the bundle is judged against what the model computes. Read once, as a regular
+    file (a FIFO or a file grown past a flatbuffer's size is not kept), hashed as it is copied."""
     quantized = {"QuantizeLinear", "DequantizeLinear"} & set(imported.nodes_source)
-    if imported.source["format"] != "tflite" or not quantized or not Path(model_path).is_file():
+    if imported.source["format"] != "tflite" or not quantized:
         return
-    shutil.copyfile(model_path, out / frontends.OWN_TFLITE)
-    if file_sha256(out / frontends.OWN_TFLITE) != sha256:  # changed since it was read: not the model imported
+    h = hashlib.sha256()
+    try:
+        with open_regular(model_path, FLATBUFFER_BYTES) as src:
+            def copy(f) -> None:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    h.update(chunk)
+                    f.write(chunk)
+
+            write_whole(out / frontends.OWN_TFLITE, copy)
+    except (NotRegularFile, OSError):
+        return
+    if h.hexdigest() != sha256:  # changed since it was read: not the model imported
         (out / frontends.OWN_TFLITE).unlink()
 
 
