@@ -147,6 +147,27 @@ def test_input_shapes_fix_the_other_dynamic_dims(dynamic_keras, tmp_path):
     assert relative_error(run_onnx(model, {"image": x})[0], reference(x).numpy()) <= RTOL
 
 
+def test_keras_grouped_convolution_is_one_conv_with_its_groups(tmp_path):
+    """Keras 3 runs a grouped Conv2D (ConvNeXt's depthwise 7x7 is one: groups = channels) as an XLA
+    function, which tf2onnx left a PartitionedCall it cannot convert: traced inline, it is one Conv."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    image = keras.Input((12, 12, 8), name="image")
+    x = keras.layers.Conv2D(8, 7, padding="same", groups=8, name="depthwise")(image)
+    x = keras.layers.Conv2D(16, 3, groups=4, name="grouped")(x)
+    path = tmp_path / "grouped.keras"
+    keras.Model(image, keras.layers.GlobalAveragePooling2D()(x)).save(path)
+
+    model, _ = frontends.load(path, tmp_path / "out")
+    groups = sorted(next(a.i for a in n.attribute if a.name == "group") for n in model.graph.node
+                    if n.op_type == "Conv")
+    assert groups == [4, 8], groups
+    x = np.random.default_rng(4).uniform(-1, 1, (1, 12, 12, 8)).astype(np.float32)
+    reference = keras.models.load_model(path, compile=False)
+    assert relative_error(run_onnx(model, {"image": x})[0], reference(x).numpy()) <= RTOL
+
+
 def test_input_shape_contradicting_the_model_is_a_usage_error(conv_net_files, tmp_path):
     with pytest.raises(UsageError) as e:
         frontends.load(conv_net_files["keras"], tmp_path, input_shapes={"image": (1, 32, 16, 3)})

@@ -28,7 +28,8 @@ def convert(request: dict) -> dict:
         model = reading(request["format"], lambda: keras.models.load_model(request["source"], compile=False),
                         KERAS_HINT)
     specs = [tf.TensorSpec(static_shape(t.name, tuple(t.shape), request), t.dtype, name=t.name) for t in model.inputs]
-    proto, storage = _keras_weights_apart(model, specs, request, tf, tf2onnx)
+    with _xla_functions_inline(tf):
+        proto, storage = _keras_weights_apart(model, specs, request, tf, tf2onnx)
     return finish(proto, request, tf2onnx, failures.failed, storage=storage)
 
 
@@ -56,6 +57,35 @@ def _weights_read_from_disk(folder: Path):
             undo.callback(setattr, saving_lib, name, original)
             setattr(saving_lib, name, value)
         yield
+
+
+@contextlib.contextmanager
+def _xla_functions_inline(tf):
+    """Keras's TensorFlow backend tracing the ops it wraps in `tf.function(jit_compile=True)` inline.
+
+    TensorFlow's CPU kernels lack grouped convolutions (ConvNeXt's depthwise 7x7, RegNet's and ResNeXt's
+    grouped 3x3), so Keras runs them as XLA functions; traced, each is a call of a function that
+    tf2onnx does not convert ("PartitionedCall" left in the graph). The conversion only traces, never
+    runs, the graph: traced inline, the convolution is TensorFlow's own Conv2D op, whose groups tf2onnx
+    reads from its kernel's shape."""
+    from keras.src.backend.tensorflow import nn
+
+    class Inline:
+        def __getattr__(self, name):
+            return getattr(tf, name)
+
+        @staticmethod
+        def function(func=None, *args, jit_compile=None, **kwargs):
+            if not jit_compile:
+                return tf.function(func, *args, jit_compile=jit_compile, **kwargs)
+            return func if func is not None else (lambda f: f)
+
+    original = nn.tf  # an AttributeError where Keras renamed it: loud
+    nn.tf = Inline()
+    try:
+        yield
+    finally:
+        nn.tf = original
 
 
 def _keras_weights_apart(model, specs: list, request: dict, tf, tf2onnx):
