@@ -78,7 +78,8 @@ def model_file(model: Any, out: Path, *, example_inputs: Any = None, name: str |
             from .torch_export import export
 
             log(f"import: exporting the PyTorch model {stem} with torch.export and torch.onnx")
-            export(model, example_inputs, partial, shown=f"the PyTorch model {stem}")
+            for note in export(model, example_inputs, partial, shown=f"the PyTorch model {stem}")["notes"]:
+                log(f"import: {note}")
         elif k == "keras":
             model.save(str(partial))
         else:

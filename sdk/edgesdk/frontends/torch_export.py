@@ -1,6 +1,7 @@
 """PyTorch models to ONNX, with PyTorch's own exporter: `torch.export` captures the program, then
 `torch.onnx.export(..., dynamo=True)` (onnxscript) translates it at `TORCH_OPSET`. The same pipeline
-follows as for any ONNX file.
+follows as for any ONNX file. A module the dynamo exporter fails on is traced by the TorchScript exporter
+instead, held to the module's outputs on the example inputs (`_traced_to_onnx`).
 
 Two ways in: an `nn.Module` (or an `ExportedProgram`) in memory, from the Python API, exported in the
 caller's process (`export`); and a program saved by `torch.export.save` (.pt2), from the command line,
@@ -55,9 +56,23 @@ def export(model: Any, example_inputs: Any, dest: Path, *, shown: str) -> dict:
                 program = torch.export.export(model, args, strict=False)
             except Exception as e:  # noqa: BLE001 -- whatever torch.export raises, the user gets what and where
                 raise _capture_error(e, trail, shown) from None
-    _to_onnx(torch, program, dest, shown)
-    return {"converter": f"torch {torch.__version__.split('+')[0]} (torch.export, torch.onnx dynamo exporter, "
-                         f"opset {TORCH_OPSET})", "notes": []}
+    version = torch.__version__.split('+')[0]
+    try:
+        _to_onnx(torch, program, dest, shown)
+    except UserError as failed:
+        if isinstance(model, torch.export.ExportedProgram):
+            raise
+        # the dynamo exporter's decompositions fail on some captured programs that run (Swin's attention:
+        # "Cannot view a tensor with shape ... and strides ..." once a decomposition changed a tensor's
+        # strides): PyTorch's TorchScript exporter traces the module instead, at the example inputs'
+        # shapes, which are the shapes the bundle runs with, and is held to the module's own outputs
+        if not _traced_to_onnx(torch, model, args, dest, shown):
+            raise
+        return {"converter": f"torch {version} (torch.onnx TorchScript exporter, opset {TORCH_OPSET})",
+                "notes": [f"the dynamo exporter failed ({failed.message}); exported by the TorchScript exporter, "
+                          "which agrees with the module on the example inputs"]}
+    return {"converter": f"torch {version} (torch.export, torch.onnx dynamo exporter, opset {TORCH_OPSET})",
+            "notes": []}
 
 
 def convert(request: dict) -> dict:
@@ -87,6 +102,36 @@ def _to_onnx(torch: Any, program: Any, dest: Path, shown: str) -> None:
     if onnx_program is None:
         raise UserError("import.torch-unsupported", f"{shown}: torch.onnx wrote no model", _report_hint())
     onnx_program.save(str(dest), external_data=_large(program))
+
+
+def _traced_to_onnx(torch: Any, model: Any, args: tuple, dest: Path, shown: str) -> bool:
+    """`model` exported by the TorchScript exporter to `dest`, where it can be and onnxruntime's outputs on
+    `args` agree with the module's within 1e-4 of each output's largest magnitude (float32 rounding over a
+    deep network); False (and `dest` removed) otherwise."""
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+
+    try:
+        with warnings.catch_warnings(), _torch_logs_quiet(), _eval_mode(model), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, args, str(dest), dynamo=False, opset_version=TORCH_OPSET,
+                              do_constant_folding=True)
+            expected = model(*args)
+        expected = [t.detach().numpy() for t in (expected if isinstance(expected, (tuple, list)) else [expected])]
+        session = ort.InferenceSession(str(dest), providers=["CPUExecutionProvider"])
+        feeds = {i.name: a.detach().numpy() for i, a in zip(session.get_inputs(), args)}
+        got = session.run(None, feeds)
+    except Exception:  # noqa: BLE001 -- it cannot: the dynamo exporter's error is the one the user gets
+        dest.unlink(missing_ok=True)
+        return False
+    agree = len(got) == len(expected) and all(
+        g.shape == e.shape and float(np.max(np.abs(g - e), initial=0.0))
+        <= 1e-4 * max(float(np.max(np.abs(e), initial=0.0)), 1e-6) for g, e in zip(got, expected))
+    if not agree:
+        dest.unlink(missing_ok=True)
+    return agree
 
 
 def _large(program: Any) -> bool:
