@@ -95,14 +95,14 @@ def _fp32_spread(path: Path, held: Path) -> dict:
             "degenerate": scale < 1e-6 or spread < 1e-3}
 
 
-def cell(name: str, target: str) -> dict:
+def cell(name: str, target: str, extra: tuple[str, ...] = ()) -> dict:
     model = zoo_models.MODELS[name]
     path = model.make()
     work = WORK / name
     out = work / f"out-{target}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [*EDGESDK, "build", str(path), "--target", str(ROOT / "targets" / f"{target}.yaml"), "-o", str(out),
-           "--calib", str(work / "calib"), "--json", "--quiet", *model.args]
+           "--calib", str(work / "calib"), "--json", "--quiet", *model.args, *extra]
     row: dict = {"model": name, "family": model.family, "target": target}
     t0 = time.perf_counter()
     try:

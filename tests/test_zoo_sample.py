@@ -54,11 +54,12 @@ def test_a_zoo_model_builds_verifies_and_keeps_fp32s_answers(work, name, target)
 
 
 def test_a_model_the_target_cannot_take_is_refused_with_a_typed_error(work):
-    """Silero VAD on arm_2tpu: a function of its LSTM that no sum of ReLUs approximates within the bound on
-    its range is a typed refusal (exit 1, `legalize.approximation-bound`), not an internal error."""
+    """Silero VAD on arm_2tpu with --no-cpu-fallback: the square root of its STFT's magnitude, which no sum
+    of ReLUs approximates within the bound on its range, is a typed refusal (exit 1,
+    `legalize.approximation-bound`), not an internal error (without the flag it runs on the CPU)."""
     name = "silero-vad"
     if not (work / name / "calib").exists():
         bench_zoo.prepare(name)
-    row = bench_zoo.cell(name, "arm_2tpu")
+    row = bench_zoo.cell(name, "arm_2tpu", ("--no-cpu-fallback",))
     assert row["outcome"] == "refused" and row["exit"] == 1, row
     assert row["code"] == "legalize.approximation-bound" and "cannot be approximated" in row["message"], row

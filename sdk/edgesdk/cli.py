@@ -363,7 +363,8 @@ def keys_verify(
                "input_ranges", "max_abs_error", "max_error_lsb", "allow_cpu_fallback", "seed",
                help={"input_values": "Freeze an input to a constant: NAME=16000 or NAME=1,2,3 (repeatable).",
                      "calib": "Directory of .npy / .npz samples or images: the ranges approximations are fitted on.",
-                     "allow_cpu_fallback": "Report functions that miss the bound as CPU fallbacks instead of failing.",
+                     "allow_cpu_fallback": "Fail on functions that miss the bound instead of reporting them as CPU "
+                                           "fallbacks.",
                      "seed": "Seed of the synthetic calibration samples."})
 def check(
     nodes: bool = typer.Option(False, "--nodes", help="List every node, not only each op type."),

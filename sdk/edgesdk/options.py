@@ -136,9 +136,12 @@ class BuildOptions:
         None, stage="legalize", min=0.0,
         help="Bound on each approximation's error in int8 steps of its output (the output's calibrated range / "
              "255), e.g. 0.5; with --max-abs-error too, the tighter of the two.")
+    # a function no ReLU sum approximates within the bound stays exact, on the CPU, with a warning: the plan
+    # then costs it there as any op an accelerator lacks; --no-cpu-fallback makes that an error instead
     allow_cpu_fallback: bool = _option(
-        False, stage="legalize",
-        help="Keep a function on the CPU when no approximation meets the bound, instead of failing.")
+        True, stage="legalize", names=("--no-cpu-fallback",), negated=True,
+        help="Fail when no approximation of a function meets the bound, instead of keeping the function exact on "
+             "the CPU (with a warning).")
     legalize_rewrites: bool = _option(  # False: legalize only annotates
         True, stage="legalize", names=("--no-rewrites",), negated=True,
         help="Legalize rewrites nothing: ops an accelerator refuses run on the CPU (to compare).")

@@ -95,17 +95,18 @@ def test_rewrites_and_approximations_move_everything_onto_the_edge_tpu(tmp_path)
     assert report["approximations"] and report["refusals"] == []
 
 
-def test_a_bound_that_cannot_be_met_fails_naming_the_node_or_falls_back(tmp_path):
+def test_a_bound_that_cannot_be_met_falls_back_to_the_cpu_or_fails_naming_the_node(tmp_path):
     from edgesdk.errors import UserError
 
     src = _model(tmp_path / "m.onnx")
     with pytest.raises(UserError) as err:
-        _build(src, tmp_path / "o", max_abs_error=1e-7)
+        _build(src, tmp_path / "o", max_abs_error=1e-7, allow_cpu_fallback=False)  # --no-cpu-fallback
     assert err.value.code == "legalize.approximation-bound"
     assert "softplus" in "\n".join(err.value.notes) and "gelu_erf" in "\n".join(err.value.notes)
+    assert "--no-cpu-fallback" in err.value.hint
     assert not (tmp_path / "o" / ".build" / "2-legalize").exists()
 
-    record, stage = _build(src, tmp_path / "f", max_abs_error=1e-7, allow_cpu_fallback=True)
+    record, stage = _build(src, tmp_path / "f", max_abs_error=1e-7)  # the default: exact, on the CPU
     assert {tuple(f["nodes"]) for f in record["fallbacks"]} == {("softplus",), ("gelu_erf",)}
     assert record["approximations"] == []
     ops = {n.op_type for n in onnx.load(str(stage / "model.onnx")).graph.node}

@@ -246,8 +246,8 @@ def _fit(model: onnx.ModelProto, found: list[regions.Region], ranges: dict[str, 
     if failures and not options.allow_cpu_fallback:
         raise UserError("legalize.approximation-bound",
                         f"{len(failures)} function(s) cannot be approximated within their bound on their range",
-                        "raise legalize.max_abs_error in the target (or --max-abs-error, --max-error-lsb), or keep "
-                        "them on the CPU with --allow-cpu-fallback",
+                        "raise legalize.max_abs_error in the target (or --max-abs-error, --max-error-lsb), or build "
+                        "without --no-cpu-fallback: they then run exactly on the CPU",
                         notes=[f"{', '.join(r.refused)} ({' -> '.join(e['ops'])}) on [{e['range'][0]:.4g}, "
                                f"{e['range'][1]:.4g}], bound {e['bound']:.3g} ({e['bound_from']}): {why}"
                                for r, e, why in failures])
