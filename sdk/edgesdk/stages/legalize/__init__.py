@@ -15,8 +15,8 @@ Steps (`legalization.legalize`), each only where an accelerator of the target re
    each whole unary region from its input (`legalization.regions`), fitted on the range the
    calibration data shows, within `legalize.max_abs_error` of the target (or `--max-abs-error`), or
    within `--max-error-lsb K` int8 steps of the approximated output (its range / 255).
-   A function that cannot meet the bound fails the build naming its nodes, or with
-   `--allow-cpu-fallback` stays as it was (on the CPU);
+   A function that cannot meet the bound stays as it was (exact, on the CPU), with a warning naming
+   its nodes; with `--no-cpu-fallback` it fails the build;
 3. the graph optimizations of the import stage (`edgesdk.passes`), on the rewritten graph.
 """
 
