@@ -13,6 +13,10 @@ import pytest
 from tests import model_zoo
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The suite runs in two processes, each making the other's host "busy" for the tune stage's timings
+# (timing/load.py), which would then not be cached: the tests of replays and of same-bytes rebuilds need
+# them kept. tests/timing/test_load.py and the selection's busy-host test set what they test themselves.
+os.environ.setdefault("EDGESDK_LOAD_CHECK", "off")
 
 
 def _private_temporary_directory() -> None:

@@ -73,13 +73,14 @@ def _timer(ms: dict[str, float]):
     return timer
 
 
-def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None, target="x86"):
+def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None, target="x86",
+            log=lambda s: None):
     target, _ = load_target(target)
     x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
     return selection.select(plan, model, _segment_models(model), target, [{"x": x}, {"x": x * 2}], allowed=allowed,
                             tuning_db=tmp_path / "db" / "cpu",
                             cache=cache or TimingCache(tmp_path / "db" / "timing.json"),
-                            measurable=measurable, host="test host", log=lambda s: None, timer=timer)
+                            measurable=measurable, host="test host", log=log, timer=timer)
 
 
 SPLIT = [("tvm", ["mm1"], ("x",), ("h",)), ("onnxruntime", ["relu", "mm2"], ("h",), ("y",))]
@@ -198,6 +199,38 @@ def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
                              measurable=None, host="another host", log=lambda s: None,
                              timer=_timer({"planned": 0.1, "onnxruntime": 0.5}))
     assert other.record["spans"][0]["chosen"] == "planned"
+
+
+def test_times_measured_while_other_processes_took_the_cpu_decide_the_build_but_are_not_cached(tmp_path,
+                                                                                               monkeypatch):
+    """Other work on the cores slows the candidates unevenly (onnxruntime's spinning threads most): a choice
+    the load made is this build's, but a rebuild measures again instead of replaying it."""
+    import contextlib
+
+    from edgesdk.timing.load import Load
+
+    @contextlib.contextmanager
+    def busy():
+        yield Load(others=0.47)
+
+    @contextlib.contextmanager
+    def quiet():
+        yield Load(others=0.01)
+
+    model = _model()
+    plan = _plan(model, SPLIT)
+    logged = []
+    monkeypatch.setenv("EDGESDK_LOAD_CHECK", "on")
+    monkeypatch.setattr(selection, "others_share", busy)
+    first = _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.7}), log=logged.append)
+    span = first.record["spans"][0]
+    assert span["chosen"] == "tvm" and span["host_busy"] == 0.47
+    assert any("took 47% of the CPU" in line and "not cached" in line for line in logged), logged
+    monkeypatch.setattr(selection, "others_share", quiet)
+    timer = _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2})  # quiet: onnxruntime is the faster
+    again = _select(model, plan, tmp_path, timer)
+    assert {"tvm", "onnxruntime"} <= set(timer.asked)  # measured again, not replayed
+    assert again.record["spans"][0]["chosen"] == "onnxruntime"
 
 
 def test_a_backend_whose_compiler_changed_is_measured_anew(tmp_path, monkeypatch):

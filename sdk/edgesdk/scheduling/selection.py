@@ -59,6 +59,7 @@ from ..ir.digest import tree_sha256
 from ..ir.memory import give_back
 from ..ir.grids import grids as quantized_grids
 from ..timing import RUNS, WARMUP, FreshProcess, Handle, InProcess, Runner, TimingCache, failure
+from ..timing.load import checking, others_share
 from .plan import Plan, PlanSegment
 
 GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
@@ -608,14 +609,24 @@ class Checked:
 
 
 def _time(trial: _Trial, bench: _Bench) -> None:
-    """The checked candidates timed (`_rounds`), their times kept in the timing cache; one whose timing run
-    fails is skipped, with why."""
-    measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+    """The checked candidates timed (`_rounds`), their times kept in the timing cache unless other processes
+    took the cores meanwhile (`timing.load`: the span's record says how much, and the next build measures
+    again); one whose timing run fails is skipped, with why."""
+    with others_share() as load:
+        measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+    from .boards import BoardRunner
+
+    busy = load.busy and not isinstance(bench.runner, BoardRunner) and checking()  # a board's cores are its own
+    if busy:
+        trial.entry["host_busy"] = load.others
+        bench.log(f"tune: {trial.label}: other processes took {load.others:.0%} of the CPU while its candidates "
+                  "were timed: these times are not cached")
     mixed = {name: found for name, (cand, _) in trial.checked.items() if name in trial.gates
              and (found := bench.int8.mixed_of(cand, trial.cut[name]))}
     for name, ms in measured.items():
-        bench.cache.put(trial.keys[name], {"ms": ms, **({"gate": trial.gates[name]} if name in trial.gates else {}),
-                                           **({"mixed": mixed[name]} if name in mixed else {})})
+        if not busy:
+            bench.cache.put(trial.keys[name], {"ms": ms, **({"gate": trial.gates[name]} if name in trial.gates
+                                                            else {}), **({"mixed": mixed[name]} if name in mixed else {})})
         trial.times[name] = ms
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
         trial.entry["candidates"][name] = {"skipped": why}

@@ -360,6 +360,11 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         calib_method=ctx.options.calibration_method(), calib_percentile=ctx.options.calib_percentile,
         int8_dir=ctx.out / "int8",
         boards=boards if board is not None else None, board=board, only=only)
+    busy = [s["host_busy"] for s in selected.record.get("spans", []) if "host_busy" in s]
+    if busy:
+        ctx.warn(f"tune: other processes took up to {max(busy):.0%} of the CPU while {len(busy)} CPU span(s)' "
+                 "candidates were timed: the backend chosen may not be the fastest where the bundle runs alone; "
+                 "these times are not cached, so a build on a quiet host measures them again")
     if layers:  # the segments re-cut from the pruned model get their dense weights back
         selected = dataclasses.replace(selected, models={k: pruning.apply(m, dense, layers)
                                                          for k, m in selected.models.items()})
