@@ -691,6 +691,14 @@ def targets_schema(output: Optional[Path] = typer.Option(None, "--output", "-o",
         print(text, end="")
 
 
+@functools.cache
+def _click_command():
+    """The click command typer makes of `app`, made once per process: typer makes it anew on every call of
+    `app` (26 ms: each command's parameters read from its signature), which a process that runs many
+    commands (the Python API's callers, the test suite) paid on each."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> int:
     report_native_crashes()
     try:  # typer >= 0.20 carries its own copy of click
@@ -703,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Outside standalone mode, click returns the code of a `typer.Exit` instead of raising it, and
         # typer turns Ctrl-C (KeyboardInterrupt) into such an exit with code 130: both are returned here.
-        code = app(args=argv, prog_name="edgesdk", standalone_mode=False)
+        code = _click_command()(args=argv, prog_name="edgesdk", standalone_mode=False)
         code = code if isinstance(code, int) else EXIT_OK
         if code == EXIT_INTERRUPTED:
             _err("error: interrupted")
