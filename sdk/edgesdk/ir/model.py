@@ -147,7 +147,11 @@ def onnxruntime_session(model: onnx.ModelProto, opts=None, *, outputs: list[onnx
     holds the arrays for its lifetime. `outputs` replaces the graph's outputs."""
     import onnxruntime as ort
 
-    opts = opts if opts is not None else ort.SessionOptions()
+    if opts is None:
+        opts = ort.SessionOptions()
+        # errors only: its shape-merge warnings about tensors of a cut-out region ("Error merging shape
+        # info ... Falling back to lenient merge") reached the user's terminal, and nothing was wrong
+        opts.log_severity_level = 3
     shell, weights = weightless(model, stubs=True)
     if outputs is not None:
         shell.graph.ClearField("output")
