@@ -612,11 +612,12 @@ def _time(trial: _Trial, bench: _Bench) -> None:
     """The checked candidates timed (`_rounds`), their times kept in the timing cache unless other processes
     took the cores meanwhile (`timing.load`: the span's record says how much, and the next build measures
     again); one whose timing run fails is skipped, with why."""
-    with others_share() as load:
-        measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
     from .boards import BoardRunner
 
-    busy = load.busy and not isinstance(bench.runner, BoardRunner) and checking()  # a board's cores are its own
+    check = checking() and not isinstance(bench.runner, BoardRunner)  # a board's cores are its own
+    with others_share() as load:
+        measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+    busy = check and load.busy
     if busy:
         trial.entry["host_busy"] = load.others
         bench.log(f"tune: {trial.label}: other processes took {load.others:.0%} of the CPU while its candidates "
