@@ -66,7 +66,7 @@ def export(model: Any, example_inputs: Any, dest: Path, *, shown: str) -> dict:
         # "Cannot view a tensor with shape ... and strides ..." once a decomposition changed a tensor's
         # strides): PyTorch's TorchScript exporter traces the module instead, at the example inputs'
         # shapes, which are the shapes the bundle runs with, and is held to the module's own outputs
-        if not _traced_to_onnx(torch, model, args, dest, shown):
+        if not _traced_to_onnx(torch, model, args, dest):
             raise
         return {"converter": f"torch {version} (torch.onnx TorchScript exporter, opset {TORCH_OPSET})",
                 "notes": [f"the dynamo exporter failed ({failed.message}); exported by the TorchScript exporter, "
@@ -104,7 +104,7 @@ def _to_onnx(torch: Any, program: Any, dest: Path, shown: str) -> None:
     onnx_program.save(str(dest), external_data=_large(program))
 
 
-def _traced_to_onnx(torch: Any, model: Any, args: tuple, dest: Path, shown: str) -> bool:
+def _traced_to_onnx(torch: Any, model: Any, args: tuple, dest: Path) -> bool:
     """`model` exported by the TorchScript exporter to `dest`, where it can be and onnxruntime's outputs on
     `args` agree with the module's within 1e-4 of each output's largest magnitude (float32 rounding over a
     deep network); False (and `dest` removed) otherwise."""
@@ -120,7 +120,9 @@ def _traced_to_onnx(torch: Any, model: Any, args: tuple, dest: Path, shown: str)
                               do_constant_folding=True)
             expected = model(*args)
         expected = [t.detach().numpy() for t in (expected if isinstance(expected, (tuple, list)) else [expected])]
-        session = ort.InferenceSession(str(dest), providers=["CPUExecutionProvider"])
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3  # errors only, as every session of the build
+        session = ort.InferenceSession(str(dest), opts, providers=["CPUExecutionProvider"])
         feeds = {i.name: a.detach().numpy() for i, a in zip(session.get_inputs(), args)}
         got = session.run(None, feeds)
     except Exception:  # noqa: BLE001 -- it cannot: the dynamo exporter's error is the one the user gets
