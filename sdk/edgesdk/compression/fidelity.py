@@ -81,7 +81,6 @@ def run_samples(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarra
     outputs = [*g.output, *(helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(tensors) if t not in present)]
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = THREADS, 1
-    opts.log_severity_level = 3  # errors only, as every session of the build
     session = irm.onnxruntime_session(model, opts, outputs=outputs)  # the weights handed over, not copied
     names = [o.name for o in session.get_outputs()]
     results = []

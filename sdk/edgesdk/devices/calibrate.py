@@ -214,7 +214,6 @@ def measure_ops(model: onnx.ModelProto, threads: int, runs: int, *, warmup: int 
 
 def _session_options(ort, threads: int):
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.intra_op_num_threads = threads

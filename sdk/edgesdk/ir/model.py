@@ -144,14 +144,13 @@ def weightless(model: onnx.ModelProto, *, stubs: bool = False) -> tuple[onnx.Mod
 def onnxruntime_session(model: onnx.ModelProto, opts=None, *, outputs: list[onnx.ValueInfoProto] | None = None):
     """An onnxruntime CPU session of `model` of any size: its weights are handed over as arrays
     (`add_external_initializers`), not serialized into the bytes the session parses. The session
-    holds the arrays for its lifetime. `outputs` replaces the graph's outputs."""
+    holds the arrays for its lifetime. `outputs` replaces the graph's outputs. Every session logs errors only."""
     import onnxruntime as ort
 
-    if opts is None:
-        opts = ort.SessionOptions()
-        # errors only: its shape-merge warnings about tensors of a cut-out region ("Error merging shape
-        # info ... Falling back to lenient merge") reached the user's terminal, and nothing was wrong
-        opts.log_severity_level = 3
+    opts = opts if opts is not None else ort.SessionOptions()
+    # errors only: its shape-merge warnings about tensors of a cut-out region ("Error merging shape info ...
+    # Falling back to lenient merge") reached the user's terminal, and nothing was wrong
+    opts.log_severity_level = 3
     shell, weights = weightless(model, stubs=True)
     if outputs is not None:
         shell.graph.ClearField("output")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -56,12 +55,12 @@ def others_share() -> Iterator[Load]:
     """The share of this process's CPUs' time that other processes took while the block ran (`Load`)."""
     load = Load()
     cpus = _allowed_cpus()
-    before, own_before, t0 = _busy_and_total(cpus), _own_seconds(), time.monotonic()
+    before, own_before = _busy_and_total(cpus), _own_seconds()
     try:
         yield load
     finally:
-        after, own_after, wall = _busy_and_total(cpus), _own_seconds(), time.monotonic() - t0
-        if before is not None and after is not None and wall > 0:
+        after, own_after = _busy_and_total(cpus), _own_seconds()
+        if before is not None and after is not None:
             tick = os.sysconf("SC_CLK_TCK")
             busy = (after[0] - before[0]) / tick
             total = (after[1] - before[1]) / tick

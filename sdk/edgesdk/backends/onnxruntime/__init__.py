@@ -19,7 +19,6 @@ def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.Valu
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
