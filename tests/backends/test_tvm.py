@@ -252,6 +252,56 @@ def test_x86_mobilenet_v2_matches_onnxruntime(tmp_path, monkeypatch, host_cpu):
     assert_matches_ort(model, tmp_path / "mnv2.so", result)
 
 
+def test_constants_are_moved_in_numpy_bit_for_bit_as_fold_constant_compiles_them(tmp_path, monkeypatch):
+    """The weights' layout changes (ConvertLayout's HWIO transposes and broadcast axes), a batch norm's
+    constant arithmetic and Clip's NaN checks of its bounds are folded in numpy before FoldConstant, which
+    compiles each one it folds with LLVM: none is left for it, and the library answers bit for bit as the
+    one FoldConstant folded alone."""
+    import tvm
+    from tvm import relax
+
+    from edgesdk.backends.tvm import lowering
+
+    rng = np.random.default_rng(4)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["conv"], pads=[1, 1, 1, 1]),
+         helper.make_node("BatchNormalization", ["conv", "gamma", "beta", "mean", "var"], ["bn"]),
+         helper.make_node("Clip", ["bn", "lo", "hi"], ["clipped"]),
+         helper.make_node("Conv", ["clipped", "dw"], ["y"], pads=[1, 1, 1, 1], group=8)],
+        {"x": (1, 4, 12, 12)}, ["y"],
+        {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32), "gamma": rng.uniform(0.5, 2, 8).astype(np.float32),
+         "beta": rng.standard_normal(8).astype(np.float32), "mean": rng.standard_normal(8).astype(np.float32),
+         "var": rng.uniform(0.1, 3, 8).astype(np.float32), "lo": np.array(0, np.float32),
+         "hi": np.array(6, np.float32), "dw": rng.standard_normal((8, 1, 3, 3)).astype(np.float32)})
+    left: list[str] = []  # the operations on constants alone that reach FoldConstant
+    fold_constant = relax.transform.FoldConstant
+
+    def watched() -> Any:
+        @tvm.transform.module_pass(opt_level=0, name="Watched")
+        def transform(mod, ctx):
+            def visit(e):  # a call_tir of constants alone: LegalizeOps made each operation a TIR function
+                if (isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir"
+                        and isinstance(e.args[1], relax.Tuple) and e.args[1].fields
+                        and all(isinstance(a, tvm.ir.expr.Constant) for a in e.args[1].fields)):
+                    left.append(e.args[0].name_hint.rstrip("0123456789"))
+            for func in mod.functions.values():
+                if isinstance(func, relax.Function):
+                    relax.analysis.post_order_visit(func, visit)
+            return fold_constant()(mod)
+        return transform
+
+    feeds = random_feeds(model)
+    monkeypatch.setattr(relax.transform, "FoldConstant", watched)
+    moved = tvm_backend.compile_onnx(model, HOST, tmp_path / "moved.so")
+    assert left == []
+    monkeypatch.setattr(lowering, "_MoveConstantsInNumpy", lambda: tvm.transform.Sequential([]))
+    compiled = tvm_backend.compile_onnx(model, HOST, tmp_path / "compiled.so")
+    assert {"transpose", "expand_dims", "tir_isnan"} <= set(left), left  # what FoldConstant alone compiles
+    got, want = run_library(tmp_path / "moved.so", moved, feeds), run_library(tmp_path / "compiled.so", compiled, feeds)
+    np.testing.assert_array_equal(got["y"], want["y"])
+    assert_matches_ort(model, tmp_path / "moved.so", moved)
+
+
 @pytest.mark.slow
 def test_x86_ppocr_classifier_matches_onnxruntime(tmp_path):
     model = ppocr_cls_static()

@@ -26,6 +26,7 @@ import re
 import warnings
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
@@ -233,6 +234,9 @@ def _lower(mod: Any, tvm_target: Any, choose: Choice | None = None, choices: lis
     passes = [
         *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
         # on a CPU, exp, sigmoid, tanh, erf and what is built on them as vectorizable polynomials
+        # the weights' own layout changes (a transpose, an added axis) in numpy: FoldConstant compiles each
+        # folded operation with LLVM, a third of a small model's compile time
+        _MoveConstantsInNumpy(),
         relax.transform.LegalizeOps(fast_math.legalize_map() if tvm_target.kind.name == "llvm" else None),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -287,6 +291,76 @@ def _ClipAsRelaxOps() -> Any:  # noqa: N802 -- a pass, named as TVM's are
             if isinstance(func, relax.Function):
                 mod[gvar] = rewriter.visit_expr(func)
         return relax.transform.DeadCodeElimination()(mod)  # the TOPI functions left uncalled
+
+    return transform
+
+
+def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
+    """Fold the operations that only move a constant's elements (transpose, reshape, added or removed axes)
+    and `isnan` of a constant in numpy, exactly: what FoldConstant does for them by compiling each one
+    (ConvertLayout's HWIO weights and their broadcast axes, the importer's NaN checks of constant bounds).
+    The rest is FoldConstant's."""
+    import tvm
+    from tvm import relax
+
+    def axes(call: Any, value: np.ndarray) -> list[int]:
+        given = call.attrs.axes
+        return list(range(value.ndim))[::-1] if given is None else [int(a) for a in given]
+
+    def shape(call: Any) -> tuple[int, ...] | None:
+        ty = call.ty  # the result's type: its static shape
+        dims = getattr(ty, "shape", None)
+        if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+            return None
+        return tuple(int(d) for d in dims)
+
+    def moved(name: str, call: Any, value: np.ndarray) -> np.ndarray | None:
+        if name == "relax.permute_dims":
+            return np.transpose(value, axes(call, value))
+        if name in ("relax.expand_dims", "relax.reshape", "relax.squeeze"):
+            to = shape(call)
+            return None if to is None or int(np.prod(to)) != value.size else value.reshape(to)
+        if name == "relax.isnan":
+            return np.isnan(value)
+        if name == "relax.sqrt" and value.dtype.kind == "f":  # correctly rounded in both
+            return np.sqrt(value)
+        return None
+
+    # elementwise on constants alone, in numpy's IEEE arithmetic as LLVM's compiled code does it (no fast math)
+    arithmetic = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
+                  "relax.where": np.where}
+
+    @relax.expr_functor.mutator
+    class Folder(relax.PyExprMutator):
+        def visit_dataflow_var_(self, var):
+            bound = self.lookup_binding(var)
+            return bound if isinstance(bound, tvm.ir.expr.Constant) else super().visit_dataflow_var_(var)
+
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if not isinstance(call.op, tvm.ir.Op) or not call.args or not isinstance(call.args[0], tvm.ir.expr.Constant):
+                return call
+            dtype = str(call.ty.dtype)
+            if call.op.name in arithmetic:
+                if not all(isinstance(a, tvm.ir.expr.Constant) for a in call.args):
+                    return call
+                values = [a.value.numpy() for a in call.args]
+                if any(str(v.dtype) != dtype for v in values[-2:]):
+                    return call  # mixed types: TVM's promotion, not numpy's
+                out = arithmetic[call.op.name](*values)
+            else:
+                out = moved(call.op.name, call, call.args[0].value.numpy())
+            if out is None or tuple(out.shape) != shape(call):
+                return call
+            return relax.const(np.array(out, dtype=dtype), dtype)  # a C-ordered copy that keeps a 0-d value 0-d
+
+    @tvm.transform.module_pass(opt_level=0, name="MoveConstantsInNumpy")
+    def transform(mod: Any, _ctx: Any) -> Any:
+        folder = Folder(mod)
+        for gvar, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function):
+                mod[gvar] = folder.visit_expr(func)
+        return relax.transform.DeadCodeElimination()(mod)
 
     return transform
 
