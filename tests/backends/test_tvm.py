@@ -294,6 +294,17 @@ def test_constants_are_moved_in_numpy_bit_for_bit_as_fold_constant_compiles_them
     monkeypatch.setattr(relax.transform, "FoldConstant", watched)
     moved = tvm_backend.compile_onnx(model, HOST, tmp_path / "moved.so")
     assert left == []
+    # the shape of a constant (the importer's bounds check of a Gather's table) is a shape, not a tensor to fold
+    table = rng.standard_normal((10, 8)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["rows"])], "gather",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, (1, 4))],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(table, "table")])
+    gather = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    gather.ir_version = 8
+    result = tvm_backend.compile_onnx(gather, HOST, tmp_path / "gather.so")
+    ids = np.array([[3, 0, 9, -1]], np.int64)
+    np.testing.assert_array_equal(run_library(tmp_path / "gather.so", result, {"ids": ids})["rows"], table[ids])
     monkeypatch.setattr(lowering, "_MoveConstantsInNumpy", lambda: tvm.transform.Sequential([]))
     compiled = tvm_backend.compile_onnx(model, HOST, tmp_path / "compiled.so")
     assert {"transpose", "expand_dims", "tir_isnan"} <= set(left), left  # what FoldConstant alone compiles

@@ -338,7 +338,8 @@ def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            if not isinstance(call.op, tvm.ir.Op) or not call.args or not isinstance(call.args[0], tvm.ir.expr.Constant):
+            if (not isinstance(call.op, tvm.ir.Op) or not call.args or not isinstance(call.args[0], tvm.ir.expr.Constant)
+                    or not isinstance(call.ty, relax.TensorType)):  # a tensor of a known type, not a shape
                 return call
             dtype = str(call.ty.dtype)
             if call.op.name in arithmetic:
