@@ -46,7 +46,7 @@ FILE_SECONDS = {
     "tests/ir/test_large_models.py": 75, "tests/test_selftest_e2e.py": 70, "tests/test_cpu_int8_e2e.py": 60,
     "tests/runtime/test_inputs.py": 60, "tests/test_verify.py": 60, "tests/test_detector_e2e.py": 50,
     "tests/test_eval_e2e.py": 50, "tests/runtime/test_install.py": 50, "tests/test_cpu_selection_e2e.py": 40,
-    "tests/test_prune_e2e.py": 40, "tests/backends/test_tvm.py": 40, "tests/test_zoo_sample.py": 60,
+    "tests/test_prune_e2e.py": 40, "tests/backends/test_tvm.py": 40, "tests/test_zoo_sample.py": 230,
 }
 
 
