@@ -152,3 +152,31 @@ def test_real_model(load, fired):
 
 def test_reassociated_tolerance_is_what_the_harness_states():
     assert REASSOCIATED == {"rtol": 1e-5, "atol": 1e-6} and EXACT == {"rtol": 1e-6, "atol": 0.0}
+
+
+def test_a_rule_set_none_of_whose_ops_the_model_has_is_not_tried(monkeypatch):
+    """onnxscript tries every rule at every node; a rule whose pattern is rooted at an op the model does not
+    have cannot match and is passed over, and one whose op is there still fires (also in a subgraph)."""
+    from onnxscript.rewriter import pattern
+
+    from edgesdk.passes import rule as rules
+
+    tried = []
+    real = pattern.RewriteRuleSet.apply_to_model
+    monkeypatch.setattr(pattern.RewriteRuleSet, "apply_to_model",
+                        lambda self, model, **kw: tried.append(self) or real(self, model, **kw))
+    double_relu = rules.from_patterns("relu-relu", pattern.RewriteRule(
+        lambda op, x: op.Relu(op.Relu(x)), lambda op, x: op.Relu(x)))
+    softmax = rules.from_patterns("softmax-of-sigmoid", pattern.RewriteRule(
+        lambda op, x: op.Softmax(op.Sigmoid(x)), lambda op, x: op.Sigmoid(x)))
+    ir_model = ir.serde.deserialize_model(small_model())
+    assert softmax.apply(ir_model) == 0 and tried == []
+    assert double_relu.apply(ir_model) == 1 and len(tried) == 1
+    then = helper.make_graph([node("Relu", ["x"], ["r"])], "then", [],
+                             [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3])])
+    graph = helper.make_graph([node("If", ["c"], ["y"], then_branch=then, else_branch=then)], "branchy",
+                              [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    branchy = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert rules.op_types(branchy) == {"If", "Relu"}  # the branch's op counts: a rule may rewrite there
