@@ -43,40 +43,40 @@ class _Interrupt:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """One workload tuned for a budget of 24 candidates in three sittings: interrupted after its
-    first batch, stopped by a time budget after one more, then finished; then asked again."""
+    """One workload tuned for a budget of 12 candidates in batches of 4, in three sittings: interrupted after
+    its first batch, stopped by a time budget after one more, then finished; then asked again."""
     db = tmp_path_factory.mktemp("tuning") / "db"
     model = single_task_graph()
     interrupt = _Interrupt(after=1)
     with pytest.raises(KeyboardInterrupt):
-        tvm_backend.tune_onnx(model, HOST, db, trials=24, batch=8, progress=interrupt)
+        tvm_backend.tune_onnx(model, HOST, db, trials=12, batch=4, progress=interrupt)
     after_interrupt = len(_lines(db))
-    timed = tvm_backend.tune_onnx(model, HOST, db, trials=24, batch=8, time_budget_s=1e-3)
+    timed = tvm_backend.tune_onnx(model, HOST, db, trials=12, batch=4, time_budget_s=1e-3)
     after_time = len(_lines(db))
-    finished = tvm_backend.tune_onnx(model, HOST, db, trials=24, batch=8)
-    again = tvm_backend.tune_onnx(model, HOST, db, trials=24, batch=8)
+    finished = tvm_backend.tune_onnx(model, HOST, db, trials=12, batch=4)
+    again = tvm_backend.tune_onnx(model, HOST, db, trials=12, batch=4)
     return {"db": db, "model": model, "interrupt": interrupt, "after_interrupt": after_interrupt, "timed": timed,
             "after_time": after_time, "finished": finished, "again": again}
 
 
 def test_an_interrupted_search_keeps_what_it_measured(resumed):
-    # the untuned baseline (a record) and the first batch of 8 were in the database when Ctrl-C came
-    assert resumed["interrupt"].seen[0].measured == 8
-    assert resumed["after_interrupt"] == 1 + 8
+    # the untuned baseline (a record) and the first batch of 4 were in the database when Ctrl-C came
+    assert resumed["interrupt"].seen[0].measured == 4
+    assert resumed["after_interrupt"] == 1 + 4
     for line in _lines(resumed["db"]):
         json.loads(line)  # every line a whole record
 
 
 def test_a_time_budget_stops_after_the_batch_and_the_next_run_resumes(resumed):
     timed, finished = resumed["timed"], resumed["finished"]
-    assert timed["stopped"] == "time" and timed["trials"] == 8
-    assert resumed["after_time"] == 1 + 16
-    # the budget is 24 records in all: the third sitting measures only what is left
-    assert finished["stopped"] == "budget" and finished["trials"] == 24 - 17
-    assert len(_lines(resumed["db"])) == 24
+    assert timed["stopped"] == "time" and timed["trials"] == 4
+    assert resumed["after_time"] == 1 + 8
+    # the budget is 12 records in all: the third sitting measures only what is left
+    assert finished["stopped"] == "budget" and finished["trials"] == 12 - 9
+    assert len(_lines(resumed["db"])) == 12
     # the baseline was measured once, in the first sitting, and the summary still has it
     (task,) = finished["per_task"]
-    assert task["untuned_ms"] > 0 and task["best_ms"] > 0 and task["records"] == 24
+    assert task["untuned_ms"] > 0 and task["best_ms"] > 0 and task["records"] == 12
     assert task["best_ms"] <= task["untuned_ms"]  # the baseline is a record: the best is never worse
     assert task["speedup"] == pytest.approx(task["untuned_ms"] / task["best_ms"], rel=1e-2)
 
@@ -86,7 +86,7 @@ def test_a_finished_workload_costs_no_trials(resumed):
     assert (again["searched"], again["reused"], again["trials"], again["stopped"]) == (0, 1, 0, "done")
     assert again["per_task"][0]["best_ms"] == resumed["finished"]["per_task"][0]["best_ms"]
     # a larger budget searches it again
-    assert json.loads((resumed["db"] / "searched.json").read_text()) == {again["per_task"][0]["workload"]: 24}
+    assert json.loads((resumed["db"] / "searched.json").read_text()) == {again["per_task"][0]["workload"]: 12}
 
 
 def test_compilation_applies_the_records(resumed, tmp_path):
@@ -178,7 +178,7 @@ def test_an_incomplete_last_line_is_dropped_and_a_bad_line_elsewhere_refused(res
     (db / RECORDS).write_bytes(whole + whole.splitlines()[0][:40])  # a write cut short
     assert tuning.repair_database(db) == 1
     assert (db / RECORDS).read_bytes() == whole
-    again = tvm_backend.tune_onnx(resumed["model"], HOST, db, trials=24)
+    again = tvm_backend.tune_onnx(resumed["model"], HOST, db, trials=12)
     assert again["trials"] == 0  # the database reads as before
 
     lines = whole.splitlines()
@@ -214,7 +214,7 @@ def test_tuning_refuses_code_this_cpu_cannot_run(monkeypatch, tmp_path):
 
 def test_progress_reports_each_batch_with_the_best_so_far(resumed):
     (p,) = resumed["interrupt"].seen
-    assert p.budget == 24 - 1 and p.measured == 8 and p.failed == 0
+    assert p.budget == 12 - 1 and p.measured == 4 and p.failed == 0
     (name, best), = p.best_ms.items()
     assert name.startswith("fused_conv2d") and 0 < best < 100
     assert np.isfinite(p.elapsed_s)
