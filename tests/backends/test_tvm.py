@@ -276,7 +276,7 @@ def test_constants_are_moved_in_numpy_bit_for_bit_as_fold_constant_compiles_them
     left: list[str] = []  # the operations on constants alone that reach FoldConstant
     fold_constant = relax.transform.FoldConstant
 
-    def watched() -> Any:
+    def watched():
         @tvm.transform.module_pass(opt_level=0, name="Watched")
         def transform(mod, ctx):
             def visit(e):  # a call_tir of constants alone: LegalizeOps made each operation a TIR function

@@ -233,10 +233,10 @@ def _lower(mod: Any, tvm_target: Any, choose: Choice | None = None, choices: lis
             mod = tvm.transform.Sequential(head)(mod)
     passes = [
         *_backend_pipeline(tvm_target).library_dispatch_passes(tvm_target),
-        # on a CPU, exp, sigmoid, tanh, erf and what is built on them as vectorizable polynomials
-        # the weights' own layout changes (a transpose, an added axis) in numpy: FoldConstant compiles each
-        # folded operation with LLVM, a third of a small model's compile time
+        # what FoldConstant would fold, in numpy where numpy computes it exactly: FoldConstant compiles each
+        # operation it folds with LLVM, a third of a small model's compile time
         _MoveConstantsInNumpy(),
+        # on a CPU, exp, sigmoid, tanh, erf and what is built on them as vectorizable polynomials
         relax.transform.LegalizeOps(fast_math.legalize_map() if tvm_target.kind.name == "llvm" else None),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -296,10 +296,12 @@ def _ClipAsRelaxOps() -> Any:  # noqa: N802 -- a pass, named as TVM's are
 
 
 def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
-    """Fold the operations that only move a constant's elements (transpose, reshape, added or removed axes)
-    and `isnan` of a constant in numpy, exactly: what FoldConstant does for them by compiling each one
-    (ConvertLayout's HWIO weights and their broadcast axes, the importer's NaN checks of constant bounds).
-    The rest is FoldConstant's."""
+    """Fold in numpy, bit for bit as FoldConstant's compiled code computes them, the operations on constants
+    alone that a model's lowering makes most of: those that only move a constant's elements (transpose,
+    reshape, added or removed axes: ConvertLayout's HWIO weights and their broadcast axes), `isnan` (the
+    importer's NaN checks of constant bounds), `sqrt`, and add, subtract, multiply and where of constants of
+    one type (IEEE arithmetic, correctly rounded in both). A constant's shape is left alone (it is not a
+    tensor). The rest is FoldConstant's."""
     import tvm
     from tvm import relax
 
@@ -314,7 +316,7 @@ def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
             return None
         return tuple(int(d) for d in dims)
 
-    def moved(name: str, call: Any, value: np.ndarray) -> np.ndarray | None:
+    def unary(name: str, call: Any, value: np.ndarray) -> np.ndarray | None:
         if name == "relax.permute_dims":
             return np.transpose(value, axes(call, value))
         if name in ("relax.expand_dims", "relax.reshape", "relax.squeeze"):
@@ -326,7 +328,7 @@ def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
             return np.sqrt(value)
         return None
 
-    # elementwise on constants alone, in numpy's IEEE arithmetic as LLVM's compiled code does it (no fast math)
+    # elementwise, in numpy's IEEE arithmetic as LLVM's compiled code does it (no fast math)
     arithmetic = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
                   "relax.where": np.where}
 
@@ -350,7 +352,7 @@ def _MoveConstantsInNumpy() -> Any:  # noqa: N802 -- a pass, named as TVM's are
                     return call  # mixed types: TVM's promotion, not numpy's
                 out = arithmetic[call.op.name](*values)
             else:
-                out = moved(call.op.name, call, call.args[0].value.numpy())
+                out = unary(call.op.name, call, call.args[0].value.numpy())
             if out is None or tuple(out.shape) != shape(call):
                 return call
             return relax.const(np.array(out, dtype=dtype), dtype)  # a C-ordered copy that keeps a 0-d value 0-d
