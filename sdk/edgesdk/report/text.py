@@ -219,8 +219,12 @@ def accuracy_lines(accuracy: dict[str, Any], reference: str = "fp32") -> list[st
     n = accuracy.get("samples", "?")
     on = f"{n} held-out samples" if accuracy.get("held_out", True) else "the calibration sample (none held out)"
     failed = {f["part"]: f for f in accuracy.get("failures") or ()}
+    ill = {name: t["ill_conditioned"] for name, t in (accuracy.get("tensors") or {}).items() if t.get("ill_conditioned")}
     if not gate:
         verdict = "float throughout: judged within the float tolerance"
+        if ill:
+            verdict += (", but where fp32 itself is ill-conditioned: there within "
+                        f"{max(i['margin'] for i in ill.values()):g}x how far fp32 moves by itself")
     elif accuracy.get("accepted_loss"):
         verdict = ("BELOW THE ACCURACY GATE: published only because of --accept-accuracy-loss "
                    f"({len(failed)} part(s) under the target's thresholds)")
@@ -235,6 +239,10 @@ def accuracy_lines(accuracy: dict[str, Any], reference: str = "fp32") -> list[st
         mark = f": BELOW ({', '.join(_missed(failed[part]))})" if part in failed else ""
         lines.append(f"{part} ({kind}): cosine {m['cosine']:.4f}, mean error {m['mean_error']:.2%} and max error "
                      f"{m['max_error']:.1%} of its range{top1}{mark}")
+    for name, i in ill.items():
+        lines.append(f"{name}: fp32 ill-conditioned on held-out sample(s) {', '.join(map(str, i['samples']))} (it moves by "
+                     f"up to {max(i['fp32_moves']):.2%} of its largest magnitude by itself; the bundle is off by up to "
+                     f"{max(i['bundle_error']):.2%} there)")
     for c in accuracy.get("culprits") or ():
         lines.append(f"culprit {c['node']} in {c['segment']} ({c['op']} -> {c.get('int8_op') or '?'}): "
                      f"{c['added_error']:.1%} of its range lost there, SNR {c['added_snr_db']:.1f} dB; {c['cause']}")

@@ -13,9 +13,10 @@ import onnx
 from ...ir import model as irm
 
 
-def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.ValueInfoProto] | None = None):
+def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.ValueInfoProto] | None = None,
+            optimized: bool = True):
     """A CPU session of `model` (its weights handed over, not copied: `irm.onnxruntime_session`);
-    `outputs` replaces the graph's outputs."""
+    `outputs` replaces the graph's outputs; `optimized=False`: none of onnxruntime's graph optimizations."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -28,6 +29,8 @@ def session(model: onnx.ModelProto, *, threads: int = 0, outputs: list[onnx.Valu
         # NASNetMobile's tune stage), and onnxruntime's retry loses the weights handed over. The values asked for
         # are float either way; the layout only changes speed.
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    if not optimized:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return irm.onnxruntime_session(model, opts, outputs=outputs)
 
 
@@ -37,8 +40,8 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str]
 
 
 def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
-             outputs: list[str] | None = None) -> list[dict[str, np.ndarray]]:
-    """`run` on each of `feeds`, with one session."""
+             outputs: list[str] | None = None, *, optimized: bool = True) -> list[dict[str, np.ndarray]]:
+    """`run` on each of `feeds`, with one session (`optimized`: as `session`)."""
     wanted = None
     if outputs is not None:
         g = model.graph
@@ -46,7 +49,7 @@ def run_many(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
         vinfo = {vi.name: vi for vi in list(g.value_info) + list(g.input)}
         wanted = [vinfo.get(name) or known.get(name) or onnx.helper.make_empty_tensor_value_info(name)
                   for name in outputs]
-    sess = session(model, outputs=wanted)
+    sess = session(model, outputs=wanted, optimized=optimized)
     names = [o.name for o in sess.get_outputs()]
     return [dict(zip(names, sess.run(names, f))) for f in feeds]
 
