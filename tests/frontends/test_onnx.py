@@ -102,6 +102,21 @@ def test_external_data_longer_than_its_tensor_is_refused(tmp_path):
     assert f"tensor 'w': its external data holds {w.nbytes + 8} bytes, its type and shape need {w.nbytes}" in e.value.message
 
 
+@pytest.mark.parametrize("extra", [13, 1 << 20])
+def test_raw_data_longer_than_its_tensor_is_refused(tmp_path, extra):
+    """onnx's checker refuses raw data too short for a tensor's shape, not too long: 13 bytes more went on to
+    onnxruntime, which refused the model deep in the tune stage, and a MiB more (counted a weight by its
+    size) to a reshape: internal errors both (exit 3)."""
+    model, w = _matmul_model()
+    model.graph.initializer[0].raw_data = w.tobytes() + bytes(extra)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UserError) as e:
+        _load(path, tmp_path)
+    assert e.value.code == "import.invalid-model"
+    assert f"tensor 'w': its raw data holds {w.nbytes + extra} bytes, its type and shape need {w.nbytes}" in e.value.message
+
+
 def test_external_data_outside_the_model_directory_is_refused(tmp_path):
     model, _ = _matmul_model()
     inner = tmp_path / "models"
