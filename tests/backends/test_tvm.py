@@ -65,17 +65,18 @@ def conv_graph() -> onnx.ModelProto:
          "b": rng.standard_normal(8).astype(np.float32)})
 
 
-def single_task_graph(target: dict = HOST) -> onnx.ModelProto:
-    """Conv + bias + relu: one fused TIR function, so tuning it is one task. Its input and output
-    are in the layout `target` computes convolutions in (x86: NHWC; compile.py's
-    `_channels_last_convs`), so that no transpose is a function of its own."""
+def single_task_graph(target: dict = HOST, channels: int = 8) -> onnx.ModelProto:
+    """Conv + bias + relu: one fused TIR function, so tuning it is one task (another workload for
+    another number of output `channels`). Its input and output are in the layout `target` computes
+    convolutions in (x86: NHWC; compile.py's `_channels_last_convs`), so that no transpose is a
+    function of its own."""
     from edgesdk.backends.tvm.lowering import _channels_last_convs
 
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["conv"], ["y"])]
-    inits = {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32),
-             "b": rng.standard_normal(8).astype(np.float32)}
+    inits = {"w": rng.standard_normal((channels, 4, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(channels).astype(np.float32)}
     if not _channels_last_convs(targets._resolve_target(target)[1]):
         return _model(nodes, {"x": (1, 4, 16, 16)}, ["y"], inits)
     nodes[0].input[0] = "nchw"

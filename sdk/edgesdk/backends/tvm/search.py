@@ -39,9 +39,7 @@ def _search(ms, todo, tvm_target, log_dir, budget, batch, seed, builder, runner,
     # One measured batch must not overshoot a small budget, and MetaSchedule's scheduler first
     # gives every task one batch: batches small enough that each task gets about two of them.
     batch = min(budget, batch or max(1, min(64, max(8, budget // (2 * len(todo))))))
-    # The population the cost model ranks to pick each batch: 16 candidates per slot keeps the
-    # batch diverse; TVM's fixed 512 costs seconds per round on small budgets.
-    strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(64, 16 * batch)))
+    strategy = ms.search_strategy.EvolutionarySearch(**_evolution(cost_model, budget, batch))
     _tensor_intrin_importer(tvm_target.kind.name)()  # before TuneContext does it the slow way
     _drop_unnamed_handlers("tvm.s_tir.meta_schedule")
     # MetaSchedule's console handler takes the logger's level (DEBUG when unset) and writes
@@ -72,6 +70,22 @@ def _search(ms, todo, tvm_target, log_dir, budget, batch, seed, builder, runner,
             if watch.stop.get("why") in ("time", "boards-lost", "interrupted"):
                 return  # `_Watch._end` left the loop on purpose
             raise
+
+
+def _evolution(cost_model: Any, budget: int, batch: int) -> dict[str, int]:
+    """The evolutionary search's settings for a search of `budget` candidates in batches of `batch`.
+
+    The population the cost model ranks to pick each batch: 16 candidates per slot keeps the batch diverse;
+    TVM's fixed 512 costs seconds per round on small budgets. But MetaSchedule's XGBoost model scores every
+    candidate at random until it has trained on `num_warmup_samples` records (100): a search that ends before
+    then (the records it was trained on first, `transfer`, and the budget, fewer) ranks by chance throughout,
+    and its genetic rounds (4 of mutation and ranking per batch) and a large random population only cost
+    time, half of each batch's on a 4-candidate batch of one convolution. There each batch is drawn from a
+    random population of twice its size."""
+    warmup = getattr(cost_model, "num_warmup_samples", 0)
+    if getattr(cost_model, "data_size", 0) + budget < warmup:
+        return {"population_size": 2 * batch, "init_min_unmeasured": batch, "genetic_num_iters": 0}
+    return {"population_size": min(512, max(64, 16 * batch))}
 
 
 class _Watch:
