@@ -220,3 +220,21 @@ def test_progress_reports_each_batch_with_the_best_so_far(resumed):
     (name, best), = p.best_ms.items()
     assert name.startswith("fused_conv2d") and 0 < best < 100
     assert np.isfinite(p.elapsed_s)
+
+
+def test_a_search_that_ends_in_the_cost_models_warm_up_picks_at_random_without_evolving():
+    """MetaSchedule's XGBoost model scores at random until it has `num_warmup_samples` records: a search that
+    ends before then skips the genetic rounds; one that gets past it (here with the records transfer trained
+    it on first) keeps them and the larger population."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from edgesdk.backends.tvm.search import _evolution
+
+    model = ms.cost_model.XGBModel(num_tuning_cores=1)
+    assert model.num_warmup_samples == 100 and model.data_size == 0
+    assert _evolution(model, budget=12, batch=4) == {"population_size": 8, "init_min_unmeasured": 4,
+                                                      "genetic_num_iters": 0}
+    model.data_size = 95  # as after transfer from a database of 95 records
+    assert _evolution(model, budget=12, batch=4) == {"population_size": 64}
+    model.data_size = 0
+    assert _evolution(model, budget=2000, batch=64) == {"population_size": 512}
