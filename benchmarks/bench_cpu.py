@@ -161,11 +161,12 @@ opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 session = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
 feeds = dict(np.load(sys.argv[2]))
 feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 5
 laps = []
-for k in range(5 + int(sys.argv[4])):
+for k in range(warmup + int(sys.argv[4])):
     t0 = time.perf_counter()
     session.run(None, feeds)
-    if k >= 5:
+    if k >= warmup:
         laps.append((time.perf_counter() - t0) * 1e3)
 print(json.dumps(laps))
 """

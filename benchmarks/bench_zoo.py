@@ -20,7 +20,8 @@ GPU is present, else it is recorded as not run). Each cell records:
   held out of the calibration set, per output), and whether the target's accuracy gate passed.
 
 - x86: the bundle's time against onnxruntime, as benchmarks/bench_cpu.py times them (each alone in a fresh
-  process, in turn, 3 rounds of 20 inferences after 5, 2 threads, the median; ZOO_TIME_ROUNDS=0 skips it):
+  process, in turn, 3 rounds of 20 inferences after 5, or of as many as take 0.5 s after 0.2 s for a faster
+  model, 2 threads, the median; ZOO_TIME_ROUNDS=0 skips it):
   onnxruntime on the user's ONNX file, or on the import's ONNX for a Keras or TFLite model. Timings on a
   shared 2-core host: run the zoo alone.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -52,6 +54,10 @@ EDGESDK = [sys.executable, "-m", "edgesdk"]
 # the x86 bundle against onnxruntime (ZOO_TIME_ROUNDS=0: not timed)
 TIME_ROUNDS = int(os.environ.get("ZOO_TIME_ROUNDS", 3))
 TIME_RUNS, WARMUP, TIME_THREADS = 20, 5, 2
+# a model faster than this per round takes more inferences, warm-up included: 20 inferences of silero-vad
+# (0.1 ms) after 5 timed its thread pool and caches warming, and the bundle against onnxruntime moved from
+# 0.7 to 1.3 between runs of the same two
+MIN_ROUND_S, MIN_WARMUP_S = 0.5, 0.2
 
 
 def prepare(name: str) -> dict:
@@ -136,7 +142,7 @@ def cell(name: str, target: str, extra: tuple[str, ...] = ()) -> dict:
     if target == "x86":
         row["agreement"] = _x86_agreement(out, work / "held-out")
         if row["verified"] is True and TIME_ROUNDS:
-            row["timing"] = _x86_timing(out, path, work / "held-out")
+            row["timing"] = _x86_timing(out, path, work / "held-out", row.get("latency_ms"))
     else:
         row["agreement"] = _reported_accuracy(records)
     row["outcome"] = "ok" if row["verified"] is not False else "verify failed"
@@ -230,10 +236,18 @@ def _x86_agreement(out: Path, held: Path) -> dict:
 
 
 
-def _x86_timing(out: Path, source: Path, held: Path) -> dict:
+def _counts(ms: float | None) -> tuple[int, int]:
+    """Warm-up and timed inferences per round for a model of about `ms` (the plan's measured latency): WARMUP
+    and TIME_RUNS, or as many as MIN_WARMUP_S and MIN_ROUND_S take."""
+    if not ms or ms <= 0:
+        return WARMUP, TIME_RUNS
+    return max(WARMUP, math.ceil(MIN_WARMUP_S * 1e3 / ms)), max(TIME_RUNS, math.ceil(MIN_ROUND_S * 1e3 / ms))
+
+
+def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) -> dict:
     """The bundle against onnxruntime as benchmarks/bench_cpu.py times them: each alone in a fresh process of
-    its own, in turn, TIME_ROUNDS rounds of TIME_RUNS inferences after WARMUP, on a held-out sample; 2 threads
-    each; the median of every inference. onnxruntime runs the user's file where it is an ONNX file that takes
+    its own, in turn, TIME_ROUNDS rounds of TIME_RUNS inferences after WARMUP (more for a model faster than
+    `_counts` allows), on a held-out sample; 2 threads each; the median of every inference. onnxruntime runs the user's file where it is an ONNX file that takes
     the sample, else the import's ONNX (a Keras or TFLite model converted by tf2onnx, or an input frozen)."""
     import statistics
 
@@ -258,14 +272,16 @@ def _x86_timing(out: Path, source: Path, held: Path) -> dict:
     env = {**os.environ, "EDGESDK_NUM_THREADS": str(TIME_THREADS), "TVM_NUM_THREADS": str(TIME_THREADS)}
     os.environ.update(EDGESDK_NUM_THREADS=str(TIME_THREADS), TVM_NUM_THREADS=str(TIME_THREADS))
 
+    warmup, runs = _counts(ms)
+
     def ort_alone() -> list[float]:
         done = subprocess.run([sys.executable, "-c", ORT_CHILD, str(reference),
-                               str(feeds), str(TIME_THREADS), str(TIME_RUNS)],
+                               str(feeds), str(TIME_THREADS), str(runs), str(warmup)],
                               capture_output=True, text=True, check=True, env=env)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     calls = {"onnxruntime": ort_alone,
-             "bundle": lambda: measure_alone(bundle, bundle_feeds, warmup=WARMUP, runs=TIME_RUNS)}
+             "bundle": lambda: measure_alone(bundle, bundle_feeds, warmup=warmup, runs=runs)}
     laps: dict[str, list[float]] = {k: [] for k in calls}
     try:
         for _ in range(TIME_ROUNDS):
@@ -277,7 +293,7 @@ def _x86_timing(out: Path, source: Path, held: Path) -> dict:
     return {"bundle_ms": round(med["bundle"], 3), "onnxruntime_ms": round(med["onnxruntime"], 3),
             "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
             "onnxruntime_on": "the model file" if reference == source else "the imported ONNX",
-            "runs": TIME_RUNS * TIME_ROUNDS, "threads": TIME_THREADS}
+            "runs": runs * TIME_ROUNDS, "warmup": warmup, "threads": TIME_THREADS}
 
 
 def _child(args: list[str]) -> dict:
@@ -316,8 +332,10 @@ def main() -> int:
         print(json.dumps(cell(*args.cell), default=str))
         return 0
     if args.time_cell:
-        print(json.dumps(_x86_timing(WORK / args.time_cell / "out-x86", zoo_models.MODELS[args.time_cell].make(),
-                                     WORK / args.time_cell / "held-out")))
+        out = WORK / args.time_cell / "out-x86"
+        predicted = json.loads((out / "bundle" / "plan.json").read_text()).get("predicted", {}).get("latency_ms")
+        print(json.dumps(_x86_timing(out, zoo_models.MODELS[args.time_cell].make(), WORK / args.time_cell / "held-out",
+                                     predicted)))
         return 0
     families = args.families.split(",")
     names = args.models.split(",") if args.models else [m.name for m in zoo_models.MODELS.values()
