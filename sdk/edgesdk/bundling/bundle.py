@@ -468,21 +468,20 @@ def _within_fp32s_own_spread(name: str, errors: list[float], spread: list[float]
     """The record of an output off by more than `allowed` on some samples, where each of those is one the fp32
     model is ill-conditioned on (it moves by itself by more than `allowed`) and the bundle is within
     `golden.CONDITION_MARGIN` times that; None where any sample is off otherwise (a wrong kernel)."""
-    from .golden import CONDITION_MARGIN, CONDITION_STEP
-
     if spread is None or len(spread) != len(errors):
         return None
     off = [i for i, e in enumerate(errors) if not e <= allowed]
-    if not all(spread[i] > allowed and errors[i] <= CONDITION_MARGIN * spread[i] for i in off):
+    if not all(spread[i] > allowed and errors[i] <= golden.CONDITION_MARGIN * spread[i] for i in off):
         return None
     ill = [i for i, s in enumerate(spread) if s > allowed]
     log(f"package: {name}: fp32 itself moves by up to {max(spread[i] for i in ill) / scale:.3g} of its largest "
         f"magnitude on held-out sample(s) {', '.join(str(i) for i in ill)} of {len(errors)} (its inputs moved by "
-        f"{CONDITION_STEP:.2g} of their values, or onnxruntime's graph optimizations off): ill-conditioned there, "
-        f"the bundle is within {CONDITION_MARGIN:g}x that (largest {max(errors[i] for i in off) / scale:.3g}); "
-        f"within the float tolerance on the rest")
+        f"{golden.CONDITION_STEP:.2g} of their values, or onnxruntime's graph optimizations off): ill-conditioned "
+        f"there, the bundle is within {golden.CONDITION_MARGIN:g}x that (largest "
+        f"{max(errors[i] for i in off) / scale:.3g}); within the float tolerance on the rest")
     return {"samples": ill, "fp32_moves": [round(spread[i] / scale, 6) for i in ill],
-            "bundle_error": [round(errors[i] / scale, 6) for i in ill], "step": CONDITION_STEP, "margin": CONDITION_MARGIN}
+            "bundle_error": [round(errors[i] / scale, 6) for i in ill], "step": golden.CONDITION_STEP,
+            "margin": golden.CONDITION_MARGIN}
 
 
 def _probe(src: Sources, failure, held: list[dict], target, options, declared: dict[str, str], log) -> dict | None:

@@ -218,7 +218,7 @@ def _check_mapped(t: onnx.TensorProto) -> None:
     if t.data_type not in _ARRAY_TYPES:
         onnx.checker.check_tensor(inline(t))
         return
-    need = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    need = _held_bytes(t)
     if int(_external(t)["length"]) != need:
         raise onnx.checker.ValidationError(f"tensor '{t.name}': its external data holds {_external(t)['length']} "
                                            f"bytes, its type and shape need {need}")
@@ -637,13 +637,7 @@ def constants_first(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def param_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the main graph's initializers as arrays (counted, not converted)."""
-    total = 0
-    for t in model.graph.initializer:
-        if t.data_type == onnx.TensorProto.STRING:
-            total += t.ByteSize()
-        else:
-            total += int(np.prod(t.dims, dtype=np.int64)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    return total
+    return sum(_held_bytes(t) for t in model.graph.initializer)
 
 
 def extract_segment(model: onnx.ModelProto, node_indices: list[int], inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
