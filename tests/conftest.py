@@ -120,9 +120,10 @@ def _built_once(tmp_path_factory, name: str, make):
 
 # The shared int8 builds calibrated on synthetic samples (no --calib) are about placement, packaging and the
 # runtime, not accuracy. Those whose int8 misses the accuracy gate on their synthetic held-out samples
-# (arm_mobilenet: its logits, cosine 0.977 < 0.98; arm_captioner: its dense_2, cosine 0.900 < 0.98) publish
-# below it, as a user may with --accept-accuracy-loss (their manifests say so). `arm_rec` passes the gate
-# as it is (cosine 0.973 on synthetic samples), `arm_ppocr` too, calibrated on rendered text lines.
+# (arm_mobilenet: its logits, cosine 0.977 < 0.98) publish below it, as a user may with
+# --accept-accuracy-loss (their manifests say so); arm_captioner passes it (its dense, cosine 0.988) by a
+# margin near other hosts' rounding, and publishes either way. `arm_rec` passes the gate as it is (cosine
+# 0.973 on synthetic samples), `arm_ppocr` too, calibrated on rendered text lines.
 SYNTHETIC_INT8 = {"accept_accuracy_loss": True}
 
 
@@ -188,9 +189,11 @@ def gpu_ppocr(tmp_path_factory, tuning_db):
 
 @pytest.fixture(scope="session")
 def arm_captioner(tmp_path_factory, tuning_db):
-    """The DenseNet-LSTM video captioner edgesdk was designed around, at CI sizes, for arm_2tpu."""
+    """The DenseNet-LSTM video captioner edgesdk was designed around, at CI sizes, for arm_2tpu: its
+    DenseNet's four dense blocks of 2 layers each (DenseNet121's have 6, 12, 24 and 16: importing those
+    through tf2onnx and building them took a minute more of the suite, and placed them as these)."""
     return _built_once(tmp_path_factory, "arm-captioner", lambda out: _build(
-        out, model_zoo.captioner(), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8))
+        out, model_zoo.captioner(blocks=(2, 2, 2, 2)), "arm_2tpu", tuning_db=tuning_db, **SYNTHETIC_INT8))
 
 
 @pytest.fixture(scope="session")

@@ -141,21 +141,30 @@ def resnet18(size: int = 224, batch: int = 1, classes: int = 1000) -> Path:
     return _with_bn_statistics_as_onnx(tf.keras.Model(inputs, x, name="resnet18"), size, batch, path)
 
 
-def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100) -> Path:
+DENSENET121 = (6, 12, 24, 16)
+
+
+def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, words: int = 100,
+              blocks: tuple[int, ...] = DENSENET121) -> Path:
     """The DenseNet-LSTM video captioner edgesdk was designed around, at sizes a CI run can afford:
-    `frames` frames of size x size x 3 -> DenseNet121 per frame (no top, average pool: 1,024 features) -> LSTM(units)
-    encoder -> LSTM(units) decoder over `steps` steps -> Dense over `words`. The architecture is
-    the benchmark's (benchmarks/bench_schedule.py builds 8 x 224 x 224, LSTM(512), 16 steps, 10,000
-    words); random weights, seed 0, BatchNorm statistics set as for MobileNetV2. A .keras file:
-    the build imports it through tf2onnx, whose LSTM Loops import unrolls."""
-    path = CACHE / f"captioner_{frames}x{size}_{units}_{steps}_{words}.keras"
+    `frames` frames of size x size x 3 -> a DenseNet per frame (no top, average pool; DenseNet121's
+    dense blocks of 6, 12, 24 and 16 layers unless `blocks` says otherwise) -> LSTM(units) encoder ->
+    LSTM(units) decoder over `steps` steps -> Dense over `words`. The architecture is the benchmark's
+    (benchmarks/bench_schedule.py builds 8 x 224 x 224, DenseNet121, LSTM(512), 16 steps, 10,000 words);
+    random weights, seed 0, BatchNorm statistics set as for MobileNetV2. A .keras file: the build imports
+    it through tf2onnx, whose LSTM Loops import unrolls."""
+    depth = "" if blocks == DENSENET121 else "_densenet" + "-".join(map(str, blocks))
+    path = CACHE / f"captioner_{frames}x{size}_{units}_{steps}_{words}{depth}.keras"
     if path.exists():
         return path
     import tensorflow as tf
 
     layers = tf.keras.layers
     tf.keras.utils.set_random_seed(0)
-    cnn = tf.keras.applications.DenseNet121(include_top=False, weights=None, pooling="avg", input_shape=(size, size, 3))
+    if blocks == DENSENET121:
+        cnn = tf.keras.applications.DenseNet121(include_top=False, weights=None, pooling="avg", input_shape=(size, size, 3))
+    else:
+        cnn = _dense_net(blocks, size)
     for layer in cnn.layers:
         if isinstance(layer, tf.keras.layers.BatchNormalization):
             layer.momentum = 0.0
@@ -170,6 +179,30 @@ def captioner(frames: int = 2, size: int = 32, units: int = 32, steps: int = 4, 
     model.save(tmp)
     tmp.rename(path)
     return path
+
+
+def _dense_net(blocks: tuple[int, ...], size: int):
+    """keras.applications' DenseNet (growth rate 32, compression 0.5, no top, average pool) with dense
+    blocks of `blocks` layers: DenseNet121's layers and order, fewer of them."""
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+
+    def norm_relu(x):
+        return layers.Activation("relu")(layers.BatchNormalization(epsilon=1.001e-5)(x))
+
+    image = tf.keras.Input((size, size, 3))
+    x = layers.Conv2D(64, 7, strides=2, use_bias=False)(layers.ZeroPadding2D(3)(image))
+    x = layers.MaxPooling2D(3, strides=2)(layers.ZeroPadding2D(1)(norm_relu(x)))
+    for i, layers_in_block in enumerate(blocks):
+        for _ in range(layers_in_block):
+            y = layers.Conv2D(4 * 32, 1, use_bias=False)(norm_relu(x))
+            y = layers.Conv2D(32, 3, padding="same", use_bias=False)(norm_relu(y))
+            x = layers.Concatenate()([x, y])
+        if i < len(blocks) - 1:  # a transition halves the channels and the size
+            x = layers.Conv2D(x.shape[-1] // 2, 1, use_bias=False)(norm_relu(x))
+            x = layers.AveragePooling2D(2, strides=2)(x)
+    return tf.keras.Model(image, layers.GlobalAveragePooling2D()(norm_relu(x)))
 
 
 def keras_encoder(tokens: int = 16, width: int = 32, heads: int = 2) -> Path:

@@ -343,9 +343,9 @@ def test_arm_captioner_spans_the_cpu_and_both_tpus(arm_captioner):
     assert arm_captioner.stages[-1].record["twins"]
     assert not any(p.name.startswith("twin") for p in arm_captioner.bundle.rglob("*"))
     # int8 through 2 DenseNets and 6 unrolled LSTM steps, random weights, synthetic calibration:
-    # measured cosine 0.903 against the fp32 model; the bound leaves room for other kernels' rounding
+    # measured cosine 0.988 against the fp32 model; the bound leaves room for other kernels' rounding
     (name, acc), = m.accuracy["tensors"].items()
-    assert acc["cosine"] >= 0.85, acc
+    assert acc["cosine"] >= 0.95, acc
 
 
 def test_aarch64_verify_without_rootfs_says_it_did_not_run(arm_ppocr, tmp_path):
