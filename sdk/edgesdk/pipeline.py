@@ -110,6 +110,7 @@ class StageContext:
     reads: tuple[str, ...] | None = None
     # the single files of other stages it declared in READS_FILES; None: not checked
     read_files: dict[str, tuple[str, ...]] | None = None
+    sdk: str = ""  # the SDK's code digest (the stage cache's keys cover it; so must any a stage keeps itself)
 
     def file(self, stage: str, name: str) -> Path:
         """A file of an earlier stage's output that this stage names in READS_FILES (it may not exist)."""
@@ -331,7 +332,7 @@ def _build(options: BuildOptions, *, log: Callable[[str], None], on_stage: Calla
                 on_stage(phase.name, "start", 0.0)
                 t0 = time.perf_counter()
                 record = _run_stage(stage, phase, artifact, dest, key, target, target_path, options, build_dir, log,
-                                    progress, reads, read_files)
+                                    progress, reads, read_files, sdk)
                 secs = time.perf_counter() - t0
                 results.append(StageResult(phase.name, False, secs, record))
                 _say_size(phase.name, dest, log)
@@ -483,14 +484,14 @@ def _run_stage(stage, phase: Phase, artifact: Path, dest: Path, key: str, target
                options: BuildOptions, build_dir: Path, log: Callable[[str], None],
                progress: Callable[[str | None], None] | None = None,
                reads: tuple[str, ...] | None = None,
-               read_files: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
+               read_files: dict[str, tuple[str, ...]] | None = None, sdk: str = "") -> dict[str, Any]:
     build_dir.mkdir(parents=True, exist_ok=True)
     tmp = build_dir / f".{dest.name}.tmp"
     try:  # from the first write on: a Ctrl-C anywhere leaves no temporary directory behind
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         ctx = StageContext(target, target_path, options, build_dir, tmp, log, progress=progress, reads=reads,
-                           read_files=read_files)
+                           read_files=read_files, sdk=sdk)
         t0 = time.perf_counter()
         record = stage.run(artifact, ctx)
         record = {"stage": phase.name, "seconds": round(time.perf_counter() - t0, 3),

@@ -69,7 +69,7 @@ from ...runtime.backends import open_runner
 from ...runtime.manifest import Segment, tensor_from_dict
 from ...scheduling.plan import Plan
 from ...scheduling.selection import held_out_split
-from . import auto
+from . import auto, reuse
 
 SHARED_SAMPLES = 2  # a shared segment calibrates on at most this many times the samples, from all its uses
 OPTIONS = ("calib", "calib_samples", "calib_method", "calib_percentile", "calib_preprocess", "input_ranges", "seed",
@@ -139,6 +139,8 @@ def run(artifact: Path, ctx) -> dict:
         for line in unlit_scores(acts, parts):
             ctx.warn(line)
     record["accuracy_gate"] = gate.to_json()
+    # an earlier plan's conversions of the same segments (the accuracy remedy's rounds), unless --from asks anew
+    kept = reuse.Kept(ctx.build_dir, ctx.sdk, enabled=bool(ctx.sdk) and ctx.options.start is None)
     for seg in quantized:
         if seg.same_as:
             continue
@@ -150,11 +152,13 @@ def run(artifact: Path, ctx) -> dict:
             samples = samples[:SHARED_SAMPLES * len(acts)]
             ctx.log(f"compress: {seg.id}: also stands for {', '.join(u.id for u in uses[1:])} (the same graph and "
                     f"weights): calibrated on {len(samples)} samples of their inputs")
-        entry = backends.backend(seg.backend).quantize(backends.QuantizeJob(
+        job = backends.QuantizeJob(
             segment=seg, model=irm.read(sched / seg.artifact), samples=samples, out_dir=ctx.out / "segments",
             method=method, percentile=ctx.options.calib_percentile, log=ctx.log, alternatives=method == "auto",
             activations={o: declared[o] for o in seg.outputs if o in declared},
-            model_inputs=tuple(i for i in seg.inputs if i in plan.inputs), grids=grids))
+            model_inputs=tuple(i for i in seg.inputs if i in plan.inputs), grids=grids)
+        entry = kept.quantized(seg, job, sched / seg.artifact, lambda: backends.backend(seg.backend).quantize(job),
+                               ctx.log)
         record["segments"][seg.id] = entry
         for u in uses[1:]:
             rename = dict(zip(names, u.inputs + u.outputs))
@@ -164,6 +168,7 @@ def run(artifact: Path, ctx) -> dict:
                                         "accuracy_vs_float": {rename[o]: a for o, a in entry["accuracy_vs_float"].items()}}
         worst = min(a["cosine"] for a in entry["accuracy_vs_float"].values())
         ctx.log(f"compress: {seg.id}: cosine similarity to float {worst:.5f}")
+    kept.forget_unused()
     if method == "auto":
         # the model's inputs of the calibration samples, the held-out ones aside, as `acts` holds their outputs
         chosen = auto.choose(plan, sched, ctx.out, record["segments"], inputs[:len(acts)],
