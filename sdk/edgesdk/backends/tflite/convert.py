@@ -421,24 +421,12 @@ def _quantizer(calibrated: bytes, per_channel_off: bool) -> Callable[[tuple[str,
         for _ in range(1 if keep_float else QUANTIZE_ATTEMPTS):
             quantized = _quiet(partial(convert.mlir_quantize, calibrated, per_channel_off, input_data_type=io,
                                        output_data_type=io, denylisted_nodes=list(keep_float) or None))
-            if keep_float or quantized in seen or not _dequantizes(quantized):
+            if keep_float or quantized in seen or "DEQUANTIZE" not in op_counts(quantized):
                 break
             seen.add(quantized)
         return _only_if(_has_equal_buffers, convert.deduplicate_readonly_buffers)(quantized)
 
     return quantize
-
-
-def _dequantizes(model: bytes) -> int:
-    """How many DEQUANTIZE ops `model` runs: none in a full-int8 model."""
-    from tensorflow.lite.python import schema_py_generated as schema
-
-    m = schema.Model.GetRootAsModel(model, 0)
-    codes = [max(m.OperatorCodes(i).BuiltinCode(), m.OperatorCodes(i).DeprecatedBuiltinCode())
-             for i in range(m.OperatorCodesLength())]
-    dequantize = schema.BuiltinOperator.DEQUANTIZE
-    return sum(codes[g.Operators(j).OpcodeIndex()] == dequantize
-               for g in (m.Subgraphs(k) for k in range(m.SubgraphsLength())) for j in range(g.OperatorsLength()))
 
 
 AUTO_SAMPLES = 16  # calibration samples on which `auto` compares the whole segment's outputs
