@@ -106,11 +106,21 @@ def test_a_later_plan_reuses_a_conversion_exactly_and_converts_what_changed(tmp_
         assert len(conversions) == 2 + k, why
         assert len(list((build_dir / reuse.DIR).iterdir())) == 1, why
 
+    # a kept file changed since is converted again, never copied into a bundle
+    (kept_file,) = (build_dir / reuse.DIR).glob("*/files/*.tflite")
+    kept_file.write_bytes(kept_file.read_bytes()[:-1] + b"x")
+    kept = reuse.Kept(build_dir, sdk="code-2")
+    job = _job(again, again_file, samples, tmp_path / "changed" / "segments")
+    kept.quantized(again, job, again_file, converting(job), said.append)
+    kept.forget_unused()
+    assert len(conversions) == 5
+    assert (job.out_dir / "s1.tflite").read_bytes() == (fresh.out_dir / "s1.tflite").read_bytes()
+
     # --from asks for the work anew
     kept = reuse.Kept(build_dir, sdk="code-2", enabled=False)
     job = _job(again, again_file, samples, tmp_path / "anew" / "segments")
     kept.quantized(again, job, again_file, converting(job), said.append)
-    assert len(conversions) == 5
+    assert len(conversions) == 6
 
 
 @pytest.mark.parametrize("field", ["method", "percentile"])

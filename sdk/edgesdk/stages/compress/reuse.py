@@ -7,7 +7,8 @@ conversion is kept under a digest of everything it reads: the segment's graph an
 the id names only its files), its tensor names, each calibration sample's arrays, the quantization
 options, the backend and the SDK's code. A later compress run of this directory with the same digest
 copies its files under the segment's own id instead of converting; the entries no run used since are
-removed at the end of each run, so the directory holds one plan's conversions at most.
+removed at the end of each run, so the directory holds one plan's conversions at most. A kept conversion whose
+files changed since is converted again, as a changed stage cache entry is.
 
 `--from compress` (or an earlier stage) converts again whatever it finds here: it asks for the work done
 anew."""
@@ -25,7 +26,7 @@ import numpy as np
 import onnx
 
 from ...ir import model as irm
-from ...ir.digest import file_sha256
+from ...ir.digest import file_sha256, tree_sha256
 
 DIR = "int8"
 PLACEHOLDER = "@"  # a kept file's name and the record's paths have the segment's id replaced by this
@@ -46,7 +47,7 @@ class Kept:
         key = self._digest(seg, job, model_file)
         self.used.add(key)
         kept = self.root / key
-        if (kept / "record.json").is_file():
+        if self._intact(kept):
             entry = self._restore(kept, seg.id, Path(job.out_dir))
             log(f"compress: {seg.id}: {len(seg.nodes)} nodes: int8 as an earlier plan of this build converted the "
                 f"same graph on the same calibration samples (kept in {DIR}/ of the build directory)")
@@ -98,8 +99,18 @@ class Kept:
             shutil.copyfile(segments / name, tmp / "files" / general)
             renames[f"{segments.name}/{name}"] = f"{segments.name}/{general}"
         (tmp / "record.json").write_text(json.dumps(_renamed(entry, renames)))
+        (tmp / "digest").write_text(tree_sha256(tmp / "files"))
         shutil.rmtree(kept, ignore_errors=True)
         tmp.rename(kept)
+
+    @staticmethod
+    def _intact(kept: Path) -> bool:
+        """Whether `kept` holds a whole conversion whose files are still the bytes kept (as the stage cache,
+        a changed entry is converted again, never trusted)."""
+        try:
+            return (kept / "record.json").is_file() and (kept / "digest").read_text() == tree_sha256(kept / "files")
+        except OSError:
+            return False
 
     def _restore(self, kept: Path, seg_id: str, segments: Path) -> dict:
         renames = {}
