@@ -306,3 +306,24 @@ def test_a_depthwise_convolution_stays_in_the_sparse_run(stride, tmp_path):
     got, kernels = tvm_run(model, x, tmp_path)
     assert kernels == 2
     assert_close(got, ort_run(model, x), "inverted residual")
+
+
+def test_a_kernel_is_made_once_per_shape_and_target():
+    """The same shape under the same target is the same TIR function (TVMScript is parsed once); another target
+    gets its own, tiled for its registers (AVX-512's 32 against AVX2's 16: another block of output pixels)."""
+    import tvm
+
+    from edgesdk.backends.tvm import sparse_kernels
+
+    shape = sparse_format.ConvShape(n=16, ci=8, h=14, w=14, co=8, kh=3, kw=3, pads=(1, 1, 1, 1))
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    with avx512:
+        first = sparse_kernels.depthwise_kernel(shape)
+        assert sparse_kernels.depthwise_kernel(shape) is first
+        assert sparse_kernels.kernel(shape, 2, 4) is sparse_kernels.kernel(shape, 2, 4)
+        assert sparse_kernels.depthwise_kernel(sparse_format.ConvShape(16, 8, 28, 28, 8, 3, 3, (1, 1, 1, 1))) \
+            is not first
+    with avx2:
+        other = sparse_kernels.depthwise_kernel(shape)
+    assert other is not first and str(other) != str(first)

@@ -19,6 +19,7 @@ Measured on one ResNet-18 layer (64 -> 64 channels, 3x3, 56x56, batch 16, AMD EP
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .sparse_format import ConvShape
@@ -30,6 +31,28 @@ OPAQUE = 8  # TVM's OpPatternKind kOpaque
 LANES_MAX = 16  # a transpose's vector: at most this many lanes
 
 
+def _per_target(make):
+    """`make(*args)` made once per arguments and target being compiled (`tvm.target.Target.current()`, which
+    the tiling reads) in a process, and the same TIR function handed out again: TVM's IR is immutable, and the
+    first call did the registering. Each kernel was TVMScript parsed anew, and the parse calls
+    `inspect.stack()`, which reads the source of every frame on the stack: 0.1-0.2 s a kernel, for the same
+    shapes over and over (each convolution of a repeated block, the measured and the dense candidates, the
+    bundle's library and its twin)."""
+    @functools.lru_cache(maxsize=256)
+    def made(target: str | None, *args):
+        return make(*args)
+
+    @functools.wraps(make)
+    def cached(*args):
+        import tvm
+
+        target = tvm.target.Target.current(allow_none=True)
+        return made(None if target is None else str(target), *args)
+
+    return cached
+
+
+@_per_target
 def kernel(shape: ConvShape, blocks: int, count: int) -> Any:
     """The TIR function `main(data, values, offsets, y)`, unscheduled: data the padded input (C, Hp, Wp, N),
     read through a flat view of the same memory, y (Co, OH, OW, N)."""
@@ -65,6 +88,7 @@ def kernel(shape: ConvShape, blocks: int, count: int) -> Any:
     return main
 
 
+@_per_target
 def row_kernel(shape: ConvShape, blocks: int, count: int, lanes: int) -> Any:
     """Batch 1: `kernel`'s computation written scheduled, the output row cut in vectors of `lanes` (a full
     register) with a masked tail, the accumulators of `ROWS` output rows in registers across the kept weights
@@ -169,6 +193,7 @@ def row_input(data: Any, shape: ConvShape) -> Any:
     return relax.op.permute_dims(relax.op.reshape(data, (ci, hp, wq, s)), [0, 1, 3, 2])
 
 
+@_per_target
 def depthwise_kernel(shape: ConvShape) -> Any:
     """A scheduled TIR function `main(data, weight, y)`: a depthwise convolution (one channel per group) in
     CHWN, data padded (C, Hp, Wp, N), weight (C, KH, KW), y (C, OH, OW, N); the batch vectorized under a row
