@@ -100,12 +100,20 @@ def tracker(tmp_path_factory):
     _stop(proc)
 
 
-@pytest.fixture
-def board(rootfs, tracker, tmp_path):  # noqa: F811
-    b = Board(rootfs, tracker, tmp_path / "board.log")
-    b.start()
+@pytest.fixture(scope="module")
+def started_board(rootfs, tracker, tmp_path_factory):  # noqa: F811
+    b = Board(rootfs, tracker, tmp_path_factory.mktemp("board") / "board.log")
     yield b
     b.kill()
+
+
+@pytest.fixture
+def board(started_board):
+    """The module's emulated board, started again where a test unplugged it: under qemu its Python takes
+    seconds to start."""
+    if started_board.proc is None or started_board.proc.poll() is not None:
+        started_board.start()
+    return started_board
 
 
 def test_candidates_are_measured_on_the_emulated_board(board, tracker, tmp_path):
