@@ -78,7 +78,7 @@ def pytest_runtest_teardown(item, nextitem):
     """After each test file (its module fixtures gone), what it left reachable is moved out of the garbage
     collector's sight (`gc.freeze`), after a collection. A build calls gc.collect() between its stages
     (ir/memory.give_back): in a test process that has imported TensorFlow, TVM and PyTorch and run a hundred
-    files, each full collection scanned all of it (0.2 to 0.3 s a call, some 400 calls in a run); after the
+    files, each full collection scanned all of it (0.2 to 0.3 s a call, some 190 such calls in a run); after the
     freeze it scans what the test made since. What a frozen object still holds is freed as before when its
     last reference goes; only cycles formed among frozen objects are left to the end of the process."""
     yield
