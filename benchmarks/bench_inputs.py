@@ -4,8 +4,9 @@ inference, beside the inference itself, on real bundles.
     .venv/bin/python benchmarks/bench_inputs.py [--runs 60]
 
 For each bundle (MobileNetV2 on x86, the PP-OCR classifier on x86; built once into
-.cache/bench-inputs with --trials 0), interleaved, median of N after warm-up: `check_feeds` alone, and
-`BundleModel.run` (which includes it). Results in benchmarks/results/input-checks.json.
+.cache/bench-inputs with --trials 0), interleaved, median of N after warm-up: the bundle's input check
+alone (`FeedCheck`, built once per model as `BundleModel` builds it), and `BundleModel.run` (which
+includes it). Results in benchmarks/results/input-checks.json.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main() -> None:
     import numpy as np
 
     from edgesdk.runtime import BundleModel
-    from edgesdk.runtime.inputs import check_feeds
+    from edgesdk.runtime.inputs import FeedCheck
     from tests import model_zoo
 
     parser = argparse.ArgumentParser()
@@ -47,6 +48,7 @@ def main() -> None:
     results = {"cpu": platform.processor() or platform.machine(), "runs": args.runs, "models": {}}
     for name, path in cases.items():
         model = BundleModel(path, log=lambda s: None)
+        check_feeds = FeedCheck(model.inputs)
         rng = np.random.default_rng(0)
         feeds = {t.name: rng.uniform(-1, 1, t.shape).astype(t.dtype) for t in model.inputs}
         for _ in range(5):
@@ -54,7 +56,7 @@ def main() -> None:
         check, run = [], []
         for _ in range(args.runs):
             t0 = time.perf_counter()
-            check_feeds(model.inputs, feeds)
+            check_feeds(feeds)
             check.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             model.run(feeds)

@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgesdk.runtime import BundleModel
-from edgesdk.runtime.inputs import InputError, check_feeds
+from edgesdk.runtime.inputs import FeedCheck, InputError, check_feeds
 from edgesdk.runtime.manifest import TensorSpec
 from tests.test_cli import assert_user_facing, edgesdk
 
@@ -395,3 +395,19 @@ def test_range_check_on_a_spec():
     assert check_feeds(spec, {"ids": np.array([-3, -1, 0, 2])})[1] == []
     with pytest.raises(InputError, match=r"valid range \[-3, 2\]: 3 at position \(2,\) is outside it \(the only one"):
         check_feeds(spec, {"ids": np.array([-3, -1, 3, 2])})
+
+
+def test_one_check_serves_every_inference():
+    """A bundle builds its check once and runs it on each inference's feeds: a good feed after a refused
+    one passes, a refused one after good ones is refused, and lists are taken as arrays as before."""
+    check = FeedCheck(SPECS)
+    good = {"x": np.zeros((2, 3), np.float32), "n": np.zeros((2, 3), np.int32)}
+    assert check(good)[0]["x"] is good["x"]
+    inf = {**good, "x": np.array([[0, 0, 0], [0, 0, np.inf]], np.float32)}
+    with pytest.raises(InputError, match=r"holds NaN or inf.*inf at position \(1, 2\)"):
+        check(inf)
+    checked, notes = check({"x": [[1, 2, 3], [4, 5, 6]], "n": good["n"]})
+    assert checked["x"].dtype == np.float32 and checked["x"][1, 2] == 6 and "cast to float32" in notes[0]
+    assert check(inf, allow_nonfinite=True)[0]["x"][1, 2] == np.inf
+    with pytest.raises(ValueError, match=r"unexpected \['y'\]"):
+        check({**good, "y": good["x"]})

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .backends import open_runner
-from .inputs import check_feeds
+from .inputs import FeedCheck
 from .manifest import Manifest, check_paths
 
 
@@ -49,6 +49,7 @@ class BundleModel:
         self.manifest = Manifest.load(self.bundle)
         check_paths(self.bundle, self.manifest)  # nothing outside the bundle is ever loaded
         self.log = log if log is not None else (lambda s: print(s, file=sys.stderr))
+        self._feed_check = FeedCheck(self.manifest.inputs)
         self.notes: list[str] = []
         self.runners = []
         self.parallel = (os.environ.get("EDGESDK_SEQUENTIAL", "") in ("", "0")) if parallel is None else parallel
@@ -88,8 +89,7 @@ class BundleModel:
             allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
         """Outputs by name; `extra_outputs` may name any tensor that crosses a segment boundary.
         The feeds are checked first (`inputs.py`); `allow_nonfinite` lets NaN and inf through."""
-        feeds = self._check(feeds, allow_nonfinite)
-        env = {k: np.asarray(v) for k, v in feeds.items()}
+        env = self._check(feeds, allow_nonfinite)  # a new dict of arrays: the segments' outputs join it
         for step in self.steps:
             if len(step) == 1 or not self.parallel or self._pool is None:
                 for seg, runner in step:
@@ -136,7 +136,7 @@ class BundleModel:
     def _check(self, feeds: dict[str, np.ndarray], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
         """The feeds in the model's dtypes, checked before any segment runs (`inputs.py`: ValueError for
         names and shapes, InputError for dtypes and values); each cast is noted once."""
-        checked, notes = check_feeds(self.manifest.inputs, feeds, allow_nonfinite=allow_nonfinite)
+        checked, notes = self._feed_check(feeds, allow_nonfinite=allow_nonfinite)
         for note in notes:
             if note not in self.notes:
                 self.notes.append(note)
