@@ -57,9 +57,8 @@ class FeedCheck:
     one of range, for an index)."""
 
     def __init__(self, specs: Iterable[TensorSpec]):
-        self.specs = tuple(specs)
-        self._names = frozenset(t.name for t in self.specs)
-        self._each = [(t.name, tuple(t.shape), np.dtype(t.dtype), t.valid_range) for t in self.specs]
+        self._each = [(t.name, tuple(t.shape), np.dtype(t.dtype), t.valid_range) for t in specs]
+        self._names = frozenset(name for name, *_ in self._each)
 
     def __call__(self, feeds: dict, *, allow_nonfinite: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
         if feeds.keys() != self._names:
