@@ -172,6 +172,77 @@ print(json.dumps(laps))
 """
 
 
+# OpenVINO as a user runs it: the model file compiled for the CPU with the latency hint on `threads` threads, in
+# float32 (argv[6] "f32") or in OpenVINO's own default precision ("default": bfloat16 on a CPU with AVX512_BF16
+# or AMX, float32 elsewhere); the same warm-up and timed runs as ORT_CHILD
+OV_CHILD = """
+import json, sys, time
+import numpy as np
+import openvino as ov
+config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": int(sys.argv[3])}
+if sys.argv[6] != "default":
+    config["INFERENCE_PRECISION_HINT"] = sys.argv[6]
+compiled = ov.Core().compile_model(sys.argv[1], "CPU", config)
+request = compiled.create_infer_request()
+given = dict(np.load(sys.argv[2]))
+feeds = {}
+for port in compiled.inputs:
+    name = next(n for n in port.get_names() if n in given)
+    feeds[name] = given[name]
+warmup = int(sys.argv[5])
+laps = []
+for k in range(warmup + int(sys.argv[4])):
+    t0 = time.perf_counter()
+    request.infer(feeds)
+    if k >= warmup:
+        laps.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(laps))
+"""
+
+
+def openvino_default_precision() -> str:
+    """The precision OpenVINO computes in on this host's CPU when not told (its INFERENCE_PRECISION_HINT)."""
+    import openvino as ov
+
+    return ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def openvino_calls(paths: list[Path], feeds: Path, threads: int, runs: int, warmup: int = 5) -> tuple[dict, dict]:
+    """OpenVINO's two peers, float32 and its default precision, as calls for the interleaved rounds (each a
+    fresh process, OV_CHILD), on the first of `paths` (the user's model file first, then the import's ONNX)
+    that OpenVINO compiles; and what to record: the file it ran, its default precision here, or why none ran."""
+    said = ""
+    for path in paths:
+        def call(precision: str, path: Path = path, runs: int = runs, warmup: int = warmup) -> list[float]:
+            done = subprocess.run([sys.executable, "-c", OV_CHILD, str(path), str(feeds), str(threads), str(runs),
+                                   str(warmup), precision], capture_output=True, text=True)
+            if done.returncode != 0:
+                lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["?"]
+                raise RuntimeError(next((line for line in lines if "No conversion rule" in line or "Error" in line),
+                                        lines[-1])[:300])
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            call("f32", runs=1, warmup=0)
+        except RuntimeError as e:
+            said = str(e)
+            continue
+        return ({"openvino": lambda: call("f32"), "openvino default": lambda: call("default")},
+                {"openvino_on": str(path.name), "openvino_default_precision": openvino_default_precision()})
+    return {}, {"openvino_error": said}
+
+
+def peers(med: dict, bundle: float) -> dict:
+    """The bundle against the best of onnxruntime and OpenVINO float32 (what a user would pick instead), and
+    against OpenVINO's default precision."""
+    best = min(("onnxruntime", "openvino"), key=lambda k: med.get(k, float("inf")))
+    out = {"best_peer": best, "bundle_over_best": round(bundle / med[best], 3)}
+    if "openvino" in med:
+        out.update({"openvino_ms": round(med["openvino"], 3), "openvino_default_ms": round(med["openvino default"], 3),
+                    "bundle_over_openvino": round(bundle / med["openvino"], 3),
+                    "bundle_over_openvino_default": round(bundle / med["openvino default"], 3)})
+    return out
+
+
 def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
     """Each runtime alone in a process of its own (no other runtime's threads on the cores), the
     runtimes in turn, `rounds` times; per runtime the median of all its inferences."""
@@ -206,6 +277,9 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
 
     calls = {"onnxruntime": ort_alone, "bundle": lambda: measure_alone(selected, tmp, warmup=5, runs=runs),
              "tvm bundle": lambda: measure_alone(tvm, tmp, warmup=5, runs=runs)}
+    ov, ov_said = openvino_calls([ref_path, CACHE / f"{name}-selected" / ".build" / "1-import" / "model.onnx"], tmp,
+                                 threads, runs)
+    calls.update(ov)
     laps: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(rounds):
         for label, call in calls.items():
@@ -215,7 +289,7 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
     chosen = [f"{s['segments'][0]}: {s['chosen']}" for s in plan.get("cpu_selection", {}).get("spans", [])]
     return {"bundle_ms": med["bundle"], "tvm_bundle_ms": med["tvm bundle"], "onnxruntime_ms": med["onnxruntime"],
             "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
-            "tvm_over_ort": round(med["tvm bundle"] / med["onnxruntime"], 3),
+            "tvm_over_ort": round(med["tvm bundle"] / med["onnxruntime"], 3), **peers(med, med["bundle"]), **ov_said,
             "predicted_ms": plan["predicted"]["latency_ms"], "chosen": chosen,
             "max_error_of_scale": agree, "runs": runs * rounds, "threads": threads}
 
@@ -227,9 +301,10 @@ def host() -> str:
 
 
 def table(results: dict, names: list[str]) -> str:
-    rows = ["| model | bundle (measured backends) | onnxruntime | bundle / onnxruntime | before: TVM (+ onnxruntime) | "
-            "before / onnxruntime | chosen | build s: measured (its tune stage) / before | commit |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | bundle (measured backends) | onnxruntime | OpenVINO fp32 | bundle / best of the two | "
+            "OpenVINO default (precision) | before: TVM (+ onnxruntime) | before / onnxruntime | chosen | "
+            "build s: measured (its tune stage) / before | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     def s(x) -> str:
         return f"{x:.1f}" if isinstance(x, float) else str(x)
 
@@ -239,7 +314,12 @@ def table(results: dict, names: list[str]) -> str:
     for n in names:
         e = results["models"][n]
         b, t = e.get("build_selected", {}), e.get("build_tvm", {})
-        rows.append(f"| {n} | {ms(e['bundle_ms'])} | {ms(e['onnxruntime_ms'])} | **{e['bundle_over_ort']:.2f}** | "
+        ov = (f"{ms(e['openvino_ms'])}" if "openvino_ms" in e else "-")
+        ov_default = (f"{ms(e['openvino_default_ms'])} ({e['openvino_default_precision']})" if "openvino_ms" in e
+                      else e.get("openvino_error", "not measured")[:60])
+        best = (f"**{e['bundle_over_best']:.2f}** ({e['best_peer']})" if "bundle_over_best" in e
+                else f"**{e['bundle_over_ort']:.2f}** (onnxruntime)")
+        rows.append(f"| {n} | {ms(e['bundle_ms'])} | {ms(e['onnxruntime_ms'])} | {ov} | {best} | {ov_default} | "
                     f"{ms(e['tvm_bundle_ms'])} | {e['tvm_over_ort']:.2f} | {'; '.join(e['chosen'])} | "
                     f"{s(b.get('seconds', '-'))} s ({s(b.get('tune_s', '-'))} s) / {s(t.get('seconds', '-'))} s | "
                     f"{e.get('commit', '-')} |")

@@ -245,16 +245,19 @@ def _counts(ms: float | None) -> tuple[int, int]:
 
 
 def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) -> dict:
-    """The bundle against onnxruntime as benchmarks/bench_cpu.py times them: each alone in a fresh process of
-    its own, in turn, TIME_ROUNDS rounds of TIME_RUNS inferences after WARMUP (more for a model faster than
-    `_counts` allows), on a held-out sample; 2 threads each; the median of every inference. onnxruntime runs the user's file where it is an ONNX file that takes
-    the sample, else the import's ONNX (a Keras or TFLite model converted by tf2onnx, or an input frozen)."""
+    """The bundle against onnxruntime and OpenVINO (float32, and its default precision: bfloat16 on a CPU with
+    AVX512_BF16 or AMX) as benchmarks/bench_cpu.py times them: each alone in a fresh process of its own, in
+    turn, TIME_ROUNDS rounds of TIME_RUNS inferences after WARMUP (more for a model faster than `_counts`
+    allows), on a held-out sample; 2 threads each; the median of every inference. onnxruntime runs the user's
+    file where it is an ONNX file that takes the sample, else the import's ONNX (a Keras or TFLite model
+    converted by tf2onnx, or an input frozen); OpenVINO the same file where its frontend reads it, else the
+    import's ONNX. The bundle's ratio to the faster of onnxruntime and OpenVINO float32 is `bundle_over_best`."""
     import statistics
 
     import numpy as np
     import onnxruntime as ort
 
-    from bench_cpu import ORT_CHILD  # the same onnxruntime child: 5 warm-up runs, then the timed ones
+    from bench_cpu import ORT_CHILD, openvino_calls, peers  # the same children as bench_cpu's
     from edgesdk.runtime.manifest import Manifest
     from edgesdk.timing import measure_alone
 
@@ -282,6 +285,9 @@ def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) ->
 
     calls = {"onnxruntime": ort_alone,
              "bundle": lambda: measure_alone(bundle, bundle_feeds, warmup=warmup, runs=runs)}
+    ov, ov_said = openvino_calls(list(dict.fromkeys([reference, out / ".build" / "1-import" / "model.onnx"])), feeds,
+                                 TIME_THREADS, runs, warmup)
+    calls.update(ov)
     laps: dict[str, list[float]] = {k: [] for k in calls}
     try:
         for _ in range(TIME_ROUNDS):
@@ -291,7 +297,7 @@ def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) ->
         return {"error": (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1][:300]}
     med = {k: statistics.median(v) for k, v in laps.items()}
     return {"bundle_ms": round(med["bundle"], 3), "onnxruntime_ms": round(med["onnxruntime"], 3),
-            "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3),
+            "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3), **peers(med, med["bundle"]), **ov_said,
             "onnxruntime_on": "the model file" if reference == source else "the imported ONNX",
             "runs": runs * TIME_ROUNDS, "warmup": warmup, "threads": TIME_THREADS}
 
@@ -464,6 +470,12 @@ def rates(rows: list[dict]) -> list[str]:
         lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime median "
                      f"{ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; slower by more than "
                      f"10 %: {sum(x > 1.1 for x in ratios)}")
+    best = [r["timing"] for r in rows if r["target"] == "x86" and "openvino_ms" in (r.get("timing") or {})]
+    if best:
+        ratios = sorted(t["bundle_over_best"] for t in best)
+        lines.append(f"x86 against the best of onnxruntime and OpenVINO fp32: {len(best)} models timed with both; "
+                     f"bundle / best median {ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; "
+                     f"at most 1.0: {sum(x <= 1.0 for x in ratios)}, at most 0.85: {sum(x <= 0.85 for x in ratios)}")
     return lines
 
 
@@ -476,7 +488,8 @@ def table(rows: list[dict], made: dict | None = None) -> str:
     for r in rows:
         by_model.setdefault(r["model"], {"family": r["family"]})[r["target"]] = r
     targets = [t for t in TARGETS if any(t in v for v in by_model.values())]
-    lines = ["| family | model | " + " | ".join(targets) + " | x86 bundle / onnxruntime (ms) | arm_2tpu: TPU ops "
+    lines = ["| family | model | " + " | ".join(targets) + " | x86 bundle / best of onnxruntime and OpenVINO fp32 "
+             "(ms: bundle / onnxruntime, OpenVINO) | arm_2tpu: TPU ops "
              "before → after legalize; predicted ms (Coral default) |", "|---|---|" + "---|" * len(targets) + "---|---|"]
     for name, v in by_model.items():
         if (made or {}).get(name, {}).get("degenerate"):
@@ -492,7 +505,10 @@ def table(rows: list[dict], made: dict | None = None) -> str:
                    f"{_ms(arm.get('latency_ms'))} ({_ms(arm.get('coral_default_ms'))})")
         timing = (v.get("x86") or {}).get("timing") or {}
         timed = ("" if not timing else f"timing failed: {timing['error']}" if "error" in timing else
-                 f"**{timing['bundle_over_ort']:.2f}** ({_ms(timing['bundle_ms'])} / {_ms(timing['onnxruntime_ms'])})")
+                 f"**{timing['bundle_over_best']:.2f}** ({_ms(timing['bundle_ms'])} / {_ms(timing['onnxruntime_ms'])}, "
+                 f"{_ms(timing['openvino_ms'])})" if "openvino_ms" in timing else
+                 f"**{timing['bundle_over_ort']:.2f}** ({_ms(timing['bundle_ms'])} / {_ms(timing['onnxruntime_ms'])}, "
+                 "OpenVINO not timed)")
         lines.append(f"| {v['family']} | {name} | " + " | ".join(cells) + f" | {timed} | {tpu} |")
     return "\n".join(lines)
 

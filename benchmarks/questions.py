@@ -24,10 +24,11 @@ class Question:
 
 QUESTIONS: dict[str, Question] = {
     "x86-latency": Question(
-        "x86 bundle latency against onnxruntime",
+        "x86 bundle latency against onnxruntime and OpenVINO",
         "bench_cpu.py", f"{PY} benchmarks/bench_cpu.py --runs 20 --rounds 6",
-        "How fast is an x86 bundle (each CPU span on the backend its build measured fastest) against "
-        "onnxruntime on the user's model file, and against a TVM-only bundle?",
+        "How fast is an x86 bundle (each CPU span on the backend its build measured fastest) against the "
+        "faster of onnxruntime and OpenVINO fp32 on the user's model file, against OpenVINO's default "
+        "precision, and against a TVM-only bundle?",
         "targets/x86.yaml as shipped, 2 threads; each runtime in turn in a fresh process, 6 rounds of 20 "
         "inferences after 5 warm-up ones, the median; every bundle checked against onnxruntime first."),
     "x86-int8-latency": Question(
@@ -179,7 +180,8 @@ QUESTIONS: dict[str, Question] = {
         "TFLite forms with random weights) build, verify and stay accurate on each target, and how does each fail?",
         "each model made once (benchmarks/zoo_models.py) with 32 real calibration samples and 8 held-out ones; each "
         "(model, target) in a fresh process runs `edgesdk build --json` then `edgesdk verify` (qemu for aarch64); "
-        "x86 against onnxruntime on the imported fp32 model, arm_2tpu by the build's own int8 report."),
+        "x86 against onnxruntime and OpenVINO (fp32 and its default precision), each alone in a fresh process, "
+        "rounds interleaved; arm_2tpu by the build's own int8 report."),
     "fuzz": Question(
         "Fuzzing every loader",
         "fuzz.py", f"{PY} benchmarks/fuzz.py --seed 21",

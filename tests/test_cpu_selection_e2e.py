@@ -36,7 +36,7 @@ def test_every_candidate_is_measured_and_the_fastest_is_shipped(selected):
     _, _, result = selected
     plan = json.loads((result.bundle / "plan.json").read_text())
     sel = plan["cpu_selection"]
-    assert sel["measured_on"] and sel["candidates"] == ["tvm", "onnxruntime", "litert"]
+    assert sel["measured_on"] and sel["candidates"] == ["tvm", "onnxruntime", "litert", "openvino"]
     (span,) = sel["spans"]  # one CPU span: the whole classifier
     times = {name: c["ms"] for name, c in span["candidates"].items() if "ms" in c}
     assert "planned" in times and "onnxruntime" in times and len(times) >= 2, span

@@ -395,7 +395,7 @@ def calibrate(
     holdout: List[str] = typer.Option([], "--holdout", help="A model measured only to evaluate the fit (repeatable), PATH or PATH@NAME=DIMS."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Intra-op threads, as the bundle will run, at most this host's CPUs \\[default: 2, or the host's CPUs if fewer]."),
     runs: int = typer.Option(20, "--runs", min=1, help="Profiled runs per model (the median per op is kept); inferences per timing of a backend's run."),
-    cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert; 'none': only the per-op fit."),
+    cpu_backends: str = typer.Option("tvm,onnxruntime,litert", "--backends", help="The CPU backends whose own figures are fitted from runs timed as a bundle runs them: a comma-separated subset of tvm,onnxruntime,litert,openvino; 'none': only the per-op fit."),
     cuts: int = typer.Option(4, "--cuts", min=1, help="Each fitted model is timed on each backend whole and cut into this many runs of nodes."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Timings of each run on each backend, the runs in turn, each in a fresh process (the quickest round's median is kept); more on a busy host."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the target with the fitted CPU figures to this YAML file."),

@@ -156,7 +156,7 @@ class BuildOptions:
     cpu_backends: tuple[str, ...] | None = _option(
         None, stage="tune", spelled=str | None,
         help="The backends each whole CPU span is measured on beside the schedule's own cut, the fastest chosen: a "
-             "comma-separated subset of tvm,onnxruntime,litert [default: all]; 'planned': the schedule's cut, "
+             "comma-separated subset of tvm,onnxruntime,litert,openvino [default: all]; 'planned': the schedule's cut, "
              "nothing measured.")
     cpu_precision: CpuPrecision | None = _option(  # None: the target's CPU `precision`
         None, stage="tune",

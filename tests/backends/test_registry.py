@@ -9,27 +9,28 @@ from edgesdk.backends import Backend
 
 
 def test_the_shipped_backends_and_what_they_do():
-    # requirements.txt order; litert is the fp32 CPU candidate the tune stage measures, the int8 ones
-    # its candidates with --cpu-precision int8
+    # requirements.txt order; litert and openvino are fp32 CPU candidates the tune stage measures, the int8
+    # ones its candidates with --cpu-precision int8
     assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-int8",
-                                                     "onnxruntime-int8"]
+                                                     "onnxruntime-int8", "openvino"]
     assert all(b.lowering for b in backends.backends())  # legalize and the CPU backend choice ask each
     assert [b.name for b in backends.backends() if b.tunes] == ["tvm"]
     assert [b.name for b in backends.backends() if b.quantizes] == ["tflite", "litert-int8", "onnxruntime-int8"]
     assert backends.backend("tvm").runtime_dists == ("apache-tvm", "apache-tvm-ffi")
+    assert backends.backend("openvino").runtime_dists == ("openvino", "openvino-telemetry")  # the wheel needs both
 
 
 def test_the_cpu_candidates_their_int8_twins_and_the_policy_fallback_are_registry_data():
     # the order ties between equal measurements are broken in, as the tune stage measured them before
-    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert"]
+    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "openvino"]
     assert backends.cpu_candidates("int8") == ["onnxruntime-int8", "litert-int8"]
     assert {b: backends.int8_variant(b) for b in backends.cpu_candidates()} == {
-        "tvm": None, "onnxruntime": "onnxruntime-int8", "litert": "litert-int8"}
+        "tvm": None, "onnxruntime": "onnxruntime-int8", "litert": "litert-int8", "openvino": None}
     assert backends.policy_fallback() == "litert"  # what ARM users run, where the target's CPU cannot be timed here
     fast = Backend("fastcpu", runner="onnxruntime", rank=9, runtime_dists=(), cpu_order=9)
     with backends.registered(fast):
-        assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "fastcpu"]
-    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert"]
+        assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "openvino", "fastcpu"]
+    assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "openvino"]
 
 
 def test_a_backend_registered_for_a_test_is_forgotten_after_it():
@@ -38,7 +39,7 @@ def test_a_backend_registered_for_a_test_is_forgotten_after_it():
         assert backends.backend("fake") is fake and backends.backends()[-1] is fake
         with pytest.raises(ValueError, match="already registered"):
             backends.register(fake)
-    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, tflite, tvm"):
+    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, openvino, tflite, tvm"):
         backends.backend("fake")
 
 

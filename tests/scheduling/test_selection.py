@@ -529,13 +529,15 @@ def test_spans_stop_at_accelerators_and_pipeline_stages():
 
 
 def test_the_real_cpu_backends_build_and_agree_on_a_model(tmp_path):
-    """No double: TVM, onnxruntime and LiteRT (fp32, XNNPACK) each compile the span and pass the check
-    against onnxruntime; the fake timer only decides which wins."""
+    """No double: TVM, onnxruntime, LiteRT (fp32, XNNPACK) and OpenVINO each compile the span and pass the
+    check against onnxruntime; the fake timer only decides which wins."""
     model = _model()
     got = _select(model, _plan(model, [("tvm", ["mm1", "relu", "mm2"], ("x",), ("y",))]), tmp_path,
-                  _timer({"planned": 0.3, "onnxruntime": 0.2, "litert": 0.1}), allowed=backends.cpu_candidates())
+                  _timer({"planned": 0.3, "onnxruntime": 0.2, "openvino": 0.15, "litert": 0.1}),
+                  allowed=backends.cpu_candidates())
     span = got.record["spans"][0]
-    assert set(span["candidates"]) == {"planned", "onnxruntime", "litert"}  # the plan's cut is TVM's whole span
+    # the plan's cut is TVM's whole span
+    assert set(span["candidates"]) == {"planned", "onnxruntime", "litert", "openvino"}
     assert all("ms" in c for c in span["candidates"].values()), span
     assert span["chosen"] == "litert" and got.plan.segments[0].backend == "litert"
 

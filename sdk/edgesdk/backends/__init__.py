@@ -1,6 +1,7 @@
-"""Backends: code generation and execution per device kind (TVM, TFLite, onnxruntime, edgetpu_compiler, qemu).
+"""Backends: code generation and execution per device kind (TVM, TFLite, onnxruntime, OpenVINO, edgetpu_compiler,
+qemu).
 
-The three that compile segments are registered by name, and Coral's compiler as the Edge TPU's
+Those that compile segments are registered by name, and Coral's compiler as the Edge TPU's
 finisher (`registry.py`).
 """
 
@@ -22,6 +23,9 @@ TFLITE_MEMORY = {"compile_base_bytes": CONVERTER_BASE_BYTES, "compile_bytes_per_
 TFLITE_INT8_MEMORY = {**TFLITE_MEMORY, "compile_bytes_per_weight_byte": CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE}
 TVM_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 ONNXRUNTIME_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
+# OpenVINO's ONNX frontend reading a segment and its saver writing the IR: the frontend's graph and the IR's
+# weights beside the build's copy, as onnxruntime's session holds them (an estimate, not measured)
+OPENVINO_MEMORY = {"compile_base_bytes": 0, "compile_bytes_per_weight_byte": 2.0}
 
 register(Backend("tvm", runner="tvm", rank=0, runtime_dists=("apache-tvm", "apache-tvm-ffi"), cpu_order=0,
                  compiler="edgesdk.backends.tvm.segment:compile_segment",
@@ -62,6 +66,10 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason", **ONNXRUNTIME_MEMORY))
+# fp32 on the CPU through OpenVINO's CPU plugin: a candidate the tune stage measures for CPU spans
+register(Backend("openvino", runner="openvino", rank=6, runtime_dists=("openvino", "openvino-telemetry"), cpu_order=3,
+                 compiler="edgesdk.backends.openvino:compile_segment",
+                 lowering="edgesdk.backends.openvino:lowering_reason", **OPENVINO_MEMORY))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",

@@ -39,7 +39,7 @@ from .archive import file_table, write_tarball
 from .sbom import SBOM_FILE, source_date_epoch, write_sbom
 
 RUNTIME_DIR = Path(mf.__file__).parent
-TOOLCHAIN = ("apache-tvm", "apache-tvm-ffi", "tensorflow-cpu", "onnx", "onnxruntime", "ai-edge-litert", "numpy")
+TOOLCHAIN = ("apache-tvm", "apache-tvm-ffi", "tensorflow-cpu", "onnx", "onnxruntime", "ai-edge-litert", "openvino", "numpy")
 # what the runtime itself needs on the device besides numpy: `cryptography` verifies manifest.sig
 # (runtime/trust.py), and on CPython it loads its bindings through cffi, which parses with pycparser
 RUNTIME_DISTS = ("numpy", "cryptography", "cffi", "pycparser")

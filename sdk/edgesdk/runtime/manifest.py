@@ -63,7 +63,7 @@ class TensorSpec:
 class Segment:
     id: str
     device: str  # logical device id: cpu, edgetpu:0, gpu:0
-    backend: str  # tvm | tflite | onnxruntime
+    backend: str  # tvm | tflite | onnxruntime | openvino
     artifact: str  # path relative to the bundle root
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -266,7 +266,7 @@ MAX_TEXT = 65_536
 MAX_BUNDLE_VERSION = 2**63 - 1  # a signed 64-bit integer: what every reader of a version can hold
 DTYPES = ("float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
           "uint64", "bool")
-BACKENDS = ("tvm", "tflite", "onnxruntime")
+BACKENDS = ("tvm", "tflite", "onnxruntime", "openvino")
 ARCHES = ("x86_64", "aarch64")
 _DEVICE_ID = re.compile(r"^(cpu|[a-z][a-z0-9_]{0,31}:[0-9]{1,4})$")
 _VERSION = re.compile(r"^[0-9]{1,6}\.[0-9]{1,6}\.[0-9]{1,6}$")

@@ -26,7 +26,7 @@ class Runner(Protocol):
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
-_MODULES = {"tvm": "tvm_runner", "tflite": "tflite_runner", "onnxruntime": "ort_runner"}
+_MODULES = {"tvm": "tvm_runner", "tflite": "tflite_runner", "onnxruntime": "ort_runner", "openvino": "ov_runner"}
 
 
 def open_runner(bundle: Path, segment: Segment, physical_device: str | None, *, alone: bool = False) -> Runner:
