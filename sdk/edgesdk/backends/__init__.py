@@ -5,10 +5,10 @@ Those that compile segments are registered by name, and Coral's compiler as the 
 finisher (`registry.py`).
 """
 
-from .registry import (KERNEL_TIMES, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob, Finished,
-                       Finisher, LayersJob, LayerTimesJob, QuantizeJob, TuneJob, backend, backends, cpu_candidates,
-                       finisher, int8_variant, policy_fallback, register, register_finisher, registered, unregister,
-                       unregister_finisher)
+from .registry import (KERNEL_TIMES, REDUCED, AccuracyTarget, Backend, Boards, CompileJob, Compiled, FinishJob,
+                       Finished, Finisher, LayersJob, LayerTimesJob, QuantizeJob, TuneJob, backend, backends,
+                       cpu_candidates, finisher, policy_fallback, register, register_finisher, registered, unregister,
+                       unregister_finisher, variant)
 from .tflite.limits import (CONVERTER_BASE_BYTES, CONVERTER_BYTES_PER_WEIGHT_BYTE, CONVERTER_INT8_BYTES_PER_WEIGHT_BYTE,
                             FLATBUFFER_LIMIT)
 
@@ -56,13 +56,13 @@ register(Backend("litert", runner="tflite", rank=3, runtime_dists=("ai-edge-lite
 # int8 on the CPU (`--cpu-precision int8`): candidates the tune stage measures behind an accuracy gate,
 # quantized with the build's calibration samples by the compress stage
 register(Backend("litert-int8", runner="tflite", rank=4, runtime_dists=("ai-edge-litert",), cpu_order=2,
-                 precision="int8", int8_of="litert",
+                 precision="int8", variant_of="litert",
                  compiler="edgesdk.backends.tflite.segment:compile_int8_segment",
                  quantizer="edgesdk.backends.tflite.segment:quantize_cpu_segment",
                  layers="edgesdk.backends.tflite.layers:int8_cpu_layers",
                  lowering="edgesdk.backends.tflite.lowering:cpu_lowering_reason", **TFLITE_INT8_MEMORY))
 register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists=("onnxruntime",), cpu_order=1,
-                 precision="int8", int8_of="onnxruntime",
+                 precision="int8", variant_of="onnxruntime",
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason", **ONNXRUNTIME_MEMORY))
@@ -70,9 +70,15 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
 register(Backend("openvino", runner="openvino", rank=6, runtime_dists=("openvino", "openvino-telemetry"), cpu_order=3,
                  compiler="edgesdk.backends.openvino:compile_segment",
                  lowering="edgesdk.backends.openvino:lowering_reason", **OPENVINO_MEMORY))
+# bfloat16 on the CPU through OpenVINO (`--cpu-precision bf16` or auto, where the target's CPU has AVX512_BF16 or
+# AMX): a candidate the tune stage admits only behind its accuracy gate
+register(Backend("openvino-bf16", runner="openvino", rank=7, runtime_dists=("openvino", "openvino-telemetry"),
+                 cpu_order=3, precision="bf16", variant_of="openvino",
+                 compiler="edgesdk.backends.openvino:compile_bf16_segment",
+                 lowering="edgesdk.backends.openvino:lowering_reason", **OPENVINO_MEMORY))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
-__all__ = ["KERNEL_TIMES", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob", "Finished",
-           "Finisher", "LayersJob", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends", "cpu_candidates",
-           "finisher", "int8_variant", "policy_fallback", "register", "register_finisher", "registered", "unregister",
-           "unregister_finisher"]
+__all__ = ["KERNEL_TIMES", "REDUCED", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob",
+           "Finished", "Finisher", "LayersJob", "LayerTimesJob", "QuantizeJob", "TuneJob", "backend", "backends",
+           "cpu_candidates", "finisher", "policy_fallback", "register", "register_finisher", "registered", "unregister",
+           "unregister_finisher", "variant"]

@@ -5,8 +5,9 @@ graph fusions) is often the faster of the two. A segment is read by OpenVINO's O
 OpenVINO IR (`segments/<id>.xml` and its `.bin`), which the runtime's OpenVINO runner compiles for the CPU
 it runs on (`runtime/backends/ov_runner.py`). The IR keeps every weight in float32 (OpenVINO's saver
 would halve them to float16 by default) and names in its runtime information the precision its runner
-asks OpenVINO to compute in (`PRECISION_KEY`): float32 for this backend, since OpenVINO's default on a
-CPU with AVX512_BF16 or AMX is bfloat16, which changes what the model computes.
+asks OpenVINO to compute in (`PRECISION_KEY`): float32 for the `openvino` backend, since OpenVINO's default
+on a CPU with AVX512_BF16 or AMX is bfloat16, which changes what the model computes; bfloat16 for the
+`openvino-bf16` backend, a candidate only behind the accuracy gate.
 
 Only OpenVINO's runtime is used (`read_model`, `save_model`): its model converter (`convert_model`,
 `ovc`) reports usage over the network, and no build or bundle of edgesdk reaches the network."""
@@ -18,7 +19,7 @@ from pathlib import Path
 
 # the runtime information of a saved model where its runner finds the precision to compute in
 PRECISION_KEY = ("edgesdk", "inference_precision")
-FP32 = "f32"
+FP32, BF16 = "f32", "bf16"
 
 
 def lowering_reason(node, shapes, consts) -> str | None:
@@ -30,6 +31,12 @@ def lowering_reason(node, shapes, consts) -> str | None:
 def compile_segment(job):
     """A plan segment for a bundle (`registry.CompileJob`): its ONNX graph as OpenVINO IR, computed in float32."""
     return _compile(job, FP32)
+
+
+def compile_bf16_segment(job):
+    """The `openvino-bf16` backend: the same IR, computed in bfloat16 where the CPU has AVX512_BF16 or AMX (the
+    tune stage offers it only for such a target CPU, and admits it only behind the accuracy gate)."""
+    return _compile(job, BF16)
 
 
 def _compile(job, precision: str):

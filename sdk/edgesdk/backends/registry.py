@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import UsageError
+
+# the precisions a CPU candidate may compute in below float32, each admitted only behind the accuracy gate
+REDUCED = ("bf16", "int8")
 from ..runtime.manifest import TensorSpec
 
 
@@ -268,11 +271,12 @@ class Backend:
     # where a file format bounds a segment's weights (a FlatBuffer's 2 GiB): the most it compiles; 0: no bound
     max_weight_bytes: int = 0
     # a candidate the tune stage measures for a CPU span (`scheduling/selection.py`, `cpu_candidates`): its place
-    # in the order ties are broken in (None: never a candidate), and the precision it computes in: an "int8" one
-    # is measured with `--cpu-precision int8` where its float twin `int8_of` is allowed
+    # in the order ties are broken in (None: never a candidate), and the precision it computes in (REDUCED): a
+    # "bf16" or "int8" one is measured with `--cpu-precision` of that precision (or auto) where its float
+    # twin `variant_of` is allowed, and admitted only behind the accuracy gate
     cpu_order: int | None = None
     precision: str = "fp32"
-    int8_of: str = ""
+    variant_of: str = ""
     # where the target's CPU cannot be timed here: the backend a whole span is tried on by policy (`policy_fallback`)
     cpu_policy: bool = False
 
@@ -361,9 +365,10 @@ def cpu_candidates(precision: str = "fp32") -> list[str]:
     return [b.name for b in sorted(found, key=lambda b: (b.cpu_order, b.name))]
 
 
-def int8_variant(name: str) -> str | None:
-    """The int8 candidate measured beside the fp32 candidate `name` with `--cpu-precision int8`, if any."""
-    return next((b.name for b in backends() if b.int8_of and b.int8_of == name and b.cpu_order is not None), None)
+def variant(name: str, precision: str) -> str | None:
+    """The candidate measured beside the fp32 candidate `name` in reduced `precision` ("bf16", "int8"), if any."""
+    return next((b.name for b in backends() if b.variant_of and b.variant_of == name and b.precision == precision
+                 and b.cpu_order is not None), None)
 
 
 def policy_fallback() -> str | None:

@@ -422,8 +422,8 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
     """Log the bundle's accuracy against the fp32 model, and refuse a bundle that is off it where nothing
     excuses it (no bundle is published then); returns the accuracy record with the verdict:
 
-    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU, or a model quantized itself:
-      `int8_model`), every output part must reach the target's accuracy gate (bundling/gate.py), or the user
+    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU, bfloat16 ones on the CPU, or a
+      model quantized itself: `int8_model`), every output part must reach the target's accuracy gate (bundling/gate.py), or the user
       accepts the loss;
     - with none, every output must agree within the tolerance the tune stage's check of float candidates
       allows (`selection.TOLERANCE` of its largest magnitude): a float plan that does not has a wrong
@@ -432,7 +432,8 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
       itself, `golden.conditioning`): there the output is held within `golden.CONDITION_MARGIN` times that."""
     from ..scheduling import selection
 
-    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes]
+    quantized = [s for s in plan.segments if backends.backend(s.backend).quantizes
+                 or backends.backend(s.backend).precision != "fp32"]
     n = accuracy["samples"]
     if quantized or int8_model:  # judged by part: one cosine over a whole output hides its scores behind its boxes
         return gate.judge(accuracy, plan, target, options, calibration or {}, search=search or (lambda f: []),

@@ -59,10 +59,15 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
                    else "NOT JUDGED" if part in blind else "passes")
         log(f"package: accuracy of {part} ({_kind(m)}) vs {against} on {on}: {figures(m)}: {verdict}")
     for part, why in blind.items():
-        warn(f"the accuracy gate cannot judge {part}: {why}; what int8 keeps of its decisions is unchecked: hold "
-             "out samples the model decides on (real inputs of its classes, in --calib)")
-    unknown = ("its int8 ranges come from synthetic samples (no --calib), and so do the held-out samples the "
-               "gate measured on: its accuracy on real data is unknown" if synthetic else "")
+        warn(f"the accuracy gate cannot judge {part}: {why}; what reduced precision keeps of its decisions is "
+             "unchecked: hold out samples the model decides on (real inputs of its classes, in --calib)")
+    kinds = [backends.backend(s.backend) for s in plan.segments]
+    bf16_only = not any(b.quantizes for b in kinds) and any(b.precision == "bf16" for b in kinds)
+    unknown = ("" if not synthetic else
+               "its bfloat16 segments were chosen on synthetic samples (no --calib), and the gate measured on "
+               "synthetic held-out samples too: its accuracy on real data is unknown" if bf16_only else
+               "its int8 ranges come from synthetic samples (no --calib), and so do the held-out samples the "
+               "gate measured on: its accuracy on real data is unknown")
     if not failures:
         if synthetic:
             warn(f"the bundle passes the accuracy gate on {on}, but {unknown}; give --calib with real inputs")

@@ -188,9 +188,10 @@ class CpuDevice(_Strict):
     # threads runs at (1 + e (p - 1)) times its one-thread speed (1: perfect scaling).
     step_dispatch: Figure | None = None
     parallel_efficiency: Figure | None = None
-    # The CPU segments' precision policy (`--cpu-precision` overrides): int8 adds int8 candidates that
-    # the tune stage measures and admits only behind its accuracy gate; fp32 keeps every CPU segment float.
-    precision: Literal["fp32", "int8"] = "fp32"
+    # The CPU segments' precision policy (`--cpu-precision` overrides): bf16 (where the CPU has AVX512_BF16 or
+    # AMX) and int8 add candidates in that precision, auto both, which the tune stage measures and admits only
+    # behind its accuracy gate; fp32 keeps every CPU segment float32.
+    precision: Literal["fp32", "bf16", "int8", "auto"] = "fp32"
 
     @field_validator("codegen")
     @classmethod

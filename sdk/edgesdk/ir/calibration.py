@@ -323,13 +323,13 @@ def _image_uniform(rng: np.random.Generator, shape: tuple[int, ...], k: int) -> 
     return u if nchw else np.transpose(u, (0, 2, 3, 1))
 
 
-def synthetic_warnings(info: dict, samples: int, used_for: str) -> list[str]:
-    """What a build calibrated on synthetic samples says (`info`: `synthetic`'s record): int8 accuracy on
-    real inputs is unknown, and each input whose range nothing stated."""
+def synthetic_warnings(info: dict, samples: int, used_for: str, precision: str = "int8") -> list[str]:
+    """What a build calibrated on synthetic samples says (`info`: `synthetic`'s record): the accuracy of its
+    reduced `precision` on real inputs is unknown, and each input whose range nothing stated."""
     inputs = info.get("inputs", {})
     drawn = ", ".join(f"{name}: {InputRange(tuple(r['low']), tuple(r['high']), r.get('axis'), r['source']).describe()}"
                       f" from {r['source']}" for name, r in inputs.items())
-    lines = [f"no --calib data: {used_for} on {samples} synthetic samples ({drawn}): int8 accuracy on real inputs "
+    lines = [f"no --calib data: {used_for} on {samples} synthetic samples ({drawn}): {precision} accuracy on real inputs "
              f"is unknown; {REAL_DATA_HINT}"]
     for name, r in inputs.items():
         if r["source"].startswith("none known"):

@@ -224,7 +224,7 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
     for name in allowed:
         if len(segs) == 1 and segs[0].backend == name:
             continue  # the plan's cut is this candidate already
-        if pinned and backends.backend(name).precision == "int8":
+        if pinned and backends.backend(name).precision != "fp32":
             skipped[name] = pinned
             continue
         check = backends.backend(name).lowering_check()
@@ -249,9 +249,10 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where the policy's backend is allowed); `samples` are inputs
     of the whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8",
-    the int8 variants of the allowed backends (`backends.int8_variant`) are candidates too, quantized on
-    the calibration share of `samples` and gated on the held-out rest (`held_out_split`); each one chosen
-    is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage.
+    "bf16" or "auto" (both), the allowed backends' variants in those precisions that the target's CPU has
+    (`reduced_precisions`, `backends.variant`) are candidates too, gated on the held-out share of `samples`
+    (`held_out_split`) against fp32 and an int8 one quantized on the calibration share first; each int8
+    one chosen is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage.
 
     Where this host cannot time the target's CPU code and `boards` (`--rpc-tracker`, `--rpc-key`) are
     given, the candidates are checked and timed on a board (`boards.BoardRunner`) instead of chosen by
@@ -259,11 +260,15 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     Else `runner` times them (a fresh process per measurement, `timing.FreshProcess`, unless given).
     With `only` (`--low-memory`), a candidate with a segment another backend compiles is left out, and
     a span left with one candidate other than the plan's cut takes it unbuilt and untimed."""
-    if precision == "int8":
-        allowed = [*allowed, *(v for b in allowed if (v := backends.int8_variant(b)) is not None)]
+    reduced, lacking = reduced_precisions(precision, target)
+    allowed = [*allowed, *(v for p in reduced for b in allowed if (v := backends.variant(b, p)) is not None)]
     record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
-    if precision == "int8":
-        record["precision"] = "int8"
+    if precision != "fp32":
+        record["precision"] = precision
+    if lacking:
+        record["precisions_not_offered"] = lacking
+        for p, why in lacking.items():
+            log(f"tune: no {p} candidate: {why}")
     found = spans(plan)
     if not found:
         record = {**record, "note": "no CPU segment"}
@@ -313,9 +318,10 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
 
 def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowed: Sequence[str], precision: str,
           calib_method: str, calib_percentile: float, log: Callable[[str], None], record: dict) -> Int8 | None:
-    """How `--cpu-precision int8` candidates are quantized and gated, where one is allowed; the gate's
-    thresholds and samples added to `record`."""
-    if precision != "int8" or model is None or not set(allowed) & set(backends.cpu_candidates("int8")):
+    """How reduced-precision candidates (`--cpu-precision int8`, `bf16`, `auto`) are gated against fp32 and an
+    int8 one quantized, where one is allowed; the gate's thresholds and samples added to `record`."""
+    reduced = {b for p in backends.REDUCED for b in backends.cpu_candidates(p)}
+    if precision == "fp32" or model is None or not set(allowed) & reduced:
         return None
     calib, held = held_out_split(samples)
     int8 = Int8(_reference(model, calib, plan), _reference(model, held, plan), calib_method, calib_percentile,
@@ -324,6 +330,35 @@ def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowe
     record["gate"] = {"cosine": GATE_COSINE, "top1": GATE_TOP1, "calibration_samples": len(calib),
                       "held_out_samples": len(held) if held is not calib else 0}
     return int8
+
+
+# what a target CPU needs for a reduced precision's candidates (LLVM's feature names): bfloat16 arithmetic in
+# AVX-512 (Cooper Lake, Zen 4 and later) or in AMX's tiles (Sapphire Rapids and later); int8 runs everywhere
+# (VNNI makes it faster, and the timing says by how much)
+PRECISION_FEATURES = {"bf16": ("avx512bf16", "amx-bf16")}
+
+
+def reduced_precisions(precision: str, target) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The reduced precisions `precision` (`--cpu-precision`: fp32, bf16, int8, auto for both) asks for that the
+    target's CPU computes in, and why each other one it asks for is not offered."""
+    from ..backends.tvm import target_arch, target_features
+
+    wanted = {"fp32": (), "auto": backends.REDUCED}.get(precision, (precision,))
+    kept, lacking = [], {}
+    for p in wanted:
+        needs = PRECISION_FEATURES.get(p)
+        if needs is None:
+            kept.append(p)
+            continue
+        codegen = target.host.codegen
+        if target_arch(codegen) != "x86_64":
+            lacking[p] = f"{p} candidates are offered on x86-64 CPUs with {' or '.join(needs)}"
+        elif not set(needs) & target_features(codegen):
+            lacking[p] = (f"the target's CPU ({codegen.get('mcpu', 'generic')}) has neither {' nor '.join(needs)}; "
+                          "a target with mcpu: native builds for this host's CPU")
+        else:
+            kept.append(p)
+    return tuple(kept), lacking
 
 
 def _where_timed(target, measurable: str | None, boards: backends.Boards | None, board: dict | None, runner: Runner,
@@ -441,7 +476,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                 else:
                     considered[PLANNED] = {"policy": f"untuned: {untuned}"}
                     values = values or _reference(model, samples[:CHECK_SAMPLES], plan)
-                    variant = backends.int8_variant(policy)
+                    variant = backends.variant(policy, "int8")
                     tried = ([variant] if int8 is not None and variant is not None and variant in allowed
                              and not kept_float(plan, [n for s in segs for n in s.nodes]) else [])
                     found, told, cut = _first_agreeing(litert, [*tried, policy], policy, model, target,
@@ -571,7 +606,7 @@ def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Be
     for cand in cands:
         cut = trial.cut[cand.name] = {s.id: bench.segment_models(s) if cand.name == PLANNED else shared(s)
                                       for s in cand.segments}
-        quantized = _quantizes(cand)
+        quantized = _reduced(cand)
         key = trial.keys[cand.name] = _key(cand, cut, bench.tuning_db, bench.host, bench.threads,
                                            int8.digest if quantized else "")
         hit = bench.cache.get(key)
@@ -589,7 +624,7 @@ def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Be
         try:
             with closing(open_candidate(cand, cut, bench.target, bench.work / cand.name, bench.tuning_db,
                                         int8 if quantized else None, bench.runner)) as handle:
-                if quantized:  # int8: the accuracy gate against fp32 on held-out samples, instead of fp32's tolerance
+                if quantized:  # int8, bf16: the accuracy gate against fp32 on held-out samples, not fp32's tolerance
                     trial.gates[cand.name] = _gated(handle, int8, cand, cut, bench.model_outputs)
                 else:
                     check(handle, bench.values)
@@ -680,7 +715,7 @@ def _recheck(cand: Candidate, models: dict[str, onnx.ModelProto], bench: _Bench,
     """A candidate whose time was replayed, built and checked as a measured one is: against onnxruntime
     (None), or an int8 one through the accuracy gate on the held-out samples (its figures). Raises where
     it does not build, run or pass."""
-    int8 = bench.int8 if _quantizes(cand) else None
+    int8 = bench.int8 if _reduced(cand) else None
     with closing(open_candidate(cand, models, bench.target, work, bench.tuning_db, int8, bench.runner)) as handle:
         if int8 is not None:
             return _gated(handle, int8, cand, models, bench.model_outputs)
@@ -828,8 +863,9 @@ def _samples_digest(samples: list[dict], method: str, percentile: float) -> str:
     return h.hexdigest()
 
 
-def _quantizes(cand: Candidate) -> bool:
-    return cand.name != PLANNED and any(backends.backend(s.backend).quantizes for s in cand.segments)
+def _reduced(cand: Candidate) -> bool:
+    """A candidate computing below float32 (int8, bf16): gated against fp32 instead of checked within its tolerance."""
+    return cand.name != PLANNED and any(backends.backend(s.backend).precision != "fp32" for s in cand.segments)
 
 
 def _rounds(checked: dict[str, tuple[Candidate, Checked]], sample: dict, timer: Timer, work: Path,

@@ -53,10 +53,12 @@ from .compile import TvmResult, compile_onnx, importer_ops  # noqa: E402
 from .database import repair_database  # noqa: E402
 from .runner import Boards, check_boards  # noqa: E402
 from .search import Progress  # noqa: E402
-from .targets import HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch  # noqa: E402
+from .targets import (HOST_CPU_ENV, cpuinfo_flags, host_cpu, missing_host_features, target_arch,  # noqa: E402
+                      target_features)
 # private names that tests/backends/test_tvm.py and test_tvm_tuning.py call
 from .targets import _CPUINFO_FLAG, _cross_compiler, _host_features, _resolve_target  # noqa: E402, F401
 from .tuning import tune_onnx  # noqa: E402
 
 __all__ = ["HOST_CPU_ENV", "Boards", "Progress", "TvmResult", "check_boards", "compile_onnx", "cpuinfo_flags",
-           "host_cpu", "importer_ops", "missing_host_features", "repair_database", "target_arch", "tune_onnx"]
+           "host_cpu", "importer_ops", "missing_host_features", "repair_database", "target_arch", "target_features",
+           "tune_onnx"]

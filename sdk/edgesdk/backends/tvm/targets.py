@@ -104,6 +104,17 @@ def missing_host_features(target: dict) -> list[str]:
     return sorted(f for f in used if f in host and not host[f] and f.startswith(_KERNEL_ISA))
 
 
+def target_features(target: dict) -> set[str]:
+    """LLVM's names of the features code built for a CPU `target` may use (its `mcpu` and `mattr`; `native`:
+    this host's)."""
+    import tvm
+    from tvm.target import codegen
+
+    cpu = target.get("host", {"kind": "llvm"}) if target.get("kind") == "cuda" else target
+    cpu, _ = _resolve_target(cpu)
+    return set(codegen.llvm_get_cpu_features(tvm.target.Target(cpu)))
+
+
 # LLVM's name of an x86 feature -> Linux's flag in /proc/cpuinfo, for the features that kernels use
 # and the system features that CPU names imply and hypervisors or kernels hide.
 _CPUINFO_FLAG = {

@@ -1,7 +1,7 @@
 """tune: search tensor programs for the segments of every backend that tunes (TVM, for the CPU and GPU:
 MetaSchedule), through the backend registry (`Backend.tune`); then put every CPU span on the backend
-measured fastest (`scheduling.selection`: the plan's cut, TVM, onnxruntime or LiteRT fp32 for the
-whole span, each checked against onnxruntime and timed on this host when it runs the target's CPU code).
+measured fastest (`scheduling.selection`: the plan's cut, TVM, onnxruntime, LiteRT fp32 or OpenVINO fp32
+for the whole span, each checked against onnxruntime and timed on this host when it runs the target's CPU code).
 Where this host cannot run it (an aarch64 target on an x86-64 host), each span's backend is chosen by
 policy, not timed: the plan's cut where the tuning database holds tuned TVM records for all of its
 functions, else LiteRT/XNNPACK fp32 where it lowers every node and agrees with onnxruntime here, else the
@@ -16,8 +16,9 @@ untuned and best latency, speedup), and MetaSchedule's logs in `logs/`.
 With `--trials 0` (the default) nothing is searched: records already in the database are used.
 `--cpu-backends` restricts the CPU candidates. `--cpu-precision int8` (or the target's CPU `precision:
 int8`) adds int8 candidates (LiteRT's and onnxruntime's int8 kernels, quantized with the build's
-calibration samples less a held-out quarter), each admitted only where it passes the accuracy gate
-on the held-out samples (`selection.gate`); each one chosen is quantized here as it was measured
+calibration samples less a held-out quarter), `bf16` bfloat16 ones (OpenVINO's, where the target's CPU
+has AVX512_BF16 or AMX), `auto` both; each is admitted only where it passes the accuracy gate on the
+held-out samples (`selection.gate`); each int8 one chosen is quantized here as it was measured
 (`int8/segments/`, `int8.json`: its record and the calibration), for the package stage.
 The database (`--tuning-db`, default under the user's cache directory, one per target) is
 persisted between builds and shared between models: a workload searched before with at least
@@ -341,9 +342,9 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
     io = json.loads((ctx.artifact("import") / "import.json").read_text())
     samples, calib_info = load_calibration(ctx.options, io["inputs"]) if reads else ([], {})
     precision = cpu_precision(ctx.options, ctx.target)
-    if precision == "int8" and reads and calib_info.get("synthetic"):
-        for line in synthetic_warnings(calib_info, len(samples), "--cpu-precision int8 candidates are calibrated "
-                                       "and gated"):
+    if precision != "fp32" and reads and calib_info.get("synthetic"):
+        for line in synthetic_warnings(calib_info, len(samples), f"--cpu-precision {precision} candidates are "
+                                       "calibrated and gated", {"auto": "reduced-precision"}.get(precision, precision)):
             ctx.warn(line)
     board = None
     if boards is not None and why is not None and reads:  # timed on a board where it runs edgesdk's server
