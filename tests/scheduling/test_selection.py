@@ -233,9 +233,100 @@ def test_times_measured_while_other_processes_took_the_cpu_decide_the_build_but_
     assert again.record["spans"][0]["chosen"] == "onnxruntime"
 
 
-def test_a_backend_whose_compiler_changed_is_measured_anew(tmp_path, monkeypatch):
+def _scripted(rounds: dict[str, list[float]]):
+    """A FAKE TIMER with injected noise: each candidate's rounds take the times given, in order."""
+    left = {name: list(times) for name, times in rounds.items()}
+    asked: list[str] = []
+
+    def timer(label: str, measure) -> float:
+        asked.append(label)
+        return left[label].pop(0)
+    timer.asked = asked
+    return timer
+
+
+def test_a_lead_within_the_rounds_noise_is_marked_and_one_beyond_it_is_not(tmp_path):
+    """onnxruntime leads TVM by 3 % while its own rounds spread by 8 %: the choice stands (the faster median)
+    but is marked as within the noise; by 20 % it is a plain choice. The spread goes into the cache with the time."""
+    model = _model()
+    plan = _plan(model, SPLIT)
+    noisy = {"planned": [0.90, 0.91, 0.92], "tvm": [1.03, 1.02, 1.04], "onnxruntime": [1.00, 1.06, 0.98]}
+    logged: list[str] = []
+    got = _select(model, plan, tmp_path / "a", _scripted(noisy), log=logged.append)
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "planned"  # 0.91, ahead of onnxruntime's 1.00 by 10 %, beyond both spreads (2 %, 8 %)
+    assert "within_noise" not in span
+    noisy["planned"] = [1.20, 1.21, 1.22]
+    got = _select(model, plan, tmp_path / "b", _scripted(noisy), log=logged.append)
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "onnxruntime" and span["candidates"]["onnxruntime"]["spread"] == pytest.approx(0.08)
+    assert span["within_noise"] == {"runner_up": "tvm", "margin": 0.03, "noise": 0.08}
+    assert "within the measured noise: 3.0% ahead of tvm" in span["why"]
+    cached = json.loads((tmp_path / "b" / "db" / "timing.json").read_text())
+    assert sorted(e["spread"] for e in cached.values()) == pytest.approx([0.0165, 0.0194, 0.08], abs=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_under_bounded_noise_the_truly_faster_candidate_wins(tmp_path, seed):
+    """Each round's time is the true one moved by up to 10 % either way (uniform, seeded); where the true
+    gap exceeds what that noise can close ((1 + 0.1) / (1 - 0.1)), the truly faster candidate wins."""
+    rng = np.random.default_rng(seed)
+    true = {"planned": 1.0, "tvm": float(rng.uniform(1.0, 2.0)), "onnxruntime": float(rng.uniform(1.0, 2.0))}
+    fastest = min(true, key=true.get)
+    gap = sorted(true.values())[1] / true[fastest]
+    noisy = {n: [t * (1 + rng.uniform(-0.1, 0.1)) for _ in range(selection.ROUNDS)] for n, t in true.items()}
+    (span,) = _select(_model(), _plan(_model(), SPLIT), tmp_path, _scripted(noisy)).record["spans"]
+    if gap > 1.1 / 0.9:
+        assert span["chosen"] == fastest, (true, noisy, span)
+    else:  # inside the noise either may win; the measured medians decide
+        medians = {n: float(np.median(v)) for n, v in noisy.items()}
+        assert span["chosen"] == min(medians, key=medians.get)
+
+
+def test_a_timing_under_load_is_measured_again_and_cached_only_when_quiet(tmp_path, monkeypatch):
+    """The first timing shares the cores with another process (47 % of their time): every candidate is timed
+    again at once; the second is quiet, decides and is cached. Still busy both times: the quieter decides and
+    nothing is cached."""
+    import contextlib
+
+    from edgesdk.timing.load import Load
+
+    loads = iter([0.47, 0.01])
+
+    @contextlib.contextmanager
+    def share():
+        yield Load(others=next(loads, 0.0))
+
+    model = _model()
+    plan = _plan(model, SPLIT)
+    monkeypatch.setenv("EDGESDK_LOAD_CHECK", "on")
+    monkeypatch.setattr(selection, "others_share", share)
+    busy_then_quiet = {"planned": [0.9] * 3 + [0.9] * 3, "tvm": [0.4] * 3 + [0.5] * 3,
+                       "onnxruntime": [0.7] * 3 + [0.2] * 3}  # under load onnxruntime lost most
+    timer = _scripted(busy_then_quiet)
+    logged: list[str] = []
+    (span,) = _select(model, plan, tmp_path, timer, log=logged.append).record["spans"]
+    assert timer.asked == ["planned", "tvm", "onnxruntime"] * (2 * selection.ROUNDS)
+    assert span["timed_twice"] == {"first": 0.47, "second": 0.01} and "host_busy" not in span
+    assert span["chosen"] == "onnxruntime" and span["candidates"]["onnxruntime"]["ms"] == 0.2
+    assert any("took 47% of the CPU" in line and "timing them again" in line for line in logged), logged
+    replay = _timer({})
+    monkeypatch.setattr(selection, "others_share", share)
+    assert _select(model, plan, tmp_path, replay).record["spans"][0]["chosen"] == "onnxruntime" and replay.asked == []
+
+    loads = iter([0.6, 0.47])
+    timer = _scripted({"planned": [0.9] * 6, "tvm": [0.5] * 6, "onnxruntime": [0.7] * 3 + [0.6] * 3})
+    (span,) = _select(model, plan, tmp_path / "busy", timer).record["spans"]
+    assert span["host_busy"] == 0.47 and span["candidates"]["onnxruntime"]["ms"] == 0.6  # the quieter timing
+    assert not (tmp_path / "busy" / "db" / "timing.json").exists() or all(
+        "ms" not in e for e in json.loads((tmp_path / "busy" / "db" / "timing.json").read_text()).values())
+
+
+def test_a_backend_whose_compiler_changed_is_measured_anew_with_the_others(tmp_path, monkeypatch):
     """The timing cache keys on each backend's `revision`: a candidate compiled the old way (the
-    onnxruntime backend before its affine maps became BatchNormalization) is timed again, not replayed."""
+    onnxruntime backend before its affine maps became BatchNormalization) is timed again, not replayed; and
+    the span's other candidates with it, since a time replayed from another build, under another load, does
+    not compare with one measured now (a quiet build's TVM once beat a busy build's replayed onnxruntime)."""
     model = _model()
     plan = _plan(model, SPLIT)
     _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}))
@@ -243,8 +334,14 @@ def test_a_backend_whose_compiler_changed_is_measured_anew(tmp_path, monkeypatch
     monkeypatch.setattr(backends.registry, "_BACKENDS", {**backends.registry._BACKENDS,
                                                          "onnxruntime": replace(ort, revision=ort.revision + 1)})
     timer = _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2})
-    _select(model, plan, tmp_path, timer)
-    assert "onnxruntime" in timer.asked and "tvm" not in timer.asked  # tvm's replayed: its compiler is unchanged
+    logged: list[str] = []
+    _select(model, plan, tmp_path, timer, log=logged.append)
+    assert timer.asked == ["planned", "tvm", "onnxruntime"] * selection.ROUNDS  # all timed together, in turn
+    # the plan's cut holds an onnxruntime segment too
+    assert any("planned, onnxruntime not in the timing cache: tvm timed again with them" in line for line in logged), logged
+    again = _timer({})
+    _select(model, plan, tmp_path, again)
+    assert again.asked == []  # every one cached now: replayed
 
 
 # --- a timing cache replays times, never correctness ---------------------------------------------

@@ -93,8 +93,11 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
                           for name, c in sorted(span["candidates"].items(), key=lambda kv: kv[1].get("ms", 1e30))
                           if "ms" in c)
         skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
+        close = span.get("within_noise")
+        noise = (f" (within the measured noise: {close['margin']:.1%} ahead of {close['runner_up']}, rounds spread up "
+                 f"to {close['noise']:.1%})" if close else "")
         lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span.get('nodes', '?')} nodes): "
-                     f"{span['chosen']} chosen; {times}" + (f"; {skipped}" if skipped else ""))
+                     f"{span['chosen']} chosen{noise}; {times}" + (f"; {skipped}" if skipped else ""))
     return lines
 
 

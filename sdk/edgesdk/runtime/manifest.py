@@ -523,7 +523,8 @@ _CPU_SELECTION = _both(_object({}, {
                      "held_out_samples": _integer(0, 2**31 - 1)}, extra=True),
     "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {
         "nodes": _integer(0, 2**31 - 1), "why": _text,
-        "candidates": _map(_object({}, {"ms": _number, "skipped": _text, "gate": _GATE, "policy": _text,
+        "within_noise": _object({"runner_up": _text, "margin": _number, "noise": _number}),
+        "candidates": _map(_object({}, {"ms": _number, "spread": _number, "skipped": _text, "gate": _GATE, "policy": _text,
                                         "mixed": _object({"float_ops": _any, "ops": _any}, extra=True)},
                                    extra=True))}, extra=True)),
 }, extra=True), _measured_spans_list_candidates)

@@ -573,6 +573,7 @@ class _Trial:
     cut: dict[str, dict[str, onnx.ModelProto]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
+    spreads: dict[str, float] = field(default_factory=dict)  # how far its rounds' medians were apart, of its time
     gates: dict[str, dict] = field(default_factory=dict)
     replayed: list[str] = field(default_factory=list)
     checked: dict[str, tuple[Candidate, Checked]] = field(default_factory=dict)  # built and checked by this build
@@ -587,8 +588,10 @@ class _Trial:
 def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Bench) -> _Trial:
     """Each candidate's time replayed from the timing cache, or it built and checked against onnxruntime
     (an int8 one through the accuracy gate on the held-out samples); one that does not build, run or agree
-    is skipped, with why. A checked candidate's runtime is let go before the next is built: the
-    candidates' weights are never all held at once."""
+    is skipped, with why. Times are replayed only where the cache holds every candidate's: where one is
+    new, all are timed again, together, since times measured by other builds under other loads do not
+    compare. A checked candidate's runtime is let go before the next is built: the candidates' weights are
+    never all held at once."""
     ids = [s.id for s in cands[0].segments]
     trial = _Trial(cands, {"segments": ids, "nodes": sum(len(s.nodes) for s in cands[0].segments),
                            "candidates": {name: {"skipped": why} for name, why in skipped.items()}},
@@ -603,18 +606,28 @@ def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Be
         return extracted[key]
 
     int8 = bench.int8
+    hits = {}
     for cand in cands:
         cut = trial.cut[cand.name] = {s.id: bench.segment_models(s) if cand.name == PLANNED else shared(s)
                                       for s in cand.segments}
-        quantized = _reduced(cand)
         key = trial.keys[cand.name] = _key(cand, cut, bench.tuning_db, bench.host, bench.threads,
-                                           int8.digest if quantized else "")
-        hit = bench.cache.get(key)
+                                           int8.digest if _reduced(cand) else "")
+        hits[cand.name] = bench.cache.get(key)
+    new = [name for name, hit in hits.items() if hit is None]
+    timed = [name for name, hit in hits.items() if hit is not None and "skipped" not in hit]
+    if new and timed:
+        bench.log(f"tune: {trial.label}: {', '.join(new)} not in the timing cache: "
+                  f"{', '.join(timed)} timed again with {'it' if len(new) == 1 else 'them'}")
+        hits.update(dict.fromkeys(timed))
+    for cand in cands:
+        cut, key, hit = trial.cut[cand.name], trial.keys[cand.name], hits[cand.name]
+        quantized = _reduced(cand)
         if hit is not None:  # measured by an earlier build on this host: replayed, so the bundle is the same bytes
             if "skipped" in hit:
                 trial.entry["candidates"][cand.name] = {"skipped": hit["skipped"]}
             else:
                 trial.times[cand.name] = hit["ms"]
+                trial.spreads[cand.name] = hit.get("spread", 0.0)
                 if "gate" in hit:
                     trial.gates[cand.name] = hit["gate"]
                 if "mixed" in hit:
@@ -645,13 +658,24 @@ class Checked:
 
 def _time(trial: _Trial, bench: _Bench) -> None:
     """The checked candidates timed (`_rounds`), their times kept in the timing cache unless other processes
-    took the cores meanwhile (`timing.load`: the span's record says how much, and the next build measures
-    again); one whose timing run fails is skipped, with why."""
+    took the cores meanwhile (`timing.load`). A timing under load is measured again at once, all candidates
+    together: the quieter of the two is used, cached only where it was quiet (the span's record says how
+    busy the host was, and a later build measures again). One whose timing run fails is skipped, with why."""
     from .boards import BoardRunner
 
     check = checking() and not isinstance(bench.runner, BoardRunner)  # a board's cores are its own
     with others_share() as load:
-        measured, failed = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+        measured, failed, spreads = _rounds(trial.checked, bench.values[0], bench.timer, bench.work, bench.runner)
+    if check and load.busy:
+        bench.log(f"tune: {trial.label}: other processes took {load.others:.0%} of the CPU while its candidates "
+                  "were timed: timing them again")
+        with others_share() as again:
+            second = _rounds({n: c for n, c in trial.checked.items() if n not in failed}, bench.values[0], bench.timer,
+                             bench.work, bench.runner)
+        trial.entry["timed_twice"] = {"first": load.others, "second": again.others}
+        if again.others is not None and again.others < load.others:
+            load = again
+            measured, failed, spreads = second[0], {**failed, **second[1]}, second[2]
     busy = check and load.busy
     if busy:
         trial.entry["host_busy"] = load.others
@@ -661,9 +685,11 @@ def _time(trial: _Trial, bench: _Bench) -> None:
              and (found := bench.int8.mixed_of(cand, trial.cut[name]))}
     for name, ms in measured.items():
         if not busy:
-            bench.cache.put(trial.keys[name], {"ms": ms, **({"gate": trial.gates[name]} if name in trial.gates
-                                                            else {}), **({"mixed": mixed[name]} if name in mixed else {})})
+            bench.cache.put(trial.keys[name], {"ms": ms, "spread": spreads[name],
+                                               **({"gate": trial.gates[name]} if name in trial.gates else {}),
+                                               **({"mixed": mixed[name]} if name in mixed else {})})
         trial.times[name] = ms
+        trial.spreads[name] = spreads[name]
     for name, why in failed.items():  # built and checked, but its timing run failed: never chosen
         trial.entry["candidates"][name] = {"skipped": why}
         bench.log(f"tune: {trial.label}: {name} skipped: {why}")
@@ -700,15 +726,35 @@ def _choose(trial: _Trial, bench: _Bench) -> tuple[dict, Candidate, float | None
         return entry, cands[0], None, {}
     for name, ms in times.items():
         found = bench.int8.mixed_of(next(c for c in cands if c.name == name), trial.cut[name]) if name in gates else None
-        entry["candidates"][name] = {"ms": ms, **({"gate": gates[name]} if name in gates else {}),
+        entry["candidates"][name] = {"ms": ms, **({"spread": trial.spreads[name]} if name in trial.spreads else {}),
+                                     **({"gate": gates[name]} if name in gates else {}),
                                      **({"mixed": _mixed_entry(found)} if found else {})}
     others = ", ".join(f"{n} {times[n]:.3f} ms" for n in sorted(times, key=times.get) if n != best)
     entry["chosen"] = best
     entry["why"] = f"fastest measured: {times[best]:.3f} ms" + (f", against {others}" if others else "")
+    close = _within_noise(best, times, trial.spreads)
+    if close is not None:
+        entry["within_noise"] = close
+        entry["why"] += (f"; within the measured noise: {close['margin']:.1%} ahead of {close['runner_up']}, and their "
+                         f"rounds spread by up to {close['noise']:.1%}")
     bench.log(f"tune: {trial.label} ({entry['nodes']} nodes): {best}, {entry['why']}"
               + (f" ({', '.join(trial.replayed)} replayed from the timing cache)" if trial.replayed else ""))
     winner = next(c for c in cands if c.name == best)
     return entry, winner, times[best], ({} if best == PLANNED else trial.cut[best])
+
+
+def _within_noise(best: str, times: dict[str, float], spreads: dict[str, float]) -> dict | None:
+    """Where the winner's lead over the next fastest is no more than the noise of their own rounds (the larger
+    spread of the two): the runner-up, the margin and the noise; None where the lead exceeds it."""
+    rest = sorted((n for n in times if n != best), key=times.get)
+    if not rest:
+        return None
+    runner_up = rest[0]
+    margin = times[runner_up] / times[best] - 1.0
+    noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0))
+    if margin > noise:
+        return None
+    return {"runner_up": runner_up, "margin": round(margin, 4), "noise": round(noise, 4)}
 
 
 def _recheck(cand: Candidate, models: dict[str, onnx.ModelProto], bench: _Bench, work: Path) -> dict | None:
@@ -869,11 +915,12 @@ def _reduced(cand: Candidate) -> bool:
 
 
 def _rounds(checked: dict[str, tuple[Candidate, Checked]], sample: dict, timer: Timer, work: Path,
-            runner: Runner) -> tuple[dict[str, float], dict[str, str]]:
+            runner: Runner) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
     """Median milliseconds of one inference of each candidate: `ROUNDS` measurements of each, in turn,
     each by `runner` (in a fresh process that loads the candidate's bundle alone: as on a device, no other
     runtime's threads spinning on the cores) of `RUNS` inferences after `WARMUP`; the median of them all.
-    A candidate whose timing run fails is left out, with why."""
+    A candidate whose timing run fails is left out, with why. And each one's noise: how far apart its
+    rounds were, a share of its median (`_spread`)."""
     feeds = work / "feeds.npz"
     np.savez(feeds, **{t.name: sample[t.name] for _, b in checked.values() for t in b.inputs})
     laps: dict[str, list[float]] = {n: [] for n in checked}
@@ -887,7 +934,15 @@ def _rounds(checked: dict[str, tuple[Candidate, Checked]], sample: dict, timer: 
                     runner.measure(b.bundle, feeds, warmup=WARMUP, runs=RUNS))))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 failed[name] = failure(e)
-    return {n: round(statistics.median(v), 4) for n, v in laps.items() if n not in failed}, failed
+    kept = {n: v for n, v in laps.items() if n not in failed}
+    return ({n: round(statistics.median(v), 4) for n, v in kept.items()}, failed,
+            {n: _spread(v) for n, v in kept.items()})
+
+
+def _spread(rounds: list[float]) -> float:
+    """How far a candidate's round medians are apart, as a share of their median: the noise its time carries."""
+    middle = statistics.median(rounds)
+    return round((max(rounds) - min(rounds)) / middle, 4) if middle > 0 and len(rounds) > 1 else 0.0
 
 
 def _reference(model: onnx.ModelProto, samples: list[dict], plan: Plan) -> list[dict]:
