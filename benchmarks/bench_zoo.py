@@ -130,7 +130,7 @@ def cell(name: str, target: str, extra: tuple[str, ...] = ()) -> dict:
         return {**row, "outcome": outcome, "code": error.get("code"),
                 "message": (error.get("message") or " ".join(tail))[:400]}
     records = {s["name"]: s.get("record") or {} for s in summary.get("stages", [])}
-    row.update({**_coverage(records), **_plan(records)})
+    row.update({**_coverage(records), **_plan(records), **_cpu_choice(records)})
     verify = subprocess.run([*EDGESDK, "verify", str(out / "bundle")], capture_output=True, text=True, timeout=1200)
     said = (verify.stdout + verify.stderr).strip().splitlines()
     if target == "rtx3090" and not _gpu():
@@ -162,6 +162,24 @@ def _coverage(records: dict) -> dict:
             got[f"tpu_ops_{when}"] = round(tpu["ops_fraction"], 4)
             got[f"tpu_flops_{when}"] = round(tpu["flops_fraction"], 4)
     return got
+
+
+def _cpu_choice(records: dict) -> dict:
+    """Per measured CPU span: the candidate chosen (its backend and precision), whether its lead was within the
+    noise, and TVM's own showing: its best candidate (the whole span on TVM, or the plan's cut, TVM with
+    onnxruntime for the ops TVM lacks) over the best of the other backends, as the tune stage measured them."""
+    sel = (records.get("tune") or {}).get("cpu_selection") or {}
+    if not sel.get("measured_on"):
+        return {}
+    spans = []
+    for span in sel.get("spans", []):
+        times = {n: c["ms"] for n, c in (span.get("candidates") or {}).items() if "ms" in c}
+        tvm = [t for n, t in times.items() if n in ("tvm", "planned")]
+        peers = [t for n, t in times.items() if n not in ("tvm", "planned")]
+        spans.append({"nodes": span.get("nodes"), "chosen": span["chosen"],
+                      **({"tvm_over_best_peer": round(min(tvm) / min(peers), 3)} if tvm and peers else {}),
+                      **({"within_noise": True} if span.get("within_noise") else {})})
+    return {"cpu_spans": spans, "cpu_precision": sel.get("precision", "fp32")}
 
 
 def _plan(records: dict) -> dict:
@@ -470,6 +488,18 @@ def rates(rows: list[dict]) -> list[str]:
         lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime median "
                      f"{ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; slower by more than "
                      f"10 %: {sum(x > 1.1 for x in ratios)}")
+    chosen = [s for r in rows if r["target"] == "x86" for s in r.get("cpu_spans") or ()]
+    if chosen:
+        won = {}
+        for s in chosen:
+            won[s["chosen"]] = won.get(s["chosen"], 0) + 1
+        ratios = sorted(s["tvm_over_best_peer"] for s in chosen if "tvm_over_best_peer" in s)
+        lines.append(f"x86 CPU spans measured: {len(chosen)}; chosen: " + ", ".join(
+            f"{name} {n}" for name, n in sorted(won.items(), key=lambda kv: -kv[1]))
+            + f" ('planned': the schedule's cut, TVM with onnxruntime for the ops TVM lacks); within the noise: "
+              f"{sum(bool(s.get('within_noise')) for s in chosen)}"
+            + (f"; TVM's best over the best other backend: median {ratios[len(ratios) // 2]:.2f}, from "
+               f"{ratios[0]:.2f} to {ratios[-1]:.2f}, TVM fastest on {sum(x < 1 for x in ratios)}" if ratios else ""))
     best = [r["timing"] for r in rows if r["target"] == "x86" and "openvino_ms" in (r.get("timing") or {})]
     if best:
         ratios = sorted(t["bundle_over_best"] for t in best)

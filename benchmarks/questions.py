@@ -145,6 +145,15 @@ QUESTIONS: dict[str, Question] = {
         "bench_inputs.py", f"{PY} benchmarks/bench_inputs.py --runs 60",
         "What share of an inference do the runtime's input checks take?",
         "x86 bundles as shipped; `check_feeds` alone and `BundleModel.run` interleaved, median of 60."),
+    "runtime-overhead": Question(
+        "What a bundle's runtime adds to its backend's own call",
+        "bench_overhead.py", f"{PY} benchmarks/bench_overhead.py --runs 300",
+        "How much slower is a bundle whose plan is one segment on backend B than B's own session on the same "
+        "inputs, per CPU backend (goal: within 3 %)?",
+        "MobileNetV2 (a photograph) and the pretrained PP-OCR classifier (a rendered text line), imported once and "
+        "built as a one-segment bundle on TVM, onnxruntime, LiteRT fp32 and OpenVINO fp32; `BundleModel.run` and "
+        "the backend's own call on the same runner's session, interleaved call by call in one process, 2 threads, "
+        "median of 300 after 20 warm-up pairs."),
     "demo-bench": Question(
         "`edgesdk bench` on the demo bundle",
         "bench_demo.py", f"{PY} benchmarks/bench_demo.py",
