@@ -47,6 +47,8 @@ class OvRunner:
         if missing or len(self.compiled.inputs) != len(takes):
             raise ManifestError(f"segment {segment.id}: its model takes {sorted(names)}; the manifest lists "
                                 f"{takes} and {sorted(t.name for t in segment.outputs)} (missing: {missing})")
+        self._inputs = [(t.name, self.compiled.input(t.name)) for t in segment.inputs]
+        self._tensor = ov.Tensor
         self.precision = precision
         self.note = ""
         self._request = self.compiled.create_infer_request()
@@ -64,11 +66,17 @@ class OvRunner:
         return {name: np.asarray(got[compiled.output(name)]).astype(dtype) for name, (_, dtype) in self.outputs.items()}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # each input handed over as a tensor on the caller's memory and each output copied out of the request's:
+        # OpenVINO's own infer(dict) dispatches every value through its Python converters and wraps the
+        # results, about 50 us a call more on a 0.7 ms model
+        request = self._request
         with self._lock:
-            got = self._request.infer(feeds, share_inputs=True, share_outputs=False)
+            for name, port in self._inputs:
+                request.set_tensor(port, self._tensor(np.ascontiguousarray(feeds[name]), shared_memory=True))
+            request.infer()
             out = {}
             for name, (port, dtype) in self.outputs.items():
-                value = got[port]
+                value = np.array(request.get_tensor(port).data)
                 # OpenVINO's CPU plugin may hand an int64 output back as int32: the manifest's dtype is the contract
                 out[name] = value if value.dtype == dtype else value.astype(dtype)
             return out
