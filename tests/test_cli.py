@@ -254,8 +254,8 @@ def test_cpu_backends_are_checked_before_anything_runs(tmp_path, value, message)
 
 def test_cpu_precision_is_checked_before_anything_runs(tmp_path):
     proc = edgesdk("build", str(PPOCR_CLS), "-t", "x86", "-o", str(tmp_path / "o"), "--cpu-precision", "int4")
-    assert_user_facing(proc, 2, "--cpu-precision int4: expected fp32, bf16, int8 or auto",
-                       "bf16 and int8 measure CPU candidates in that precision")
+    assert_user_facing(proc, 2, "--cpu-precision int4: expected fp32, bf16, fp16, int8 or auto",
+                       "bf16, fp16 and int8 measure CPU candidates in that precision")
     assert not (tmp_path / "o").exists()
 
 

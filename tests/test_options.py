@@ -73,8 +73,8 @@ def test_the_defaults_on_the_command_line_are_the_fields_defaults(tmp_path):
 
 @pytest.mark.parametrize("name, value, code, message, hint", [
     ("mode", "fast", "cli.bad-mode", "--mode fast: expected latency or throughput", "see edgesdk build --help"),
-    ("cpu_precision", "int4", "cli.bad-cpu-precision", "--cpu-precision int4: expected fp32, bf16, int8 or auto",
-     "bf16 and int8 measure CPU candidates in that precision behind an accuracy gate"),
+    ("cpu_precision", "int4", "cli.bad-cpu-precision", "--cpu-precision int4: expected fp32, bf16, fp16, int8 or auto",
+     "bf16, fp16 and int8 measure CPU candidates in that precision behind an accuracy gate"),
     ("sparse_kernels", "fast", "cli.bad-sparse-kernels", "--sparse-kernels fast: expected measured, sparse or dense",
      "measured chooses per layer"),
     ("calib_method", "kl", "cli.bad-calib-method",

@@ -24,7 +24,7 @@ from .errors import UsageError
 StageName = Literal["import", "legalize", "schedule", "tune", "compress", "package"]  # pipeline.PHASE_NAMES
 Mode = Literal["latency", "throughput"]
 CalibMethod = Literal["minmax", "percentile", "mse", "entropy", "auto"]  # ir/calibrators.py METHODS, and auto
-CpuPrecision = Literal["fp32", "bf16", "int8", "auto"]
+CpuPrecision = Literal["fp32", "bf16", "fp16", "int8", "auto"]
 SparseKernels = Literal["measured", "sparse", "dense"]
 Task = Literal["classification", "detection", "ocr", "segmentation", "generic"]  # compression/tasks.py
 Decoder = Literal["yolov8", "yolov5", "ssd"]
@@ -160,11 +160,12 @@ class BuildOptions:
              "nothing measured.")
     cpu_precision: CpuPrecision | None = _option(  # None: the target's CPU `precision`
         None, stage="tune",
-        refusal=Refusal("cli.bad-cpu-precision", "bf16 and int8 measure CPU candidates in that precision behind an "
-                        "accuracy gate, auto both; fp32 keeps the CPU float", says="expected {either}"),
+        refusal=Refusal("cli.bad-cpu-precision", "bf16, fp16 and int8 measure CPU candidates in that precision behind "
+                        "an accuracy gate, auto all three; fp32 keeps the CPU float", says="expected {either}"),
         help="fp32: every CPU segment float32; bf16: also measure bfloat16 candidates (OpenVINO's), where the "
-             "target's CPU has AVX512_BF16 or AMX; int8: also measure int8 candidates (LiteRT's int8 kernels, with "
-             "the ops full int8 hurts most kept float where needed, and onnxruntime's); auto: both. A reduced-"
+             "target's CPU has AVX512_BF16 or AMX; fp16: float16 ones (OpenVINO's), where it has AVX512-FP16; int8: "
+             "int8 candidates (LiteRT's int8 kernels, with the ops full int8 hurts most kept float where needed, "
+             "and onnxruntime's); auto: all three. A reduced-"
              "precision candidate is admitted only where it passes the accuracy gate against fp32 on held-out "
              "calibration samples, and the fastest admitted wins [default: the target's CPU precision, fp32].")
     prune: str | None = _option(  # compression/prune.py

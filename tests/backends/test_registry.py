@@ -10,9 +10,9 @@ from edgesdk.backends import Backend
 
 def test_the_shipped_backends_and_what_they_do():
     # requirements.txt order; litert and openvino are fp32 CPU candidates the tune stage measures, the int8
-    # and bf16 ones its candidates with --cpu-precision int8, bf16 or auto
+    # bf16 and fp16 ones its candidates with --cpu-precision int8, bf16, fp16 or auto
     assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-int8",
-                                                     "onnxruntime-int8", "openvino", "openvino-bf16"]
+                                                     "onnxruntime-int8", "openvino", "openvino-bf16", "openvino-fp16"]
     assert all(b.lowering for b in backends.backends())  # legalize and the CPU backend choice ask each
     assert [b.name for b in backends.backends() if b.tunes] == ["tvm"]
     assert [b.name for b in backends.backends() if b.quantizes] == ["tflite", "litert-int8", "onnxruntime-int8"]
@@ -25,6 +25,7 @@ def test_the_cpu_candidates_their_int8_twins_and_the_policy_fallback_are_registr
     assert backends.cpu_candidates() == ["tvm", "onnxruntime", "litert", "openvino"]
     assert backends.cpu_candidates("int8") == ["onnxruntime-int8", "litert-int8"]
     assert backends.cpu_candidates("bf16") == ["openvino-bf16"]
+    assert backends.cpu_candidates("fp16") == ["openvino-fp16"]
     assert {b: backends.variant(b, "int8") for b in backends.cpu_candidates()} == {
         "tvm": None, "onnxruntime": "onnxruntime-int8", "litert": "litert-int8", "openvino": None}
     assert {b: backends.variant(b, "bf16") for b in backends.cpu_candidates()} == {
@@ -42,7 +43,7 @@ def test_a_backend_registered_for_a_test_is_forgotten_after_it():
         assert backends.backend("fake") is fake and backends.backends()[-1] is fake
         with pytest.raises(ValueError, match="already registered"):
             backends.register(fake)
-    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, openvino, openvino-bf16, tflite, tvm"):
+    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, openvino, openvino-bf16, openvino-fp16, tflite, tvm"):
         backends.backend("fake")
 
 

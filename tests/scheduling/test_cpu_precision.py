@@ -38,9 +38,13 @@ def test_bf16_is_offered_only_for_a_target_cpu_that_computes_in_it(tmp_path):
     haswell, spr = load_target("x86")[0], _target(tmp_path, "sapphirerapids")
     assert selection.reduced_precisions("fp32", spr) == ((), {})
     assert selection.reduced_precisions("bf16", spr) == (("bf16",), {})
-    assert selection.reduced_precisions("auto", spr) == (("bf16", "int8"), {})
+    assert selection.reduced_precisions("fp16", spr) == (("fp16",), {})
+    assert selection.reduced_precisions("auto", spr) == (("bf16", "fp16", "int8"), {})
     kept, lacking = selection.reduced_precisions("auto", haswell)  # the shipped x86 target is AVX2
     assert kept == ("int8",) and lacking["bf16"].startswith("the target's CPU (haswell) has neither avx512bf16 nor amx-bf16")
+    assert lacking["fp16"].startswith("the target's CPU (haswell) has no avx512fp16")
+    zen4 = _target(tmp_path, "znver4")  # bfloat16 in AVX-512, no float16 arithmetic
+    assert selection.reduced_precisions("auto", zen4)[0] == ("bf16", "int8")
     kept, lacking = selection.reduced_precisions("bf16", load_target("arm_2tpu")[0])
     assert kept == () and "x86-64" in lacking["bf16"]
     assert selection.reduced_precisions("int8", haswell) == (("int8",), {})  # int8 runs on every CPU
@@ -66,19 +70,21 @@ def _select(tmp_path, model, plan, samples, timer, precision="bf16", mcpu="sapph
                             precision=precision)
 
 
-def test_a_bf16_candidate_is_gated_on_held_out_photographs_and_chosen_when_fastest(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_float_candidate_is_gated_on_held_out_photographs_and_chosen_when_fastest(tmp_path, precision):
     model, plan, samples = _mobilenet_photos()
     lines: list[str] = []
-    got = _select(tmp_path, model, plan, samples, _timer({"planned": 0.9, "openvino": 0.5, "openvino-bf16": 0.2}),
-                  lines=lines)
-    assert got.record["precision"] == "bf16" and got.record["candidates"] == ["openvino", "openvino-bf16"]
+    variant = f"openvino-{precision}"
+    got = _select(tmp_path, model, plan, samples, _timer({"planned": 0.9, "openvino": 0.5, variant: 0.2}),
+                  precision=precision, lines=lines)
+    assert got.record["precision"] == precision and got.record["candidates"] == ["openvino", variant]
     assert got.record["gate"]["held_out_samples"] == len(samples) // 4
     (span,) = got.record["spans"]
-    gate = span["candidates"]["openvino-bf16"]["gate"]
+    gate = span["candidates"][variant]["gate"]
     assert gate["cosine"] >= selection.GATE_COSINE and gate["top1"] >= selection.GATE_TOP1, gate
     assert "gate" not in span["candidates"]["openvino"]  # float32: checked within fp32's tolerance instead
-    assert span["chosen"] == "openvino-bf16" and got.plan.segments[0].backend == "openvino-bf16"
-    assert any("openvino-bf16, fastest measured: 0.200 ms" in line for line in lines), lines
+    assert span["chosen"] == variant and got.plan.segments[0].backend == variant
+    assert any(f"{variant}, fastest measured: 0.200 ms" in line for line in lines), lines
 
 
 def test_a_bf16_candidate_under_the_gate_is_never_chosen_however_fast(tmp_path, monkeypatch):
@@ -101,7 +107,7 @@ def test_a_target_cpu_without_bf16_gets_no_bf16_candidate_and_the_record_says_wh
 
 
 def test_a_bf16_segments_self_test_allows_a_multiple_of_its_distance_from_float32(tmp_path):
-    """Another CPU rounds bfloat16 otherwise: the golden tolerance of a bf16 segment's output is BF16_MARGIN
+    """Another CPU rounds bfloat16 otherwise: the golden tolerance of a bf16 segment's output is FLOAT16_MARGIN
     times how far it is from the same segment in float32 on the golden inputs, never less than float's."""
     model, plan, samples = _mobilenet_photos()
     (seg,) = plan.segments
@@ -117,9 +123,9 @@ def test_a_bf16_segments_self_test_allows_a_multiple_of_its_distance_from_float3
     float32 = runner.float32_outputs(feeds)[out]
     tolerance = golden.tolerances(host, host.manifest, {**feeds, **ran})["tensors"][out]
     distance = float(np.max(np.abs(ran[out].astype(np.float64) - float32)))
-    assert tolerance["abs"] == pytest.approx(max(golden.BF16_MARGIN * distance,
+    assert tolerance["abs"] == pytest.approx(max(golden.FLOAT16_MARGIN * distance,
                                                  golden.FLOAT_RTOL * float(np.max(np.abs(ran[out]))))), tolerance
-    assert tolerance["rule"] == f"{golden.BF16_MARGIN:g}x its distance from float32" and "bfloat16" in tolerance["reason"]
+    assert tolerance["rule"] == f"{golden.FLOAT16_MARGIN:g}x its distance from float32" and "bfloat16" in tolerance["reason"]
     # the float32 candidate's own run agrees with float32 within fp32's tolerance: the distance is bfloat16's
     fp32 = selection.Candidate("openvino", (replace(seg, backend="openvino"),))
     selection.build(fp32, {seg.id: model}, _target(tmp_path, "sapphirerapids"), tmp_path / "fp32", tmp_path / "db")

@@ -76,6 +76,11 @@ register(Backend("openvino-bf16", runner="openvino", rank=7, runtime_dists=("ope
                  cpu_order=3, precision="bf16", variant_of="openvino",
                  compiler="edgesdk.backends.openvino:compile_bf16_segment",
                  lowering="edgesdk.backends.openvino:lowering_reason", **OPENVINO_MEMORY))
+# float16 on the CPU through OpenVINO (`--cpu-precision fp16` or auto, where the target's CPU has AVX512-FP16)
+register(Backend("openvino-fp16", runner="openvino", rank=8, runtime_dists=("openvino", "openvino-telemetry"),
+                 cpu_order=3, precision="fp16", variant_of="openvino",
+                 compiler="edgesdk.backends.openvino:compile_fp16_segment",
+                 lowering="edgesdk.backends.openvino:lowering_reason", **OPENVINO_MEMORY))
 register_finisher(Finisher("edgetpu", "edgetpu_compiler", "edgesdk.backends.edgetpu_compiler"))
 
 __all__ = ["KERNEL_TIMES", "REDUCED", "AccuracyTarget", "Backend", "Boards", "CompileJob", "Compiled", "FinishJob",

@@ -7,7 +7,7 @@ it runs on (`runtime/backends/ov_runner.py`). The IR keeps every weight in float
 would halve them to float16 by default) and names in its runtime information the precision its runner
 asks OpenVINO to compute in (`PRECISION_KEY`): float32 for the `openvino` backend, since OpenVINO's default
 on a CPU with AVX512_BF16 or AMX is bfloat16, which changes what the model computes; bfloat16 for the
-`openvino-bf16` backend, a candidate only behind the accuracy gate.
+`openvino-bf16` backend and float16 for `openvino-fp16`, candidates only behind the accuracy gate.
 
 Only OpenVINO's runtime is used (`read_model`, `save_model`): its model converter (`convert_model`,
 `ovc`) reports usage over the network, and no build or bundle of edgesdk reaches the network."""
@@ -19,7 +19,7 @@ from pathlib import Path
 
 # the runtime information of a saved model where its runner finds the precision to compute in
 PRECISION_KEY = ("edgesdk", "inference_precision")
-FP32, BF16 = "f32", "bf16"
+FP32, BF16, FP16 = "f32", "bf16", "f16"
 
 
 def lowering_reason(node, shapes, consts) -> str | None:
@@ -37,6 +37,12 @@ def compile_bf16_segment(job):
     """The `openvino-bf16` backend: the same IR, computed in bfloat16 where the CPU has AVX512_BF16 or AMX (the
     tune stage offers it only for such a target CPU, and admits it only behind the accuracy gate)."""
     return _compile(job, BF16)
+
+
+def compile_fp16_segment(job):
+    """The `openvino-fp16` backend: the same IR, computed in float16 where the CPU has AVX512-FP16 (offered only
+    for such a target CPU, admitted only behind the accuracy gate)."""
+    return _compile(job, FP16)
 
 
 def _compile(job, precision: str):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping
 from ..errors import UsageError
 
 # the precisions a CPU candidate may compute in below float32, each admitted only behind the accuracy gate
-REDUCED = ("bf16", "int8")
+REDUCED = ("bf16", "fp16", "int8")
 from ..runtime.manifest import TensorSpec
 
 
@@ -272,7 +272,7 @@ class Backend:
     max_weight_bytes: int = 0
     # a candidate the tune stage measures for a CPU span (`scheduling/selection.py`, `cpu_candidates`): its place
     # in the order ties are broken in (None: never a candidate), and the precision it computes in (REDUCED): a
-    # "bf16" or "int8" one is measured with `--cpu-precision` of that precision (or auto) where its float
+    # "bf16", "fp16" or "int8" one is measured with `--cpu-precision` of that precision (or auto) where its float
     # twin `variant_of` is allowed, and admitted only behind the accuracy gate
     cpu_order: int | None = None
     precision: str = "fp32"

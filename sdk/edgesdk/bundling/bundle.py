@@ -422,7 +422,7 @@ def _judge(accuracy: dict, plan: Plan, log, *, target=None, options=None, calibr
     """Log the bundle's accuracy against the fp32 model, and refuse a bundle that is off it where nothing
     excuses it (no bundle is published then); returns the accuracy record with the verdict:
 
-    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU, bfloat16 ones on the CPU, or a
+    - with reduced precision anywhere (int8 segments on the Edge TPU or the CPU, 16-bit float ones on the CPU, or a
       model quantized itself: `int8_model`), every output part must reach the target's accuracy gate (bundling/gate.py), or the user
       accepts the loss;
     - with none, every output must agree within the tolerance the tune stage's check of float candidates

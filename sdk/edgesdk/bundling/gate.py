@@ -62,10 +62,10 @@ def judge(accuracy: dict, plan: Plan, target, options, calibration: dict, *, sea
         warn(f"the accuracy gate cannot judge {part}: {why}; what reduced precision keeps of its decisions is "
              "unchecked: hold out samples the model decides on (real inputs of its classes, in --calib)")
     kinds = [backends.backend(s.backend) for s in plan.segments]
-    bf16_only = not any(b.quantizes for b in kinds) and any(b.precision == "bf16" for b in kinds)
+    float16_only = not any(b.quantizes for b in kinds) and any(b.precision in ("bf16", "fp16") for b in kinds)
     unknown = ("" if not synthetic else
-               "its bfloat16 segments were chosen on synthetic samples (no --calib), and the gate measured on "
-               "synthetic held-out samples too: its accuracy on real data is unknown" if bf16_only else
+               "its 16-bit float segments were chosen on synthetic samples (no --calib), and the gate measured on "
+               "synthetic held-out samples too: its accuracy on real data is unknown" if float16_only else
                "its int8 ranges come from synthetic samples (no --calib), and so do the held-out samples the "
                "gate measured on: its accuracy on real data is unknown")
     if not failures:

@@ -55,12 +55,12 @@ SPREAD_MARGIN = 2.0
 # and the bundle is held within CONDITION_MARGIN times how far fp32 moved instead (`conditioning`): 4, as a
 # kernel's roundings enter at every layer and the inputs' move once (TVM's sum of 4096 products differed by
 # up to 0.86 of what fp32 moved, tests/bundling/test_float_conditioning.py; LeViT's CUDA twin by 0.25).
-# A bfloat16 tensor (a CPU segment OpenVINO computes in bfloat16): another CPU rounds its products and sums
-# otherwise (AMX's tiles, AVX512_BF16's dot products), so the self-test allows BF16_MARGIN times how far the
-# segment's bfloat16 output is from its float32 one on the golden inputs, measured on the build host
-BF16_MARGIN = 4.0
-BF16_REASON = ("the segment computes in bfloat16, which another CPU rounds otherwise (AMX's tiles, AVX512_BF16's dot "
-               "products): here its output was {diff:.4g} from float32's on the golden inputs; {k:g} times that")
+# A 16-bit float tensor (a CPU segment OpenVINO computes in bfloat16 or float16): another CPU rounds its products
+# and sums otherwise (AMX's tiles, AVX-512's dot products), so the self-test allows FLOAT16_MARGIN times how far
+# the segment's output is from its float32 one on the golden inputs, measured on the build host
+FLOAT16_MARGIN = 4.0
+FLOAT16_REASON = ("the segment computes in {precision}, which another CPU rounds otherwise (AMX's tiles, AVX-512's dot "
+                  "products): here its output was {diff:.4g} from float32's on the golden inputs; {k:g} times that")
 CONDITION_STEP = 2.0**-19
 CONDITION_MARGIN = 4.0
 
@@ -102,7 +102,7 @@ def tolerances(host_model: BundleModel, manifest: mf.Manifest, golden: dict[str,
             if arithmetic is None and spec.quant is not None:
                 arithmetic = {"scale": spec.quant.scale}
             if arithmetic is None and float32 is not None:
-                arithmetic = {"float32": float32[spec.name]}
+                arithmetic = {"float32": float32[spec.name], "precision": getattr(runner, "precision", "a 16-bit float")}
             tensors.setdefault(spec.name, _tolerance(arithmetic, golden[spec.name]))
     spread = _spread(host_model, golden, tensors)
     outputs = {}
@@ -216,16 +216,18 @@ def litert_outputs(path: Path, samples: list[dict], names: list[str]) -> list[di
 
 def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:
     """One tensor's tolerance: int8 steps (`arithmetic`: how its segment computed it, `output_arithmetic`
-    of the runtime's TFLite runner), carried through the activation that made it; bfloat16's distance from
-    float32 (`arithmetic["float32"]`: its segment's float32 output); or float."""
+    of the runtime's TFLite runner), carried through the activation that made it; a 16-bit float's distance
+    from float32 (`arithmetic["float32"]`: its segment's float32 output); or float."""
     if arithmetic is None or "float32" in arithmetic:
         largest = float(np.max(np.abs(golden))) if golden.size else 0.0
         float_rule = {"abs": FLOAT_RTOL * max(largest, 1e-12), "rule": "1e-4 relative", "reason": FLOAT_REASON}
         if arithmetic is None:
             return float_rule
         diff = _largest_difference(golden, arithmetic["float32"])
-        return {"abs": max(float_rule["abs"], BF16_MARGIN * diff), "rule": f"{BF16_MARGIN:g}x its distance from float32",
-                "reason": BF16_REASON.format(diff=diff, k=BF16_MARGIN)}
+        precision = {"bf16": "bfloat16", "f16": "float16"}.get(arithmetic.get("precision"), "a 16-bit float")
+        return {"abs": max(float_rule["abs"], FLOAT16_MARGIN * diff),
+                "rule": f"{FLOAT16_MARGIN:g}x its distance from float32",
+                "reason": FLOAT16_REASON.format(precision=precision, diff=diff, k=FLOAT16_MARGIN)}
     step = arithmetic["scale"]
     out = {"abs": INT8_STEPS * step, "lsb": INT8_STEPS, "scale": step,
            "rule": f"{INT8_STEPS} LSB of {step:.4g}", "reason": INT8_REASON}

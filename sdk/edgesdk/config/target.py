@@ -189,9 +189,9 @@ class CpuDevice(_Strict):
     step_dispatch: Figure | None = None
     parallel_efficiency: Figure | None = None
     # The CPU segments' precision policy (`--cpu-precision` overrides): bf16 (where the CPU has AVX512_BF16 or
-    # AMX) and int8 add candidates in that precision, auto both, which the tune stage measures and admits only
-    # behind its accuracy gate; fp32 keeps every CPU segment float32.
-    precision: Literal["fp32", "bf16", "int8", "auto"] = "fp32"
+    # AMX), fp16 (AVX512-FP16) and int8 add candidates in that precision, auto all three, which the tune stage
+    # measures and admits only behind its accuracy gate; fp32 keeps every CPU segment float32.
+    precision: Literal["fp32", "bf16", "fp16", "int8", "auto"] = "fp32"
 
     @field_validator("codegen")
     @classmethod

@@ -249,7 +249,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where the policy's backend is allowed); `samples` are inputs
     of the whole model; `host` names this host's CPU (and keys the timing cache). With `precision` "int8",
-    "bf16" or "auto" (both), the allowed backends' variants in those precisions that the target's CPU has
+    "bf16", "fp16" or "auto" (all), the allowed backends' variants in those precisions that the target's CPU has
     (`reduced_precisions`, `backends.variant`) are candidates too, gated on the held-out share of `samples`
     (`held_out_split`) against fp32 and an int8 one quantized on the calibration share first; each int8
     one chosen is quantized again, as measured, into `int8_dir` (its `segments/`) for the package stage.
@@ -318,7 +318,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
 
 def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowed: Sequence[str], precision: str,
           calib_method: str, calib_percentile: float, log: Callable[[str], None], record: dict) -> Int8 | None:
-    """How reduced-precision candidates (`--cpu-precision int8`, `bf16`, `auto`) are gated against fp32 and an
+    """How reduced-precision candidates (`--cpu-precision int8`, `bf16`, `fp16`, `auto`) are gated against fp32 and an
     int8 one quantized, where one is allowed; the gate's thresholds and samples added to `record`."""
     reduced = {b for p in backends.REDUCED for b in backends.cpu_candidates(p)}
     if precision == "fp32" or model is None or not set(allowed) & reduced:
@@ -333,13 +333,13 @@ def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowe
 
 
 # what a target CPU needs for a reduced precision's candidates (LLVM's feature names): bfloat16 arithmetic in
-# AVX-512 (Cooper Lake, Zen 4 and later) or in AMX's tiles (Sapphire Rapids and later); int8 runs everywhere
-# (VNNI makes it faster, and the timing says by how much)
-PRECISION_FEATURES = {"bf16": ("avx512bf16", "amx-bf16")}
+# AVX-512 (Cooper Lake, Zen 4 and later) or in AMX's tiles (Sapphire Rapids and later); float16 arithmetic in
+# AVX-512 (Sapphire Rapids and later); int8 runs everywhere (VNNI makes it faster, and the timing says by how much)
+PRECISION_FEATURES = {"bf16": ("avx512bf16", "amx-bf16"), "fp16": ("avx512fp16",)}
 
 
 def reduced_precisions(precision: str, target) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The reduced precisions `precision` (`--cpu-precision`: fp32, bf16, int8, auto for both) asks for that the
+    """The reduced precisions `precision` (`--cpu-precision`: fp32, bf16, fp16, int8, auto for all) asks for that the
     target's CPU computes in, and why each other one it asks for is not offered."""
     from ..backends.tvm import target_arch, target_features
 
@@ -354,7 +354,8 @@ def reduced_precisions(precision: str, target) -> tuple[tuple[str, ...], dict[st
         if target_arch(codegen) != "x86_64":
             lacking[p] = f"{p} candidates are offered on x86-64 CPUs with {' or '.join(needs)}"
         elif not set(needs) & target_features(codegen):
-            lacking[p] = (f"the target's CPU ({codegen.get('mcpu', 'generic')}) has neither {' nor '.join(needs)}; "
+            has = f"neither {' nor '.join(needs)}" if len(needs) > 1 else f"no {needs[0]}"
+            lacking[p] = (f"the target's CPU ({codegen.get('mcpu', 'generic')}) has {has}; "
                           "a target with mcpu: native builds for this host's CPU")
         else:
             kept.append(p)
@@ -910,7 +911,7 @@ def _samples_digest(samples: list[dict], method: str, percentile: float) -> str:
 
 
 def _reduced(cand: Candidate) -> bool:
-    """A candidate computing below float32 (int8, bf16): gated against fp32 instead of checked within its tolerance."""
+    """A candidate computing below float32 (int8, bf16, fp16): gated against fp32 instead of checked within its tolerance."""
     return cand.name != PLANNED and any(backends.backend(s.backend).precision != "fp32" for s in cand.segments)
 
 
