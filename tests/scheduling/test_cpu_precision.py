@@ -163,6 +163,8 @@ def test_a_build_for_this_hosts_cpu_with_bf16_ships_what_the_gate_admitted(tmp_p
     manifest = Manifest.load(result.bundle)
     sel = manifest.tuning["cpu_selection"]
     assert sel["precision"] == "bf16"
+    assert sel["target_cpu"]["mcpu"] == (host_cpu or sel["target_cpu"]["mcpu"])  # a build for this host says so
+    assert ("avx512bf16" in sel["target_cpu"]["features"]) == ("avx512bf16" in target_features({"kind": "llvm", "mcpu": "native"}))
     if {"avx512bf16", "amx-bf16"} & target_features({"kind": "llvm", "mcpu": "native"}):
         (span,) = sel["spans"]
         bf16 = span["candidates"]["openvino-bf16"]

@@ -82,6 +82,11 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
                          f"{span['chosen']} chosen; {why}")
         return lines
     lines = [f"cpu backends measured on {selection['measured_on']} (median of interleaved runs):"]
+    if selection.get("target_cpu"):
+        cpu = selection["target_cpu"]
+        lines.append(f"  built for this host's CPU ({cpu['mcpu']}: {', '.join(cpu['features']) or 'none of the features said'})")
+    for p, why in (selection.get("precisions_not_offered") or {}).items():
+        lines.append(f"  no {p} candidate: {why}")
     if selection.get("precision") == "int8" and selection.get("gate"):
         g = selection["gate"]
         lines.append(f"  int8 candidates quantized on {g['calibration_samples']} calibration samples, admitted at cosine "

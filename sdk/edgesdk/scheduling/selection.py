@@ -265,6 +265,11 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
     if precision != "fp32":
         record["precision"] = precision
+    this_host = _this_hosts_cpu(target)
+    if this_host is not None:
+        record["target_cpu"] = this_host
+        log(f"tune: the target's CPU is this host's ({this_host['mcpu']}): "
+            + (", ".join(this_host["features"]) or "none of " + ", ".join(SAID_FEATURES)))
     if lacking:
         record["precisions_not_offered"] = lacking
         for p, why in lacking.items():
@@ -336,6 +341,22 @@ def _int8(plan: Plan, model: onnx.ModelProto | None, samples: list[dict], allowe
 # AVX-512 (Cooper Lake, Zen 4 and later) or in AMX's tiles (Sapphire Rapids and later); float16 arithmetic in
 # AVX-512 (Sapphire Rapids and later); int8 runs everywhere (VNNI makes it faster, and the timing says by how much)
 PRECISION_FEATURES = {"bf16": ("avx512bf16", "amx-bf16"), "fp16": ("avx512fp16",)}
+
+
+# what a build for this host's CPU says it has: the vector and matrix extensions the CPU backends' kernels and
+# the reduced precisions use
+SAID_FEATURES = ("avx2", "avx512f", "avx512vnni", "avxvnni", "avx512bf16", "amx-bf16", "amx-int8", "avx512fp16")
+
+
+def _this_hosts_cpu(target) -> dict | None:
+    """Where the target's CPU is this host's (`mcpu: native`): its name and the features of SAID_FEATURES it has."""
+    from ..backends.tvm import host_cpu, target_arch, target_features
+
+    codegen = target.host.codegen
+    if codegen.get("mcpu") != "native" or target_arch(codegen) != "x86_64":
+        return None
+    features = target_features(codegen)
+    return {"mcpu": host_cpu()[0], "features": [f for f in SAID_FEATURES if f in features]}
 
 
 def reduced_precisions(precision: str, target) -> tuple[tuple[str, ...], dict[str, str]]:
