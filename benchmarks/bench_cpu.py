@@ -1,6 +1,11 @@
-"""x86 bundles against onnxruntime, with each CPU span on its measured backend.
+"""x86 bundles against onnxruntime and OpenVINO, with each CPU span on its measured backend.
 
     .venv/bin/python benchmarks/bench_cpu.py [--models A,B] [--runs 30] [--threads 2] [--no-build]
+        [--target-cpu native --cpu-precision auto --out benchmarks/results/OTHER.json]
+
+`--target-cpu native --cpu-precision auto` builds for this host's CPU with its reduced precisions (bf16,
+fp16, int8 where it has them, each behind the accuracy gate), into bundles of their own; every bundle's and
+OpenVINO's default run's largest error against onnxruntime fp32 (of the output's scale) is recorded.
 
 For each model, two builds for `targets/x86.yaml` (as shipped: haswell code, 4 cores; the bundle's
 runtime runs on min(4, this host's) cores), into one tuning database kept in .cache/bench-cpu/db
@@ -94,10 +99,20 @@ def transformer_encoder() -> Path:
     return path
 
 
-def build(name: str, out: Path, extra: list[str]) -> dict:
+def target(cpu: str) -> str:
+    """targets/x86.yaml as shipped (haswell), or for another CPU model (`native`: this host's)."""
+    if cpu == "haswell":
+        return "x86"
+    path = CACHE / f"x86-{cpu}.yaml"
+    path.write_text((ROOT / "targets" / "x86.yaml").read_text().replace("mcpu: haswell", f"mcpu: {cpu}"))
+    return str(path)
+
+
+def build(name: str, out: Path, extra: list[str], cpu: str = "haswell") -> dict:
     _, args = MODELS[name]
-    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model_file(name)), *args, "--target", "x86",
-           "-o", str(out), "--tuning-db", str(CACHE / "db"), "--json", *extra]
+    cmd = [sys.executable, "-m", "edgesdk.cli", "build", str(model_file(name)), *args, "--target", target(cpu),
+           "-o", str(out), "--tuning-db", str(CACHE / f"db-{cpu}" if cpu != "haswell" else CACHE / "db"), "--json",
+           *extra]
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no cache yet
     with open(out.parent / f"{out.name}.log", "w") as err:
@@ -126,6 +141,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="more rounds spread a shared host's slow spells over every runtime alike")
     ap.add_argument("--no-build", action="store_true", help="time the bundles the last run built")
+    ap.add_argument("--target-cpu", default="haswell",
+                    help="the x86 target's CPU model the bundles are built for (native: this host's)")
+    ap.add_argument("--cpu-precision", default="fp32", help="the measured build's --cpu-precision (auto: bf16, fp16 "
+                    "and int8 candidates where the target's CPU has them, behind the accuracy gate)")
     ap.add_argument("--out", type=Path, default=_results.path(QUESTION),
                     help="the results file (a run of some models updates their entries in it)")
     args = ap.parse_args()
@@ -134,15 +153,18 @@ def main() -> None:
     results_path = args.out
     results = json.loads(results_path.read_text())["data"] if results_path.exists() else {}
     results.setdefault("models", {})
+    suffix = "" if (args.target_cpu, args.cpu_precision) == ("haswell", "fp32") else f"-{args.target_cpu}-{args.cpu_precision}"
     for name in names:
         entry = results["models"].setdefault(name, {})
         if not args.no_build:
             log(f"{name}: building (measured CPU backends)")
-            entry["build_selected"] = build(name, CACHE / f"{name}-selected", [])
+            entry["build_selected"] = build(name, CACHE / f"{name}-selected{suffix}",
+                                            ["--cpu-precision", args.cpu_precision], args.target_cpu)
             log(f"{name}: building (the schedule's cut, unmeasured)")
-            entry["build_tvm"] = build(name, CACHE / f"{name}-tvm", ["--cpu-backends", "planned"])
+            entry["build_tvm"] = build(name, CACHE / f"{name}-tvm{suffix}", ["--cpu-backends", "planned"], args.target_cpu)
         log(f"{name}: timing")
-        entry.update(measure(name, args.runs, args.threads, args.rounds))
+        entry.update(measure(name, args.runs, args.threads, args.rounds, suffix))
+        entry.update(target_cpu=args.target_cpu, cpu_precision=args.cpu_precision)
         entry.update(commit=_results.commit()[:7], host=host())
         log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
     results["host"] = host()
@@ -243,7 +265,7 @@ def peers(med: dict, bundle: float) -> dict:
     return out
 
 
-def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
+def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS, suffix: str = "") -> dict:
     """Each runtime alone in a process of its own (no other runtime's threads on the cores), the
     runtimes in turn, `rounds` times; per runtime the median of all its inferences."""
     import onnxruntime as ort
@@ -253,12 +275,12 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
     from edgesdk.timing import measure_alone
 
     os.environ["TVM_NUM_THREADS"] = os.environ["EDGESDK_NUM_THREADS"] = str(threads)
-    selected, tvm = CACHE / f"{name}-selected" / "bundle", CACHE / f"{name}-tvm" / "bundle"
+    selected, tvm = CACHE / f"{name}-selected{suffix}" / "bundle", CACHE / f"{name}-tvm{suffix}" / "bundle"
     manifest = Manifest.load(selected)
     rng = np.random.default_rng(0)
     feeds = {t.name: (rng.integers(0, (t.valid_range or (0, 2))[1], t.shape).astype(t.dtype) if "int" in t.dtype
                       else rng.uniform(-1, 1, t.shape).astype(t.dtype)) for t in manifest.inputs}
-    ref_path = reference_onnx(name, CACHE / f"{name}-selected")
+    ref_path = reference_onnx(name, CACHE / f"{name}-selected{suffix}")
     session = ort.InferenceSession(str(ref_path), providers=["CPUExecutionProvider"])
     # the reference file still has the inputs the build froze (silero's sr): give them their value
     frozen = {"sr": np.array(16000, np.int64)} if name == "silero-vad" else {}
@@ -268,6 +290,14 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
     for label, path in (("bundle", selected), ("tvm bundle", tvm)):
         got = next(iter(BundleModel(path, log=lambda s: None).run(feeds).values()))
         agree[label] = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-12))
+    try:  # OpenVINO in its own default precision (bfloat16 where the CPU has it) against fp32 on the same input
+        import openvino as ov
+
+        compiled = ov.Core().compile_model(str(ref_path), "CPU")
+        got = np.asarray(next(iter(compiled.create_infer_request().infer(ort_feeds).values())))
+        agree["openvino default"] = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-12))
+    except Exception as e:  # noqa: BLE001 -- a model OpenVINO's frontend cannot read: its timing says so too
+        log(f"{name}: OpenVINO's default run failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
     tmp = CACHE / f"{name}-feeds.npz"
     np.savez(tmp, **ort_feeds)
     def ort_alone() -> list[float]:
@@ -277,7 +307,7 @@ def measure(name: str, runs: int, threads: int, rounds: int = ROUNDS) -> dict:
 
     calls = {"onnxruntime": ort_alone, "bundle": lambda: measure_alone(selected, tmp, warmup=5, runs=runs),
              "tvm bundle": lambda: measure_alone(tvm, tmp, warmup=5, runs=runs)}
-    ov, ov_said = openvino_calls([ref_path, CACHE / f"{name}-selected" / ".build" / "1-import" / "model.onnx"], tmp,
+    ov, ov_said = openvino_calls([ref_path, CACHE / f"{name}-selected{suffix}" / ".build" / "1-import" / "model.onnx"], tmp,
                                  threads, runs)
     calls.update(ov)
     laps: dict[str, list[float]] = {k: [] for k in calls}
@@ -302,9 +332,10 @@ def host() -> str:
 
 def table(results: dict, names: list[str]) -> str:
     rows = ["| model | bundle (measured backends) | onnxruntime | OpenVINO fp32 | bundle / best of the two | "
-            "OpenVINO default (precision) | before: TVM (+ onnxruntime) | before / onnxruntime | chosen | "
+            "OpenVINO default (precision) | max error of scale vs fp32: bundle / OpenVINO default | "
+            "before: TVM (+ onnxruntime) | before / onnxruntime | chosen | "
             "build s: measured (its tune stage) / before | commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def s(x) -> str:
         return f"{x:.1f}" if isinstance(x, float) else str(x)
 
@@ -319,7 +350,10 @@ def table(results: dict, names: list[str]) -> str:
                       else e.get("openvino_error", "not measured")[:60])
         best = (f"**{e['bundle_over_best']:.2f}** ({e['best_peer']})" if "bundle_over_best" in e
                 else f"**{e['bundle_over_ort']:.2f}** (onnxruntime)")
-        rows.append(f"| {n} | {ms(e['bundle_ms'])} | {ms(e['onnxruntime_ms'])} | {ov} | {best} | {ov_default} | "
+        err = e.get("max_error_of_scale") or {}
+        errors = f"{err.get('bundle', float('nan')):.2g} / " + (f"{err['openvino default']:.2g}" if "openvino default" in err
+                                                                else "-")
+        rows.append(f"| {n} | {ms(e['bundle_ms'])} | {ms(e['onnxruntime_ms'])} | {ov} | {best} | {ov_default} | {errors} | "
                     f"{ms(e['tvm_bundle_ms'])} | {e['tvm_over_ort']:.2f} | {'; '.join(e['chosen'])} | "
                     f"{s(b.get('seconds', '-'))} s ({s(b.get('tune_s', '-'))} s) / {s(t.get('seconds', '-'))} s | "
                     f"{e.get('commit', '-')} |")
