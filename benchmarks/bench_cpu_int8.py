@@ -172,13 +172,31 @@ def main() -> None:
 
         calls = {"onnxruntime fp32": lambda: ort_alone(fp32), "onnxruntime int8": lambda: ort_alone(q),
                  "int8 bundle": lambda: measure_alone(out / "bundle", feeds, warmup=5, runs=args.runs)}
+        ov, ov_said = bench_cpu.openvino_calls([fp32, out / ".build" / "1-import" / "model.onnx"], feeds,
+                                               args.threads, args.runs)
+        calls.update(ov)  # "openvino" (fp32) and "openvino default"
+        if ov:  # OpenVINO's default precision (bfloat16 where the CPU has it) against fp32 on the same new inputs
+            import openvino as ov_runtime
+
+            ran = fp32 if fp32.name == ov_said["openvino_on"] else out / ".build" / "1-import" / "model.onnx"
+            compiled = ov_runtime.Core().compile_model(str(ran), "CPU")
+            request = compiled.create_infer_request()
+            names_in = {n for p in compiled.inputs for n in p.get_names()}
+            ov_got = [np.asarray(next(iter(request.infer({k: v for k, v in f.items() if k in names_in}).values())))
+                      for f in new]
+            entry["openvino_default_accuracy"] = accuracy(ov_got, want)
+        entry.update(ov_said)
         laps: dict[str, list[float]] = {k: [] for k in calls}
         for _ in range(ROUNDS):
             for label, call in calls.items():
                 laps[label] += call()
         med = {k: round(statistics.median(v), 3) for k, v in laps.items()}
+        best = min(("onnxruntime fp32", "openvino"), key=lambda k: med.get(k, float("inf")))
         entry.update({"ms": med, "bundle_over_ort_fp32": round(med["int8 bundle"] / med["onnxruntime fp32"], 3),
-                      "ort_int8_over_ort_fp32": round(med["onnxruntime int8"] / med["onnxruntime fp32"], 3)})
+                      "ort_int8_over_ort_fp32": round(med["onnxruntime int8"] / med["onnxruntime fp32"], 3),
+                      "best_fp32_peer": best, "bundle_over_best_fp32": round(med["int8 bundle"] / med[best], 3)})
+        if "openvino default" in med:
+            entry["bundle_over_openvino_default"] = round(med["int8 bundle"] / med["openvino default"], 3)
         entry["commit"] = _results.commit()[:7]
         results["models"][name] = entry
         bench_cpu.log(f"{name}: {json.dumps({k: entry[k] for k in ('chosen', 'ms', 'bundle_accuracy', 'ort_int8_accuracy')})}")
@@ -193,13 +211,18 @@ def table(results: dict, names: list[str]) -> str:
     def acc(a: dict) -> str:
         return f"{a['cosine']:.4f}" + (f" / {a['top1']:.0%}" if a["top1"] is not None else "")
 
-    rows = ["| model | chosen | int8 bundle | onnxruntime fp32 | **int8 bundle / ort fp32** | its cosine / top-1 | "
+    rows = ["| model | chosen | int8 bundle | onnxruntime fp32 | **int8 bundle / ort fp32** | OpenVINO fp32 | "
+            "int8 bundle / best fp32 peer | OpenVINO default (its cosine / top-1) | int8 bundle's cosine / top-1 | "
             "onnxruntime int8 | ort int8 / ort fp32 | its cosine / top-1 | build s | commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         e = results["models"][n]
+        ov = (f"{e['ms']['openvino']:.2f} ms", f"{e['bundle_over_best_fp32']:.2f} ({e['best_fp32_peer']})",
+              f"{e['ms']['openvino default']:.2f} ms, {e['openvino_default_precision']} "
+              f"({acc(e['openvino_default_accuracy'])})") if "openvino" in e["ms"] else ("-", "-", "-")
         rows.append(f"| {n} | {', '.join(e['chosen'])} | {e['ms']['int8 bundle']:.2f} ms | {e['ms']['onnxruntime fp32']:.2f} ms | "
-                    f"**{e['bundle_over_ort_fp32']:.2f}** | {acc(e['bundle_accuracy'])} | {e['ms']['onnxruntime int8']:.2f} ms | "
+                    f"**{e['bundle_over_ort_fp32']:.2f}** | {' | '.join(ov)} | {acc(e['bundle_accuracy'])} | "
+                    f"{e['ms']['onnxruntime int8']:.2f} ms | "
                     f"{e['ort_int8_over_ort_fp32']:.2f} | {acc(e['ort_int8_accuracy'])} | {e['build']['seconds']} | "
                     f"{e.get('commit', '-')} |")
     return "\n".join(rows)
