@@ -6,6 +6,7 @@ agrees with onnxruntime and passes its self-test, and a rebuild that replays the
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -79,4 +80,5 @@ def test_inspect_shows_the_measurements(selected):
 
     _, _, result = selected
     text = inspect_bundle(Manifest.load(result.bundle), result.bundle)
-    assert "cpu backends measured on" in text and " chosen; " in text
+    # a lead within the rounds' noise says so beside the choice
+    assert "cpu backends measured on" in text and re.search(r" chosen( \(within the measured noise: [^)]+\))?; ", text)
