@@ -10,6 +10,7 @@ or a rendered text line, as the model takes it), call by call interleaved: `Bund
 the executor, the runner) and the backend's own call on the same runner's session (onnxruntime's
 `InferenceSession.run`, OpenVINO's infer request, LiteRT's signature runner on the inputs already in its
 layout, TVM's VM function with its outputs copied to numpy); after 20 warm-up pairs, the median of each.
+Which of the two goes first alternates from pair to pair (the second of a pair finds the caches warmer).
 The overhead is their difference, in microseconds and as a share of the backend's own call. Results in
 benchmarks/results/runtime-overhead.json.
 """
@@ -112,14 +113,12 @@ def measure(bundle: Path, feeds: dict, runs: int) -> dict:
         model.run(feeds)
         call()
     own, whole = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        model.run(feeds)
-        t1 = time.perf_counter()
-        call()
-        t2 = time.perf_counter()
-        whole.append(t1 - t0)
-        own.append(t2 - t1)
+    pair = [(lambda: model.run(feeds), whole), (call, own)]
+    for k in range(runs):  # in turn, which goes first alternating: the second of a pair finds the caches warmer
+        for f, laps in (pair if k % 2 else pair[::-1]):
+            t0 = time.perf_counter()
+            f()
+            laps.append(time.perf_counter() - t0)
     o, w = statistics.median(own) * 1e3, statistics.median(whole) * 1e3
     model.close()
     return {"own_ms": round(o, 4), "bundle_ms": round(w, 4), "overhead_us": round((w - o) * 1e3, 1),

@@ -152,8 +152,8 @@ QUESTIONS: dict[str, Question] = {
         "inputs, per CPU backend (goal: within 3 %)?",
         "MobileNetV2 (a photograph) and the pretrained PP-OCR classifier (a rendered text line), imported once and "
         "built as a one-segment bundle on TVM, onnxruntime, LiteRT fp32 and OpenVINO fp32; `BundleModel.run` and "
-        "the backend's own call on the same runner's session, interleaved call by call in one process, 2 threads, "
-        "median of 300 after 20 warm-up pairs."),
+        "the backend's own call on the same runner's session, interleaved call by call in one process (which goes "
+        "first alternating), 2 threads, median of 300 after 20 warm-up pairs."),
     "demo-bench": Question(
         "`edgesdk bench` on the demo bundle",
         "bench_demo.py", f"{PY} benchmarks/bench_demo.py",
