@@ -169,7 +169,10 @@ def main() -> None:
         log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k.endswith('_ms') or k == 'chosen'})}")
     results["host"] = host()
     names = [n for n in MODELS if n in results["models"]]
-    _results.write(QUESTION, results, table(results, names), out=results_path)
+    from questions import QUESTIONS
+
+    question = results_path.stem if results_path.stem in QUESTIONS else QUESTION  # x86-latency-auto: its own
+    _results.write(question, results, table(results, names), out=results_path)
     print(table(results, names))
 
 

@@ -31,6 +31,16 @@ QUESTIONS: dict[str, Question] = {
         "precision, and against a TVM-only bundle?",
         "targets/x86.yaml as shipped, 2 threads; each runtime in turn in a fresh process, 6 rounds of 20 "
         "inferences after 5 warm-up ones, the median; every bundle checked against onnxruntime first."),
+    "x86-latency-auto": Question(
+        "x86 bundle latency for this host's CPU with --cpu-precision auto, against onnxruntime and OpenVINO",
+        "bench_cpu.py", f"{PY} benchmarks/bench_cpu.py --runs 20 --rounds 6 --target-cpu native --cpu-precision auto "
+        "--models MobileNetV2,ResNet50,EfficientNetB0,PP-OCRv4-det,PP-OCRv4-rec,transformer-encoder "
+        "--out benchmarks/results/x86-latency-auto.json",
+        "Built for this host's CPU with its reduced precisions admitted behind the accuracy gate (bf16, fp16, int8 "
+        "where it has them), how fast is the bundle against onnxruntime fp32, OpenVINO fp32 and OpenVINO's default "
+        "(bfloat16 on a CPU with AVX512_BF16 or AMX), and how far is each from fp32?",
+        "as x86-latency, the target's CPU `mcpu: native`, synthetic calibration samples (uniform in [-1, 1]) for the "
+        "gate; each one's largest error on the timing input against onnxruntime fp32, of the output's scale."),
     "x86-int8-latency": Question(
         "x86 int8 bundle latency against onnxruntime fp32 (min-max calibration)",
         "bench_cpu_int8.py", f"{PY} benchmarks/bench_cpu_int8.py --runs 20",
