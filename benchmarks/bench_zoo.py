@@ -29,6 +29,7 @@ GPU is present, else it is recorded as not run). Each cell records:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -485,28 +486,29 @@ def rates(rows: list[dict]) -> list[str]:
     timed = [r["timing"] for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
     if timed:
         ratios = sorted(t["bundle_over_ort"] for t in timed)
-        lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime median "
-                     f"{ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; slower by more than "
-                     f"10 %: {sum(x > 1.1 for x in ratios)}")
+        lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime {_spread(ratios)}; "
+                     f"slower by more than 10 %: {sum(x > 1.1 for x in ratios)}")
     chosen = [s for r in rows if r["target"] == "x86" for s in r.get("cpu_spans") or ()]
     if chosen:
-        won = {}
-        for s in chosen:
-            won[s["chosen"]] = won.get(s["chosen"], 0) + 1
+        won = collections.Counter(s["chosen"] for s in chosen)
         ratios = sorted(s["tvm_over_best_peer"] for s in chosen if "tvm_over_best_peer" in s)
-        lines.append(f"x86 CPU spans measured: {len(chosen)}; chosen: " + ", ".join(
-            f"{name} {n}" for name, n in sorted(won.items(), key=lambda kv: -kv[1]))
-            + f" ('planned': the schedule's cut, TVM with onnxruntime for the ops TVM lacks); within the noise: "
-              f"{sum(bool(s.get('within_noise')) for s in chosen)}"
-            + (f"; TVM's best over the best other backend: median {ratios[len(ratios) // 2]:.2f}, from "
-               f"{ratios[0]:.2f} to {ratios[-1]:.2f}, TVM fastest on {sum(x < 1 for x in ratios)}" if ratios else ""))
+        lines.append(f"x86 CPU spans measured: {len(chosen)}; chosen: " + ", ".join(f"{name} {n}" for name, n in won.most_common())
+                     + f" ('planned': the schedule's cut, TVM with onnxruntime for the ops TVM lacks); within the noise: "
+                       f"{sum(bool(s.get('within_noise')) for s in chosen)}"
+                     + (f"; TVM's best over the best other backend: {_spread(ratios)}, TVM fastest on "
+                        f"{sum(x < 1 for x in ratios)}" if ratios else ""))
     best = [r["timing"] for r in rows if r["target"] == "x86" and "openvino_ms" in (r.get("timing") or {})]
     if best:
         ratios = sorted(t["bundle_over_best"] for t in best)
         lines.append(f"x86 against the best of onnxruntime and OpenVINO fp32: {len(best)} models timed with both; "
-                     f"bundle / best median {ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}; "
-                     f"at most 1.0: {sum(x <= 1.0 for x in ratios)}, at most 0.85: {sum(x <= 0.85 for x in ratios)}")
+                     f"bundle / best {_spread(ratios)}; at most 1.0: {sum(x <= 1.0 for x in ratios)}, at most 0.85: "
+                     f"{sum(x <= 0.85 for x in ratios)}")
     return lines
+
+
+def _spread(ratios: list[float]) -> str:
+    """Sorted ratios as their median and range."""
+    return f"median {ratios[len(ratios) // 2]:.2f}, from {ratios[0]:.2f} to {ratios[-1]:.2f}"
 
 
 def _ms(v) -> str:

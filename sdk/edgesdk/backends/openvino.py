@@ -17,8 +17,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-# the runtime information of a saved model where its runner finds the precision to compute in
-PRECISION_KEY = ("edgesdk", "inference_precision")
+from ..runtime.backends.ov_runner import PRECISION_KEY  # where the runner reads the precision to compute in
+
 FP32, BF16, FP16 = "f32", "bf16", "f16"
 
 
@@ -49,7 +49,7 @@ def _compile(job, precision: str):
     import openvino as ov
 
     from ..ir import model as irm
-    from ..runtime.manifest import TensorSpec
+    from .onnxruntime import float_specs
     from .registry import Compiled
 
     artifact = f"segments/{job.segment.id}.xml"
@@ -64,12 +64,7 @@ def _compile(job, precision: str):
         model.set_rt_info(precision, list(PRECISION_KEY))
         _name_in_order(model)
         ov.save_model(model, str(dest), compress_to_fp16=False)
-    shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
-
-    def spec(name: str) -> TensorSpec:
-        return TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
-
-    return Compiled(artifact, tuple(spec(n) for n in job.segment.inputs), tuple(spec(n) for n in job.segment.outputs))
+    return Compiled(artifact, *float_specs(job))
 
 
 def _name_in_order(model) -> None:

@@ -55,14 +55,14 @@ SPREAD_MARGIN = 2.0
 # and the bundle is held within CONDITION_MARGIN times how far fp32 moved instead (`conditioning`): 4, as a
 # kernel's roundings enter at every layer and the inputs' move once (TVM's sum of 4096 products differed by
 # up to 0.86 of what fp32 moved, tests/bundling/test_float_conditioning.py; LeViT's CUDA twin by 0.25).
+CONDITION_STEP = 2.0**-19
+CONDITION_MARGIN = 4.0
 # A 16-bit float tensor (a CPU segment OpenVINO computes in bfloat16 or float16): another CPU rounds its products
 # and sums otherwise (AMX's tiles, AVX-512's dot products), so the self-test allows FLOAT16_MARGIN times how far
 # the segment's output is from its float32 one on the golden inputs, measured on the build host
 FLOAT16_MARGIN = 4.0
 FLOAT16_REASON = ("the segment computes in {precision}, which another CPU rounds otherwise (AMX's tiles, AVX-512's dot "
                   "products): here its output was {diff:.4g} from float32's on the golden inputs; {k:g} times that")
-CONDITION_STEP = 2.0**-19
-CONDITION_MARGIN = 4.0
 
 
 def write_golden(bundle: Path, manifest: mf.Manifest, host_model: BundleModel, samples: list[dict]) -> dict:
@@ -218,14 +218,13 @@ def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:
     """One tensor's tolerance: int8 steps (`arithmetic`: how its segment computed it, `output_arithmetic`
     of the runtime's TFLite runner), carried through the activation that made it; a 16-bit float's distance
     from float32 (`arithmetic["float32"]`: its segment's float32 output); or float."""
-    if arithmetic is None or "float32" in arithmetic:
-        largest = float(np.max(np.abs(golden))) if golden.size else 0.0
-        float_rule = {"abs": FLOAT_RTOL * max(largest, 1e-12), "rule": "1e-4 relative", "reason": FLOAT_REASON}
-        if arithmetic is None:
-            return float_rule
+    largest = float(np.max(np.abs(golden))) if golden.size else 0.0
+    if arithmetic is None:
+        return {"abs": FLOAT_RTOL * max(largest, 1e-12), "rule": "1e-4 relative", "reason": FLOAT_REASON}
+    if "float32" in arithmetic:
         diff = _largest_difference(golden, arithmetic["float32"])
         precision = {"bf16": "bfloat16", "f16": "float16"}.get(arithmetic.get("precision"), "a 16-bit float")
-        return {"abs": max(float_rule["abs"], FLOAT16_MARGIN * diff),
+        return {"abs": max(FLOAT_RTOL * max(largest, 1e-12), FLOAT16_MARGIN * diff),
                 "rule": f"{FLOAT16_MARGIN:g}x its distance from float32",
                 "reason": FLOAT16_REASON.format(precision=precision, diff=diff, k=FLOAT16_MARGIN)}
     step = arithmetic["scale"]

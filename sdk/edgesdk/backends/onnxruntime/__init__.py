@@ -125,7 +125,6 @@ def compile_segment(job):
     constant affine maps after convolutions as BatchNormalization (`nchwc.py`: onnxruntime's blocked
     layout keeps them)."""
     from ...ir import model as irm
-    from ...runtime.manifest import TensorSpec
     from ..registry import Compiled
     from .fusions import fuse
     from .nchwc import affine_as_batchnorm
@@ -140,12 +139,21 @@ def compile_segment(job):
         job.log(f"package: {job.segment.id}: {rewritten.maps} affine maps after convolutions "
                 f"({rewritten.nodes} Mul/Add nodes) as BatchNormalization, for onnxruntime's NCHWc layout")
     irm.save(model, job.segments_dir.parent / artifact)
+    return Compiled(artifact, *float_specs(job))
+
+
+def float_specs(job) -> tuple[tuple, tuple]:
+    """A segment's inputs and outputs as the runtime's TensorSpecs, in its ONNX graph's own shapes, dtypes and
+    layout: what a backend that runs the graph as it is (onnxruntime, OpenVINO) takes and gives."""
+    from ...ir import model as irm
+    from ...runtime.manifest import TensorSpec
+
     shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
 
     def spec(name: str) -> TensorSpec:
         return TensorSpec(name=name, shape=shapes[name], dtype=irm.dtype_name(types[name]))
 
-    return Compiled(artifact, tuple(spec(n) for n in job.segment.inputs), tuple(spec(n) for n in job.segment.outputs))
+    return tuple(spec(n) for n in job.segment.inputs), tuple(spec(n) for n in job.segment.outputs)
 
 
 ACCURACY_SAMPLES = 8  # calibration samples the int8 segment is compared to the float one on

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..manifest import ManifestError, Segment
 
-PRECISION_KEY = ["edgesdk", "inference_precision"]  # as the build side writes it (backends/openvino.py)
+# where an IR's runtime information names the precision to compute in (written by backends/openvino.py)
+PRECISION_KEY = ("edgesdk", "inference_precision")
 
 
 class OvRunner:
@@ -26,7 +27,7 @@ class OvRunner:
         except Exception as e:  # OpenVINO's own exception types: the artifact is not a model it reads
             said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ManifestError(f"segment {segment.id}: {segment.artifact} is not a model OpenVINO reads ({said})") from None
-        precision = model.get_rt_info(PRECISION_KEY).astype(str) if model.has_rt_info(PRECISION_KEY) else "f32"
+        precision = model.get_rt_info(list(PRECISION_KEY)).astype(str) if model.has_rt_info(list(PRECISION_KEY)) else "f32"
         # one stream, latency first: a bundle runs one inference at a time per segment. Threads are pinned to
         # cores only where the segment is the bundle's only work on the CPU, as onnxruntime's spin there.
         config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1",
