@@ -9,7 +9,8 @@ whole-span candidates, `selection.build`). In one process, 2 threads, on one hel
 or a rendered text line, as the model takes it), call by call interleaved: `BundleModel.run` (input checks,
 the executor, the runner) and the backend's own call on the same runner's session (onnxruntime's
 `InferenceSession.run`, OpenVINO's infer request, LiteRT's signature runner on the inputs already in its
-layout, TVM's VM function with its outputs copied to numpy); after 20 warm-up pairs, the median of each.
+layout, TVM's VM function on inputs made TVM tensors once, before the timing, with its outputs copied to
+numpy); after 20 warm-up pairs, the median of each.
 Which of the two goes first alternates from pair to pair (the second of a pair finds the caches warmer).
 The overhead is their difference, in microseconds and as a share of the backend's own call. Results in
 benchmarks/results/runtime-overhead.json.
@@ -94,7 +95,8 @@ def own_call(runner, feeds: dict):
     if kind == "TvmRunner":
         from edgesdk.runtime.backends import tvm_runner
 
-        args = [runner._argument(feeds, spec) for spec in runner._inputs]
+        # the inputs made TVM tensors once, before the timing: its own call at its best
+        args = [runner._tensor(feeds[spec.name], device=runner._device) for spec in runner._inputs]
 
         def tvm_call():
             result = runner._main(*args, *runner._weights)

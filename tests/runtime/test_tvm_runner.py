@@ -256,3 +256,58 @@ def test_a_scalar_input_stays_a_scalar():
 
     value = _checked({"s": np.array(0.5, np.float32)}, TensorSpec(name="s", shape=(), dtype="float32"), "s1")
     assert value.shape == () and value.flags.c_contiguous
+
+
+def _placed(value: np.ndarray, misalign: int) -> np.ndarray:
+    """A copy of `value` whose data starts `misalign` bytes past a 64-byte boundary."""
+    raw = np.empty(value.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + misalign
+    out = raw[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    assert out.ctypes.data % 64 == misalign
+    return out
+
+
+def test_an_aligned_feed_is_taken_as_it_is_and_any_other_is_copied_into_the_runners_own_tensor(bundle):
+    root, segment, model = bundle
+    runner = open_runner(root, segment, None)
+    spec = {s.name: (i, s) for i, s in enumerate(runner._inputs)}
+    feeds = feeds_for(3)
+    aligned = {n: _placed(v, 0) for n, v in feeds.items()}
+    slot, x = spec["x"]
+    assert runner._argument(aligned, x, slot).data_ptr() == aligned["x"].ctypes.data  # no copy
+    assert_close(runner.run(aligned), reference(model, feeds))
+    # unaligned, read-only or not C-ordered: copied, each into the same tensor call after call
+    for seed, make in [(4, lambda v: _placed(v, 16)), (5, lambda v: np.asfortranarray(v)), (6, _read_only)]:
+        feeds = feeds_for(seed)
+        given = {n: make(v) for n, v in feeds.items()}
+        tensor = runner._argument(given, x, slot)
+        assert tensor.data_ptr() != given["x"].ctypes.data
+        assert tensor.data_ptr() == runner._staging[slot][2]
+        assert_close(runner.run(given), reference(model, feeds))
+
+
+def _read_only(value: np.ndarray) -> np.ndarray:
+    out = _placed(value, 0)
+    out.flags.writeable = False
+    return out
+
+
+def test_an_input_returned_as_an_output_outlives_the_next_call(tmp_path):
+    """A segment may return an input as it is (an Identity): where that input was copied into the runner's own
+    tensor, the output handed on (native) must not change when the next call refills that tensor."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["same"]), helper.make_node("Relu", ["x"], ["r"])], "passthrough",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 8))],
+        [helper.make_tensor_value_info("same", TensorProto.FLOAT, (2, 8)),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, (2, 8))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    result = tvm_backend.compile_onnx(model, {"kind": "llvm"}, tmp_path / "segments" / "s0.so")
+    runner = open_runner(tmp_path, mf.Segment("s0", "cpu", "tvm", "segments/s0.so", result.inputs, result.outputs),
+                         None)
+    first, second = (np.arange(16, dtype=np.float32).reshape(2, 8) * s for s in (1, -1))
+    kept = runner.run({"x": _placed(first, 16)}, native=True)
+    runner.run({"x": _placed(second, 16)}, native=True)
+    np.testing.assert_array_equal(kept["same"].numpy(), first)
+    np.testing.assert_array_equal(kept["r"].numpy(), np.maximum(first, 0))
