@@ -73,6 +73,17 @@ def _timer(ms: dict[str, float]):
     return timer
 
 
+def _confirming(ms: float):
+    """A FAKE TIMER for a build that replays the timing cache: the winner, timed once more, takes `ms`."""
+    asked: list[str] = []
+
+    def timer(label: str, measure) -> float:
+        asked.append(label)
+        return ms
+    timer.asked = asked
+    return timer
+
+
 def _select(model, plan, tmp_path, timer, allowed=("tvm", "onnxruntime"), measurable=None, cache=None, target="x86",
             log=lambda s: None):
     target, _ = load_target(target)
@@ -186,11 +197,13 @@ def test_a_rebuild_replays_the_timing_cache_and_gives_the_same_plan(tmp_path):
     model = _model()
     plan = _plan(model, SPLIT)
     first = _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}))
-
-    def no_timing(label, measure):
-        raise AssertionError(f"{label} was timed again")
-    again = _select(model, plan, tmp_path, no_timing)
+    replay = _confirming(0.21)  # within CONFIRM_MARGIN of the cached 0.2
+    logged: list[str] = []
+    again = _select(model, plan, tmp_path, replay, log=logged.append)
+    assert replay.asked == ["onnxruntime"]  # only the winner, once: the replay confirmed
     assert again.plan.to_json() == first.plan.to_json()
+    assert any("onnxruntime's replayed lead confirmed: 0.210 ms now (0.200 ms in the timing cache), tvm 0.500 ms"
+               in line for line in logged), logged
     # another host's measurements are not this host's
     target, _ = load_target("x86")
     other = selection.select(plan, model, _segment_models(model), target,
@@ -257,13 +270,37 @@ def test_a_lead_within_the_rounds_noise_is_marked_and_one_beyond_it_is_not(tmp_p
     assert span["chosen"] == "planned"  # 0.91, ahead of onnxruntime's 1.00 by 10 %, beyond both spreads (2 %, 8 %)
     assert "within_noise" not in span
     noisy["planned"] = [1.20, 1.21, 1.22]
+    noisy["tvm"] += [1.03, 1.02, 1.03]  # within the noise: the two timed SETTLE_ROUNDS more, and still close
+    noisy["onnxruntime"] += [0.99, 1.01, 1.00]
     got = _select(model, plan, tmp_path / "b", _scripted(noisy), log=logged.append)
     (span,) = got.record["spans"]
+    assert span["settled"] == {"candidates": ["onnxruntime", "tvm"], "rounds": selection.ROUNDS + selection.SETTLE_ROUNDS}
     assert span["chosen"] == "onnxruntime" and span["candidates"]["onnxruntime"]["spread"] == pytest.approx(0.08)
     assert span["within_noise"] == {"runner_up": "tvm", "margin": 0.03, "noise": 0.08}
     assert "within the measured noise: 3.0% ahead of tvm" in span["why"]
     cached = json.loads((tmp_path / "b" / "db" / "timing.json").read_text())
     assert sorted(e["spread"] for e in cached.values()) == pytest.approx([0.0165, 0.0194, 0.08], abs=1e-4)
+
+
+def test_a_close_lead_is_settled_by_more_rounds_of_the_two(tmp_path):
+    """onnxruntime's three rounds (1.00, 1.20, 0.90) put its median 2 % ahead of TVM's (1.02), well within its
+    own 30 % spread: the two are timed SETTLE_ROUNDS more, in turn, and over all six rounds TVM is the faster
+    (1.02 against 1.135) and ships; the planned cut, 20 % behind, is not timed again."""
+    model = _model()
+    timer = _scripted({"planned": [1.22, 1.23, 1.22], "tvm": [1.02, 1.03, 1.01, 1.02, 1.02, 1.03],
+                       "onnxruntime": [1.00, 1.20, 0.90, 1.15, 1.12, 1.18]})
+    logged: list[str] = []
+    (span,) = _select(model, _plan(model, SPLIT), tmp_path, timer, log=logged.append).record["spans"]
+    assert timer.asked == ["planned", "tvm", "onnxruntime"] * selection.ROUNDS + ["onnxruntime", "tvm"] * 3
+    assert span["chosen"] == "tvm" and span["candidates"]["onnxruntime"]["ms"] == pytest.approx(1.135)
+    assert span["settled"] == {"candidates": ["tvm", "onnxruntime"], "rounds": 6}
+    assert any("onnxruntime led tvm by 2.0%, within their rounds' spread (30.0%): both timed 3 rounds more" in line
+               for line in logged), logged
+    cached = json.loads((tmp_path / "db" / "timing.json").read_text())
+    assert sorted((e["ms"], e.get("rounds")) for e in cached.values()) == [(1.02, 6), (1.135, 6), (1.22, None)]
+    # a rebuild replays it, the record (settled included) as the build that measured it wrote it
+    again = _select(model, _plan(model, SPLIT), tmp_path, _confirming(1.03)).record["spans"]
+    assert again == [span]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -274,12 +311,15 @@ def test_under_bounded_noise_the_truly_faster_candidate_wins(tmp_path, seed):
     true = {"planned": 1.0, "tvm": float(rng.uniform(1.0, 2.0)), "onnxruntime": float(rng.uniform(1.0, 2.0))}
     fastest = min(true, key=true.get)
     gap = sorted(true.values())[1] / true[fastest]
-    noisy = {n: [t * (1 + rng.uniform(-0.1, 0.1)) for _ in range(selection.ROUNDS)] for n, t in true.items()}
+    rounds = selection.ROUNDS + selection.SETTLE_ROUNDS  # a close pair is timed more
+    noisy = {n: [t * (1 + rng.uniform(-0.1, 0.1)) for _ in range(rounds)] for n, t in true.items()}
     (span,) = _select(_model(), _plan(_model(), SPLIT), tmp_path, _scripted(noisy)).record["spans"]
     if gap > 1.1 / 0.9:
         assert span["chosen"] == fastest, (true, noisy, span)
-    else:  # inside the noise either may win; the measured medians decide
-        medians = {n: float(np.median(v)) for n, v in noisy.items()}
+    else:  # inside the noise either may win; the medians of the rounds each was timed decide
+        used = {n: noisy[n][:selection.ROUNDS if n not in span.get("settled", {}).get("candidates", ()) else rounds]
+                for n in noisy}
+        medians = {n: float(np.median(v)) for n, v in used.items()}
         assert span["chosen"] == min(medians, key=medians.get)
 
 
@@ -310,9 +350,10 @@ def test_a_timing_under_load_is_measured_again_and_cached_only_when_quiet(tmp_pa
     assert span["timed_twice"] == {"first": 0.47, "second": 0.01} and "host_busy" not in span
     assert span["chosen"] == "onnxruntime" and span["candidates"]["onnxruntime"]["ms"] == 0.2
     assert any("took 47% of the CPU" in line and "timing them again" in line for line in logged), logged
-    replay = _timer({})
+    replay = _confirming(0.2)
     monkeypatch.setattr(selection, "others_share", share)
-    assert _select(model, plan, tmp_path, replay).record["spans"][0]["chosen"] == "onnxruntime" and replay.asked == []
+    assert _select(model, plan, tmp_path, replay).record["spans"][0]["chosen"] == "onnxruntime"
+    assert replay.asked == ["onnxruntime"]
 
     loads = iter([0.6, 0.47])
     timer = _scripted({"planned": [0.9] * 6, "tvm": [0.5] * 6, "onnxruntime": [0.7] * 3 + [0.6] * 3})
@@ -320,6 +361,60 @@ def test_a_timing_under_load_is_measured_again_and_cached_only_when_quiet(tmp_pa
     assert span["host_busy"] == 0.47 and span["candidates"]["onnxruntime"]["ms"] == 0.6  # the quieter timing
     assert not (tmp_path / "busy" / "db" / "timing.json").exists() or all(
         "ms" not in e for e in json.loads((tmp_path / "busy" / "db" / "timing.json").read_text()).values())
+
+
+def test_a_replayed_winner_that_lost_its_lead_on_a_quiet_host_has_every_candidate_timed_again(tmp_path, monkeypatch):
+    """The cache says onnxruntime 0.2 ms, TVM 0.5; timed once more on a quiet host onnxruntime takes 0.7 (the host
+    changed: its clock, its memory, what else it runs): slower than TVM's cached time beyond CONFIRM_MARGIN, so
+    every candidate is timed again and the fastest now (TVM) ships; the cache holds the new times, and the next
+    build replays them. Slower than its own cached time but still ahead (0.4) it keeps its place; on a busy host
+    the same 0.7 is not judged: the replay stands."""
+    import contextlib
+
+    from edgesdk.timing.load import Load
+
+    loads = {"now": 0.01}
+
+    @contextlib.contextmanager
+    def share():
+        yield Load(others=loads["now"])
+
+    monkeypatch.setenv("EDGESDK_LOAD_CHECK", "on")
+    monkeypatch.setattr(selection, "others_share", share)
+    model = _model()
+    plan = _plan(model, SPLIT)
+    _select(model, plan, tmp_path, _timer({"planned": 0.9, "tvm": 0.5, "onnxruntime": 0.2}))
+
+    logged: list[str] = []
+    slower = _confirming(0.4)
+    kept = _select(model, plan, tmp_path, slower, log=logged.append)
+    assert slower.asked == ["onnxruntime"] and kept.record["spans"][0]["chosen"] == "onnxruntime"
+    assert any("onnxruntime's replayed lead confirmed: 0.400 ms now (0.200 ms in the timing cache), tvm 0.500 ms"
+               in line for line in logged), logged
+
+    loads["now"] = 0.6  # busy: not judged, the replay stands
+    busy = _select(model, plan, tmp_path, _confirming(0.7), log=logged.append)
+    assert busy.record["spans"][0]["chosen"] == "onnxruntime" and "replay_refuted" not in busy.record["spans"][0]
+    assert any("onnxruntime's replayed lead not confirmed: other processes took 60%" in line for line in logged), logged
+
+    loads["now"] = 0.01
+    timer = _scripted({"onnxruntime": [0.7] * (1 + selection.ROUNDS), "planned": [0.9] * selection.ROUNDS,
+                       "tvm": [0.3] * selection.ROUNDS})
+    logged.clear()
+    got = _select(model, plan, tmp_path, timer, log=logged.append)
+    assert timer.asked == ["onnxruntime"] + ["planned", "tvm", "onnxruntime"] * selection.ROUNDS
+    (span,) = got.record["spans"]
+    assert span["chosen"] == "tvm" and span["candidates"]["onnxruntime"]["ms"] == 0.7
+    assert span["replay_refuted"] == {"candidate": "onnxruntime", "cached_ms": 0.2, "now_ms": 0.7, "runner_up": "tvm",
+                                      "runner_up_ms": 0.5, "margin": 0.25}
+    assert any("onnxruntime measured 0.700 ms now (0.200 ms in the timing cache), slower than tvm's 0.500 ms beyond "
+               "25%" in line and "timed again" in line for line in logged), logged
+    assert ("(timed again: onnxruntime, 0.200 ms in the timing cache, measured 0.700 ms on this build, behind tvm's "
+            "0.500 ms)") in "\n".join(selection_summary(got.record))
+    from edgesdk.runtime import manifest as mf
+    mf._CPU_SELECTION(json.loads(json.dumps(got.record)), "tuning.cpu_selection")  # raises where it does not validate
+    replay = _confirming(0.31)  # the new times cached: replayed, the new winner confirmed
+    assert _select(model, plan, tmp_path, replay).record["spans"][0]["chosen"] == "tvm" and replay.asked == ["tvm"]
 
 
 def test_a_backend_whose_compiler_changed_is_measured_anew_with_the_others(tmp_path, monkeypatch):
@@ -339,9 +434,9 @@ def test_a_backend_whose_compiler_changed_is_measured_anew_with_the_others(tmp_p
     assert timer.asked == ["planned", "tvm", "onnxruntime"] * selection.ROUNDS  # all timed together, in turn
     # the plan's cut holds an onnxruntime segment too
     assert any("planned, onnxruntime not in the timing cache: tvm timed again with them" in line for line in logged), logged
-    again = _timer({})
+    again = _confirming(0.2)
     _select(model, plan, tmp_path, again)
-    assert again.asked == []  # every one cached now: replayed
+    assert again.asked == ["onnxruntime"]  # every one cached now: replayed, the winner confirmed
 
 
 # --- a timing cache replays times, never correctness ---------------------------------------------
@@ -372,9 +467,10 @@ def test_a_wrong_candidate_whose_time_is_planted_in_the_cache_is_checked_and_dro
                                [{"x": np.ones((1, 16), np.float32)}, {"x": np.full((1, 16), 2, np.float32)}],
                                allowed=("onnxruntime", "wrongsign"), tuning_db=tmp_path / "db" / "cpu",
                                cache=TimingCache(cache), measurable=None, host="test host", log=lines.append,
-                               timer=_never_timed)
+                               timer=(replay := _confirming(0.5)))
     (span,) = got.record["spans"]
     assert span["chosen"] == "onnxruntime" and got.plan.segments[0].backend == "onnxruntime"
+    assert replay.asked == ["onnxruntime"]  # the planted one never timed: its check failed first
     assert span["candidates"]["wrongsign"]["skipped"].startswith("its y differs from onnxruntime by")
     assert json.loads(cache.read_text())[key]["skipped"].startswith("its y differs from onnxruntime by")
     assert any("wrongsign skipped" in line and "replayed from the timing cache" in line for line in lines), lines
@@ -415,7 +511,8 @@ def test_an_int8_candidate_whose_gate_is_planted_in_the_cache_is_gated_again_and
     first = _select_int8(model, _plan(model, SPLIT), tmp_path, timer, allowed=("onnxruntime",))
     assert first.record["spans"][0]["chosen"] == "onnxruntime"  # refused by the gate when measured
     key = _plant(tmp_path / "db" / "timing.json", "accuracy gate", PLANTED_GATE)
-    got = _select_int8(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=("onnxruntime",), int8_dir="again")
+    got = _select_int8(model, _plan(model, SPLIT), tmp_path, _confirming(0.5), allowed=("onnxruntime",),
+                       int8_dir="again")
     (span,) = got.record["spans"]
     why = span["candidates"]["onnxruntime-int8"]["skipped"]
     assert why.startswith("accuracy gate: y's cosine similarity to fp32 is 0.0000 < 0.99"), why
@@ -659,6 +756,61 @@ def compile_negated(job) -> Compiled:
     return Compiled(artifact, tuple(map(spec, job.segment.inputs)), tuple(map(spec, job.segment.outputs)))
 
 
+def compile_scaled(job, factor: float | None = None) -> Compiled:
+    """An onnxruntime segment whose outputs are `factor` (FACTOR by default) times what they should be."""
+    m = onnx.ModelProto()
+    m.CopyFrom(job.model)
+    m.graph.initializer.append(numpy_helper.from_array(np.array(factor or FACTOR["value"], np.float32), "factor__"))
+    for out in m.graph.output:
+        for node in m.graph.node:
+            node.output[:] = [f"{o}__pre" if o == out.name else o for o in node.output]
+        m.graph.node.append(helper.make_node("Mul", [f"{out.name}__pre", "factor__"], [out.name]))
+    artifact = f"segments/{job.segment.id}.onnx"
+    irm.save(m, job.segments_dir.parent / artifact)
+    shapes, types = irm.static_shapes(job.model), irm.elem_types(job.model)
+    spec = lambda n: TensorSpec(n, shapes[n], irm.dtype_name(types[n]))  # noqa: E731
+    return Compiled(artifact, tuple(map(spec, job.segment.inputs)), tuple(map(spec, job.segment.outputs)))
+
+
+FACTOR = {"value": 1.02}
+
+
+@pytest.mark.parametrize("factor, floor, kept", [(1.02, 0.0, False), (1.02, 0.01, True), (1.5, 0.01, False)])
+def test_a_span_that_evaluation_order_alone_moves_is_checked_within_that_floor(tmp_path, monkeypatch, factor, floor,
+                                                                             kept):
+    """A TEST DOUBLE backend whose outputs are 2 % off: refused at TOLERANCE where evaluation order moves the span by
+    nothing; admitted where it moves it by 1 % (a FAKE floor: LeViT-128S measured 2.2 %), checked within 3 % then, and
+    the record and the log say so; 50 % off is refused whatever the floor (and the floor is not measured)."""
+    model = _model()
+    monkeypatch.setitem(FACTOR, "value", factor)
+    monkeypatch.setattr(selection, "_order_floor", lambda m, values: floor)  # A FAKE evaluation-order floor
+    scaled = Backend("scaled", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                     compiler=f"{__name__}:compile_scaled", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    logged: list[str] = []
+    with backends.registered(scaled):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _timer({"planned": 0.9, "onnxruntime": 0.5, "scaled": 0.1}),
+                      allowed=("onnxruntime", "scaled"), log=logged.append)
+    (span,) = got.record["spans"]
+    assert (span["chosen"] == "scaled") is kept, span
+    if floor and factor - 1 < selection.FLOOR_PROBE:  # off by more, the floor is not even measured
+        assert span["check_tolerance"] == {"order_floor": 0.01, "tolerance": 0.03}
+        assert any("evaluation order alone moves its outputs by 1.00% of their scale" in line
+                   and "checked within 3.00%" in line for line in logged), logged
+    if not kept:
+        assert span["candidates"]["scaled"]["skipped"].startswith("its y differs from onnxruntime by")
+
+
+def test_the_evaluation_order_floor_of_a_plain_span_is_far_under_the_tolerance():
+    """The real measurement (onnxruntime with its rewrites off against it with them on): on the MLP, ~1e-7."""
+    model = _model()
+    x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
+    import onnxruntime as ort
+    (y,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})
+    assert selection._order_floor(model, [{"x": x, "y": y}]) < selection.TOLERANCE / 100
+    # and where it measures the values against something else, it says how far: y doubled is 50 % of its scale off
+    assert selection._order_floor(model, [{"x": x, "y": 2 * y}]) == pytest.approx(0.5, rel=1e-4)
+
+
 def compile_broken(job) -> Compiled:
     raise RuntimeError(f"the TEST DOUBLE compiler failed on {job.segment.id}")
 
@@ -841,7 +993,7 @@ def test_full_int8_under_the_gate_is_searched_for_mixed_precision_gated_chosen_a
     assert f"mixed precision, {cand['mixed']['float_ops']} of 7 ops float" in summary
 
     lines.clear()
-    again = _select_int8(model, plan, tmp_path, _never_timed, n=16, shape=(1, 4, 8, 8), log=lines.append,
+    again = _select_int8(model, plan, tmp_path, _confirming(0.2), n=16, shape=(1, 4, 8, 8), log=lines.append,
                          int8_dir="int8-again")
     assert again.record["spans"] == got.record["spans"]
     assert not any("ranking" in line for line in lines)

@@ -100,10 +100,19 @@ def cpu_selection_summary(selection: dict[str, Any]) -> list[str]:
         skipped = "; ".join(f"{name} skipped: {c['skipped']}" for name, c in span["candidates"].items() if "skipped" in c)
         close = span.get("within_noise")
         noise = (f" (within the measured noise: {close['margin']:.1%} ahead of {close['runner_up']}, rounds spread up "
-                 f"to {close['noise']:.1%})" if close else "")
+                 f"to {close['noise']:.1%})" if close else "") + _replay_text(span)
         lines.append(f"  {ids[0] if len(ids) == 1 else ids[0] + '..' + ids[-1]} ({span.get('nodes', '?')} nodes): "
                      f"{span['chosen']} chosen{noise}; {times}" + (f"; {skipped}" if skipped else ""))
     return lines
+
+
+def _replay_text(span: dict) -> str:
+    """Where the replayed winner, timed once more, refuted the timing cache and every candidate was timed again."""
+    if (refuted := span.get("replay_refuted")) is None:
+        return ""
+    now = "failed to time" if refuted["now_ms"] is None else f"measured {refuted['now_ms']:.3f} ms"
+    return (f" (timed again: {refuted['candidate']}, {refuted['cached_ms']:.3f} ms in the timing cache, {now} on "
+            f"this build, behind {refuted['runner_up']}'s {refuted['runner_up_ms']:.3f} ms)")
 
 
 def _gate_text(gate: dict | None, mixed: dict | None = None) -> str:

@@ -91,14 +91,15 @@ def _finite(x, low: float = -math.inf, high: float = math.inf) -> bool:
 
 def entry_problem(entry) -> str | None:
     """Why a timing cache entry is not one `TimingCache.put` writes (None where it is):
-    {"skipped": why} or {"ms": milliseconds, "spread": its rounds' spread, "gate": ..., "mixed": ...}."""
+    {"skipped": why} or {"ms": milliseconds, "spread": its rounds' spread, "rounds": how many where more than
+    the usual (a close lead settled), "gate": ..., "mixed": ...}."""
     if not isinstance(entry, dict):
         return f"is a JSON {_json_kind(entry)}, not an object"
     if "skipped" in entry:
         if set(entry) != {"skipped"} or not isinstance(entry["skipped"], str):
             return "a skipped candidate's entry holds its reason (text) alone"
         return None
-    unknown = sorted(set(entry) - {"ms", "spread", "gate", "mixed"})
+    unknown = sorted(set(entry) - {"ms", "spread", "rounds", "gate", "mixed"})
     if unknown:
         return f"unknown key {unknown[0]!r}"
     if "ms" not in entry:
@@ -107,6 +108,8 @@ def entry_problem(entry) -> str | None:
         return f"'ms' is {json.dumps(entry['ms'])}, not a finite positive number of milliseconds"
     if "spread" in entry and not _finite(entry["spread"], 0.0):
         return f"'spread' is {json.dumps(entry['spread'])}, not a finite share of at least 0"
+    if "rounds" in entry and (not _count(entry["rounds"]) or entry["rounds"] < 1):
+        return f"'rounds' is {json.dumps(entry['rounds'])}, not a count of at least 1"
     gate = entry.get("gate")
     if gate is not None:
         if not isinstance(gate, dict) or set(gate) != {"cosine", "top1", "samples"}:
