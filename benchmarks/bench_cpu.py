@@ -262,8 +262,9 @@ def peers(med: dict, bundle: float) -> dict:
     best = min(("onnxruntime", "openvino"), key=lambda k: med.get(k, float("inf")))
     out = {"best_peer": best, "bundle_over_best": round(bundle / med[best], 3)}
     if "openvino" in med:
-        out.update({"openvino_ms": round(med["openvino"], 3), "openvino_default_ms": round(med["openvino default"], 3),
-                    "bundle_over_openvino": round(bundle / med["openvino"], 3),
+        out.update({"openvino_ms": round(med["openvino"], 3), "bundle_over_openvino": round(bundle / med["openvino"], 3)})
+    if "openvino default" in med:
+        out.update({"openvino_default_ms": round(med["openvino default"], 3),
                     "bundle_over_openvino_default": round(bundle / med["openvino default"], 3)})
     return out
 
@@ -349,7 +350,7 @@ def table(results: dict, names: list[str]) -> str:
         e = results["models"][n]
         b, t = e.get("build_selected", {}), e.get("build_tvm", {})
         ov = (f"{ms(e['openvino_ms'])}" if "openvino_ms" in e else "-")
-        ov_default = (f"{ms(e['openvino_default_ms'])} ({e['openvino_default_precision']})" if "openvino_ms" in e
+        ov_default = (f"{ms(e['openvino_default_ms'])} ({e['openvino_default_precision']})" if "openvino_default_ms" in e
                       else e.get("openvino_error", "not measured")[:60])
         best = (f"**{e['bundle_over_best']:.2f}** ({e['best_peer']})" if "bundle_over_best" in e
                 else f"**{e['bundle_over_ort']:.2f}** (onnxruntime)")
