@@ -525,7 +525,7 @@ _CPU_SELECTION = _both(_object({}, {
     "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {
         "nodes": _integer(0, 2**31 - 1), "why": _text,
         "within_noise": _object({"runner_up": _text, "margin": _number, "noise": _number}),
-        "check_tolerance": _object({"order_floor": _number, "tolerance": _number}),
+        "check_tolerance": _object({"rounding_floor": _number, "tolerance": _number}),
         "settled": _object({"candidates": _list(_text), "rounds": _integer(0, 2**31 - 1)}),
         "replay_refuted": _object({"candidate": _text, "cached_ms": _number, "now_ms": _nullable(_number),
                                    "runner_up": _text, "runner_up_ms": _number, "margin": _number}, {"failed": _text}),
