@@ -18,7 +18,7 @@ import onnx
 from ..backends import onnxruntime as ort_backend
 from ..errors import UserError
 from ..ir.memory import give_back
-from ..ir.numeric import compare
+from ..ir.numeric import compare, largest_difference, nudged
 from ..runtime import manifest as mf
 from ..runtime.executor import BundleModel
 from ..runtime.inputs import InputError, check_feeds
@@ -157,7 +157,7 @@ def compared(got: list[dict], ref: list[dict], names: list[str]) -> dict[str, di
     """Per output of `names`, the bundle's values (`got`, one dict per sample) against the reference's:
     `ir.numeric.compare` over all samples, and each sample's largest difference (`sample_errors`)."""
     return {n: {**compare(np.stack([g[n] for g in got]), np.stack([r[n] for r in ref])),
-                "sample_errors": [_largest_difference(g[n], r[n]) for g, r in zip(got, ref)]} for n in names}
+                "sample_errors": [largest_difference(g[n], r[n]) for g, r in zip(got, ref)]} for n in names}
 
 
 def conditioning(model: onnx.ModelProto, samples: list[dict], names: list[str]) -> dict[str, list[float]]:
@@ -167,26 +167,12 @@ def conditioning(model: onnx.ModelProto, samples: list[dict], names: list[str]) 
     its value (a random sign each, seeded). A well-conditioned model moves by about 1e-6 of its output's
     magnitude; one whose output moves by more than the float tolerance cannot judge a kernel on that sample."""
     rng = np.random.default_rng(0)
-    moved = [{k: _nudged(v, rng) for k, v in f.items()} for f in samples]
+    moved = [{k: nudged(v, rng, CONDITION_STEP) for k, v in f.items()} for f in samples]
     ref = ort_backend.run_many(model, samples, names)  # as `accuracy` runs it
     unoptimized = ort_backend.run_many(model, samples, names, optimized=False)
-    nudged = ort_backend.run_many(model, moved, names)
-    return {n: [max(_largest_difference(a[n], r[n]), _largest_difference(b[n], r[n]))
-                for r, a, b in zip(ref, unoptimized, nudged)] for n in names}
-
-
-def _nudged(value, rng: np.random.Generator):
-    """A float input moved by CONDITION_STEP of each element's value; any other as it is."""
-    value = np.asarray(value)
-    if not np.issubdtype(value.dtype, np.floating):
-        return value
-    signs = rng.choice(np.array([-1.0, 1.0]), value.shape)
-    return (value * (1.0 + CONDITION_STEP * signs)).astype(value.dtype)
-
-
-def _largest_difference(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
+    moved_out = ort_backend.run_many(model, moved, names)
+    return {n: [max(largest_difference(a[n], r[n]), largest_difference(b[n], r[n]))
+                for r, a, b in zip(ref, unoptimized, moved_out)] for n in names}
 
 
 def litert_outputs(path: Path, samples: list[dict], names: list[str]) -> list[dict] | None:
@@ -222,7 +208,7 @@ def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:
     if arithmetic is None:
         return {"abs": FLOAT_RTOL * max(largest, 1e-12), "rule": "1e-4 relative", "reason": FLOAT_REASON}
     if "float32" in arithmetic:
-        diff = _largest_difference(golden, arithmetic["float32"])
+        diff = largest_difference(golden, arithmetic["float32"])
         precision = {"bf16": "bfloat16", "f16": "float16"}.get(arithmetic.get("precision"), "a 16-bit float")
         return {"abs": max(FLOAT_RTOL * max(largest, 1e-12), FLOAT16_MARGIN * diff),
                 "rule": f"{FLOAT16_MARGIN:g}x its distance from float32",

@@ -7,6 +7,22 @@ from typing import Iterable
 import numpy as np
 
 
+def largest_difference(a, b) -> float:
+    """The largest absolute difference of two arrays, in float64; 0 for empty ones."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def nudged(value, rng: np.random.Generator, step: float):
+    """A float array with each element moved by `step` of its value, a random sign each (from `rng`); any other
+    as it is: how far a model's output moves under it says how far rounding alone moves it."""
+    value = np.asarray(value)
+    if not np.issubdtype(value.dtype, np.floating):
+        return value
+    signs = rng.choice(np.array([-1.0, 1.0]), value.shape)
+    return (value * (1.0 + step * signs)).astype(value.dtype)
+
+
 def compare(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     """Cosine similarity, max abs error and max error relative to the reference's range."""
     g = np.asarray(got, dtype=np.float64).ravel()

@@ -60,6 +60,7 @@ from ..config import HOST
 from ..ir import model as irm
 from ..ir.digest import tree_sha256
 from ..ir.memory import give_back
+from ..ir.numeric import largest_difference, nudged
 from ..ir.grids import grids as quantized_grids
 from ..timing import RUNS, WARMUP, FreshProcess, Handle, InProcess, Runner, TimingCache, failure
 from ..timing.load import checking, others_share
@@ -80,13 +81,13 @@ CONFIRM_MARGIN = 0.25
 SETTLE_ROUNDS = 3
 TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels that sum in another order
 # Some models move further than TOLERANCE by rounding alone (LeViT-128S with random weights: one float32 rounding step
-# in its input moves its logits by 2.3 % of their scale, and every candidate, each compiled its own way, was refused).
+# in its input moves its logits by 2-4 % of their scale, and every candidate, each compiled its own way, was refused).
 # Where a candidate misses TOLERANCE by less than FLOOR_PROBE, that floor is measured on the span (`_rounding_floor`)
 # and candidates are checked within FLOOR_FACTOR times it: a wrong kernel is off by far more.
 FLOOR_PROBE = 0.1
 FLOOR_FACTOR = 3.0
 # the check's rules, in the timing cache's key: a candidate a former rule refused (cached as skipped) is tried again
-CHECK_RULES = 4
+CHECK_RULES = 5
 CHECK_SAMPLES = 2
 # a candidate with more weights than this is checked in a process of its own (`timing.Apart`), as it is timed: a
 # TVM library once loaded is never unloaded (its weights stayed held twice, the library's and the VM's,
@@ -999,13 +1000,17 @@ def check(handle: Handle, samples: list[dict], tolerance: float | None = None,
     tolerance = TOLERANCE if tolerance is None else tolerance
     for sample, got in zip(samples, _run_all(handle, samples)):
         for t in handle.outputs:
-            want = sample[t.name].astype(np.float64)
-            err = float(np.max(np.abs(got[t.name].astype(np.float64) - want))) if want.size else 0.0
-            scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
+            err, scale = largest_difference(got[t.name], sample[t.name]), _scale(sample[t.name])
             allowed = max(tolerance * scale, 1.0 if t.name in quantized else 0.0)
             if not np.isfinite(err) or err > allowed:
                 raise Disagrees(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})",
                                 err / scale if np.isfinite(err) else float("inf"))
+
+
+def _scale(want) -> float:
+    """An output's scale, which the check's tolerance is a share of: its largest magnitude (1e-6 at least)."""
+    want = np.asarray(want, np.float64)
+    return max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
 
 
 def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
@@ -1015,9 +1020,7 @@ def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
     whole = next((c for c in trial.cands if c.name != PLANNED), None)
     model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
     if trial.quantized is None:
-        made_by = {o: n.op_type for n in (model.graph.node if model is not None else ()) for o in n.output}
-        trial.quantized = frozenset(o.name for o in (model.graph.output if model is not None else ())
-                                    if made_by.get(o.name) in ("QuantizeLinear", "DynamicQuantizeLinear"))
+        trial.quantized = _quantized_outputs(model) if model is not None else frozenset()
     try:
         check(handle, bench.values, trial.tolerance, trial.quantized)
     except Disagrees as e:
@@ -1032,37 +1035,33 @@ def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
         check(handle, bench.values, trial.tolerance, trial.quantized)
 
 
+def _quantized_outputs(model: onnx.ModelProto) -> frozenset[str]:
+    """The model's outputs a QuantizeLinear makes."""
+    made_by = {o: n.op_type for n in model.graph.node for o in n.output}
+    return frozenset(o.name for o in model.graph.output
+                     if made_by.get(o.name) in ("QuantizeLinear", "DynamicQuantizeLinear"))
+
+
 def _rounding_floor(model: onnx.ModelProto, values: list[dict]) -> float:
     """How far rounding alone moves the span's outputs: onnxruntime on the span's model, each float input moved by one
-    float32 rounding step (a relative 2^-24, in a seeded random direction per element), against the reference values;
-    the largest share of an output's scale, 0 where it cannot run. A kernel that sums in another order rounds each
-    sum differently by about that much: a model that amplifies it is not checked more tightly than it computes."""
+    float32 rounding step (`numeric.nudged` by 2^-24, a seeded random direction per element), against the reference
+    values; the largest share of an output's scale (`_scale`, as `check` measures it), 0 where it cannot run. A kernel that sums
+    in another order rounds each sum differently by about that much: a model that amplifies it is not checked more
+    tightly than it computes."""
     from ..backends import onnxruntime as ort_backend
 
     inits = {i.name for i in model.graph.initializer}
     inputs = [i.name for i in model.graph.input if i.name not in inits]
     outputs = [o.name for o in model.graph.output]
     rng = np.random.default_rng(0)
-
-    def nudged(x: np.ndarray) -> np.ndarray:
-        if x.dtype.kind != "f":
-            return x
-        step = np.asarray(2.0 ** -24, x.dtype)
-        return (x * (1 + step * rng.choice(np.array([-1, 1], x.dtype), x.shape))).astype(x.dtype)
     try:
-        got = ort_backend.run_many(model, [{n: nudged(v[n]) for n in inputs} for v in values], outputs)
+        got = ort_backend.run_many(model, [{n: nudged(v[n], rng, 2.0**-24) for n in inputs} for v in values], outputs)
     except Exception:  # noqa: BLE001 -- onnxruntime's own exception types: no floor to measure, TOLERANCE stands
         return 0.0
-    floor = 0.0
-    for want_all, got_all in zip(values, got):
-        for name in outputs:
-            want = want_all[name].astype(np.float64)
-            if want.size:
-                err = float(np.max(np.abs(got_all[name].astype(np.float64) - want)))
-                if np.isfinite(err):
-                    floor = max(floor, err / max(float(np.max(np.abs(want))), 1e-6))
+    shares = [largest_difference(g[name], want[name]) / _scale(want[name]) for want, g in zip(values, got)
+              for name in outputs]
     give_back()
-    return floor
+    return max((s for s in shares if np.isfinite(s)), default=0.0)
 
 
 def _run_all(handle: Handle, samples: list[dict]) -> list[dict]:
