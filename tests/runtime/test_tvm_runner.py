@@ -283,7 +283,8 @@ def test_an_aligned_feed_is_taken_as_it_is_and_any_other_is_copied_into_the_runn
         given = {n: make(v) for n, v in feeds.items()}
         tensor = runner._argument(given, x, slot)
         assert tensor.data_ptr() != given["x"].ctypes.data
-        assert tensor.data_ptr() == runner._staging[slot][2]
+        if given["x"].flags.c_contiguous:  # an F-ordered feed is made C-ordered first: that copy may be aligned
+            assert tensor.data_ptr() == runner._staging[slot][2]
         assert_close(runner.run(given), reference(model, feeds))
 
 
