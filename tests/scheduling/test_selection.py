@@ -677,6 +677,31 @@ def test_a_litert_span_that_disagrees_with_onnxruntime_keeps_the_plan(tmp_path, 
     assert span["why"].startswith("policy: the schedule's cut (wrongsign: its y differs from onnxruntime by")
 
 
+@pytest.mark.parametrize("floor, kept", [(0.0, False), (0.01, True)])
+def test_a_policy_candidate_is_checked_within_the_spans_rounding_floor(tmp_path, monkeypatch, floor, kept):
+    """The policy's check is the measured choice's: a TEST DOUBLE LiteRT whose outputs are 2 % off is refused at
+    TOLERANCE, and admitted where rounding alone moves the span by 1 % (a FAKE floor), the record saying so."""
+    model = _model()
+    monkeypatch.setitem(FACTOR, "value", 1.02)
+    monkeypatch.setattr(selection, "_rounding_floor", lambda m, values: floor)  # A FAKE rounding floor
+    monkeypatch.setattr(backends, "policy_fallback", lambda: "scaled")
+    scaled = Backend("scaled", runner="onnxruntime", rank=9, runtime_dists=("onnxruntime",),
+                     compiler=f"{__name__}:compile_scaled", lowering="edgesdk.backends.onnxruntime:lowering_reason")
+    logged: list[str] = []
+    with backends.registered(scaled):
+        got = _select(model, _plan(model, SPLIT), tmp_path, _never_timed, allowed=("scaled",), measurable=FOREIGN,
+                      target="arm_2tpu", log=logged.append)
+    (span,) = got.record["spans"]
+    assert (span["chosen"] == "scaled") is kept, span
+    if kept:
+        assert span["check_tolerance"] == {"rounding_floor": 0.01, "tolerance": 0.03}
+        assert span["candidates"]["scaled"] == {"policy": "lowers every node; agrees with onnxruntime"}
+        assert any("checked within 3.00%" in line for line in logged), logged
+    else:
+        assert "check_tolerance" not in span
+        assert span["candidates"]["scaled"]["skipped"].startswith("its y differs from onnxruntime by")
+
+
 def test_a_tuned_schedules_cut_is_kept_over_litert(tmp_path):
     """Where the database holds tuned records for every function of the plan's TVM segments (only a
     search on the boards writes them for a foreign CPU), the plan's cut stays; LiteRT is not built."""

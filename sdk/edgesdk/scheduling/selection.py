@@ -497,7 +497,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
             planned = Candidate(PLANNED, segs, tuple(st for st in plan.parallel_steps if set(st) <= set(ids)))
             considered: dict[str, dict] = {PLANNED: {"policy": "the schedule's cut"}}
             winner, why = planned, "the schedule's cut"
-            litert = None
+            litert, span_check = None, None
             if policy is not None and policy in allowed:
                 cands, skipped = candidates(plan, span, model, [policy])
                 litert = next((c for c in cands if c.name == policy), None)
@@ -516,9 +516,10 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                     variant = backends.variant(policy, "int8")
                     tried = ([variant] if int8 is not None and variant is not None and variant in allowed
                              and not kept_float(plan, [n for s in segs for n in s.nodes]) else [])
+                    span_check = SpanCheck(_extract(model, litert.segments[0]), label, log)
                     found, told, cut = _first_agreeing(litert, [*tried, policy], policy, model, target,
                                                        Path(tmp) / label, tuning_db, int8, values, plan.outputs,
-                                                       considered)
+                                                       considered, span_check)
                     if found is None:
                         why += told
                     else:
@@ -526,6 +527,8 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                         models.update(cut)
             entry = {"segments": ids, "nodes": sum(len(s.nodes) for s in segs), "candidates": considered,
                      "chosen": winner.name, "why": f"policy: {why}; not measured: {unmeasured}"}
+            if span_check is not None and span_check.widened:
+                entry["check_tolerance"] = span_check.widened
             record["spans"].append(entry)
             log(f"tune: {label} ({entry['nodes']} nodes): {winner.name}, policy: {why}")
             chosen[span] = winner, None
@@ -534,10 +537,12 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
 
 def _first_agreeing(whole: Candidate, names: Sequence[str], policy: str, model: onnx.ModelProto, target, work: Path,
                     tuning_db: Path, int8: Int8 | None, values: list[dict], model_outputs: Sequence[str],
-                    considered: dict[str, dict]) -> tuple[Candidate | None, str, dict[str, onnx.ModelProto]]:
+                    considered: dict[str, dict], span_check: SpanCheck
+                    ) -> tuple[Candidate | None, str, dict[str, onnx.ModelProto]]:
     """The policy's whole-span candidate on each backend of `names` in turn (its int8 variant first): the
-    first that builds and agrees with onnxruntime (an int8 one: passes the accuracy gate), why, and the
-    segment models it cuts anew; None and why each failed where none does. `considered` records each one tried."""
+    first that builds and agrees with onnxruntime (`span_check`, as a measured choice checks; an int8 one: passes
+    the accuracy gate), why, and the segment models it cuts anew; None and why each failed where none does.
+    `considered` records each one tried."""
     failed = ""
     for name in names:
         cand = replace(whole, name=name, segments=tuple(replace(s, backend=name) for s in whole.segments))
@@ -547,7 +552,7 @@ def _first_agreeing(whole: Candidate, names: Sequence[str], policy: str, model: 
                                         int8 if name != policy else None)) as handle:
                 gated = _gated(handle, int8, cand, cut, model_outputs) if name != policy else None
                 if gated is None:
-                    check(handle, values)
+                    span_check(handle, values)
         except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
             considered[name] = {"skipped": failure(e)}
             failed += f" ({name}: {failure(e)})"
@@ -612,8 +617,7 @@ class _Trial:
     times: dict[str, float] = field(default_factory=dict)
     spreads: dict[str, float] = field(default_factory=dict)  # how far its rounds' medians were apart, of its time
     rounds: dict[str, int] = field(default_factory=dict)  # a candidate timed more than ROUNDS rounds: how many
-    tolerance: float | None = None  # the check's, where the span's rounding floor was measured
-    quantized: frozenset[str] | None = None  # the span's outputs a QuantizeLinear makes (`_check_span`)
+    span_check: SpanCheck | None = None  # made with the span's model, by its first float candidate (`_check_span`)
     gates: dict[str, dict] = field(default_factory=dict)
     replayed: list[str] = field(default_factory=list)
     checked: dict[str, tuple[Candidate, Checked]] = field(default_factory=dict)  # built and checked by this build
@@ -1013,26 +1017,44 @@ def _scale(want) -> float:
     return max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
 
 
+class SpanCheck:
+    """`check` for one span's candidates, within the span's tolerance: TOLERANCE, or where a candidate misses it by
+    less than FLOOR_PROBE, FLOOR_FACTOR times how far rounding alone moves the span's outputs (`_rounding_floor`,
+    measured once per span and said in the log; `widened` then holds it for the span's record). An output a
+    QuantizeLinear makes may be one integer step off. The measured and the policy choice check alike."""
+
+    def __init__(self, model: onnx.ModelProto | None, label: str, log: Callable[[str], None]):
+        self.model, self.label, self.log = model, label, log
+        self.quantized = _quantized_outputs(model) if model is not None else frozenset()
+        self.tolerance: float | None = None
+        self.widened: dict | None = None
+
+    def __call__(self, handle: Handle, values: list[dict]) -> None:
+        try:
+            check(handle, values, self.tolerance, self.quantized)
+        except Disagrees as e:
+            if self.tolerance is not None or e.share > FLOOR_PROBE:
+                raise
+            floor = _rounding_floor(self.model, values) if self.model is not None else 0.0
+            self.tolerance = max(TOLERANCE, FLOOR_FACTOR * floor)
+            if self.tolerance > TOLERANCE:
+                self.widened = {"rounding_floor": round(floor, 6), "tolerance": round(self.tolerance, 6)}
+                self.log(f"tune: {self.label}: one float32 rounding step in its inputs moves its outputs by "
+                         f"{floor:.2%} of their scale: candidates are checked within {self.tolerance:.2%}")
+            check(handle, values, self.tolerance, self.quantized)
+
+
 def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
-    """`check` within the span's tolerance: TOLERANCE, or where a candidate misses it by less than FLOOR_PROBE,
-    FLOOR_FACTOR times how far rounding alone moves the span's outputs (measured once per span, said in the log
-    and the span's record as `check_tolerance`)."""
-    whole = next((c for c in trial.cands if c.name != PLANNED), None)
-    model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
-    if trial.quantized is None:
-        trial.quantized = _quantized_outputs(model) if model is not None else frozenset()
+    """The span's `SpanCheck` on a float candidate, its widened tolerance in the span's record as `check_tolerance`."""
+    if trial.span_check is None:
+        whole = next((c for c in trial.cands if c.name != PLANNED), None)
+        model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
+        trial.span_check = SpanCheck(model, trial.label, bench.log)
     try:
-        check(handle, bench.values, trial.tolerance, trial.quantized)
-    except Disagrees as e:
-        if trial.tolerance is not None or e.share > FLOOR_PROBE:
-            raise
-        floor = _rounding_floor(model, bench.values) if model is not None else 0.0
-        trial.tolerance = max(TOLERANCE, FLOOR_FACTOR * floor)
-        if trial.tolerance > TOLERANCE:
-            trial.entry["check_tolerance"] = {"rounding_floor": round(floor, 6), "tolerance": round(trial.tolerance, 6)}
-            bench.log(f"tune: {trial.label}: one float32 rounding step in its inputs moves its outputs by {floor:.2%} "
-                      f"of their scale: candidates are checked within {trial.tolerance:.2%}")
-        check(handle, bench.values, trial.tolerance, trial.quantized)
+        trial.span_check(handle, bench.values)
+    finally:
+        if trial.span_check.widened:
+            trial.entry["check_tolerance"] = trial.span_check.widened
 
 
 def _quantized_outputs(model: onnx.ModelProto) -> frozenset[str]:
