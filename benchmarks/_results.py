@@ -32,6 +32,20 @@ def host_cpu() -> str:
         return platform.processor() or platform.machine()
 
 
+# the instruction sets a CPU timing depends on: two hosts of one model name (a cloud's "AMD EPYC") may differ
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "avx512_fp16")
+
+
+def host_isa() -> list[str]:
+    """Which of ISA_FLAGS this host's CPU has (/proc/cpuinfo's flags; empty where there are none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ISA_FLAGS if f in flags]
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -85,7 +99,7 @@ def write(question: str, data, table: str | dict, command: str | None = None, no
         "title": q.title,
         "answers": q.answers,
         "how": q.how,
-        "host": {"cpu": host_cpu(), "cores": os.cpu_count()},
+        "host": {"cpu": host_cpu(), "cores": os.cpu_count(), "isa": host_isa()},
         "commit": commit(),
         "command": command or command_line(),
         "date": datetime.date.today().isoformat(),

@@ -22,8 +22,10 @@ GPU is present, else it is recorded as not run). Each cell records:
 - x86: the bundle's time against onnxruntime, as benchmarks/bench_cpu.py times them (each alone in a fresh
   process, in turn, 3 rounds of 20 inferences after 5, or of as many as take 0.5 s after 0.2 s for a faster
   model, 2 threads, the median; ZOO_TIME_ROUNDS=0 skips it):
-  onnxruntime on the user's ONNX file, or on the import's ONNX for a Keras or TFLite model. Timings on a
-  shared 2-core host: run the zoo alone.
+  onnxruntime on the user's ONNX file, or on the import's ONNX for a Keras or TFLite model. Each runtime's
+  spread (how far its round medians lay apart, of its median) is recorded: the bundle is slower than onnxruntime
+  beyond the noise only where the ratio exceeds 1 by more than the larger spread. Timings on a shared 2-core
+  host: run the zoo alone.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ def cell(name: str, target: str, extra: tuple[str, ...] = ()) -> dict:
         return {**row, "outcome": outcome, "code": error.get("code"),
                 "message": (error.get("message") or " ".join(tail))[:400]}
     records = {s["name"]: s.get("record") or {} for s in summary.get("stages", [])}
+    if (out / "bundle.tar.gz").is_file():  # which build a self-test run elsewhere (a GPU host) tested
+        row["bundle_sha256"] = file_sha256(out / "bundle.tar.gz")
     row.update({**_coverage(records), **_plan(records), **_cpu_choice(records)})
     verify = subprocess.run([*EDGESDK, "verify", str(out / "bundle")], capture_output=True, text=True, timeout=1200)
     said = (verify.stdout + verify.stderr).strip().splitlines()
@@ -313,13 +317,16 @@ def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) ->
                                  TIME_THREADS, runs, warmup)
     calls.update(ov)
     laps: dict[str, list[float]] = {k: [] for k in calls}
+    rounds: dict[str, list[float]] = {k: [] for k in calls}  # each round's median
     dropped: dict[str, str] = {}  # an OpenVINO peer that fails (its bf16 default on a quantized model): left out
     for _ in range(TIME_ROUNDS):
         for label, call in calls.items():
             if label in dropped:
                 continue
             try:
-                laps[label] += call()
+                got = call()
+                laps[label] += got
+                rounds[label].append(statistics.median(got))
             except (subprocess.CalledProcessError, RuntimeError) as e:
                 said = ((getattr(e, "stderr", None) or str(e)).strip().splitlines() or ["?"])[-1][:300]
                 if label in ("bundle", "onnxruntime"):
@@ -328,10 +335,16 @@ def _x86_timing(out: Path, source: Path, held: Path, ms: float | None = None) ->
     med = {k: statistics.median(v) for k, v in laps.items() if k not in dropped}
     if dropped:
         ov_said = {**ov_said, "peer_errors": dropped}
+    # how far a runtime's round medians lay apart, of its median: the noise a ratio is read against
+    spread = {k: round((max(rounds[k]) - min(rounds[k])) / med[k], 3) for k in med}
+    over = med["bundle"] / med["onnxruntime"]
     return {"bundle_ms": round(med["bundle"], 3), "onnxruntime_ms": round(med["onnxruntime"], 3),
-            "bundle_over_ort": round(med["bundle"] / med["onnxruntime"], 3), **peers(med, med["bundle"]), **ov_said,
+            "bundle_over_ort": round(over, 3), "spread": spread,
+            "slower_beyond_noise": over - 1 > max(spread["bundle"], spread["onnxruntime"]),
+            **peers(med, med["bundle"]), **ov_said,
             "onnxruntime_on": "the model file" if reference == source else "the imported ONNX",
-            "runs": runs * TIME_ROUNDS, "warmup": warmup, "threads": TIME_THREADS}
+            "runs": runs * TIME_ROUNDS, "warmup": warmup, "threads": TIME_THREADS,
+            "host": {"cpu": _results.host_cpu(), "isa": _results.host_isa()}}
 
 
 def _child(args: list[str]) -> dict:
@@ -354,7 +367,12 @@ def main() -> int:
                    help="time the x86 bundles the zoo built (kept in .cache/zoo-runs) against onnxruntime again, "
                         "without building; a model whose bundle is gone is built again")
     p.add_argument("--time-cell", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--gpu-selftests", nargs="+", type=Path, metavar="JSONL",
+                   help="the self-tests benchmarks/gpu/zoo_selftest.sh ran on a GPU host, into the rtx3090 rows of the "
+                        "bundles they tested (a result for another build of the bundle is refused)")
     args = p.parse_args()
+    if args.gpu_selftests:
+        return _gpu_selftests(args.gpu_selftests)
     if args.render:
         old = _results.load("zoo")
         data = old["data"]
@@ -411,6 +429,34 @@ def main() -> int:
     return 0
 
 
+def _gpu_selftests(files: list[Path]) -> int:
+    """Each GPU self-test into its rtx3090 row, where the bundle it ran is the row's (by the archive's sha256)."""
+    old = _results.load("zoo")
+    data = old["data"]
+    rows = {(r["model"], r["target"]): r for r in data["rows"]}
+    stale = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            got = json.loads(line)
+            row = rows.get((got["model"], "rtx3090"))
+            if row is None or row.get("bundle_sha256") != got.get("bundle_sha256"):
+                stale.append(got["model"])
+                continue
+            row["gpu_selftest"] = {k: got[k] for k in ("gpu", "passed", "seconds", "load_seconds", "outputs", "segments",
+                                                       "stream", "notes", "error", "not_run") if k in got}
+            if got["passed"] is None:  # not run there: a runtime the GPU host lacks
+                continue
+            row["verified"] = bool(got["passed"])
+            row["outcome"] = "ok" if got["passed"] else "verify failed"
+            if not got["passed"]:
+                row["verify_error"] = f"self-test on {got['gpu']}: " + (got.get("error") or "outputs differ")[:300]
+    if stale:
+        print(f"not the bundles the rows were built with (build them again, pack, run): {', '.join(stale)}",
+              file=sys.stderr)
+    _write(rows, data["models"], data["wall_s"], old["command"])
+    return 1 if stale else 0
+
+
 def _write(rows: dict, made: dict, wall_s: float, command: str | None = None) -> None:
     # paths as the repository's own (`.cache/zoo/...`): a results file names no machine's directories
     rows = json.loads(json.dumps(rows if isinstance(rows, list) else list(rows.values()), default=str)
@@ -426,7 +472,8 @@ def _write(rows: dict, made: dict, wall_s: float, command: str | None = None) ->
 NOTES = ["arm_2tpu: Edge TPU figures are the cost model's predictions (no Edge TPU here; simulated), int8 "
          "numerics real (LiteRT's CPU interpreter runs the Edge TPU segments); the aarch64 self-test runs under "
          "qemu-user",
-         "rtx3090: the CUDA code is compiled here; no GPU was lent, so its self-test is recorded as not run",
+         "rtx3090: the CUDA code is compiled here (no GPU); a bundle marked ✔ GPU passed its self-test on a GPU host "
+         "(benchmarks/gpu/zoo_pack.py, zoo_selftest.sh), a plain ✔ passed `edgesdk verify` without its self-test",
          "agreement: x86, the bundle against onnxruntime on the imported fp32 model; arm_2tpu, the build's own "
          "int8-against-fp32 report on samples held out of the calibration set",
          "random weights: keras classifiers' softmax heads are scaled until fp32 is sure of most photo crops "
@@ -442,7 +489,7 @@ CLASSIFIER_TASKS = ("logits", "text direction")
 def _mark(r: dict) -> str:
     outcome = r.get("outcome")
     if outcome == "ok":
-        return "✔"
+        return "✔ GPU" if (r.get("gpu_selftest") or {}).get("passed") else "✔"
     if outcome in ("refused", "internal error"):
         return f"✘ `{r.get('code') or 'exit ' + str(r.get('exit'))}`"
     return f"✘ {outcome}"
@@ -485,6 +532,16 @@ def rates(rows: list[dict]) -> list[str]:
         lines.append(f"{t}: {ok}/{len(cells)} built and verified ({100 * ok / len(cells):.0f} %), {refused} refused "
                      f"with a typed error, {internal} internal errors, {len(cells) - ok - refused - internal} other; "
                      f"by family: {by_family}")
+    on_gpu = [r for r in rows if r["target"] == "rtx3090" and "gpu_selftest" in r]
+    if on_gpu:
+        gpus = sorted({r["gpu_selftest"]["gpu"] for r in on_gpu})
+        ran = [r for r in on_gpu if r["gpu_selftest"]["passed"] is not None]
+        failed = [r["model"] for r in ran if not r["gpu_selftest"]["passed"]]
+        skipped = [f"{r['model']} ({r['gpu_selftest']['not_run']})" for r in on_gpu if r not in ran]
+        lines.append(f"rtx3090 self-test on a GPU ({'; '.join(gpus)}; the runtime compiles the CUDA kernels for the GPU "
+                     f"it loads on): {len(ran)} of {sum(r['target'] == 'rtx3090' for r in rows)} bundles run there "
+                     f"(✔ GPU), {len(ran) - len(failed)} passed" + (f"; failed: {', '.join(failed)}" if failed else "")
+                     + (f"; not run there: {', '.join(skipped)}" if skipped else ""))
     arm = [r for r in rows if r["target"] == "arm_2tpu" and r.get("outcome") == "ok"]
     capable = [r for r in arm if r.get("tpu_ops_after", 0) >= 0.999]
     idle = [r["model"] for r in capable if not any(k.startswith("edgetpu") for k in (r.get("placement") or {}))]
@@ -497,10 +554,17 @@ def rates(rows: list[dict]) -> list[str]:
                      + f"; predicted latency worse than Coral's default on the model as imported: {len(worse)}"
                      + (f" ({', '.join(worse)})" if worse else ""))
     timed = [r["timing"] for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
+    noisy = [f"{r['model']} {r['timing']['bundle_over_ort']:.2f} (spread {max(r['timing']['spread']['bundle'], r['timing']['spread']['onnxruntime']):.2f})"
+             for r in rows if r["target"] == "x86" and (r.get("timing") or {}).get("slower_beyond_noise")]
     if timed:
         ratios = sorted(t["bundle_over_ort"] for t in timed)
-        lines.append(f"x86 against onnxruntime: {len(timed)} models timed; bundle / onnxruntime {_spread(ratios)}; "
-                     f"slower by more than 10 %: {sum(x > 1.1 for x in ratios)}")
+        hosts = sorted({f"{t['host']['cpu']} ({', '.join(t['host']['isa']) or 'no AVX2'})" for t in timed if "host" in t})
+        lines.append(f"x86 against onnxruntime: {len(timed)} models timed" + (f" on {'; '.join(hosts)}" if hosts else "")
+                     + f"; bundle / onnxruntime {_spread(ratios)}; "
+                     f"slower by more than 10 %: {sum(x > 1.1 for x in ratios)}"
+                     + (f"; slower by more than the larger of the two runtimes' spread between rounds: "
+                        f"{', '.join(noisy) or 'none'} (of {sum('spread' in t for t in timed)} with spreads)"
+                        if any("spread" in t for t in timed) else ""))
     chosen = [s for r in rows if r["target"] == "x86" for s in r.get("cpu_spans") or ()]
     if chosen:
         won = collections.Counter(s["chosen"] for s in chosen)

@@ -55,6 +55,8 @@ def table(t: dict) -> str:
 def section(r: dict) -> str:
     host = r["host"]
     cores = f", {host['cores']} cores" if host.get("cores") else ""
+    if "isa" in host:  # one model name ("AMD EPYC") covers CPUs with and without AVX-512
+        cores += f" ({', '.join(host['isa']) or 'none of AVX2, AVX-512, VNNI, BF16, AMX'})"
     parts = [f"## {r['title']}", f"`{r['question']}`: {r['answers']} Measured: {r['how']}",
              f"Host: {host['cpu']}{cores}. Commit `{r['commit'][:10]}`, {r['date']}.",
              f"    {r['command']}", table(r["table"])]
