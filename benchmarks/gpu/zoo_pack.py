@@ -8,7 +8,7 @@
 
 Each part holds TVM's runtime alone for Python 3.12 (`site.tar.xz`: the pinned wheels without the compiler, as
 prepare.sh packs it; the bundle runs TVM with TVM_USE_RUNTIME_LIB=1) and as many of the zoo's rtx3090 bundles as
-fit, smallest first, each as the archive its build wrote (`.cache/zoo-runs/M/out-rtx3090/bundle.tar.gz`, byte for
+fit (first fit, largest first), each as the archive its build wrote (`.cache/zoo-runs/M/out-rtx3090/bundle.tar.gz`, byte for
 byte what a user ships). The bundles that fit in no part are listed in DIR/parts.json as left out.
 """
 
@@ -68,7 +68,7 @@ def main() -> int:
         left_out = []
         sizes = {n: b.stat().st_size for n, b in built.items()}
         free: list[int] = []
-        for name in sorted(built, key=sizes.get):  # smallest first: the most bundles in the parts allowed
+        for name in sorted(built, key=sizes.get, reverse=True):  # first fit, largest first: few parts, little room left
             k = next((i for i, f in enumerate(free) if sizes[name] <= f), None)
             if k is None and len(parts) < args.parts and sizes[name] <= room:
                 parts.append([])
