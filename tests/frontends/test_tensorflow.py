@@ -76,8 +76,10 @@ def _float64_copy(model):
 @pytest.mark.slow
 def test_mobilenet_v2_keras_matches_keras(mobilenet_keras, tmp_path):
     """Against Keras in float64: over MobileNetV2's 50-odd layers, float32 Keras and float32
-    onnxruntime each drift 5e-6..8e-6 from the float64 answer, so they differ from each other by
-    up to 1.2e-5 (measured); the converted model must be as close to the exact answer as Keras is."""
+    onnxruntime each drift 5e-6..8e-6 from the float64 answer (onnxruntime up to 1.04e-5 on an
+    AVX2-only CPU, whose kernels sum in another order), so they differ from each other by up to
+    1.2e-5 (measured); the converted model must be as close to the exact answer as Keras is: within
+    twice Keras's own drift, and within ten times RTOL however far Keras drifts."""
     import keras
 
     model, info = frontends.load(mobilenet_keras, tmp_path)
@@ -91,8 +93,8 @@ def test_mobilenet_v2_keras_matches_keras(mobilenet_keras, tmp_path):
         y64 = exact(x.astype(np.float64)).numpy()
         onnx_errors.append(relative_error(run_onnx(model, {name: x})[0], y64))
         keras_errors.append(relative_error(reference(x).numpy(), y64))
-    assert max(onnx_errors) <= RTOL, (onnx_errors, keras_errors)
     assert max(onnx_errors) <= 2 * max(keras_errors), (onnx_errors, keras_errors)
+    assert max(onnx_errors) <= 10 * RTOL, (onnx_errors, keras_errors)
 
 
 def test_savedmodel_matches_its_serving_signature(conv_net_files, tmp_path):
