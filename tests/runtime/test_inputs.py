@@ -411,3 +411,23 @@ def test_one_check_serves_every_inference():
     assert check(inf, allow_nonfinite=True)[0]["x"][1, 2] == np.inf
     with pytest.raises(ValueError, match=r"unexpected \['y'\]"):
         check({**good, "y": good["x"]})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_all_finite_sees_every_nan_and_infinity_wherever_it_is(dtype):
+    """The finite test by a sum of squares (one BLAS dot, whose vector kernels handle a tail apart): a NaN, +inf or
+    -inf at every position of arrays of 1 to 70 values is seen; huge finite values, whose squares overflow, pass."""
+    from edgesdk.runtime.inputs import all_finite
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 71):
+        x = rng.standard_normal(n).astype(dtype)
+        assert all_finite(x) and all_finite(x.reshape(1, n)[:, ::-1])
+        for i in range(n):
+            for bad in (np.nan, np.inf, -np.inf):
+                y = x.copy()
+                y[i] = bad
+                assert not all_finite(y), (n, i, bad)
+    huge = np.full(64, np.finfo(dtype).max / 2, dtype)  # its squares overflow: the elementwise test decides
+    assert all_finite(huge) and not all_finite(np.append(huge, np.inf).astype(dtype))
+    assert all_finite(np.zeros((0, 3), dtype))

@@ -25,6 +25,7 @@ A refusal is an `InputError` (a ValueError) naming the input, what is wrong and 
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -76,12 +77,25 @@ class FeedCheck:
                 value, note = cast(name, value, dtype)
                 if note:
                     notes.append(note)
-            if dtype.kind == "f" and not allow_nonfinite and not np.isfinite(value).all():
+            if dtype.kind == "f" and not allow_nonfinite and not all_finite(value):
                 _check_finite(name, value)
             if valid is not None:
                 _check_range(name, value, valid)
             out[name] = value
         return out, notes
+
+
+def all_finite(value: np.ndarray) -> bool:
+    """Whether every value is finite. For float32 and float64, first by the sum of their squares, one BLAS dot: a
+    NaN or an infinity makes it NaN or infinite (the terms are never negative: nothing cancels), and finite values
+    keep it finite unless it overflows, when the elementwise test decides. Not a ufunc: on a Zen 3,
+    `np.isfinite(x).all()` on two small inputs took 4 us and made onnxruntime's next run 11 us slower (Silero VAD,
+    a 0.1 ms model: 15 us of its runtime's 30); the dot took 1.3 us and 5."""
+    if value.dtype in (np.float32, np.float64):
+        flat = value.reshape(-1)
+        if math.isfinite(float(flat.dot(flat))):
+            return True
+    return bool(np.isfinite(value).all())
 
 
 def cast(name: str, value: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, str]:
