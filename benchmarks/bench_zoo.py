@@ -405,7 +405,8 @@ def main() -> int:
         if args.time and old_row.get("verified") is True and (WORK / name / "out-x86" / "bundle").is_dir():
             # the timing it replaces is kept beside it (without its own former one): a second look, not a retake
             before = {k: v for k, v in (old_row.get("timing") or {}).items() if k != "timing_before"}
-            rows[(name, "x86")] = {**old_row, "timing": {**_child(["--time-cell", name]), "timing_before": before}}
+            rows[(name, "x86")] = {**old_row, "timing": {**_child(["--time-cell", name]), "commit": _results.commit()[:12],
+                                                         "timing_before": before}}
             print(f"{name}: x86 timed: {rows[(name, 'x86')]['timing']}", file=sys.stderr, flush=True)
             _write(rows, made, time.perf_counter() - t_all)
             continue
