@@ -556,18 +556,23 @@ def rates(rows: list[dict]) -> list[str]:
                                                                         "kept every node in float on the CPU)" if idle else "")
                      + f"; predicted latency worse than Coral's default on the model as imported: {len(worse)}"
                      + (f" ({', '.join(worse)})" if worse else ""))
-    timed = [r["timing"] for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
-    noisy = [f"{r['model']} {r['timing']['bundle_over_ort']:.2f} (spread {max(r['timing']['spread']['bundle'], r['timing']['spread']['onnxruntime']):.2f})"
-             for r in rows if r["target"] == "x86" and (r.get("timing") or {}).get("slower_beyond_noise")]
-    if timed:
+    x86 = [r for r in rows if r["target"] == "x86" and "bundle_over_ort" in (r.get("timing") or {})]
+    for host in dict.fromkeys(map(_host, x86)):  # a ratio is read on its own host: each host's figures apart
+        timed = [r["timing"] for r in x86 if _host(r) == host]
+        noisy = [f"{r['model']} {r['timing']['bundle_over_ort']:.2f} (spread "
+                 f"{max(r['timing']['spread']['bundle'], r['timing']['spread']['onnxruntime']):.2f})"
+                 for r in x86 if _host(r) == host and r["timing"].get("slower_beyond_noise")]
         ratios = sorted(t["bundle_over_ort"] for t in timed)
-        hosts = sorted({f"{t['host']['cpu']} ({', '.join(t['host']['isa']) or 'no AVX2'})" for t in timed if "host" in t})
-        lines.append(f"x86 against onnxruntime: {len(timed)} models timed" + (f" on {'; '.join(hosts)}" if hosts else "")
-                     + f"; bundle / onnxruntime {_spread(ratios)}; "
-                     f"slower by more than 10 %: {sum(x > 1.1 for x in ratios)}"
+        lines.append(f"x86 against onnxruntime on {host}: {len(timed)} models timed; bundle / onnxruntime "
+                     f"{_spread(ratios)}; slower by more than 10 %: {sum(x > 1.1 for x in ratios)}"
                      + (f"; slower by more than the larger of the two runtimes' spread between rounds: "
                         f"{', '.join(noisy) or 'none'} (of {sum('spread' in t for t in timed)} with spreads)"
                         if any("spread" in t for t in timed) else ""))
+        best = sorted(t["bundle_over_best"] for t in timed if "openvino_ms" in t)
+        if best:
+            lines.append(f"x86 against the best of onnxruntime and OpenVINO fp32 on {host}: {len(best)} models timed "
+                         f"with both; bundle / best {_spread(best)}; at most 1.0: {sum(x <= 1.0 for x in best)}, at most "
+                         f"0.85: {sum(x <= 0.85 for x in best)}")
     chosen = [s for r in rows if r["target"] == "x86" for s in r.get("cpu_spans") or ()]
     if chosen:
         won = collections.Counter(s["chosen"] for s in chosen)
@@ -581,13 +586,13 @@ def rates(rows: list[dict]) -> list[str]:
         if cuts:
             lines.append(f"x86 spans the schedule cut into several segments: {len(cuts)}; the cut over the best whole-span "
                          f"candidate {_spread(cuts)}, the cut fastest on {sum(x < 1 for x in cuts)}")
-    best = [r["timing"] for r in rows if r["target"] == "x86" and "openvino_ms" in (r.get("timing") or {})]
-    if best:
-        ratios = sorted(t["bundle_over_best"] for t in best)
-        lines.append(f"x86 against the best of onnxruntime and OpenVINO fp32: {len(best)} models timed with both; "
-                     f"bundle / best {_spread(ratios)}; at most 1.0: {sum(x <= 1.0 for x in ratios)}, at most 0.85: "
-                     f"{sum(x <= 0.85 for x in ratios)}")
     return lines
+
+
+def _host(row: dict) -> str:
+    """The host an x86 row was timed on, as the notes name it."""
+    host = row["timing"].get("host")
+    return f"{host['cpu']} ({', '.join(host['isa']) or 'no AVX2'})" if host else "a host not recorded"
 
 
 def _spread(ratios: list[float]) -> str:
