@@ -516,7 +516,7 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
                     variant = backends.variant(policy, "int8")
                     tried = ([variant] if int8 is not None and variant is not None and variant in allowed
                              and not kept_float(plan, [n for s in segs for n in s.nodes]) else [])
-                    span_check = SpanCheck(_extract(model, litert.segments[0]), label, log)
+                    span_check = SpanCheck(label, log)
                     found, told, cut = _first_agreeing(litert, [*tried, policy], policy, model, target,
                                                        Path(tmp) / label, tuning_db, int8, values, plan.outputs,
                                                        considered, span_check)
@@ -552,7 +552,7 @@ def _first_agreeing(whole: Candidate, names: Sequence[str], policy: str, model: 
                                         int8 if name != policy else None)) as handle:
                 gated = _gated(handle, int8, cand, cut, model_outputs) if name != policy else None
                 if gated is None:
-                    span_check(handle, values)
+                    span_check(handle, values, cut[cand.segments[0].id])
         except Exception as e:  # noqa: BLE001 -- one that does not build, run or agree is never chosen
             considered[name] = {"skipped": failure(e)}
             failed += f" ({name}: {failure(e)})"
@@ -617,7 +617,7 @@ class _Trial:
     times: dict[str, float] = field(default_factory=dict)
     spreads: dict[str, float] = field(default_factory=dict)  # how far its rounds' medians were apart, of its time
     rounds: dict[str, int] = field(default_factory=dict)  # a candidate timed more than ROUNDS rounds: how many
-    span_check: SpanCheck | None = None  # made with the span's model, by its first float candidate (`_check_span`)
+    span_check: SpanCheck | None = None  # made by its first float candidate (`_check_span`)
     gates: dict[str, dict] = field(default_factory=dict)
     replayed: list[str] = field(default_factory=list)
     checked: dict[str, tuple[Candidate, Checked]] = field(default_factory=dict)  # built and checked by this build
@@ -1021,21 +1021,24 @@ class SpanCheck:
     """`check` for one span's candidates, within the span's tolerance: TOLERANCE, or where a candidate misses it by
     less than FLOOR_PROBE, FLOOR_FACTOR times how far rounding alone moves the span's outputs (`_rounding_floor`,
     measured once per span and said in the log; `widened` then holds it for the span's record). An output a
-    QuantizeLinear makes may be one integer step off. The measured and the policy choice check alike."""
+    QuantizeLinear makes may be one integer step off. The measured and the policy choice check alike; each call
+    names the span's float model (`model`, None where no whole-span candidate has one), which the candidates share."""
 
-    def __init__(self, model: onnx.ModelProto | None, label: str, log: Callable[[str], None]):
-        self.model, self.label, self.log = model, label, log
-        self.quantized = _quantized_outputs(model) if model is not None else frozenset()
+    def __init__(self, label: str, log: Callable[[str], None]):
+        self.label, self.log = label, log
+        self.quantized: frozenset[str] | None = None
         self.tolerance: float | None = None
         self.widened: dict | None = None
 
-    def __call__(self, handle: Handle, values: list[dict]) -> None:
+    def __call__(self, handle: Handle, values: list[dict], model: onnx.ModelProto | None) -> None:
+        if self.quantized is None:
+            self.quantized = _quantized_outputs(model) if model is not None else frozenset()
         try:
             check(handle, values, self.tolerance, self.quantized)
         except Disagrees as e:
             if self.tolerance is not None or e.share > FLOOR_PROBE:
                 raise
-            floor = _rounding_floor(self.model, values) if self.model is not None else 0.0
+            floor = _rounding_floor(model, values) if model is not None else 0.0
             self.tolerance = max(TOLERANCE, FLOOR_FACTOR * floor)
             if self.tolerance > TOLERANCE:
                 self.widened = {"rounding_floor": round(floor, 6), "tolerance": round(self.tolerance, 6)}
@@ -1046,12 +1049,12 @@ class SpanCheck:
 
 def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
     """The span's `SpanCheck` on a float candidate, its widened tolerance in the span's record as `check_tolerance`."""
+    whole = next((c for c in trial.cands if c.name != PLANNED), None)
+    model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
     if trial.span_check is None:
-        whole = next((c for c in trial.cands if c.name != PLANNED), None)
-        model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
-        trial.span_check = SpanCheck(model, trial.label, bench.log)
+        trial.span_check = SpanCheck(trial.label, bench.log)
     try:
-        trial.span_check(handle, bench.values)
+        trial.span_check(handle, bench.values, model)
     finally:
         if trial.span_check.widened:
             trial.entry["check_tolerance"] = trial.span_check.widened
