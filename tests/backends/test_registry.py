@@ -10,9 +10,12 @@ from edgesdk.backends import Backend
 
 def test_the_shipped_backends_and_what_they_do():
     # requirements.txt order; litert and openvino are fp32 CPU candidates the tune stage measures, the int8
-    # bf16 and fp16 ones its candidates with --cpu-precision int8, bf16, fp16 or auto
-    assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-int8",
-                                                     "onnxruntime-int8", "openvino", "openvino-bf16", "openvino-fp16"]
+    # bf16 and fp16 ones its candidates with --cpu-precision int8, bf16, fp16 or auto; litert-own, a quantized
+    # TFLite model's own file, the candidate of a span that is the whole model
+    assert [b.name for b in backends.backends()] == ["tvm", "tflite", "onnxruntime", "litert", "litert-own",
+                                                     "litert-int8", "onnxruntime-int8", "openvino", "openvino-bf16",
+                                                     "openvino-fp16"]
+    assert "litert-own" not in backends.cpu_candidates()
     assert all(b.lowering for b in backends.backends())  # legalize and the CPU backend choice ask each
     assert [b.name for b in backends.backends() if b.tunes] == ["tvm"]
     assert [b.name for b in backends.backends() if b.quantizes] == ["tflite", "litert-int8", "onnxruntime-int8"]
@@ -43,7 +46,7 @@ def test_a_backend_registered_for_a_test_is_forgotten_after_it():
         assert backends.backend("fake") is fake and backends.backends()[-1] is fake
         with pytest.raises(ValueError, match="already registered"):
             backends.register(fake)
-    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, onnxruntime, onnxruntime-int8, openvino, openvino-bf16, openvino-fp16, tflite, tvm"):
+    with pytest.raises(ValueError, match="no backend named 'fake'; known: litert, litert-int8, litert-own, onnxruntime, onnxruntime-int8, openvino, openvino-bf16, openvino-fp16, tflite, tvm"):
         backends.backend("fake")
 
 

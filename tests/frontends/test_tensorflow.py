@@ -314,7 +314,7 @@ def test_a_quantized_tflite_is_judged_against_litert_running_the_file(conv_net_f
     (onnxruntime's kernels for the converted QDQ graph round differently: a MobileNetV2's answer moved by a
     cosine of 0.16 on one photo); a sample its signature does not take (an input reshaped at import) falls
     back to onnxruntime (None here)."""
-    from edgesdk.bundling.golden import litert_outputs
+    from edgesdk.backends.tflite.own import outputs as litert_outputs
 
     source = conv_net_files["int8-per-channel"]
     scale, zero = _interpreter(source).get_input_details()[0]["quantization"]

@@ -66,6 +66,12 @@ register(Backend("onnxruntime-int8", runner="onnxruntime", rank=5, runtime_dists
                  compiler="edgesdk.backends.onnxruntime:compile_int8_segment",
                  quantizer="edgesdk.backends.onnxruntime:quantize_segment",
                  lowering="edgesdk.backends.onnxruntime:lowering_reason", **ONNXRUNTIME_MEMORY))
+# a quantized TFLite model's own file, shipped as given, run by LiteRT: the tune stage's candidate for a CPU span
+# that holds the whole imported graph (`scheduling/selection.py`, `OWN`), never one of `cpu_candidates`. It reduces
+# nothing (precision fp32: checked, not gated): it computes what the model computes, the accuracy gate's reference
+register(Backend("litert-own", runner="tflite", rank=3, runtime_dists=("ai-edge-litert",),
+                 compiler="edgesdk.backends.tflite.own:compile_segment",
+                 lowering="edgesdk.backends.tflite.own:lowering_reason"))
 # fp32 on the CPU through OpenVINO's CPU plugin: a candidate the tune stage measures for CPU spans
 register(Backend("openvino", runner="openvino", rank=6, runtime_dists=("openvino", "openvino-telemetry"), cpu_order=3,
                  compiler="edgesdk.backends.openvino:compile_segment",

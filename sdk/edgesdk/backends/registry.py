@@ -51,6 +51,9 @@ class CompileJob:
     # the backend may add the kernel times it measures to the tuning database (KERNEL_TIMES): the tune stage's
     # candidates do, so that the package stage, reading the tune stage's copy, replays them
     keep_kernel_times: bool = False
+    # the imported model's own file where the import kept one (a quantized TFLite, `frontends.OWN_TFLITE`): what a
+    # backend that ships the model as given (`litert-own`) copies
+    source: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
     replica_of = {s.id: k for k, rep in enumerate(replicas, 1) for s in rep if s.id not in own}
     everything = [*plan.segments, *(s for rep in replicas for s in rep if s.id in replica_of)]
     by_id = {s.id: s for s in everything}
+    own_file = src.imported / OWN_TFLITE  # a quantized TFLite model's own file, for a segment that ships it as given
+    own_file = own_file if own_file.is_file() else None
     for seg in everything:
         sid, kind = seg.id, seg.device.split(":")[0]
         if seg.same_as in compiled:
@@ -178,7 +180,7 @@ def _compile(plan: Plan, src: Sources, target, bundle: Path, twin_dir: Path, log
             segment=seg, model=model,
             device=target.device(kind), segments_dir=bundle / "segments",
             tuning_db=src.tuned / "tuning_db" / kind, compressed=compressed,
-            twin_dir=twin_dir, log=log))
+            twin_dir=twin_dir, log=log, source=own_file))
         if c.twin is not None:
             twins[sid] = c.twin
         if c.tuned is not None:

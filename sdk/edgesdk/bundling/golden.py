@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from ..backends import onnxruntime as ort_backend
+from ..backends.tflite import own as own_tflite
 from ..errors import UserError
 from ..ir.memory import give_back
 from ..ir.numeric import compare, largest_difference, nudged
@@ -143,7 +144,7 @@ def accuracy(host_model: BundleModel, reference: Callable[[], onnx.ModelProto], 
     host_model.release()
     give_back()
     model = reference()
-    ref = litert_outputs(own, samples, names) if own is not None else None
+    ref = own_tflite.outputs(own, samples, names) if own is not None else None
     runtime = "LiteRT" if ref is not None else "onnxruntime"
     if ref is None:
         ref = ort_backend.run_many(model, samples, names)  # one session: each holds the weights again
@@ -173,31 +174,6 @@ def conditioning(model: onnx.ModelProto, samples: list[dict], names: list[str]) 
     moved_out = ort_backend.run_many(model, moved, names)
     return {n: [max(largest_difference(a[n], r[n]), largest_difference(b[n], r[n]))
                 for r, a, b in zip(ref, unoptimized, moved_out)] for n in names}
-
-
-def litert_outputs(path: Path, samples: list[dict], names: list[str]) -> list[dict] | None:
-    """`names`' values of the TFLite model at `path` on each sample, by its one signature; None where it has
-    no single signature, or its keys, shapes or types are not the samples' and `names` (an input frozen or
-    reshaped at import)."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_path=str(path))
-    signatures = interpreter.get_signature_list()
-    if len(signatures) != 1:
-        return None
-    runner = interpreter.get_signature_runner(next(iter(signatures)))
-    inputs, outputs = runner.get_input_details(), runner.get_output_details()
-    if not set(names) <= set(outputs):
-        return None
-    out = []
-    for sample in samples:
-        feed = {k: sample.get(k) for k in inputs}
-        if any(v is None or np.shape(v) != tuple(inputs[k]["shape"]) or np.asarray(v).dtype != inputs[k]["dtype"]
-               for k, v in feed.items()):
-            return None
-        got = runner(**feed)
-        out.append({n: np.array(got[n]) for n in names})
-    return out
 
 
 def _tolerance(arithmetic: dict | None, golden: np.ndarray) -> dict:

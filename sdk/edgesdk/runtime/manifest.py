@@ -520,6 +520,7 @@ _CPU_SELECTION = _both(_object({}, {
     "measured_on": _nullable(_text), "note": _text, "candidates": _list(_text),
     "precision": _literal("fp32", "bf16", "fp16", "int8", "auto"), "precisions_not_offered": _map(_text),
     "target_cpu": _object({"mcpu": _text, "features": _list(_text)}),
+    "reference": _text,  # what the spans' candidates were checked against, where not onnxruntime on the model
     "gate": _object({"cosine": _number, "top1": _number, "calibration_samples": _integer(0, 2**31 - 1),
                      "held_out_samples": _integer(0, 2**31 - 1)}, extra=True),
     "spans": _list(_object({"segments": _list(_text, min_len=1), "chosen": _text}, {

@@ -56,9 +56,10 @@ import numpy as np
 import onnx
 
 from .. import backends
+from ..backends.tflite import own as own_tflite
 from ..config import HOST
 from ..ir import model as irm
-from ..ir.digest import tree_sha256
+from ..ir.digest import file_sha256, tree_sha256
 from ..ir.memory import give_back
 from ..ir.numeric import largest_difference, nudged
 from ..ir.grids import grids as quantized_grids
@@ -69,6 +70,11 @@ from .plan import Plan, PlanSegment
 GATE_COSINE = 0.99  # an int8 candidate's least cosine similarity to fp32, per output, on held-out samples
 GATE_TOP1 = 0.9  # and its least agreement of the arg max of a class-score output's last axis
 PLANNED = "planned"  # the candidate that keeps the schedule's own cut
+# a quantized TFLite model's own file as given, on LiteRT (backends/tflite/own.py): a candidate where one CPU span
+# holds the whole imported graph and `OWN_OF` is allowed; that span's candidates are then checked and gated
+# against it, not against onnxruntime on the QDQ graph the import made of it (another int8 arithmetic)
+OWN = "litert-own"
+OWN_OF = "litert"
 ROUNDS = 3  # each candidate measured this many times, in turn, each time in a process of its own
 # A replayed winner is timed once more (one round) on every rebuild: slower now than the runner-up's cached time by
 # more than this (or than their cached rounds spread, where that is more), on a quiet host, the cache no longer
@@ -87,7 +93,7 @@ TOLERANCE = 1e-3  # of each output's scale (its largest magnitude): fp32 kernels
 FLOOR_PROBE = 0.1
 FLOOR_FACTOR = 3.0
 # the check's rules, in the timing cache's key: a candidate a former rule refused (cached as skipped) is tried again
-CHECK_RULES = 5
+CHECK_RULES = 6
 CHECK_SAMPLES = 2
 # a candidate with more weights than this is checked in a process of its own (`timing.Apart`), as it is timed: a
 # TVM library once loaded is never unloaded (its weights stayed held twice, the library's and the VM's,
@@ -226,9 +232,11 @@ def kept_float(plan: Plan, nodes: Sequence[str]) -> str:
             "(plan.json keep_on_cpu)") if pinned else ""
 
 
-def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowed: Sequence[str]
-               ) -> tuple[list[Candidate], dict[str, str]]:
-    """The plan's cut and each allowed backend's whole span; the backends left out, and why."""
+def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowed: Sequence[str],
+               own: Path | None = None) -> tuple[list[Candidate], dict[str, str]]:
+    """The plan's cut and each allowed backend's whole span; the backends left out, and why. With `own` (a
+    quantized TFLite model's own file) and `OWN_OF` allowed, the file as given (`OWN`) where the span is the
+    whole model."""
     segs = plan.segments[span[0]:span[1]]
     index = {irm.node_name(n, i): i for i, n in enumerate(model.graph.node)}
     nodes = [n for s in segs for n in s.nodes]
@@ -257,7 +265,27 @@ def candidates(plan: Plan, span: tuple[int, int], model: onnx.ModelProto, allowe
                             sum(s.flops for s in segs), sum(s.param_bytes for s in segs),
                             round(sum(s.predicted_ms for s in segs), 4))
         found.append(Candidate(name, (whole,)))
+    if own is not None and OWN_OF in allowed:
+        why = _not_whole(model, nodes, inputs, outputs) or own_tflite.mismatch(own, model)
+        if why is not None:
+            skipped[OWN] = why
+        else:
+            found.append(Candidate(OWN, (PlanSegment(segs[0].id, HOST, OWN, f"segments/{segs[0].id}.onnx", tuple(nodes),
+                                                     inputs, outputs, sum(s.flops for s in segs),
+                                                     sum(s.param_bytes for s in segs),
+                                                     round(sum(s.predicted_ms for s in segs), 4)),)))
     return found, skipped
+
+
+def _not_whole(model: onnx.ModelProto, nodes: Sequence[str], inputs: Sequence[str], outputs: Sequence[str]) -> str | None:
+    """Why a span is not the whole model (its every node, its inputs and outputs); None where it is."""
+    inits = {i.name for i in model.graph.initializer}
+    if len(nodes) != len(model.graph.node):
+        return f"the span holds {len(nodes)} of the model's {len(model.graph.node)} nodes, not the whole model"
+    if set(inputs) != {i.name for i in model.graph.input if i.name not in inits} or \
+            set(outputs) != {o.name for o in model.graph.output}:
+        return "the span's inputs and outputs are not the model's"
+    return None
 
 
 def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSegment], onnx.ModelProto], target,
@@ -265,7 +293,7 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
            measurable: str | None, host: str, log: Callable[[str], None], timer: Timer = measured,
            precision: str = "fp32", calib_method: str = "minmax", calib_percentile: float = 99.99,
            int8_dir: Path | None = None, boards: backends.Boards | None = None, board: dict | None = None,
-           only: Sequence[str] | None = None, runner: Runner | None = None) -> Selected:
+           only: Sequence[str] | None = None, runner: Runner | None = None, own: Path | None = None) -> Selected:
     """The plan with every CPU span on its fastest candidate. `measurable` is None where this host can
     time the target's CPU code, else why not (then the candidates are chosen by policy, `by_policy`,
     and `model` and `samples` are needed only where the policy's backend is allowed); `samples` are inputs
@@ -280,7 +308,13 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     policy; `host` then names the board's CPU (`board`: what the board said of itself, asked if not given).
     Else `runner` times them (a fresh process per measurement, `timing.FreshProcess`, unless given).
     With `only` (`--low-memory`), a candidate with a segment another backend compiles is left out, and
-    a span left with one candidate other than the plan's cut takes it unbuilt and untimed."""
+    a span left with one candidate other than the plan's cut takes it unbuilt and untimed.
+
+    `own`: a quantized TFLite model's own file (the import kept it). Where one CPU span holds the whole model,
+    the file as given is a candidate (`OWN`), and every candidate of the span is checked against it, not against
+    onnxruntime on the QDQ graph, and gated against it on the held-out samples (`_Own`): another int8 arithmetic
+    that rounds near ties otherwise (an int8 softmax's) is refused here, where the next candidate can be chosen,
+    not by the package stage's gate after the choice."""
     reduced, lacking = reduced_precisions(precision, target)
     allowed = [*allowed, *(v for p in reduced for b in allowed if (v := backends.variant(b, p)) is not None)]
     record: dict = {"candidates": list(allowed), "measured_on": host, "spans": []}
@@ -300,13 +334,20 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
         record = {**record, "note": "no CPU segment"}
         return Selected(replace(plan, cpu_selection=record), {}, record)
     int8 = _int8(plan, model, samples, allowed, precision, calib_method, calib_percentile, log, record)
+    # the model's own file only where one span holds every node: a part of the model cannot be cut from it
+    own = own if (own is not None and OWN_OF in allowed and model is not None and len(found) == 1
+                  and sum(len(s.nodes) for s in plan.segments[found[0][0]:found[0][1]]) == len(model.graph.node)) else None
     runner, host, threads = _where_timed(target, measurable, boards, board, runner or FreshProcess(), host, log, record)
     if runner is None:  # this host cannot time the target's CPU code: chosen by policy
         chosen_plan, models, record = by_policy(plan, model, segment_models, target, samples, allowed=allowed,
                                                 tuning_db=tuning_db, unmeasured=measurable, log=log, int8=int8,
-                                                record=record)
+                                                record=record, own=own)
         return Selected(chosen_plan, models, record, _quantize_chosen(chosen_plan, models, int8, int8_dir, log))
     values = _reference(model, samples[:CHECK_SAMPLES], plan)
+    reference = _Own.of(own, model, values, samples, log) if own is not None else None
+    if reference is not None:
+        values = reference.values
+        record["reference"] = reference.describe()
     for var in ("TVM_NUM_THREADS", "EDGESDK_NUM_THREADS"):  # as the bundle's executor sizes the runners
         os.environ.setdefault(var, str(threads))
 
@@ -314,10 +355,10 @@ def select(plan: Plan, model: onnx.ModelProto, segment_models: Callable[[PlanSeg
     models: dict[str, onnx.ModelProto] = {}
     with tempfile.TemporaryDirectory(prefix="edgesdk-select-") as tmp:
         bench = _Bench(model, segment_models, target, values, int8, plan.outputs, Path(tmp), tuning_db, cache, host,
-                       threads, log, timer, runner)
+                       threads, log, timer, runner, reference)
         for span in found:
             # candidates: the plan's cut, and the whole span on each allowed backend that lowers every node of it
-            cands, skipped = candidates(plan, span, model, allowed)
+            cands, skipped = candidates(plan, span, model, allowed, own if reference is not None else None)
             if only is not None:
                 cands = _low_memory(cands, skipped, only)
             if len(cands) == 1:  # nothing to choose between: no build, no timing
@@ -463,7 +504,7 @@ def _quantize_chosen(plan: Plan, models: dict[str, onnx.ModelProto], int8: Int8 
 def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callable[[PlanSegment], onnx.ModelProto],
               target, samples: list[dict], *, allowed: Sequence[str], tuning_db: Path, unmeasured: str,
               log: Callable[[str], None], int8: Int8 | None = None,
-              record: dict | None = None) -> tuple[Plan, dict[str, onnx.ModelProto], dict]:
+              record: dict | None = None, own: Path | None = None) -> tuple[Plan, dict[str, onnx.ModelProto], dict]:
     """The plan with each CPU span's backend chosen by policy, where this host cannot time the target's
     CPU code (`unmeasured` says why: an aarch64 target built on an x86-64 host). Per span:
 
@@ -478,6 +519,9 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
     With `int8` (`--cpu-precision int8`, `litert-int8` allowed), step 2 tries LiteRT's int8 first, where
     it passes the accuracy gate on the held-out samples (`gate`, on this host: the int8 kernels'
     arithmetic is specified to the bit), and falls back to fp32 LiteRT with why.
+
+    Before all of these, a span that holds the whole of a quantized TFLite model (`own`, its file) ships the file
+    as given (`OWN`): what the model computes, the accuracy gate's reference, on LiteRT.
 
     `--cpu-backends` still restricts: without `litert` in `allowed`, every span keeps the schedule's
     cut. `model` and `samples` are needed only where `litert` is allowed. Nothing is timed: the segments
@@ -498,7 +542,16 @@ def by_policy(plan: Plan, model: onnx.ModelProto | None, segment_models: Callabl
             considered: dict[str, dict] = {PLANNED: {"policy": "the schedule's cut"}}
             winner, why = planned, "the schedule's cut"
             litert, span_check = None, None
-            if policy is not None and policy in allowed:
+            as_given = None
+            if own is not None:
+                cands, skipped = candidates(plan, span, model, [OWN_OF], own)
+                as_given = next((c for c in cands if c.name == OWN), None)
+                considered[OWN] = ({"policy": "the model's own int8 TFLite file, as given"} if as_given is not None
+                                   else {"skipped": skipped[OWN]})
+            if as_given is not None:
+                winner, why = as_given, "the imported TFLite file as given (the model's own int8 arithmetic)"
+                models.update({s.id: _extract(model, s) for s in as_given.segments})
+            elif policy is not None and policy in allowed:
                 cands, skipped = candidates(plan, span, model, [policy])
                 litert = next((c for c in cands if c.name == policy), None)
                 if litert is None:
@@ -602,6 +655,7 @@ class _Bench:
     log: Callable[[str], None]
     timer: Timer
     runner: Runner
+    own: "_Own | None" = None  # the whole model's own TFLite file: what its one span is checked and gated against
 
 
 @dataclass
@@ -689,7 +743,7 @@ def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Be
         cut = trial.cut[cand.name] = {s.id: bench.segment_models(s) if cand.name == PLANNED else shared(s)
                                       for s in cand.segments}
         key = trial.keys[cand.name] = _key(cand, cut, bench.tuning_db, bench.host, bench.threads,
-                                           int8.digest if _reduced(cand) else "")
+                                           _gate_digest(cand, bench))
         hits[cand.name] = bench.cache.get(key)
     new = [name for name, hit in hits.items() if hit is None]
     timed = [name for name, hit in hits.items() if hit is not None and "skipped" not in hit]
@@ -718,11 +772,11 @@ def _build_and_check(cands: list[Candidate], skipped: dict[str, str], bench: _Be
             continue
         try:
             with closing(open_candidate(cand, cut, bench.target, bench.work / cand.name, bench.tuning_db,
-                                        int8 if quantized else None, bench.runner)) as handle:
-                if quantized:  # int8, bf16: the accuracy gate against fp32 on held-out samples, not fp32's tolerance
-                    trial.gates[cand.name] = _gated(handle, int8, cand, cut, bench.model_outputs)
-                else:
-                    _check_span(handle, trial, bench)
+                                        int8 if quantized else None, bench.runner, source=bench.own and bench.own.path)
+                         ) as handle:
+                gated = _verify(handle, cand, cut, trial, bench)
+                if gated is not None:
+                    trial.gates[cand.name] = gated
                 trial.checked[cand.name] = cand, Checked(handle.bundle, tuple(handle.inputs))
         except Exception as e:  # a candidate that does not build, run or agree is never chosen
             trial.skip(cand.name, failure(e), bench)
@@ -768,7 +822,7 @@ def _time(trial: _Trial, bench: _Bench) -> None:
                   "were timed: these times are not cached")
     else:
         _settle(trial, bench, laps, measured, failed, spreads, check)
-    mixed = {name: found for name, (cand, _) in trial.checked.items() if name in trial.gates
+    mixed = {name: found for name, (cand, _) in trial.checked.items() if name in trial.gates and bench.int8 is not None
              and (found := bench.int8.mixed_of(cand, trial.cut[name]))}
     for name, ms in measured.items():
         if len(laps.get(name, ())) > ROUNDS:
@@ -850,7 +904,8 @@ def _choose(trial: _Trial, bench: _Bench) -> tuple[dict, Candidate, float | None
         entry["chosen"], entry["why"] = PLANNED, "no candidate could be measured"
         return entry, cands[0], None, {}
     for name, ms in times.items():
-        found = bench.int8.mixed_of(next(c for c in cands if c.name == name), trial.cut[name]) if name in gates else None
+        found = (bench.int8.mixed_of(next(c for c in cands if c.name == name), trial.cut[name])
+                 if name in gates and bench.int8 is not None else None)
         entry["candidates"][name] = {"ms": ms, **({"spread": trial.spreads[name]} if name in trial.spreads else {}),
                                      **({"gate": gates[name]} if name in gates else {}),
                                      **({"mixed": _mixed_entry(found)} if found else {})}
@@ -891,12 +946,9 @@ def _recheck(cand: Candidate, trial: _Trial, bench: _Bench, work: Path) -> tuple
     built, to time. Raises where it does not build, run or pass."""
     int8 = bench.int8 if _reduced(cand) else None
     models = trial.cut[cand.name]
-    with closing(open_candidate(cand, models, bench.target, work, bench.tuning_db, int8, bench.runner)) as handle:
-        built = Checked(handle.bundle, tuple(handle.inputs))
-        if int8 is not None:
-            return _gated(handle, int8, cand, models, bench.model_outputs), built
-        _check_span(handle, trial, bench)
-        return None, built
+    with closing(open_candidate(cand, models, bench.target, work, bench.tuning_db, int8, bench.runner,
+                                source=bench.own and bench.own.path)) as handle:
+        return _verify(handle, cand, models, trial, bench), Checked(handle.bundle, tuple(handle.inputs))
 
 
 def _confirm(trial: _Trial, cand: Candidate, built: Checked, bench: _Bench) -> None:
@@ -928,12 +980,12 @@ def _confirm(trial: _Trial, cand: Candidate, built: Checked, bench: _Bench) -> N
 
 
 def open_candidate(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-                   int8: Int8 | None = None, runner: Runner | None = None) -> Handle:
+                   int8: Int8 | None = None, runner: Runner | None = None, *, source: Path | None = None) -> Handle:
     """The candidate built as a bundle of its own in `work` (`build`) and opened to be checked by `runner`
     (`timing.FreshProcess` unless given); on this host, one of at most `CHECKED_APART_BYTES` of weights is
     opened in this process instead, by the runtime's executor, which runs what a device runs."""
     runner = runner or FreshProcess()
-    build(cand, models, target, work, tuning_db, int8)
+    build(cand, models, target, work, tuning_db, int8, source=source)
     if not runner.local:
         return runner.open(work)
     if sum(irm.weight_bytes(m) for m in models.values()) > CHECKED_APART_BYTES:
@@ -943,10 +995,10 @@ def open_candidate(cand: Candidate, models: dict[str, onnx.ModelProto], target, 
 
 
 def build(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Path, tuning_db: Path,
-          int8: Int8 | None = None):
+          int8: Int8 | None = None, *, source: Path | None = None):
     """The candidate's bundle written in `work`: each segment compiled by its backend (one that quantizes
-    first quantized, as the compress stage will, on `int8`'s calibration samples), a manifest with its
-    parallel steps. Returns the manifest."""
+    first quantized, as the compress stage will, on `int8`'s calibration samples; `OWN` copies `source`, the
+    imported TFLite file), a manifest with its parallel steps. Returns the manifest."""
     from .. import __version__
     from ..runtime import manifest as mf
 
@@ -962,7 +1014,7 @@ def build(cand: Candidate, models: dict[str, onnx.ModelProto], target, work: Pat
         compiled = b.compile(backends.CompileJob(segment=s, model=models[s.id], device=target.host,
                                                  segments_dir=work / "segments", tuning_db=tuning_db,
                                                  compressed=compressed, twin_dir=work / "twin", log=lambda line: None,
-                                                 keep_kernel_times=True))
+                                                 keep_kernel_times=True, source=source))
         segments.append(mf.Segment(id=s.id, device=HOST, backend=b.runner, artifact=compiled.artifact,
                                    inputs=compiled.inputs, outputs=compiled.outputs, nodes=len(s.nodes),
                                    threads=s.threads))
@@ -996,7 +1048,7 @@ class Disagrees(ValueError):
 
 
 def check(handle: Handle, samples: list[dict], tolerance: float | None = None,
-          quantized: frozenset[str] = frozenset()) -> None:
+          quantized: frozenset[str] = frozenset(), against: str = "onnxruntime") -> None:
     """Every output the span hands on, within `tolerance` (TOLERANCE) of its scale (its largest magnitude)
     of onnxruntime on the float model, or, for an output a QuantizeLinear makes (`quantized`), within one step of
     its integers (another int8 kernel rounds its requantization otherwise); raises `Disagrees` saying which output
@@ -1007,7 +1059,7 @@ def check(handle: Handle, samples: list[dict], tolerance: float | None = None,
             err, scale = largest_difference(got[t.name], sample[t.name]), _scale(sample[t.name])
             allowed = max(tolerance * scale, 1.0 if t.name in quantized else 0.0)
             if not np.isfinite(err) or err > allowed:
-                raise Disagrees(f"its {t.name} differs from onnxruntime by {err:.3g} (scale {scale:.3g})",
+                raise Disagrees(f"its {t.name} differs from {against} by {err:.3g} (scale {scale:.3g})",
                                 err / scale if np.isfinite(err) else float("inf"))
 
 
@@ -1022,10 +1074,12 @@ class SpanCheck:
     less than FLOOR_PROBE, FLOOR_FACTOR times how far rounding alone moves the span's outputs (`_rounding_floor`,
     measured once per span and said in the log; `widened` then holds it for the span's record). An output a
     QuantizeLinear makes may be one integer step off. The measured and the policy choice check alike; each call
-    names the span's float model (`model`, None where no whole-span candidate has one), which the candidates share."""
+    names the span's float model (`model`, None where no whole-span candidate has one), which the candidates share.
+    Against a quantized model's own file (`exact`), nothing is widened: its int8 arithmetic is specified to the bit,
+    and how far onnxruntime's rounding moves the span measures onnxruntime, not the candidate."""
 
-    def __init__(self, label: str, log: Callable[[str], None]):
-        self.label, self.log = label, log
+    def __init__(self, label: str, log: Callable[[str], None], exact: bool = False):
+        self.label, self.log, self.exact = label, log, exact
         self.quantized: frozenset[str] | None = None
         self.tolerance: float | None = None
         self.widened: dict | None = None
@@ -1033,10 +1087,11 @@ class SpanCheck:
     def __call__(self, handle: Handle, values: list[dict], model: onnx.ModelProto | None) -> None:
         if self.quantized is None:
             self.quantized = _quantized_outputs(model) if model is not None else frozenset()
+        against = "LiteRT on the model's own file" if self.exact else "onnxruntime"
         try:
-            check(handle, values, self.tolerance, self.quantized)
+            check(handle, values, self.tolerance, self.quantized, against)
         except Disagrees as e:
-            if self.tolerance is not None or e.share > FLOOR_PROBE:
+            if self.tolerance is not None or e.share > FLOOR_PROBE or self.exact:
                 raise
             floor = _rounding_floor(model, values) if model is not None else 0.0
             self.tolerance = max(TOLERANCE, FLOOR_FACTOR * floor)
@@ -1044,7 +1099,78 @@ class SpanCheck:
                 self.widened = {"rounding_floor": round(floor, 6), "tolerance": round(self.tolerance, 6)}
                 self.log(f"tune: {self.label}: one float32 rounding step in its inputs moves its outputs by "
                          f"{floor:.2%} of their scale: candidates are checked within {self.tolerance:.2%}")
-            check(handle, values, self.tolerance, self.quantized)
+            check(handle, values, self.tolerance, self.quantized, against)
+
+
+def _verify(handle: Handle, cand: Candidate, models: dict[str, onnx.ModelProto], trial: _Trial, bench: _Bench
+            ) -> dict | None:
+    """A built candidate held to what its span asks: a float one checked (`_check_span`), a reduced one gated on the
+    held-out samples; in the span of a whole quantized TFLite model (`bench.own`), every one gated against the
+    model's own file too. The gate's figures, None where it was only checked; raises where it fails."""
+    if not _reduced(cand):
+        _check_span(handle, trial, bench)
+        if bench.own is None:
+            return None
+    return _gated(handle, bench.int8 if _reduced(cand) else None, cand, models, bench.model_outputs, bench.own)
+
+
+def _gate_digest(cand: Candidate, bench: _Bench) -> str:
+    """What a candidate's gate depends on beside its own bytes (the timing cache's key): the calibration and
+    held-out samples of a reduced one, the own file and its held-out outputs in a whole quantized model's span."""
+    parts = ([bench.int8.digest] if _reduced(cand) else []) + ([bench.own.digest] if bench.own is not None else [])
+    return ":".join(parts)
+
+
+@dataclass(frozen=True)
+class _Own:
+    """A quantized TFLite model's own file where one CPU span holds the whole model: the reference that span's
+    candidates are checked against (`values`: the check samples, with LiteRT's outputs on them, int8 codes as the
+    model gives them) and gated against (`held`: the held-out samples, with LiteRT's outputs as the values its
+    codes stand for, `grids`); `digest` keys the timing cache."""
+
+    path: Path
+    values: list[dict]
+    held: list[dict]
+    grids: dict[str, tuple[float, int]]
+    digest: str
+    against: str = "the model's own int8 (LiteRT)"
+
+    @staticmethod
+    def of(path: Path, model: onnx.ModelProto, values: list[dict], samples: list[dict],
+           log: Callable[[str], None]) -> "_Own | None":
+        """The reference, or None (said in the log) where LiteRT cannot run the file on the samples as the graph
+        takes them."""
+        outputs = [o.name for o in model.graph.output]
+        why = own_tflite.mismatch(path, model)
+        _, held = held_out_split(samples)
+        checked = own_tflite.outputs(path, values, outputs) if why is None else None
+        gated = own_tflite.outputs(path, held, outputs) if checked is not None else None
+        if checked is None or gated is None:
+            log(f"tune: the imported TFLite file is not the reference: {why or 'LiteRT cannot run it on the samples'}; "
+                "candidates are checked against onnxruntime on the imported graph")
+            return None
+        grids = own_tflite.output_grids(path)
+        h = hashlib.sha256(file_sha256(path).encode())
+        for sample, out in zip(held, gated):
+            for name in sorted({**sample, **out}):
+                h.update(name.encode())
+                h.update(np.ascontiguousarray({**sample, **out}[name]).tobytes())
+        log(f"tune: the model's own TFLite file is the reference: its span's candidates are checked against LiteRT "
+            f"on it, and gated against it on {len(held)} held-out sample(s)")
+        return _Own(path, [{**v, **o} for v, o in zip(values, checked)],
+                    [{**sample, **_decoded(out, grids)} for sample, out in zip(held, gated)], grids, h.hexdigest())
+
+    def decode(self, got: dict) -> dict:
+        return _decoded(got, self.grids)
+
+    def describe(self) -> str:
+        return "the imported TFLite file on LiteRT (the model's own int8 arithmetic)"
+
+
+def _decoded(values: dict, grids: dict[str, tuple[float, int]]) -> dict:
+    """Integer outputs as the values their codes stand for (scale, zero point); the others as they are."""
+    return {k: ((np.asarray(v, np.float32) - grids[k][1]) * np.float32(grids[k][0])
+                if k in grids and np.asarray(v).dtype.kind in "iu" else v) for k, v in values.items()}
 
 
 def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
@@ -1052,7 +1178,7 @@ def _check_span(handle: Handle, trial: _Trial, bench: _Bench) -> None:
     whole = next((c for c in trial.cands if c.name != PLANNED), None)
     model = trial.cut[whole.name][whole.segments[0].id] if whole is not None else None
     if trial.span_check is None:
-        trial.span_check = SpanCheck(trial.label, bench.log)
+        trial.span_check = SpanCheck(trial.label, bench.log, exact=bench.own is not None)
     try:
         trial.span_check(handle, bench.values, model)
     finally:
@@ -1097,35 +1223,41 @@ def _run_all(handle: Handle, samples: list[dict]) -> list[dict]:
     return [handle.run(f) for f in feeds]  # an opened bundle that runs one sample at a time (BundleModel)
 
 
-def gate(bundle, held_out: list[dict], model_outputs: Sequence[str]) -> dict:
-    """An int8 candidate against the fp32 model on held-out samples: each output's cosine similarity
-    over the samples, and for the model's class-score outputs (rank 2 or 3, a last axis of 2 or more)
-    how often the arg max of the last axis agrees. Raises where the least cosine is under GATE_COSINE
-    or an agreement under GATE_TOP1; else the figures (the least of each)."""
+def gate(bundle, held_out: list[dict], model_outputs: Sequence[str], *, decode: Callable[[dict], dict] | None = None,
+         against: str = "fp32") -> dict:
+    """An int8 candidate against the fp32 model (or `against`: the reference `held_out`'s outputs hold) on held-out
+    samples: each output's cosine similarity over the samples (of its values as `decode` makes them, where given),
+    and for the model's class-score outputs (rank 2 or 3, a last axis of 2 or more) how often the arg max of the last
+    axis agrees. Raises where the least cosine is under GATE_COSINE or an agreement under GATE_TOP1; else the
+    figures (the least of each)."""
     from ..ir.numeric import fidelity
 
-    cosines, agreements = fidelity(_run_all(bundle, held_out), held_out, model_outputs)
+    got = _run_all(bundle, held_out)
+    cosines, agreements = fidelity([decode(g) for g in got] if decode else got, held_out, model_outputs)
     worst = min(cosines, key=cosines.get)
     if cosines[worst] < GATE_COSINE:
-        raise ValueError(f"accuracy gate: {worst}'s cosine similarity to fp32 is {cosines[worst]:.4f} < {GATE_COSINE} "
-                         f"on {len(held_out)} held-out samples")
+        raise ValueError(f"accuracy gate: {worst}'s cosine similarity to {against} is {cosines[worst]:.4f} < "
+                         f"{GATE_COSINE} on {len(held_out)} held-out samples")
     result: dict = {"cosine": cosines[worst], "top1": None, "samples": len(held_out)}
     if agreements:
         least = min(agreements, key=agreements.get)
         if agreements[least] < GATE_TOP1:
-            raise ValueError(f"accuracy gate: {least}'s top-1 agrees with fp32 on {agreements[least]:.0%} < "
+            raise ValueError(f"accuracy gate: {least}'s top-1 agrees with {against} on {agreements[least]:.0%} < "
                              f"{GATE_TOP1:.0%} of {len(held_out)} held-out samples")
         result["top1"] = agreements[least]
     return result
 
 
-def _gated(bundle, int8: Int8, cand: Candidate, models: dict[str, onnx.ModelProto],
-           model_outputs: Sequence[str]) -> dict:
-    """`gate` on the held-out samples; a refusal of a mixed-precision candidate says how many ops it kept float."""
+def _gated(bundle, int8: Int8 | None, cand: Candidate, models: dict[str, onnx.ModelProto],
+           model_outputs: Sequence[str], own: "_Own | None" = None) -> dict:
+    """`gate` on the held-out samples (`own`'s, against the model's own file, where given); a refusal of a
+    mixed-precision candidate says how many ops it kept float."""
     try:
+        if own is not None:
+            return gate(bundle, own.held, model_outputs, decode=own.decode, against=own.against)
         return gate(bundle, int8.held_out, model_outputs)
     except ValueError as e:
-        found = int8.mixed_of(cand, models)
+        found = int8.mixed_of(cand, models) if int8 is not None else None
         if found is None:
             raise
         raise ValueError(f"{e}, with {len(found['float_ops'])} of {found['ops']} ops kept float") from e

@@ -46,6 +46,7 @@ from ...compression import plan as prune_plan
 from ...compression.prune import parse_method, prunable
 from ...config import HOST
 from ...errors import UsageError, UserError
+from ...frontends import OWN_TFLITE
 from ...ir import model as irm
 from .. import memory as build_memory
 from ...ir.calibration import load_calibration, synthetic_warnings
@@ -360,7 +361,7 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
         host=selection.host_name(), log=ctx.log, precision=precision,
         calib_method=ctx.options.calibration_method(), calib_percentile=ctx.options.calib_percentile,
         int8_dir=ctx.out / "int8",
-        boards=boards if board is not None else None, board=board, only=only)
+        boards=boards if board is not None else None, board=board, only=only, own=_own_file(ctx, pruned))
     busy = [s["host_busy"] for s in selected.record.get("spans", []) if "host_busy" in s]
     if busy:
         ctx.warn(f"tune: other processes took up to {max(busy):.0%} of the CPU while {len(busy)} CPU span(s)' "
@@ -375,6 +376,13 @@ def _select(plan: Plan, artifact: Path, db: Path, ctx, boards=None, pruned=None)
             calib_info["percentile"] = ctx.options.calib_percentile
         selected = dataclasses.replace(selected, calibration=calib_info)
     return selected
+
+
+def _own_file(ctx, pruned) -> Path | None:
+    """A quantized TFLite model's own file, which the import kept (`frontends.OWN_TFLITE`), where the candidates
+    are timed on the model as imported (not on weights --prune will change); None otherwise."""
+    own = ctx.artifact("import") / OWN_TFLITE
+    return own if own.is_file() and pruned is None and not ctx.options.prune else None
 
 
 def cpu_precision(options, target) -> str:
