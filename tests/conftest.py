@@ -36,17 +36,22 @@ _private_temporary_directory()
 
 
 # About how long each of the slowest test files takes, in seconds on 2 cores (a full run's durations summed
-# per file): only the order the files are handed to the two pytest processes depends on it. `--dist loadfile`
-# hands out whole files in collection order, and the end-to-end files collect last: one process was left with
-# them for two minutes while the other had finished. Longest first evens the two out (a file not listed
-# keeps its place after these).
+# per file, on an AVX2-only Zen 3): only the order the files are handed to the two pytest processes depends on
+# it. `--dist loadfile` hands out whole files in collection order (the Makefile turns off xdist's own reordering
+# by test count, `--no-loadscope-reorder`, which put the few-test, long end-to-end files last: one process was
+# left with them while the other had finished). Longest first evens the two out (a file not listed keeps its
+# place after these).
 FILE_SECONDS = {
-    "tests/test_build_e2e.py": 260, "tests/backends/test_tvm_tuning.py": 150, "tests/backends/test_tvm_rpc.py": 140,
-    "tests/test_build_faults.py": 130, "tests/stages/test_tune_stage.py": 110, "tests/test_signing_e2e.py": 90,
-    "tests/ir/test_large_models.py": 75, "tests/test_selftest_e2e.py": 70, "tests/test_cpu_int8_e2e.py": 60,
-    "tests/runtime/test_inputs.py": 60, "tests/test_verify.py": 60, "tests/test_detector_e2e.py": 50,
-    "tests/test_eval_e2e.py": 50, "tests/runtime/test_install.py": 50, "tests/test_cpu_selection_e2e.py": 40,
-    "tests/test_prune_e2e.py": 40, "tests/backends/test_tvm.py": 40, "tests/test_zoo_sample.py": 230,
+    "tests/test_signing_e2e.py": 300, "tests/test_zoo_sample.py": 280, "tests/test_build_e2e.py": 230,
+    "tests/frontends/test_tensorflow.py": 190, "tests/test_cli.py": 110, "tests/backends/test_tvm_rpc.py": 100,
+    "tests/runtime/test_install.py": 90, "tests/test_verify.py": 90, "tests/test_prune_plan_e2e.py": 90,
+    "tests/backends/test_tflite.py": 80, "tests/backends/test_tvm.py": 70, "tests/test_interrupted_build.py": 70,
+    "tests/backends/test_tvm_tuning.py": 70, "tests/fuzz/test_fuzz.py": 70, "tests/test_build_faults.py": 60,
+    "tests/backends/test_tvm_sparse.py": 60, "tests/frontends/test_torch.py": 60, "tests/ir/test_large_models.py": 60,
+    "tests/test_cpu_int8_e2e.py": 50, "tests/stages/test_tune_stage.py": 50, "tests/test_detector_e2e.py": 50,
+    "tests/scheduling/test_selection.py": 50, "tests/test_prune_e2e.py": 50, "tests/frontends/test_fuzz.py": 40,
+    "tests/runtime/test_load_faults.py": 40, "tests/test_calibrate_cli.py": 40, "tests/test_api.py": 40,
+    "tests/test_own_tflite_e2e.py": 40,
 }
 
 
