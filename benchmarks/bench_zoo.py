@@ -15,8 +15,8 @@ GPU is present, else it is recorded as not run). Each cell records:
 - Edge TPU op and FLOP coverage before and after legalize; the plan's predicted latency and throughput against
   Coral's default partition, `--num_segments 2` and replication (arm_2tpu; simulated: no Edge TPU here);
 - agreement with the fp32 model: x86, the bundle run on this host against onnxruntime on the imported fp32
-  ONNX, on the 8 held-out samples (each output's cosine and largest error relative to its scale; top-1 where
-  the output is a classifier's); arm_2tpu, the build's own accuracy report (int8 against fp32 on samples it
+  ONNX (a full-int8 TFLite model: LiteRT on its file, its own int8 arithmetic), on the 8 held-out samples (each
+  output's cosine and largest error relative to its scale; top-1 where the output is a classifier's); arm_2tpu, the build's own accuracy report (int8 against fp32 on samples it
   held out of the calibration set, per output), and whether the target's accuracy gate passed.
 
 - x86: the bundle's time against onnxruntime, as benchmarks/bench_cpu.py times them (each alone in a fresh
@@ -232,21 +232,28 @@ def _reported_accuracy(records: dict) -> dict:
 
 
 def _x86_agreement(out: Path, held: Path) -> dict:
+    """The bundle against the model's own answer on the held-out samples: onnxruntime on the imported graph, or for
+    a quantized TFLite model (the import kept its file), LiteRT on the file: its int8 arithmetic is LiteRT's, and
+    onnxruntime's kernels for the converted QDQ graph round otherwise."""
     import numpy as np
     import onnxruntime as ort
 
     import edgesdk
+    from edgesdk.backends.tflite import own
 
     reference = ort.InferenceSession(str(out / ".build" / "1-import" / "model.onnx"), providers=["CPUExecutionProvider"],
                                      disabled_optimizers=WRONG_FUSIONS)  # the model's own answer
     names = [i.name for i in reference.get_inputs()]
+    output_names = [o.name for o in reference.get_outputs()]
+    source = out / ".build" / "1-import" / "source.tflite"
     got_all, want_all = {}, {}
     with edgesdk.Bundle.open(out / "bundle") as bundle:
         for f in sorted(held.glob("*.npz")):
             feed = dict(np.load(f))
             got = bundle.run({k: v for k, v in feed.items() if k in bundle.inputs})
-            want = dict(zip([o.name for o in reference.get_outputs()],
-                            reference.run(None, {k: v for k, v in feed.items() if k in names})))
+            given = {k: v for k, v in feed.items() if k in names}
+            litert = own.outputs(source, [given], output_names) if source.is_file() else None
+            want = litert[0] if litert else dict(zip(output_names, reference.run(None, given)))
             for k, w in want.items():
                 if k in got:
                     got_all.setdefault(k, []).append(np.asarray(got[k], np.float64).ravel())
@@ -259,7 +266,8 @@ def _x86_agreement(out: Path, held: Path) -> dict:
         if w.shape[1] > 1 and w.shape[1] <= 10000:
             o["top1"] = float(np.mean(g.argmax(1) == w.argmax(1)))
         outputs[k] = o
-    return {"samples": len(list(held.glob("*.npz"))), "outputs": outputs}
+    return {"samples": len(list(held.glob("*.npz"))), "outputs": outputs,
+            **({"reference": "LiteRT on the model's TFLite file"} if source.is_file() else {})}
 
 
 
@@ -477,7 +485,8 @@ NOTES = ["arm_2tpu: Edge TPU figures are the cost model's predictions (no Edge T
          "qemu-user",
          "rtx3090: the CUDA code is compiled here (no GPU); a bundle marked ✔ GPU passed its self-test on a GPU host "
          "(benchmarks/gpu/zoo_pack.py, zoo_selftest.sh), a plain ✔ passed `edgesdk verify` without its self-test",
-         "agreement: x86, the bundle against onnxruntime on the imported fp32 model; arm_2tpu, the build's own "
+         "agreement: x86, the bundle against onnxruntime on the imported fp32 model (a full-int8 TFLite: LiteRT on "
+         "its file, the model's own int8 arithmetic); arm_2tpu, the build's own "
          "int8-against-fp32 report on samples held out of the calibration set",
          "random weights: keras classifiers' softmax heads are scaled until fp32 is sure of most photo crops "
          "(zoo_models._sharpen): unscaled, every class is near 0.001 and the accuracy gate has nothing to judge "

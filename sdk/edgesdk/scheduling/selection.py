@@ -9,7 +9,8 @@ records, onnxruntime, LiteRT/XNNPACK fp32: the registry's `cpu_candidates`) amon
 allows. Per span, `select` reads: candidates, check, time, choose, re-plan. Each candidate is made a
 bundle of its own (`build`: its segments compiled by their backends, its parallel steps) and run by the
 runtime's executor, as a device runs it (a runner, `edgesdk.timing`); checked against onnxruntime on the float model (`TOLERANCE`
-of each output's scale; a candidate that fails is skipped, with why); and timed: `ROUNDS` measurements
+of each output's scale; a candidate that fails is skipped, with why; a quantized TFLite model whose whole graph is
+one span is checked and gated against LiteRT on its own file instead, which is a candidate too, `OWN`); and timed: `ROUNDS` measurements
 of each, the candidates in turn, each measurement a fresh process that loads the candidate alone
 (`timing.FreshProcess`: no other runtime's threads spin on the cores, as on a device) and times `RUNS`
 inferences after `WARMUP`: the median of them all decides.
