@@ -83,13 +83,13 @@ demo: prepare
 # pytest exits 5 when it collected nothing: that is not a failure of the code
 test: prepare
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # the quick loop while developing: the tests that build no whole model, run nothing under qemu and tune
 # nothing (pytest -m "not slow"; conftest.py marks what is slow), in under five minutes on 2 cores
 test-fast: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
 # the fuzz suite's full run: over 10,000 hostile inputs, every loader; figures in benchmarks/results/fuzz.json
 fuzz: setup

@@ -37,10 +37,10 @@ _private_temporary_directory()
 
 # About how long each of the slowest test files takes, in seconds on 2 cores (a full run's durations summed
 # per file, on an AVX2-only Zen 3): only the order the files are handed to the two pytest processes depends on
-# it. `--dist loadfile` hands out whole files in collection order (the Makefile turns off xdist's own reordering
-# by test count, `--no-loadscope-reorder`, which put the few-test, long end-to-end files last: one process was
-# left with them while the other had finished). Longest first evens the two out (a file not listed keeps its
-# place after these).
+# it. `--dist loadfile` hands out whole files, and pytest-xdist 3.8 first sorts them by their number of tests
+# (its default `--loadscope-reorder`), so this order decides among files with as many tests. Handing out the
+# longest first (`--no-loadscope-reorder`) measured no faster on a 2-core Zen 3: 28:06 for `make test` against
+# 26:19 before, within the host's own spread between runs, both processes contending for the cores throughout.
 FILE_SECONDS = {
     "tests/test_signing_e2e.py": 300, "tests/test_zoo_sample.py": 280, "tests/test_build_e2e.py": 230,
     "tests/frontends/test_tensorflow.py": 190, "tests/test_cli.py": 110, "tests/backends/test_tvm_rpc.py": 100,
