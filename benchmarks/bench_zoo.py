@@ -16,8 +16,9 @@ GPU is present, else it is recorded as not run). Each cell records:
   Coral's default partition, `--num_segments 2` and replication (arm_2tpu; simulated: no Edge TPU here);
 - agreement with the fp32 model: x86, the bundle run on this host against onnxruntime on the imported fp32
   ONNX (a full-int8 TFLite model: LiteRT on its file, its own int8 arithmetic), on the 8 held-out samples (each
-  output's cosine and largest error relative to its scale; top-1 where the output is a classifier's); arm_2tpu, the build's own accuracy report (int8 against fp32 on samples it
-  held out of the calibration set, per output), and whether the target's accuracy gate passed.
+  output's cosine and largest error relative to its scale; top-1 where the output is a classifier's); arm_2tpu,
+  the build's own accuracy report (int8 against fp32 on samples it held out of the calibration set, per output),
+  and whether the target's accuracy gate passed.
 
 - x86: the bundle's time against onnxruntime, as benchmarks/bench_cpu.py times them (each alone in a fresh
   process, in turn, 3 rounds of 20 inferences after 5, or of as many as take 0.5 s after 0.2 s for a faster

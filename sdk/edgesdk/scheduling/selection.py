@@ -1153,9 +1153,10 @@ class _Own:
         grids = own_tflite.output_grids(path)
         h = hashlib.sha256(file_sha256(path).encode())
         for sample, out in zip(held, gated):
-            for name in sorted({**sample, **out}):
+            both = {**sample, **out}
+            for name in sorted(both):
                 h.update(name.encode())
-                h.update(np.ascontiguousarray({**sample, **out}[name]).tobytes())
+                h.update(np.ascontiguousarray(both[name]).tobytes())
         log(f"tune: the model's own TFLite file is the reference: its span's candidates are checked against LiteRT "
             f"on it, and gated against it on {len(held)} held-out sample(s)")
         return _Own(path, [{**v, **o} for v, o in zip(values, checked)],
