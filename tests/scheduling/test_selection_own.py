@@ -109,12 +109,14 @@ def test_the_whole_model_span_ships_the_file_as_given_where_it_is_fastest(quanti
 
 
 def test_another_candidate_that_answers_as_the_file_does_ships_where_it_is_faster(quantized, tmp_path):
-    """onnxruntime on this small net's QDQ graph rounds as LiteRT does: held to the file, it passes, and it wins."""
+    """onnxruntime on this small net's QDQ graph rounds as LiteRT does (here, bit for bit; another CPU's int8
+    kernels may move a step): held to the file, it passes the gate, and it wins."""
     source, model = quantized
     got = _select(source, model, tmp_path, _timer({"planned": 1.0, "litert-own": 3.0}))
     (span,) = got.record["spans"]
     assert span["chosen"] == "planned", span
-    assert span["candidates"]["planned"]["gate"] == {"cosine": pytest.approx(1.0, abs=1e-6), "top1": 1.0, "samples": 3}
+    gate = span["candidates"]["planned"]["gate"]
+    assert gate["cosine"] >= selection.GATE_COSINE and gate["top1"] >= selection.GATE_TOP1 and gate["samples"] == 3
     assert got.plan.segments[0].backend == "onnxruntime"
 
 
